@@ -1,0 +1,1 @@
+"""Data with sources: model architectures (HF config.json values), GPUs, interconnects."""
