@@ -20,27 +20,51 @@ app = typer.Typer(
 )
 
 
-# --- subcommands register below; each keeps to a few lines and calls into its module ---------
+@app.callback()
+def _root() -> None:
+    """Plan, run, launch and verify sharded (FSDP2 / ZeRO) fine-tuning of LLMs."""
+
+
+@app.command()
+def version() -> None:
+    """Print shardtune's version."""
+    from shardtune import __version__
+
+    print(__version__)
+
+
+# Each area registers its own subcommands (kept in <area>/commands.py, importing no torch at
+# module level). Add a module here when an area gains a command.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def _register_commands() -> None:
+    import importlib
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(app)
+
+
+_register_commands()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: a UserError or a usage error is one line on stderr and exit code 2."""
-    import click
-
     try:
-        app(args=argv, standalone_mode=False)
+        rv = app(args=argv, standalone_mode=False)
     except UserError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
-    except click.exceptions.Abort:
+    except typer.Abort:
         print("shardtune: aborted", file=sys.stderr)
         return 130
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         return e.exit_code
-    except click.ClickException as e:  # usage errors: unknown option, missing argument, bad value
-        print(f"shardtune: error: {e.format_message()}", file=sys.stderr)
+    except typer.TyperException as e:  # usage errors: unknown option, missing argument, bad value
+        msg = e.format_message() if hasattr(e, "format_message") else str(e)
+        print(f"shardtune: error: {' '.join(msg.split())}", file=sys.stderr)
         return 2
-    return 0
+    return rv if isinstance(rv, int) else 0
 
 
 def console() -> None:

@@ -1,0 +1,193 @@
+"""Typed run config: YAML recipe + `key.path=value` overrides → validated `RunConfig`.
+
+Each section is a small pydantic model; functions take the narrowest section they need
+(`apply_parallelism(model, cfg.parallel, mesh)`), never the whole config. Imports no torch, so
+`shardtune train` validates a recipe before any process starts.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from shardtune.errors import UserError
+from shardtune.strategies import (
+    normalize_ac,
+    normalize_offload,
+    normalize_precision,
+    normalize_strategy,
+)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = Field("tiny-llama", description="Catalogue name (e.g. llama-3-8b, tiny-llama) or a local HF model folder.")
+    init: Literal["auto", "random", "pretrained"] = Field(
+        "auto",
+        description="auto: load safetensors weights when `name` is a folder that has them, else seeded random init.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model folder. Off unless you ask.")
+
+
+class DataConfig(_Section):
+    path: Optional[str] = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None: the built-in generated dataset.")
+    tokenizer: Literal["auto", "byte"] = Field("auto", description="auto: the model folder's tokenizer if it has one, else the built-in byte-level tokenizer.")
+    packing: bool = Field(True, description="Pack examples into seq_len rows (position ids restart per document).")
+    generated_examples: int = Field(4000, ge=1, description="Size of the built-in generated dataset.")
+
+
+class ParallelConfig(_Section):
+    strategy: str = Field("zero3", description="ddp | zero1 | zero2 | zero3 | hsdp (FSDP1 names FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD accepted).")
+    hsdp_shard_size: Optional[int] = Field(None, ge=1, description="hsdp: ranks per shard group (must divide the world size). None: processes per node.")
+    precision: str = Field("bf16-mixed", description="bf16-mixed (bf16 compute, fp32 master weights and gradient reduction) | bf16 | fp32.")
+    activation_checkpointing: str = Field("none", description="none | full (every decoder layer) | selective (every `ac_every`-th layer).")
+    ac_every: int = Field(2, ge=1, description="selective AC: checkpoint every k-th decoder layer.")
+    offload: str = Field("none", description="none | all (FSDP2 CPUOffloadPolicy: params, grads and optimizer on CPU; FSDP strategies only).")
+
+    _norm = field_validator("strategy")(lambda v: normalize_strategy(v))
+    _prec = field_validator("precision")(lambda v: normalize_precision(v))
+    _ac = field_validator("activation_checkpointing")(lambda v: normalize_ac(v))
+    _off = field_validator("offload")(lambda v: normalize_offload(v))
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.offload == "optimizer":
+            raise ValueError("offload 'optimizer' is a planner-only mode (DeepSpeed's); the trainer offers offload 'all' (FSDP2 CPUOffloadPolicy)")
+        if self.offload == "all" and self.strategy not in ("zero2", "zero3", "hsdp"):
+            raise ValueError(f"offload 'all' needs an FSDP strategy (zero2, zero3, hsdp), not {self.strategy!r}")
+        return self
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = Field((0.9, 0.95))
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no clipping).")
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of `lr`.")
+
+
+class TrainConfig(_Section):
+    micro_batch: int = Field(4, ge=1, description="Sequences per rank per forward/backward.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step. Global batch = micro_batch × grad_accum × data-parallel ranks.")
+    seq_len: int = Field(128, ge=2, description="Tokens per sequence.")
+    max_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; None: derived from `epochs`.")
+    epochs: float = Field(1.0, gt=0, description="Used when max_steps is None.")
+    seed: int = Field(0, description="Seeds init, data order and dropout.")
+    log_every: int = Field(1, ge=1, description="Write metrics every k optimizer steps.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with CUDA, else gloo.")
+    timeout_s: float = Field(600.0, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails instead of hanging.")
+    gpu: str = Field("h100-80gb", description="GPU catalogue name for MFU and the plan (ignored for the device itself).")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="Save every N optimizer steps (0: only at the end).")
+    keep: int = Field(2, ge=1, description="Keep the newest K complete checkpoints.")
+    resume: str = Field("auto", description="auto (newest complete checkpoint in the run folder) | never | a checkpoint path.")
+    export_hf: bool = Field(False, description="Export a Hugging Face folder at the end of training.")
+    save_final: bool = Field(True, description="Save a checkpoint after the last step.")
+
+
+class RunConfig(_Section):
+    name: str = Field("run", description="Run name; the run folder defaults to runs/<name>.")
+    output_dir: Optional[str] = Field(None, description="Run folder (default runs/<name>).")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir or os.path.join("runs", self.name))
+
+
+def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _all_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _unknown_key_message(key: str) -> str:
+    keys = _all_keys(RunConfig)
+    leaf = key.rsplit(".", 1)[-1]
+    # the right name in the wrong section first (`train.lr` → `optim.lr`), then a near spelling
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1] or difflib.get_close_matches(
+        key, keys, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown recipe key {key!r}{hint}"
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (3e-4, true, [1,2])."""
+    if "=" not in item:
+        raise UserError(f"override {item!r} is not key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise UserError(_unknown_key_message(key))
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        node[parts[-1]] = raw
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return _unknown_key_message(loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"recipe key {loc!r}: {msg}" if loc else f"recipe: {msg}"
+
+
+def build_config(data: dict) -> RunConfig:
+    """Validate a recipe dict; a bad value is a one-line UserError naming the key."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_format_validation_error(e)) from None
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML recipe (None: all defaults), apply `key.path=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"recipe {str(path)!r} does not exist; give a YAML recipe such as recipes/tiny-cpu.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"recipe {str(path)!r} must be a YAML mapping of sections")
+        data.setdefault("name", p.stem)
+    for item in overrides:
+        apply_override(data, item)
+    return build_config(data)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (written to the run folder)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
