@@ -1,5 +1,8 @@
 # The two commands of the README. Both create .venv if missing and install the project.
 PY ?= python3
+# The CPU wheel of torch 2.13.0 lies on this project's machines' disk; an unpinned `torch` would pull
+# a multi-GB CUDA build. On a GPU machine: `make install TORCH=torch==2.x.y` (or a CUDA index URL).
+TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -9,8 +12,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	# CPU wheel on disk here; an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
