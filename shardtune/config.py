@@ -37,11 +37,14 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: Optional[str] = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None: the built-in generated dataset.")
-    tokenizer: Literal["auto", "byte"] = Field("auto", description="auto: the model folder's tokenizer if it has one, else the built-in byte-level tokenizer.")
-    packing: bool = Field(True, description="Pack examples into seq_len rows (position ids restart per document).")
+    path: Optional[str] = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None or 'generated': the built-in generated dataset (shardtune/train/datagen.py).")
+    format: Literal["auto", "text", "prompt_response", "chat"] = Field("auto", description="auto: each line's keys decide (messages → chat, prompt+response → prompt_response, text → text); otherwise every line must have that format.")
+    tokenizer: Literal["auto", "byte", "hf"] = Field("auto", description="auto: the model folder's tokenizer if it has one, else the built-in byte-level tokenizer; byte: always bytes; hf: the folder's tokenizer or an error.")
+    template: Literal["auto", "chat", "plain"] = Field("auto", description="How prompt/response and chat examples become text. auto: the tokenizer's chat template if it has one, else plain; plain: bos+prompt+response+eos, chat turns as '<|role|>\\n' + content.")
+    packing: bool = Field(True, description="Pack several examples into each seq_len row (position ids restart per example; no attention across examples, see train/data.py). False: one example per row, padded.")
+    shuffle: bool = Field(True, description="Shuffle the rows each epoch (seeded by train.seed).")
     generated_examples: int = Field(4000, ge=1, description="Size of the built-in generated dataset.")
-
+    generated_seed: int = Field(1234, description="Seed of the built-in generated dataset (independent of train.seed, so runs with different seeds see the same data).")
 
 class ParallelConfig(_Section):
     strategy: str = Field("zero3", description="ddp | zero1 | zero2 | zero3 | hsdp (FSDP1 names FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD accepted).")

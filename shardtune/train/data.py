@@ -1,0 +1,316 @@
+"""Instruction data → packed, sharded micro-batches with a resumable position.
+
+Micro-batch contract (what `train/step.py` consumes), each a (B, T) torch.long tensor,
+B = train.micro_batch, T = train.seq_len:
+  input_ids     token ids; padding is `tokenizer.pad_id`.
+  labels        ALREADY SHIFTED: labels[b, t] is the token to predict at position t (the next
+                token of the same example), or -100 where there is no loss (prompt / user turns,
+                padding, and the last token of every example, so that labels never cross
+                examples). Loss = cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                ignore_index=-100, reduction="sum") / (number of labels != -100 over all
+                micro-batches and ranks of the step). Do NOT pass these to an HF model as
+                `labels=` (it would shift them a second time); HF's `shift_labels=` takes them.
+  position_ids  0, 1, 2, ... restarting at every example (and for the padding tail).
+
+Cross-example attention: call the model with `attention_mask=None`, `position_ids=` the above and
+`use_cache=False`. transformers 5.x then detects packing from the position-id restarts
+(`masking_utils.find_packed_sequence_indices`) and builds a block-diagonal causal mask for sdpa
+and eager attention, so an example never attends to the one packed before it. Checked in
+tests/unit/test_data.py: the loss of a packed row equals the losses of its examples run alone.
+Passing an `attention_mask` switches that detection off (and attention would leak).
+
+Sharding and order (world-size independent): the dataset is tokenized, then packed once into R
+rows (next-fit in a seeded example order; an example longer than T is truncated, one with no
+target token left is dropped). The loader reads an endless stream of rows: epoch e is the rows
+in a permutation seeded by (seed, e). Every micro-batch consumes the next B·D stream rows
+(D = data-parallel size); rank r takes rows [r·B, (r+1)·B) of them. So one optimizer step of
+A micro-batches covers the same A·B·D rows for any split of that product into ranks, micro-batch
+and accumulation (N ranks × b = 1 rank × N·b; 2 × b accumulated = 1 × 2b), which the loss-parity
+tests rely on. The position is the global row counter, kept as (epoch, index) by
+`state_dict()`; resuming, even at another world size, continues the same stream.
+
+Reading and validating a dataset (`check_dataset`) imports no torch, so the CLI can do it before
+any process starts.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from shardtune.errors import UserError
+from shardtune.train.tokenizer import load_tokenizer
+
+IGNORE_INDEX = -100
+GENERATED = "generated"
+FORMATS = ("text", "prompt_response", "chat")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+# ---------------------------------------------------------------- reading and validation
+def _line_format(obj, lineno: int, where: str, want: str) -> str:
+    if not isinstance(obj, dict):
+        raise UserError(f"{where} line {lineno}: expected a JSON object, got {type(obj).__name__}; each line must be an object with 'text', 'prompt'+'response' or 'messages'")
+    if "messages" in obj:
+        fmt = "chat"
+    elif "prompt" in obj and ("response" in obj or "completion" in obj):
+        fmt = "prompt_response"
+    elif "text" in obj:
+        fmt = "text"
+    else:
+        raise UserError(f"{where} line {lineno}: unknown format (keys {sorted(obj)[:5]}); give 'text', 'prompt'+'response' or 'messages'")
+    if want != "auto" and fmt != want:
+        raise UserError(f"{where} line {lineno}: is {fmt!r} but data.format={want}; fix the line or set data.format=auto")
+    if fmt == "chat":
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{where} line {lineno}: 'messages' must be a non-empty list of {{role, content}}")
+        for m in msgs:
+            if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
+                raise UserError(f"{where} line {lineno}: each message needs a 'role' ({', '.join(ROLES)}) and a string 'content'")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise UserError(f"{where} line {lineno}: chat example has no assistant turn, so nothing to learn; add one")
+    else:
+        keys = ("text",) if fmt == "text" else ("prompt", "response" if "response" in obj else "completion")
+        for k in keys:
+            if not isinstance(obj[k], str):
+                raise UserError(f"{where} line {lineno}: {k!r} must be a string")
+    return fmt
+
+
+def _normalize(obj: dict, fmt: str) -> dict:
+    if fmt == "chat":
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]}
+    if fmt == "prompt_response":
+        return {"prompt": obj["prompt"], "response": obj.get("response", obj.get("completion"))}
+    return {"text": obj["text"]}
+
+
+def read_records(data_cfg) -> list[dict]:
+    """The dataset's examples as dicts with `text`, or `prompt`+`response`, or `messages`.
+
+    `data_cfg.path` None or 'generated' gives the built-in generated dataset. A missing or empty
+    file, a line that is not a JSON object of a known format, names the file and line number.
+    """
+    if data_cfg.path in (None, GENERATED):
+        from shardtune.train.datagen import generate_examples
+
+        return generate_examples(data_cfg.generated_examples, data_cfg.generated_seed)
+    path = Path(data_cfg.path).expanduser()
+    where = repr(str(data_cfg.path))
+    if not path.exists():
+        raise UserError(f"dataset {where} does not exist; set data.path to a JSONL file (or leave it empty for the built-in generated dataset)")
+    if path.is_dir():
+        raise UserError(f"dataset {where} is a folder; set data.path to a JSONL file")
+    if path.suffix.lower() not in (".jsonl", ".json", ".ndjson", ""):
+        raise UserError(f"dataset {where}: unsupported format {path.suffix!r}; give JSON Lines (.jsonl), one example per line")
+    records = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"dataset {where} line {lineno}: malformed JSON ({e.msg} at column {e.colno}); fix or remove the line") from None
+                records.append(_normalize(obj, _line_format(obj, lineno, f"dataset {where}", data_cfg.format)))
+    except UnicodeDecodeError as e:
+        raise UserError(f"dataset {where} is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 JSONL file") from None
+    except OSError as e:
+        raise UserError(f"dataset {where} cannot be read: {e.strerror}") from None
+    if not records:
+        raise UserError(f"dataset {where} is empty; give a JSONL file with at least one example")
+    return records
+
+
+def check_dataset(data_cfg) -> int:
+    """Validate the dataset (no torch, no tokenizer); returns the number of examples."""
+    return len(read_records(data_cfg))
+
+
+# ---------------------------------------------------------------- tokenization
+def build_tokenizer(data_cfg, model_name: str, trust_remote_code: bool = False):
+    """The model folder's tokenizer (`data.tokenizer` auto/hf, local files only) or the byte one."""
+    return load_tokenizer(data_cfg.tokenizer, model_name, trust_remote_code)
+
+
+def encode_example(record: dict, tokenizer, template: str = "auto") -> tuple[list[int], list[bool]]:
+    """(ids, is_target) of one example: is_target[i] says token i is predicted (gets a loss).
+
+    text: bos + text + eos, every token after the first is a target.
+    prompt_response: the tokenizer's chat template over [user: prompt, assistant: response] when
+    template is chat (or auto and the tokenizer has one); else plain: bos + prompt + response +
+    eos with the response and eos as targets (the prompt carries its own separator).
+    chat: the chat template, or the plain chat template (tokenizer.py); assistant turns are targets.
+    """
+    use_chat = template == "chat" or (template == "auto" and tokenizer.chat_template)
+    if template == "chat" and not tokenizer.chat_template:
+        raise UserError("data.template=chat but the tokenizer has no chat template; set data.template=auto or plain")
+    if "text" in record:
+        ids = tokenizer.bos_prefix() + tokenizer.encode(record["text"]) + [tokenizer.eos_id]
+        return ids, [False] + [True] * (len(ids) - 1)
+    if "prompt" in record and not use_chat:
+        segs = [(tokenizer.bos_prefix() + tokenizer.encode(record["prompt"]), False),
+                (tokenizer.encode(record["response"]) + [tokenizer.eos_id], True)]
+    else:
+        msgs = record.get("messages") or [{"role": "user", "content": record["prompt"]},
+                                          {"role": "assistant", "content": record["response"]}]
+        segs = tokenizer.render_chat(msgs) if use_chat else _plain_chat(tokenizer, msgs)
+    ids = [i for seg, _ in segs for i in seg]
+    mask = [t for seg, t in segs for _ in seg]
+    return ids, mask
+
+
+def _plain_chat(tokenizer, msgs):
+    from shardtune.train.tokenizer import render_plain_chat
+
+    return render_plain_chat(tokenizer, msgs)
+
+
+# ---------------------------------------------------------------- packing
+@dataclass
+class PackedData:
+    """Tokenized examples (flat) and the rows that pack them. Rows are lists of example ids."""
+
+    tokens: list[int]
+    targets: list[bool]
+    offsets: list[int]          # example k is tokens[offsets[k]:offsets[k+1]]
+    rows: list[list[int]]
+    seq_len: int
+    num_truncated: int
+    num_dropped: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_target_tokens(self) -> int:
+        return sum(self.targets)  # upper bound: a target first in its example gets no label
+
+
+def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, packing: bool, seed: int) -> PackedData:
+    """Truncate to seq_len, drop examples without a target, pack next-fit in a seeded order."""
+    import torch
+
+    tokens, targets, offsets = [], [], [0]
+    truncated = dropped = 0
+    lengths = []
+    for ids, mask in encoded:
+        if len(ids) > seq_len:
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            truncated += 1
+        if not any(mask[1:]):  # position 0 has nothing before it to predict from
+            dropped += 1
+            continue
+        tokens += ids
+        targets += mask
+        offsets.append(len(tokens))
+        lengths.append(len(ids))
+    if not lengths:
+        raise UserError(f"no example has a target token within seq_len={seq_len} (all {dropped} too long or without response); raise train.seq_len or check the data")
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows: list[list[int]] = []
+    fill = seq_len
+    for k in order:
+        if packing and fill + lengths[k] <= seq_len:
+            rows[-1].append(k)
+            fill += lengths[k]
+        else:
+            rows.append([k])
+            fill = lengths[k]
+    return PackedData(tokens, targets, offsets, rows, seq_len, truncated, dropped)
+
+
+def build_row(data: PackedData, row: list[int], pad_id: int) -> tuple[list[int], list[int], list[int]]:
+    """(input_ids, labels, position_ids) of one row, each seq_len long (labels already shifted)."""
+    ids, labels, pos = [], [], []
+    for k in row:
+        a, b = data.offsets[k], data.offsets[k + 1]
+        ex, tg = data.tokens[a:b], data.targets[a:b]
+        ids += ex
+        labels += [ex[i + 1] if tg[i + 1] else IGNORE_INDEX for i in range(len(ex) - 1)] + [IGNORE_INDEX]
+        pos += range(len(ex))
+    pad = data.seq_len - len(ids)
+    return ids + [pad_id] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad))
+
+
+# ---------------------------------------------------------------- the loader
+class PackedLoader:
+    """Endless iterator of this rank's micro-batches; `state_dict()` is the stream position.
+
+    `next(loader)` returns {"input_ids", "labels", "position_ids"}: (micro_batch, seq_len) long.
+    Attributes: `num_rows` (rows per epoch), `rows_per_micro_batch` (B·D, global),
+    `stats` (examples, truncated, dropped, rows, fill ratio) for the trainer to print.
+    """
+
+    def __init__(self, data: PackedData, micro_batch: int, dp_rank: int, dp_size: int, seed: int,
+                 shuffle: bool, pad_id: int):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
+        self.data, self.micro_batch, self.dp_rank, self.dp_size = data, micro_batch, dp_rank, dp_size
+        self.seed, self.shuffle, self.pad_id = seed, shuffle, pad_id
+        self.num_rows = data.num_rows
+        self.rows_per_micro_batch = micro_batch * dp_size
+        self.position = 0  # global stream row of the next micro-batch
+        self._perm_epoch, self._perm = -1, None
+        used = sum(data.offsets[k + 1] - data.offsets[k] for r in data.rows for k in r)
+        self.stats = {"examples": len(data.offsets) - 1, "truncated": data.num_truncated,
+                      "dropped": data.num_dropped, "rows": data.num_rows,
+                      "fill": used / (data.num_rows * data.seq_len)}
+
+    def _row_at(self, g: int) -> list[int]:
+        import torch
+
+        epoch, index = divmod(g, self.num_rows)
+        if not self.shuffle:
+            return self.data.rows[index]
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
+            self._perm, self._perm_epoch = torch.randperm(self.num_rows, generator=gen).tolist(), epoch
+        return self.data.rows[self._perm[index]]
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        import torch
+
+        start = self.position + self.dp_rank * self.micro_batch
+        rows = [build_row(self.data, self._row_at(g), self.pad_id) for g in range(start, start + self.micro_batch)]
+        self.position += self.rows_per_micro_batch
+        return {key: torch.tensor([r[i] for r in rows], dtype=torch.long)
+                for i, key in enumerate(("input_ids", "labels", "position_ids"))}
+
+    def state_dict(self) -> dict:
+        epoch, index = divmod(self.position, self.num_rows)
+        return {"epoch": epoch, "index": index, "num_rows": self.num_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_rows") != self.num_rows:
+            raise UserError(f"the checkpoint's data had {state.get('num_rows')} rows, this data has {self.num_rows}; resume with the same data, seq_len and tokenizer (or checkpoint.resume=never)")
+        self.position = int(state["epoch"]) * self.num_rows + int(state["index"])
+
+
+def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
+    """Read, tokenize and pack the whole dataset (every rank does the same, deterministically)."""
+    encoded = [encode_example(r, tokenizer, data_cfg.template) for r in read_records(data_cfg)]
+    return pack_examples(encoded, seq_len, data_cfg.packing, seed)
+
+
+def build_dataloader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, seed: int) -> PackedLoader:
+    """This data-parallel rank's loader (see the module docstring for the order guarantee)."""
+    data = build_dataset(data_cfg, train_cfg.seq_len, tokenizer, seed)
+    return PackedLoader(data, train_cfg.micro_batch, dp_rank, dp_size, seed, data_cfg.shuffle, tokenizer.pad_id)
+
+
+def steps_for_epochs(num_rows: int, epochs: float, rows_per_step: int) -> int:
+    """Optimizer steps that cover `epochs` passes over `num_rows` rows (rounded up, at least 1).
+
+    rows_per_step = micro_batch × grad_accum × data-parallel size.
+    """
+    import math
+
+    return max(1, math.ceil(epochs * num_rows / rows_per_step))
