@@ -41,6 +41,75 @@ MODELS: dict[str, dict] = {
 }
 
 
+def _hf(repo: str) -> str:
+    return f"https://huggingface.co/{repo}/blob/main/config.json"
+
+
+def _llama(hidden, inter, layers, heads, kv, vocab, max_pos, rope_theta, **extra) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
+        "max_position_embeddings": max_pos, "rms_norm_eps": 1e-5, "rope_theta": rope_theta,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA2 = {"bos_token_id": 1, "eos_token_id": 2}
+_LLAMA3 = {"bos_token_id": 128000, "eos_token_id": 128001}
+
+# The architecture values of each config.json (tokenizer ids and dtype hints kept where they
+# matter for building the model; nothing here affects counts but the shapes).
+MODELS.update({
+    "llama-2-7b": {"source": _hf("meta-llama/Llama-2-7b-hf"),
+                   "config": _llama(4096, 11008, 32, 32, 32, 32000, 4096, 10000.0, **_LLAMA2)},
+    "llama-2-13b": {"source": _hf("meta-llama/Llama-2-13b-hf"),
+                    "config": _llama(5120, 13824, 40, 40, 40, 32000, 4096, 10000.0, **_LLAMA2)},
+    "llama-2-70b": {"source": _hf("meta-llama/Llama-2-70b-hf"),
+                    "config": _llama(8192, 28672, 80, 64, 8, 32000, 4096, 10000.0, **_LLAMA2)},
+    "llama-3-8b": {"source": _hf("meta-llama/Meta-Llama-3-8B"),
+                   "config": _llama(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, **_LLAMA3)},
+    "llama-3-70b": {"source": _hf("meta-llama/Meta-Llama-3-70B"),
+                    "config": _llama(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0, **_LLAMA3)},
+    # Llama 3.1 70B: the same architecture as Llama 3 70B (same parameter count), longer RoPE.
+    "llama-3.1-70b": {"source": _hf("meta-llama/Llama-3.1-70B"),
+                      "config": _llama(8192, 28672, 80, 64, 8, 128256, 131072, 500000.0,
+                                       rope_scaling=dict(_LLAMA3_ROPE), **_LLAMA3)},
+    "llama-3.1-405b": {"source": _hf("meta-llama/Llama-3.1-405B"),
+                       "config": _llama(16384, 53248, 126, 128, 8, 128256, 131072, 500000.0,
+                                        rope_scaling=dict(_LLAMA3_ROPE), **_LLAMA3)},
+    "mistral-7b": {"source": _hf("mistralai/Mistral-7B-v0.1"),
+                   "config": _llama(4096, 14336, 32, 32, 8, 32000, 32768, 10000.0,
+                                    architectures=["MistralForCausalLM"], model_type="mistral",
+                                    sliding_window=4096, bos_token_id=1, eos_token_id=2)},
+    "mixtral-8x7b": {"source": _hf("mistralai/Mixtral-8x7B-v0.1"),
+                     "config": _llama(4096, 14336, 32, 32, 8, 32000, 32768, 1000000.0,
+                                      architectures=["MixtralForCausalLM"], model_type="mixtral",
+                                      num_local_experts=8, num_experts_per_tok=2,
+                                      router_aux_loss_coef=0.02, sliding_window=None,
+                                      bos_token_id=1, eos_token_id=2)},
+    # Qwen2: q/k/v projections carry a bias (transformers' Qwen2Attention), o_proj does not.
+    "qwen2.5-7b": {"source": _hf("Qwen/Qwen2.5-7B"),
+                   "config": _llama(3584, 18944, 28, 28, 4, 152064, 131072, 1000000.0,
+                                    architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                    rms_norm_eps=1e-6, sliding_window=131072, use_sliding_window=False,
+                                    max_window_layers=28, bos_token_id=151643, eos_token_id=151643)},
+    "qwen2.5-72b": {"source": _hf("Qwen/Qwen2.5-72B"),
+                    "config": _llama(8192, 29568, 80, 64, 8, 152064, 131072, 1000000.0,
+                                     architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                     rms_norm_eps=1e-5, sliding_window=131072, use_sliding_window=False,
+                                     max_window_layers=80, bos_token_id=151643, eos_token_id=151643)},
+})
+for _cfg in (MODELS["mistral-7b"]["config"], MODELS["mixtral-8x7b"]["config"],
+             MODELS["qwen2.5-7b"]["config"], MODELS["qwen2.5-72b"]["config"]):
+    # These config.json files carry no attention_bias / mlp_bias keys (Llama-only options).
+    _cfg.pop("attention_bias"), _cfg.pop("mlp_bias")
+
+
 def resolve_model_config(spec: str) -> dict:
     """HF config dict for a catalogue name, a config.json file, or a model folder holding one."""
     if spec in MODELS:
