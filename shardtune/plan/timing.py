@@ -1,0 +1,234 @@
+"""Communication and step time: ring costs, α-β model, hierarchical clusters, FSDP overlap.
+
+Pure Python, imports no torch. Sizes follow nccl-tests (doc/PERFORMANCE.md): `size_bytes` is the
+whole buffer — the all-reduce buffer, the all-gather output, the reduce-scatter input. Per rank a
+ring moves (NVIDIA nccl-tests PERFORMANCE.md; Patarasuk & Yuan 2009):
+  all-reduce      2(n−1)/n · S in 2(n−1) steps
+  all-gather      (n−1)/n · S  in n−1 steps
+  reduce-scatter  (n−1)/n · S  in n−1 steps
+  broadcast       S            in n−1 pipelined steps (nccl-tests: busbw = algbw)
+and busbw = algbw × that factor, so time = steps·α + factor·S / busbw (the α-β model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """nccl-tests' busbw / algbw factor for a collective over n ranks (PERFORMANCE.md)."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    if kind == "broadcast":
+        return 1.0
+    raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Latency-bound steps of the ring algorithm (each costs α)."""
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+def ring_bytes_per_rank(kind: str, size_bytes: float, n: int) -> float:
+    """Bytes each rank sends: bus_factor × S (e.g. 2(n−1)/n·S for all-reduce)."""
+    return bus_factor(kind, n) * size_bytes
+
+
+def collective_time_s(kind: str, size_bytes: float, n: int, busbw_bytes_per_s: float, alpha_s: float) -> float:
+    """α-β ring time: steps·α + factor·S / busbw; 0 for a group of one."""
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    return ring_steps(kind, n) * alpha_s + ring_bytes_per_rank(kind, size_bytes, n) / busbw_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Link:
+    """Achieved bus bandwidth and per-step latency of one path, per collective kind if measured."""
+
+    busbw_bytes_per_s: float
+    alpha_s: float
+    name: str = ""
+    per_kind: dict = field(default_factory=dict)  # kind → (busbw_bytes_per_s, alpha_s) from a profile
+
+    def for_kind(self, kind: str) -> tuple[float, float]:
+        return self.per_kind.get(kind, (self.busbw_bytes_per_s, self.alpha_s))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """num_nodes × gpus_per_node GPUs; `intra` per GPU inside a node, `inter` the node's NICs together."""
+
+    num_nodes: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+def group_time_s(kind: str, size_bytes: float, group_size: int, ranks_per_node: int,
+                 groups_per_node: int, cluster: Cluster) -> float:
+    """Time of one collective over a group laid out on a hierarchical cluster.
+
+    A group inside one node (`ranks_per_node == group_size`) uses the intra-node link. A group
+    spanning nodes runs one ring through all its ranks; each node's outbound inter-node traffic
+    per ring is the same factor·S as one rank's (NCCL spreads its rings over the NICs), so the
+    ring's busbw is min(intra busbw, the node's NIC bandwidth ÷ `groups_per_node`, the number of
+    such groups using those NICs at the same time — e.g. HSDP's replica groups, one per local
+    rank). The latency per step is the slower link's.
+    """
+    if group_size <= 1:
+        return 0.0
+    if ranks_per_node >= group_size or cluster.num_nodes <= 1:
+        bw, alpha = cluster.intra.for_kind(kind)
+        return collective_time_s(kind, size_bytes, group_size, bw, alpha)
+    inter_bw, inter_alpha = cluster.inter.for_kind(kind)
+    bw = inter_bw / max(1, groups_per_node)
+    if ranks_per_node > 1:
+        intra_bw, intra_alpha = cluster.intra.for_kind(kind)
+        bw, inter_alpha = min(bw, intra_bw), max(inter_alpha, intra_alpha)
+    return collective_time_s(kind, size_bytes, group_size, bw, inter_alpha)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group's shape on the cluster: size, its ranks per node, groups sharing a node."""
+
+    size: int
+    ranks_per_node: int
+    groups_per_node: int
+
+
+def mesh_groups(cluster: Cluster, shard_size: int | None = None) -> dict[str, Group]:
+    """The groups a strategy talks in: the whole world, and HSDP's shard and replica groups.
+
+    Ranks are numbered node by node (torchrun's order) and the HSDP mesh is (replicate, shard)
+    with the shard dimension innermost (FSDP2's `init_device_mesh(..., (r, s))`), so a shard
+    group holds consecutive ranks and a replica group takes one rank from each shard group.
+    """
+    n, g = cluster.world_size, cluster.gpus_per_node
+    s = shard_size or n
+    if n % s:
+        raise ValueError(f"shard size {s} does not divide world size {n}")
+    r = n // s
+    world = Group(n, min(n, g), 1)
+    shard = Group(s, min(s, g), max(1, g // s))
+    # A replica group: ranks {j, j+s, j+2s, ...}. On one node of g ranks it has max(1, g // s)
+    # members when s < g (several shard groups per node) and 1 when s ≥ g; each of the s
+    # (or g, if s ≥ g) local positions belongs to a different replica group.
+    replica = Group(r, max(1, g // s) if s < g else 1, min(s, g))
+    return {"world": world, "shard": shard, "replica": replica}
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective a strategy issues, for the whole model (spread evenly over its layers).
+
+    `phase`: "forward" / "backward" collectives overlap with that phase's compute layer by layer
+    (FSDP2 prefetch, DDP's bucketed all-reduce); "optimizer" ones run exposed after backward.
+    `every`: "micro_batch" or "step" (DDP syncs grads only on the last micro-batch).
+    """
+
+    kind: str
+    size_bytes: float
+    group: str  # "world" | "shard" | "replica"
+    phase: str  # "forward" | "backward" | "optimizer"
+    every: str = "micro_batch"
+
+
+def exposed_time_s(comm_s: float, compute_s: float, num_layers: int) -> float:
+    """Communication not hidden behind compute when each of L layers prefetches the next one's.
+
+    Per layer c = comm/L and f = compute/L. The first layer's collective cannot overlap (nothing
+    runs before it); after that a layer's collective hides behind the previous layer's compute,
+    and only max(0, c − f) shows. Exposed = L·max(0, c − f) + min(c, f). Check: c ≫ f gives
+    L·c − (L−1)·f (the link is the critical path, plus the last layer's compute); c ≪ f gives c.
+    """
+    if comm_s <= 0:
+        return 0.0
+    L = max(1, num_layers)
+    c, f = comm_s / L, compute_s / L
+    return L * max(0.0, c - f) + min(c, f)
+
+
+@dataclass
+class StepTime:
+    """One optimizer step on one rank, in seconds; `comm_time_s` is the total on the wire."""
+
+    step_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    exposed_comm_s: float
+    optimizer_time_s: float
+    forward_comm_s: float
+    backward_comm_s: float
+    optimizer_comm_s: float
+
+
+def op_time_s(op: CommOp, groups: dict[str, Group], cluster: Cluster) -> float:
+    g = groups[op.group]
+    return group_time_s(op.kind, op.size_bytes, g.size, g.ranks_per_node, g.groups_per_node, cluster)
+
+
+def step_time(ops: list[CommOp], cluster: Cluster, groups: dict[str, Group], forward_s: float,
+              backward_s: float, num_layers: int, grad_accum: int = 1, optimizer_s: float = 0.0,
+              overlap: bool = True) -> StepTime:
+    """Step time = micro-batches × (compute + exposed comm) + exposed per-step comm + optimizer.
+
+    `forward_s` / `backward_s` are one micro-batch's compute (backward includes recomputation).
+    Collectives of one phase on different links (HSDP: shard group on NVLink, replica group on
+    the NICs) proceed in parallel, so a phase's comm is the slowest link's sum; collectives on
+    the same link add up. `overlap=False` models a runtime that does not overlap at all.
+    """
+    def phase_comm(phase: str, every: str) -> float:
+        by_link: dict[bool, float] = {}
+        for op in ops:
+            if op.phase == phase and op.every == every:
+                g = groups[op.group]
+                crosses = g.ranks_per_node < g.size and cluster.num_nodes > 1
+                by_link[crosses] = by_link.get(crosses, 0.0) + op_time_s(op, groups, cluster)
+        return max(by_link.values(), default=0.0)
+
+    def exposed(comm: float, compute: float) -> float:
+        return exposed_time_s(comm, compute, num_layers) if overlap else comm
+
+    fw_mb, bw_mb = phase_comm("forward", "micro_batch"), phase_comm("backward", "micro_batch")
+    fw_st, bw_st = phase_comm("forward", "step"), phase_comm("backward", "step")
+    opt_comm = phase_comm("optimizer", "micro_batch") * grad_accum + phase_comm("optimizer", "step")
+    k = max(1, grad_accum)
+    # Micro-batches without per-step traffic, then the last one carrying both kinds.
+    exposed_mb = exposed(fw_mb, forward_s) + exposed(bw_mb, backward_s)
+    exposed_last = exposed(fw_mb + fw_st, forward_s) + exposed(bw_mb + bw_st, backward_s)
+    exposed_total = (k - 1) * exposed_mb + exposed_last + opt_comm
+    compute = k * (forward_s + backward_s)
+    comm_total = k * (fw_mb + bw_mb) + fw_st + bw_st + opt_comm
+    return StepTime(
+        step_time_s=compute + exposed_total + optimizer_s,
+        compute_time_s=compute,
+        comm_time_s=comm_total,
+        exposed_comm_s=exposed_total,
+        optimizer_time_s=optimizer_s,
+        forward_comm_s=k * fw_mb + fw_st,
+        backward_comm_s=k * bw_mb + bw_st,
+        optimizer_comm_s=opt_comm,
+    )
+
+
+def throughput(step_time_s: float, tokens_per_step_per_gpu: float) -> float:
+    """Tokens per second per GPU."""
+    return tokens_per_step_per_gpu / step_time_s
+
+
+def time_for_tokens(total_tokens: float, tokens_per_s_per_gpu: float, num_gpus: int) -> tuple[float, float]:
+    """(wall-clock seconds, GPU-hours) to train on `total_tokens`."""
+    wall_s = total_tokens / (tokens_per_s_per_gpu * num_gpus)
+    return wall_s, wall_s * num_gpus / 3600.0

@@ -1,0 +1,115 @@
+"""Ring costs, α-β times, hierarchical groups and overlap against nccl-tests and hand derivations."""
+import math
+
+import pytest
+
+from shardtune.plan.timing import (
+    Cluster, CommOp, Link, bus_factor, collective_time_s, exposed_time_s, group_time_s,
+    mesh_groups, ring_bytes_per_rank, step_time, time_for_tokens,
+)
+
+GB = 1e9
+
+
+def test_bus_factors_are_nccl_tests_definitions():
+    # nccl-tests doc/PERFORMANCE.md: all-reduce busbw = algbw × 2(n-1)/n; all-gather and
+    # reduce-scatter × (n-1)/n; broadcast × 1.
+    assert bus_factor("all_reduce", 8) == pytest.approx(14 / 8)
+    assert bus_factor("all_gather", 8) == pytest.approx(7 / 8)
+    assert bus_factor("reduce_scatter", 2) == pytest.approx(0.5)
+    assert bus_factor("broadcast", 4) == 1.0
+    assert bus_factor("all_reduce", 1) == 0.0
+
+
+def test_allreduce_time_reproduces_a_published_nccl_tests_row():
+    # NVIDIA/nccl issue #527, one p4dn node (8×A100): size 1073741824 B, 8142.6 µs,
+    # algbw 131.87 GB/s, busbw 230.77 GB/s. With α ≈ 0, time = 2(n-1)/n · S / busbw.
+    t = collective_time_s("all_reduce", 1073741824, 8, 230.77 * GB, 0.0)
+    assert t == pytest.approx(8142.6e-6, rel=1e-3)
+    # and algbw = S / t as the table says
+    assert 1073741824 / t / GB == pytest.approx(131.87, rel=1e-3)
+
+
+def test_alpha_beta_counts_ring_steps():
+    # 4 ranks, all-gather of 4 MB at 1 GB/s with α = 10 µs: 3 steps → 30 µs + (3/4)·4e6/1e9 = 3 ms.
+    assert collective_time_s("all_gather", 4e6, 4, 1 * GB, 10e-6) == pytest.approx(30e-6 + 3e-3)
+    # all-reduce: 6 steps, 2·3/4·4e6 bytes
+    assert collective_time_s("all_reduce", 4e6, 4, 1 * GB, 10e-6) == pytest.approx(60e-6 + 6e-3)
+    assert ring_bytes_per_rank("reduce_scatter", 8e6, 8) == pytest.approx(7e6)
+
+
+def _cluster(nodes, gpus, intra_gbps, inter_gbps, alpha=0.0):
+    return Cluster(nodes, gpus, Link(intra_gbps * GB, alpha, "intra"), Link(inter_gbps * GB, alpha, "inter"))
+
+
+def test_flat_group_across_nodes_is_bound_by_the_node_nics():
+    # 2 nodes × 8 GPUs, NVLink 370 GB/s inside, one 10 GbE NIC (1.125 GB/s) per node.
+    # A ring over 16 ranks crosses each node boundary once per ring: each node sends
+    # (15/16)·S over its NIC for an all-gather → t = (15/16)·S / 1.125 GB/s.
+    c = _cluster(2, 8, 370, 1.125)
+    g = mesh_groups(c)["world"]
+    t = group_time_s("all_gather", 1e9, g.size, g.ranks_per_node, g.groups_per_node, c)
+    assert t == pytest.approx(15 / 16 * 1e9 / 1.125e9)
+    # inside one node the same op uses NVLink
+    c1 = _cluster(1, 8, 370, 1.125)
+    g1 = mesh_groups(c1)["world"]
+    assert group_time_s("all_gather", 1e9, 8, g1.ranks_per_node, 1, c1) == pytest.approx(7 / 8 * 1e9 / 370e9)
+
+
+def test_hsdp_replica_groups_share_the_nics():
+    # 2 nodes × 8 GPUs, shard group = one node (8), replica groups = 8 pairs across the nodes.
+    # Each of the 8 local ranks all-reduces its 1/8 shard (S/8) with its peer on the other node;
+    # the node sends 8 × (S/8) = S bytes in total over its NICs: t = S / B_node.
+    c = _cluster(2, 8, 370, 50)
+    groups = mesh_groups(c, shard_size=8)
+    assert groups["shard"].ranks_per_node == 8 and groups["replica"].size == 2
+    rep = groups["replica"]
+    t = group_time_s("all_reduce", 1e9 / 8, rep.size, rep.ranks_per_node, rep.groups_per_node, c)
+    assert t == pytest.approx(1e9 / 50e9)
+
+
+def test_mesh_groups_shapes_by_hand():
+    c = _cluster(2, 8, 1, 1)
+    g = mesh_groups(c, shard_size=4)  # shards {0-3},{4-7},...; replica j = {j, j+4, j+8, j+12}
+    assert (g["shard"].size, g["shard"].ranks_per_node) == (4, 4)
+    assert (g["replica"].size, g["replica"].ranks_per_node, g["replica"].groups_per_node) == (4, 2, 4)
+    g = mesh_groups(_cluster(4, 8, 1, 1), shard_size=16)  # shard spans 2 nodes; replica {j, j+16}
+    assert (g["shard"].ranks_per_node, g["shard"].groups_per_node) == (8, 1)
+    assert (g["replica"].size, g["replica"].ranks_per_node, g["replica"].groups_per_node) == (2, 1, 8)
+    with pytest.raises(ValueError):
+        mesh_groups(c, shard_size=5)
+
+
+def test_exposed_time_by_timeline():
+    # L = 2, comm 10 s, compute 2 s: AG1 [0,5], AG2 [5,10], F1 [5,6], F2 [10,11] → 11 s total,
+    # 9 s exposed.
+    assert exposed_time_s(10, 2, 2) == pytest.approx(9)
+    # comm 2, compute 10: AG1 [0,1], F1 [1,6], AG2 [1,2], F2 [6,11] → 1 s exposed.
+    assert exposed_time_s(2, 10, 2) == pytest.approx(1)
+    assert exposed_time_s(0, 5, 4) == 0
+
+
+def test_step_time_ddp_syncs_only_last_micro_batch():
+    # 2 nodes × 1 GPU at 1 GB/s, no α: DDP all-reduce of 1 GB once per step (not per micro-batch),
+    # no overlap: step = 4 × (1 + 2) s compute + 2·(1/2)·1e9/1e9 = 1 s comm.
+    c = _cluster(2, 1, 1, 1)
+    ops = [CommOp("all_reduce", 1e9, "world", "backward", every="step")]
+    st = step_time(ops, c, mesh_groups(c), 1.0, 2.0, 4, grad_accum=4, overlap=False)
+    assert st.compute_time_s == pytest.approx(12)
+    assert st.comm_time_s == pytest.approx(1)
+    assert st.step_time_s == pytest.approx(13)
+
+
+def test_step_time_links_in_parallel_and_time_for_tokens():
+    # HSDP on 2×8: shard reduce-scatter on NVLink and replica all-reduce on NICs proceed on
+    # different links, so the backward's comm is the slower of the two, not their sum.
+    c = _cluster(2, 8, 100, 10)
+    groups = mesh_groups(c, shard_size=8)
+    ops = [CommOp("reduce_scatter", 8e9, "shard", "backward"),   # 7/8·8e9/100e9 = 0.07 s
+           CommOp("all_reduce", 1e9, "replica", "backward")]     # node sends 8×1e9... see below
+    st = step_time(ops, c, groups, 0.0, 0.0, 1, overlap=False)
+    # replica: 2 ranks, each all-reduces 1 GB (its shard), 8 groups share 10 GB/s: 1e9/(10e9/8) = 0.8 s
+    assert st.backward_comm_s == pytest.approx(0.8)
+    wall, gpu_h = time_for_tokens(1e9, 1000.0, 16)
+    assert wall == pytest.approx(1e9 / 16000) and gpu_h == pytest.approx(1e9 / 16000 * 16 / 3600)
+    assert math.isfinite(st.step_time_s)
