@@ -1,0 +1,89 @@
+"""Network profile: what `shardtune bench comm` measured, in the form `shardtune plan` reads.
+
+Imports no torch. Definitions follow NVIDIA nccl-tests doc/PERFORMANCE.md: algbw = S / t with S
+the whole buffer; busbw = algbw × 2(n−1)/n for all-reduce, × (n−1)/n for all-gather and
+reduce-scatter, × 1 for broadcast — the per-rank link bandwidth a ring achieved.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shardtune.errors import UserError
+from shardtune.plan.timing import KINDS, Link, bus_factor, ring_steps
+
+PROFILE_FORMAT = 1
+
+
+def result_row(kind: str, size_bytes: int, n: int, time_s: float) -> dict:
+    """One measurement with its algbw and busbw in GB/s (10^9 B/s)."""
+    algbw = size_bytes / time_s / 1e9
+    return {"collective": kind, "size_bytes": int(size_bytes), "time_s": time_s,
+            "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(kind, n)}
+
+
+def fit_links(rows: list[dict], n: int) -> dict[str, dict]:
+    """Per collective: busbw at the largest size, and α from the smallest size's time.
+
+    nccl-tests quotes the large-message busbw as the link's bandwidth; the smallest message is
+    latency-bound, so its time divided by the ring's step count is the per-step α. Then
+    t(S) = steps·α + factor·S / busbw reproduces both ends.
+    """
+    links = {}
+    for kind in KINDS:
+        pts = sorted((r for r in rows if r["collective"] == kind), key=lambda r: r["size_bytes"])
+        if not pts:
+            continue
+        big, small = pts[-1], pts[0]
+        steps = max(1, ring_steps(kind, n))
+        links[kind] = {"busbw_gbps": big["busbw_gbps"], "alpha_s": small["time_s"] / steps,
+                       "from_size_bytes": big["size_bytes"]}
+    return links
+
+
+def build_profile(rows: list[dict], n: int, backend: str, hostnames: list[str], scope: str | None,
+                  extra: dict | None = None) -> dict:
+    """The profile JSON: raw rows, fitted links, and where it was measured."""
+    num_nodes = len(set(hostnames)) or 1
+    return {
+        "format": PROFILE_FORMAT,
+        "tool": "shardtune bench comm",
+        "backend": backend,
+        "world_size": n,
+        "num_nodes": num_nodes,
+        "scope": scope or ("inter" if num_nodes > 1 else "intra"),
+        "definitions": "nccl-tests doc/PERFORMANCE.md: algbw = size/time; busbw = algbw × "
+                       "2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter); GB = 1e9 B",
+        "results": rows,
+        "links": fit_links(rows, n),
+        **(extra or {}),
+    }
+
+
+def load_profile(path: str | Path) -> dict:
+    """Read and check a profile file; UserError with the fix when it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"network profile {str(p)!r} does not exist; write one with `shardtune bench comm -o {p}`")
+    try:
+        prof = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"network profile {str(p)!r} is not valid JSON ({e}); rerun `shardtune bench comm -o FILE`") from None
+    if not isinstance(prof, dict) or not isinstance(prof.get("links"), dict) or not prof["links"]:
+        raise UserError(f"{str(p)!r} is not a shardtune network profile (no 'links'); rerun `shardtune bench comm -o FILE`")
+    for kind, v in prof["links"].items():
+        if kind not in KINDS or not isinstance(v, dict) or not float(v.get("busbw_gbps", 0)) > 0:
+            raise UserError(f"network profile {str(p)!r}: bad entry for {kind!r}; rerun `shardtune bench comm -o FILE`")
+    if prof.get("scope") not in ("intra", "inter"):
+        raise UserError(f"network profile {str(p)!r}: 'scope' must be 'intra' or 'inter'")
+    return prof
+
+
+def profile_link(prof: dict) -> Link:
+    """A timing.Link from a profile: per-collective busbw and α; the default is all-reduce's."""
+    per_kind = {k: (float(v["busbw_gbps"]) * 1e9, float(v.get("alpha_s", 0.0))) for k, v in prof["links"].items()}
+    if "broadcast" not in per_kind and "all_gather" in per_kind:
+        per_kind["broadcast"] = per_kind["all_gather"]  # same ring pattern, bus factor 1 vs (n-1)/n
+    base = per_kind.get("all_reduce") or next(iter(per_kind.values()))
+    name = f"measured ({prof.get('backend', '?')}, {prof.get('world_size', '?')} ranks)"
+    return Link(busbw_bytes_per_s=base[0], alpha_s=base[1], name=name, per_kind=per_kind)

@@ -1,0 +1,70 @@
+"""`shardtune bench comm`: a real 2-rank gloo run, its numbers against nccl-tests' definitions."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardtune.errors import UserError
+from shardtune.netbench.comm_bench import parse_sizes
+from shardtune.netbench.profile import load_profile, profile_link
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_parse_sizes_binary_units():
+    assert parse_sizes("4K,1M") == [4096, 1048576]
+    assert parse_sizes("1G") == [2**30]
+    with pytest.raises(UserError):
+        parse_sizes("12Q")
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "profile.json"
+    cmd = [sys.executable, "-m", "shardtune.cli", "bench", "comm", "--nproc", "2", "--sizes", "64K,1M",
+           "-o", str(out), "--timeout", "40"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=50)
+    except subprocess.TimeoutExpired:
+        import os
+        import signal
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        pytest.fail("bench comm hung")
+    assert p.returncode == 0, stderr
+    assert "busbw" in stdout and "all_gather" in stdout
+    return json.loads(out.read_text())
+
+
+def test_profile_structure_and_nccl_tests_definitions(profile):
+    assert profile["world_size"] == 2 and profile["backend"] == "gloo" and profile["scope"] == "intra"
+    rows = profile["results"]
+    assert {(r["collective"], r["size_bytes"]) for r in rows} == {
+        (k, s) for k in ("all_gather", "reduce_scatter", "all_reduce") for s in (65536, 1048576)}
+    # nccl-tests PERFORMANCE.md, n = 2: algbw = S/t; busbw = algbw × 2(n-1)/n = ×1 for all-reduce,
+    # × (n-1)/n = ×0.5 for all-gather and reduce-scatter.
+    factor = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
+    for r in rows:
+        assert r["time_s"] > 0
+        assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor[r["collective"]])
+    # the fitted link is the largest message's busbw
+    big = {r["collective"]: r["busbw_gbps"] for r in rows if r["size_bytes"] == 1048576}
+    for kind, link in profile["links"].items():
+        assert link["busbw_gbps"] == pytest.approx(big[kind])
+
+
+def test_profile_loads_for_the_planner(profile, tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    link = profile_link(load_profile(path))
+    bw, alpha = link.for_kind("reduce_scatter")
+    assert bw == pytest.approx(profile["links"]["reduce_scatter"]["busbw_gbps"] * 1e9)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(UserError):
+        load_profile(bad)
+    with pytest.raises(UserError):
+        load_profile(tmp_path / "missing.json")
