@@ -1,0 +1,115 @@
+"""What a run measures: FLOPs per token, exact bytes of model states, activation bytes, metrics.jsonl.
+
+Memory on CPU (no allocator statistics there) is an exact count of live storages, deduplicated:
+  params / grads / optimizer  the storages of this rank's local parameters (DTensor local shards
+                              under FSDP), their .grad, and every tensor in the optimizer state
+                              (Adam m, v and the per-tensor `step` scalar; zero1: this rank's part);
+  activations                 the storages autograd saves for backward during one micro-batch's
+                              forward (all alive at its end), parameters excluded. Transient
+                              temporaries are not counted, so this is a lower bound of the peak.
+On CUDA, `peak_mem_bytes` is torch.cuda.max_memory_allocated (allocator truth).
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        s = _local(t).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor of the optimizer's state on this rank (zero1: its local partition)."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
+    for state in inner.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def model_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
+    """{params_bytes, grads_bytes, optimizer_bytes}: exact local bytes on this rank."""
+    params = list(model.parameters())
+    return {"params_bytes": storage_bytes(params),
+            "grads_bytes": storage_bytes(p.grad for p in params),
+            "optimizer_bytes": storage_bytes(optimizer_state_tensors(optimizer))}
+
+
+class SavedActivations:
+    """Counts the distinct storages saved for backward (parameters excluded) while active."""
+
+    def __init__(self) -> None:
+        self.peak_bytes = 0
+        self._seen: dict[int, int] = {}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, nn.Parameter) and t.device.type != "meta":
+            s = _local(t).untyped_storage()
+            self._seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    @contextmanager
+    def micro_batch(self):
+        """Wrap one micro-batch's forward: all its saved tensors are alive at the end of it."""
+        self._seen = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield
+        self.peak_bytes = max(self.peak_bytes, sum(self._seen.values()))
+
+
+def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:
+    """PaLM appendix B training FLOPs per token, 6N + 12·L·H·Q·T (shardtune/plan/compute.py)."""
+    from shardtune.plan.compute import matmul_params, model_flops_per_token
+
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    n = matmul_params(num_params, hf_config.vocab_size, hf_config.hidden_size,
+                      bool(getattr(hf_config, "tie_word_embeddings", False)))
+    return model_flops_per_token(n, hf_config.num_hidden_layers, hf_config.num_attention_heads,
+                                 head_dim, seq_len)
+
+
+def gpu_peak_flops(gpu_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a catalogue GPU, or None when the catalogue has no such entry."""
+    try:
+        from shardtune.catalog import gpus
+    except ImportError:
+        return None
+    for getter in ("peak_bf16_flops", "peak_flops"):
+        fn = getattr(gpus, getter, None)
+        if callable(fn):
+            try:
+                return float(fn(gpu_name))
+            except Exception:  # unknown GPU name: no MFU rather than a failed run
+                return None
+    return None
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to <run_dir>/metrics.jsonl (rank 0 only calls it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a")
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,178 @@
+"""Build a transformers causal LM on the meta device, shard it, then materialise and fill it.
+
+Fixed skeleton (torchtitan, torchtune, nanochat): meta build → `apply_parallelism` → `to_empty` →
+load or init weights, one tensor at a time. No rank ever holds the whole model: each rank makes
+(random init) or reads (safetensors) one full tensor, keeps its own slice and drops the rest.
+Model code stays free of distributed code: sharding is applied from outside (parallel/apply.py).
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+from torch import nn
+
+from shardtune.catalog.models import resolve_model_config
+from shardtune.errors import UserError
+from shardtune.strategies import FSDP_STRATEGIES
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardtune.config import ModelConfig, ParallelConfig
+
+
+def build_hf_config(model_cfg: "ModelConfig"):
+    """The transformers config for a catalogue name, config.json or model folder."""
+    from transformers import AutoConfig
+
+    cfg = resolve_model_config(model_cfg.name)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise UserError(f"model {model_cfg.name!r}: config has no model_type; give an HF config.json")
+    cfg.pop("transformers_version", None)
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def build_meta_model(model_cfg: "ModelConfig") -> nn.Module:
+    """The causal LM with every parameter on the meta device (no memory), SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_hf_config(model_cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation="sdpa", trust_remote_code=model_cfg.trust_remote_code)
+    model.config.use_cache = False
+    return model
+
+
+def safetensors_files(model_cfg: "ModelConfig") -> list[Path]:
+    """The folder's *.safetensors files ([] when `name` is no folder or has none)."""
+    folder = Path(model_cfg.name).expanduser()
+    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+
+
+def uses_pretrained(model_cfg: "ModelConfig") -> bool:
+    """auto: load when the model folder has safetensors; pretrained: must; random: never."""
+    files = safetensors_files(model_cfg)
+    if model_cfg.init == "pretrained" and not files:
+        raise UserError(f"model.init is 'pretrained' but {model_cfg.name!r} has no *.safetensors; "
+                        "give an HF model folder with weights or set model.init=random")
+    return model_cfg.init != "random" and bool(files)
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    """One generator seed per tensor from (seed, name): the same on every rank and in every layout."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, make) per parameter: `make()` returns the full fp32 CPU tensor of HF's init scheme
+    (Linear/Embedding weights ~ N(0, initializer_range), biases 0, norm weights 1)."""
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in model.named_modules()
+              for pn, _ in m.named_parameters(recurse=False)}
+    for name, p in model.named_parameters():
+        owner = owners[name]
+
+        def make(name=name, shape=tuple(p.shape), owner=owner) -> torch.Tensor:
+            if name.endswith("bias"):
+                return torch.zeros(shape)
+            if not isinstance(owner, (nn.Linear, nn.Embedding)):
+                return torch.ones(shape)  # RMSNorm / LayerNorm scales
+            gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+            return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+        yield name, make
+
+
+def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, make) per parameter, `make()` reading that one tensor from the safetensors files."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            where.update({k: f for k in h.keys()})
+    for name, _ in model.named_parameters():
+        if name not in where:
+            raise UserError(f"weights {files[0].parent} lack tensor {name!r}; give a checkpoint of "
+                            f"the same architecture ({type(model).__name__})")
+
+        def make(name=name) -> torch.Tensor:
+            with safe_open(str(where[name]), framework="pt") as h:
+                return h.get_tensor(name)
+
+        yield name, make
+
+
+@torch.no_grad()
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter, keeping only this rank's slice for a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if tuple(full.shape) != tuple(param.shape):
+        raise UserError(f"tensor shape {tuple(full.shape)} does not match the model's {tuple(param.shape)}")
+    full = full.to(device=param.device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor, so slice locally, no comm.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def reset_rotary_buffers(model: nn.Module) -> None:
+    """Recompute the non-persistent rotary `inv_freq` buffers, garbage after `to_empty`
+    (transformers 5 has no rope_init_fn: rebuild the rotary module from the config)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor) and hasattr(module, "config"):
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf)
+
+
+def init_model_weights(model: nn.Module, model_cfg: "ModelConfig", seed: int) -> None:
+    """Fill every parameter (random with `seed`, or from the folder's safetensors) and the rotary
+    buffers, one tensor at a time. Works on a plain, DDP-to-be or FSDP-sharded model alike."""
+    files = safetensors_files(model_cfg)
+    source = pretrained_full_tensors(model, files) if uses_pretrained(model_cfg) else random_full_tensors(model, seed)
+    params = dict(model.named_parameters())
+    for name, make in source:
+        _copy_full_into(params[name], make())
+    reset_rotary_buffers(model)
+
+
+def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: "DeviceMesh",
+                device: torch.device, seed: int) -> nn.Module:
+    """Meta build → parallelise → materialise on `device` → fill. ddp/zero1 are wrapped after the
+    fill because DDP broadcasts materialised parameters when it is built (parallel/apply.py)."""
+    from shardtune.parallel.apply import apply_parallelism
+
+    model = build_meta_model(model_cfg)
+    if parallel_cfg.strategy in FSDP_STRATEGIES:
+        model = apply_parallelism(model, parallel_cfg, mesh)
+        # with CPUOffloadPolicy the sharded parameters live on the CPU (torchtitan does the same)
+        model.to_empty(device="cpu" if parallel_cfg.offload == "all" else device)
+        init_model_weights(model, model_cfg, seed)
+        return model
+    if parallel_cfg.precision == "bf16":
+        model.to(torch.bfloat16)
+    model.to_empty(device=device)
+    init_model_weights(model, model_cfg, seed)
+    return apply_parallelism(model, parallel_cfg, mesh)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The HF model under a DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def model_config_json(model: nn.Module) -> dict:
+    """The HF config of a (possibly wrapped) model as a plain dict."""
+    return json.loads(unwrap(model).config.to_json_string())

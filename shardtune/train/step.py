@@ -1,0 +1,122 @@
+"""The one training step every path uses (torchtune #2307: copied loops drift apart), plus the
+optimizer, the lr schedule and the loop state that a checkpoint saves.
+
+Loss normalisation: each micro-batch contributes (sum of its token losses) / N, N = number of
+target tokens over ALL micro-batches of the step and ALL data-parallel ranks (one all-reduce per
+step), so the step's gradient is that of the global token mean, not a mean of means. DDP and FSDP
+average gradients over the data-parallel ranks (divide by dp_size), so the backward loss is scaled
+by dp_size to undo that average.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from shardtune.config import OptimConfig, ParallelConfig
+
+IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch cross_entropy convention)
+
+
+@dataclass
+class StepResult:
+    loss: float  # global token-mean loss of the step
+    grad_norm: float  # global L2 norm before clipping
+    lr: float  # learning rate used by this step
+    num_tokens: int  # target tokens over all micro-batches and ranks
+
+
+@dataclass
+class TrainState:
+    """Everything the loop advances, in one object (a checkpoint saves `state_dict()`)."""
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # target tokens over all ranks
+    data: Any = None  # the dataloader: state_dict()/load_state_dict() give the data position
+    extra: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "data": self.data.state_dict() if self.data is not None else None,
+                "rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        if self.data is not None and sd.get("data") is not None:
+            self.data.load_state_dict(sd["data"])
+        torch.set_rng_state(sd["rng_cpu"])
+        if sd.get("rng_cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["rng_cuda"])
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at 0-based `step`: linear warmup over `warmup_steps`, then cosine
+    (SGDR, Loshchilov & Hutter 2017, without restarts) or linear decay to `min_lr_ratio`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "ParallelConfig",
+                    dp_group=None) -> torch.optim.Optimizer:
+    """AdamW (torch's default fused/foreach choice); zero1 shards its state across `dp_group`."""
+    kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                  weight_decay=optim_cfg.weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if parallel_cfg.strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                       process_group=dp_group, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: "OptimConfig", total_steps: int):
+    """torch LambdaLR over `lr_factor`."""
+    fn: Callable[[int], float] = lambda s: lr_factor(s, optim_cfg.warmup_steps, total_steps,
+                                                     optim_cfg.schedule, optim_cfg.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], *, dp_group,
+               dp_size: int, grad_clip: float, autocast_dtype: torch.dtype | None,
+               activations=None) -> StepResult:
+    """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step.
+    `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given."""
+    optimizer.zero_grad(set_to_none=True)  # here, not after the step: grads stay measurable at rest
+    device = micro_batches[0]["input_ids"].device
+    targets = [mb["labels"] for mb in micro_batches]  # already shifted: labels[t] follows input[t] (train/data.py)
+    num_tokens = torch.stack([(t != IGNORE_INDEX).sum() for t in targets]).sum()
+    dist.all_reduce(num_tokens, group=dp_group)  # ONE all-reduce per step
+    denom = num_tokens.clamp(min=1).to(torch.float32)
+    loss_sum = torch.zeros((), device=device)
+    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    for i, (mb, target) in enumerate(zip(micro_batches, targets)):
+        sync = not is_ddp or i == len(micro_batches) - 1  # DDP: all-reduce grads on the last only
+        amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+        with (nullcontext() if sync else model.no_sync()):
+            with amp, (activations.micro_batch() if activations else nullcontext()):
+                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+            token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+            (token_loss_sum * dp_size / denom).backward()
+        loss_sum += token_loss_sum.detach()
+    dist.all_reduce(loss_sum, group=dp_group)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    return StepResult(loss=(loss_sum / denom).item(), grad_norm=float(norm), lr=float(lr),
+                      num_tokens=int(num_tokens))

@@ -1,0 +1,67 @@
+"""Start N worker processes (gloo, 127.0.0.1, a free port); a dead rank or a timeout fails fast.
+
+Each rank runs in its own session, so a timeout kills its whole process group; the first rank
+that exits non-zero makes every other rank be killed (a peer blocked in a collective would
+otherwise wait for the process-group timeout).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def launch(script: Path, nproc: int, args: list[str], timeout_s: float, log_dir: Path) -> None:
+    """Run `python script *args` as ranks 0..nproc-1; raise AssertionError on failure or timeout."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs, logs = [], []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        log = open(log_dir / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO))
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                raise AssertionError(f"rank {failed[0]} exited with {codes[failed[0]]}:\n"
+                                     + (log_dir / f"rank{failed[0]}.log").read_text()[-3000:])
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timeout after {timeout_s} s; rank 0 log:\n"
+                                     + (log_dir / "rank0.log").read_text()[-3000:])
+            time.sleep(0.2)
+    finally:
+        _kill(procs)
+        for log in logs:
+            log.close()

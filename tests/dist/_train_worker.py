@@ -1,0 +1,81 @@
+"""One rank of the distributed trainer tests: runs several cases in the same processes (imports
+cost ~7 s per process, so cases share them) and writes rank<r>.json with what each case measured.
+
+argv: cases.json out_dir. A case: {name, parallel: {...ParallelConfig}, steps, rows, seq_len,
+grad_accum, lr, model: {...ModelConfig}, logits: bool, crash: bool}.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _batches import global_batch, rank_micro_batches  # noqa: E402
+
+from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
+from shardtune.train.metrics import model_state_bytes  # noqa: E402
+from shardtune.train.model import build_model  # noqa: E402
+from shardtune.train.step import build_optimizer, build_scheduler, train_step  # noqa: E402
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    pcfg = ParallelConfig(**case["parallel"])
+    mesh = build_mesh(pcfg, world, world, "cpu")
+    mcfg = ModelConfig(**case.get("model", {}))
+    torch.manual_seed(0)
+    model = build_model(mcfg, pcfg, mesh, torch.device("cpu"), seed=case.get("seed", 0))
+    out: dict = {}
+    if case.get("logits"):
+        ids = global_batch(99, 2, 16)["input_ids"]
+        with torch.no_grad():
+            out["logits"] = model(input_ids=ids).logits.float().tolist()
+    ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
+                       weight_decay=0.0)
+    dp_group = mesh.get_group() if mesh.ndim == 1 else None
+    opt = build_optimizer(model, ocfg, pcfg, dp_group)
+    sched = build_scheduler(opt, ocfg, case["steps"])
+    out["losses"], out["grad_norms"] = [], []
+    for step in range(case["steps"]):
+        batch = global_batch(step if not case.get("same_batch") else 0, case["rows"], case["seq_len"])
+        mbs = rank_micro_batches(batch, rank, world, case.get("grad_accum", 1))
+        r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
+                       autocast_dtype=autocast_dtype(pcfg))
+        out["losses"].append(r.loss)
+        out["grad_norms"].append(r.grad_norm)
+        if step == 0:
+            out["bytes"] = model_state_bytes(model, opt)
+    del model, opt, sched
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results = {}
+    try:
+        for case in cases:
+            if case.get("crash") and rank == 1:
+                raise RuntimeError("rank 1 crashes on purpose")
+            if case.get("crash"):
+                dist.barrier()  # rank 0 waits here for a peer that never comes
+            results[case["name"]] = run_case(case, rank, world)
+            dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

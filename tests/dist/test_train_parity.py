@@ -1,0 +1,200 @@
+"""Trainer vs a plain single-process run on the same global batch (gloo, 2 and 4 ranks).
+
+Two launches run every case (2 ranks: ddp, zero1, zero2, zero3, AC, grad accumulation, bf16-mixed,
+model build; 4 ranks: hsdp 2 × 2). The reference is written here independently of train/step.py:
+a plain transformers model, one forward over the whole global batch, the token mean from
+torch's cross_entropy, torch AdamW and clip_grad_norm_.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _batches import global_batch  # noqa: E402
+from _harness import launch  # noqa: E402
+
+pytestmark = [pytest.mark.dist]
+WORKER = Path(__file__).parent / "_train_worker.py"
+ROWS, SEQ, STEPS, LR = 8, 32, 3, 1e-3
+BF16 = dict(steps=6, lr=1e-2, same_batch=True)
+
+
+def _case(name, strategy, precision="fp32", **kw):
+    par = {"strategy": strategy, "precision": precision}
+    par.update(kw.pop("parallel", {}))
+    return {"name": name, "parallel": par, "steps": STEPS, "rows": ROWS, "seq_len": SEQ, "lr": LR, **kw}
+
+
+def _plain_model(folder: Path | None = None):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ModelConfig
+    from shardtune.train.model import build_hf_config, init_model_weights
+
+    if folder is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()), attn_implementation="sdpa")
+    init_model_weights(model, ModelConfig(name="tiny-llama"), seed=0)
+    return model
+
+
+def reference(steps=STEPS, lr=LR, same_batch=False) -> tuple[list[float], list[float]]:
+    """Losses and pre-clip grad norms of a plain one-process run on the whole global batch."""
+    torch.manual_seed(0)
+    model = _plain_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses, norms = [], []
+    for step in range(steps):
+        b = global_batch(0 if same_batch else step, ROWS, SEQ)
+        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tmp_path_factory) -> Path:
+    """An HF folder (config + safetensors) with transformers' own random init."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ModelConfig
+    from shardtune.train.model import build_hf_config
+
+    torch.manual_seed(123)
+    d = tmp_path_factory.mktemp("hf")
+    AutoModelForCausalLM.from_config(build_hf_config(ModelConfig())).save_pretrained(d)
+    return d
+
+
+def _run(tmp: Path, nproc: int, cases: list[dict]) -> list[dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    launch(WORKER, nproc, [str(tmp / "cases.json"), str(tmp)], timeout_s=240, log_dir=tmp / "logs")
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory, pretrained_dir):
+    cases = [_case(s, s, logits=(s == "zero3")) for s in ("ddp", "zero1", "zero2", "zero3")]
+    cases += [
+        _case("zero3_ac_full", "zero3", parallel={"activation_checkpointing": "full"}),
+        _case("zero2_ac_selective", "zero2", parallel={"activation_checkpointing": "selective", "ac_every": 2}),
+        _case("ddp_ac_full", "ddp", parallel={"activation_checkpointing": "full"}),
+        _case("zero3_accum", "zero3", grad_accum=2),
+        _case("ddp_accum", "ddp", grad_accum=2),
+        _case("zero3_offload", "zero3", parallel={"offload": "all"}),
+        _case("zero3_bf16mixed", "zero3", "bf16-mixed", **BF16),
+        _case("ddp_bf16mixed", "ddp", "bf16-mixed", **BF16),
+        {**_case("zero3_pretrained", "zero3", logits=True, model={"name": str(pretrained_dir)}), "steps": 1},
+    ]
+    return _run(tmp_path_factory.mktemp("w2"), 2, cases)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}), _case("zero3", "zero3")]
+    return _run(tmp_path_factory.mktemp("w4"), 4, cases)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "zero3_ac_full", "zero2_ac_selective",
+                                  "ddp_ac_full", "zero3_accum", "ddp_accum", "zero3_offload"])
+def test_loss_parity_two_ranks(world2, ref, name):
+    for rank_result in world2:
+        got = rank_result[name]
+        assert got["losses"] == pytest.approx(ref[0], abs=1e-5), name
+        assert got["grad_norms"] == pytest.approx(ref[1], rel=1e-4), name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["hsdp", "zero3"])
+def test_loss_parity_four_ranks(world4, ref, name):
+    for rank_result in world4:
+        assert rank_result[name]["losses"] == pytest.approx(ref[0], abs=1e-5)
+        assert rank_result[name]["grad_norms"] == pytest.approx(ref[1], rel=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["zero3_bf16mixed", "ddp_bf16mixed"])
+def test_bf16_mixed_close_and_falling(world2, name):
+    ref_losses, _ = reference(**{k: BF16[k] for k in ("steps", "lr", "same_batch")})
+    losses = world2[0][name]["losses"]
+    assert losses[0] == pytest.approx(ref_losses[0], abs=1e-2)  # same weights, bf16 rounding only
+    assert losses == pytest.approx(ref_losses, abs=0.15)  # drift grows with lr 1e-2 updates
+    assert losses != pytest.approx(ref_losses, abs=1e-6)  # bf16 really used
+    assert losses[-1] < losses[0] - 0.3
+
+
+@pytest.mark.timeout(300)
+def test_sharded_build_gives_plain_model_logits(world2, pretrained_dir):
+    """Random init at world 2 equals the one-process init; safetensors load equals from_pretrained
+    (both need the rotary inv_freq rebuilt after to_empty)."""
+    ids = global_batch(99, 2, 16)["input_ids"]
+    for name, folder in (("zero3", None), ("zero3_pretrained", pretrained_dir)):
+        with torch.no_grad():
+            want = _plain_model(folder)(input_ids=ids).logits
+        for rank_result in world2:
+            got = torch.tensor(rank_result[name]["logits"])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _tiny_llama_counts() -> tuple[int, int]:
+    """Hand derivation from tiny-llama's config (catalog/models.py): V 264, H 128, I 344, L 4,
+    4 heads × 32, 2 KV heads, untied. Returns (parameters, parameter tensors)."""
+    V, H, I, L, KV = 264, 128, 344, 4, 2 * 32
+    per_layer = H * H + 2 * H * KV + H * H + 3 * H * I + 2 * H  # q, k, v, o, gate/up/down, 2 norms
+    return V * H + L * per_layer + H + V * H, 3 + 9 * L
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, sharded", [("ddp", False), ("zero1", False), ("zero2", True), ("zero3", True)])
+def test_bytes_per_rank_after_first_step(world2, name, sharded):
+    """fp32 AdamW: params 4P, grads 4P, m and v 8P (+ a 4-byte `step` per tensor), ÷ N when
+    sharded (every tiny-llama dim-0 is even, so FSDP2 shards exactly); zero1 splits whole
+    tensors of the optimizer state across ranks (sum over ranks = the unsharded state)."""
+    P, T = _tiny_llama_counts()
+    N = 2
+    div = N if sharded else 1
+    for rank_result in world2:
+        b = rank_result[name]["bytes"]
+        assert b["params_bytes"] == 4 * P // div
+        assert b["grads_bytes"] == 4 * P // div
+        if name != "zero1":
+            assert b["optimizer_bytes"] == 8 * P // div + 4 * T
+    if name == "zero1":
+        total = sum(r[name]["bytes"]["optimizer_bytes"] for r in world2)
+        assert total == 8 * P + 4 * T
+        assert all(r[name]["bytes"]["optimizer_bytes"] < 8 * P for r in world2)
+
+
+@pytest.mark.timeout(300)
+def test_bytes_per_rank_hsdp(world4):
+    P, T = _tiny_llama_counts()
+    for rank_result in world4:  # shard groups of 2: each rank holds half
+        assert rank_result["hsdp"]["bytes"] == {"params_bytes": 2 * P, "grads_bytes": 2 * P,
+                                                "optimizer_bytes": 4 * P + 4 * T}
+
+
+@pytest.mark.timeout(120)
+def test_a_crashing_rank_fails_fast(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank [01] exited with [1-9]"):
+        _run(tmp_path, 2, [{"name": "crash", "crash": True}])
+    assert time.monotonic() - t0 < 60
