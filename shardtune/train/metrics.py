@@ -84,19 +84,13 @@ def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:
 
 
 def gpu_peak_flops(gpu_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of a catalogue GPU, or None when the catalogue has no such entry."""
+    """Dense bf16 peak FLOP/s of a catalogue GPU (catalog/gpus.py), None for an unknown name."""
+    from shardtune.catalog.gpus import resolve_gpu
+
     try:
-        from shardtune.catalog import gpus
-    except ImportError:
+        return float(resolve_gpu(gpu_name).bf16_flops)
+    except Exception:  # an unknown GPU name costs the MFU column, not the run
         return None
-    for getter in ("peak_bf16_flops", "peak_flops"):
-        fn = getattr(gpus, getter, None)
-        if callable(fn):
-            try:
-                return float(fn(gpu_name))
-            except Exception:  # unknown GPU name: no MFU rather than a failed run
-                return None
-    return None
 
 
 class MetricsWriter:
