@@ -120,6 +120,7 @@ def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
     for name, field in model_cls.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.append(prefix + name)  # the section itself, so `modle:` suggests `model`
             keys += _all_keys(ann, f"{prefix}{name}.")
         else:
             keys.append(prefix + name)
@@ -161,7 +162,14 @@ def _format_validation_error(e: ValidationError) -> str:
     if err["type"] == "extra_forbidden":
         return _unknown_key_message(loc)
     msg = err["msg"].removeprefix("Value error, ")
-    return f"recipe key {loc!r}: {msg}" if loc else f"recipe: {msg}"
+    if not loc:
+        return f"recipe: {msg}"
+    value = err.get("input")
+    if err["type"].startswith(("greater_than", "less_than", "literal_error")) or (
+            isinstance(value, (str, int, float)) and err["type"] != "value_error"):
+        # name the value the user gave: "recipe key 'train.micro_batch' = 0: ..."
+        return f"recipe key {loc!r} = {value!r}: {msg[:1].lower()}{msg[1:]}"
+    return f"recipe key {loc!r}: {msg}"
 
 
 def build_config(data: dict) -> RunConfig:
@@ -194,3 +202,90 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML (written to the run folder)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------- checks before processes start
+class WorldLayout(BaseModel):
+    """How a run spreads over `world_size` processes (every strategy is data-parallel over all)."""
+
+    world_size: int
+    dp_size: int = Field(description="Data-parallel ranks: every rank reads its own rows (all strategies).")
+    shard_degree: int = Field(description="Ranks one parameter is sharded over: 1 (ddp, zero1's params), world (zero2/3), shard size (hsdp).")
+    replicate_degree: int = Field(description="Copies of each shard: world / shard_degree.")
+    global_batch: int = Field(description="Sequences per optimizer step = micro_batch × grad_accum × dp_size.")
+    tokens_per_step: int = Field(description="global_batch × seq_len (padding included).")
+
+
+def validate_for_world(cfg: RunConfig, world_size: int, gpus_per_node: int) -> WorldLayout:
+    """Cross-field checks that need the process count; raises a one-line UserError.
+
+    hsdp's shard group defaults to the processes of one node (`gpus_per_node`), the usual choice:
+    reduce-scatter/all-gather stay on the fast intra-node links, only the all-reduce of gradient
+    shards crosses nodes (PyTorch FSDP2 HSDP, DeviceMesh of (replicate, shard)).
+    """
+    if world_size < 1:
+        raise UserError(f"world size {world_size} is not positive; start at least one process (--nproc 1)")
+    if gpus_per_node < 1:
+        raise UserError(f"processes per node {gpus_per_node} is not positive")
+    strategy = cfg.parallel.strategy
+    if strategy == "hsdp":
+        shard = cfg.parallel.hsdp_shard_size or min(gpus_per_node, world_size)
+        if shard > world_size or world_size % shard:
+            raise UserError(f"hsdp shard size {shard} does not divide the world size {world_size}; set parallel.hsdp_shard_size to a divisor of {world_size}")
+    elif cfg.parallel.hsdp_shard_size is not None:
+        raise UserError(f"parallel.hsdp_shard_size is only used by strategy hsdp, not {strategy!r}; remove it or set parallel.strategy=hsdp")
+    else:
+        shard = 1 if strategy in ("ddp", "zero1") else world_size
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world_size
+    return WorldLayout(world_size=world_size, dp_size=world_size, shard_degree=shard,
+                       replicate_degree=world_size // shard, global_batch=global_batch,
+                       tokens_per_step=global_batch * cfg.train.seq_len)
+
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Create the run folder if needed and prove it writable (a probe file); UserError if not."""
+    p = Path(path).expanduser()
+    hint = "choose another with --output-dir or output_dir=DIR"
+    if p.exists() and not p.is_dir():
+        raise UserError(f"output dir {str(path)!r} is a file, not a folder; {hint}")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".shardtune-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output dir {str(path)!r} cannot be written ({e.strerror or e}); {hint}") from None
+    return p
+
+
+def check_model(model_cfg: ModelConfig, seq_len: int) -> dict:
+    """The model's HF config (catalogue name or folder); the folder and seq_len are checked."""
+    from shardtune.catalog.models import MODELS, resolve_model_config
+
+    name = model_cfg.name
+    looks_like_path = name not in MODELS and (os.sep in name or name.startswith((".", "~")))
+    if looks_like_path and not Path(name).expanduser().exists():
+        raise UserError(f"model path {name!r} does not exist; give an HF model folder (config.json + safetensors) or a catalogue name")
+    hf = resolve_model_config(name)
+    if model_cfg.init == "pretrained":
+        folder = Path(name).expanduser()
+        if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+            raise UserError(f"model.init=pretrained but {name!r} is not a folder with *.safetensors weights; give one or set model.init=auto")
+    max_pos = hf.get("max_position_embeddings")
+    if max_pos and seq_len > max_pos:
+        raise UserError(f"train.seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower train.seq_len")
+    return hf
+
+
+def preflight(cfg: RunConfig, world_size: int, gpus_per_node: int) -> WorldLayout:
+    """Every check that can run before processes start: world, model, dataset, run folder.
+
+    Cheap: no torch import, no tokenizer (the dataset's lines are parsed and validated).
+    """
+    from shardtune.train.data import check_dataset
+
+    layout = validate_for_world(cfg, world_size, gpus_per_node)
+    check_model(cfg.model, cfg.train.seq_len)
+    check_dataset(cfg.data)
+    check_output_dir(cfg.run_dir)
+    return layout
