@@ -36,6 +36,7 @@ def version() -> None:
 # Each area registers its own subcommands (kept in <area>/commands.py, importing no torch at
 # module level). Add a module here when an area gains a command.
 COMMAND_MODULES: tuple[str, ...] = (
+    "shardtune.plan.commands",
     "shardtune.netbench.commands",
 )
 

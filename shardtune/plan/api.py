@@ -1,0 +1,284 @@
+"""`plan(...)`: per-strategy memory, fit and communication for a model on a GPU cluster.
+
+The Python form of `shardtune plan`; `PlanResult.to_dict()` is its `--json` output and the run
+folder's plan.json. Pure Python: imports no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from shardtune.catalog.gpus import GPU, resolve_gpu
+from shardtune.catalog.models import MODELS, resolve_model_config
+from shardtune.errors import UserError
+from shardtune.plan import comm, memory
+from shardtune.plan.activations import activation_bytes
+from shardtune.plan.params import (
+    ParamShape,
+    architecture_from_config,
+    count_active_params,
+    model_shapes,
+)
+from shardtune.plan.validate import Inputs, validate_inputs
+from shardtune.strategies import STRATEGIES
+
+GIB = 2**30
+
+
+@dataclass
+class Memory:
+    """Per-GPU bytes. `total` is the peak: states + max(activations + buffers, optimizer temp)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    optimizer_step_temp: int
+    total: int
+
+
+@dataclass
+class StrategyPlan:
+    """One strategy's per-GPU memory, fit and communication."""
+
+    name: str
+    shard_degree: int
+    replicate_degree: int
+    memory: Memory
+    fits: bool
+    headroom_bytes: int
+    cpu_offload_bytes_per_node: int
+    comm_bytes_per_step: int
+    comm_ratio_to_ddp: float | None
+    collectives: list[comm.Collective]
+    suggestion: str = ""
+
+    @property
+    def headroom_gib(self) -> float:
+        return self.headroom_bytes / GIB
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["headroom_gib"] = round(self.headroom_gib, 3)
+        d["collectives"] = [c.to_dict() for c in self.collectives]
+        return d
+
+
+@dataclass
+class PlanResult:
+    """The plan: model, hardware, inputs, one `StrategyPlan` per applicable strategy, a verdict."""
+
+    model: dict
+    hardware: dict
+    inputs: dict
+    accounting: str
+    strategies: list[StrategyPlan]
+    verdict: str
+    notes: list[str] = field(default_factory=list)
+
+    def strategy(self, name: str) -> StrategyPlan:
+        for s in self.strategies:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        return {
+            "planner": "shardtune.plan", "accounting": self.accounting, "model": self.model,
+            "hardware": self.hardware, "inputs": self.inputs,
+            "strategies": [s.to_dict() for s in self.strategies],
+            "verdict": self.verdict, "notes": self.notes,
+        }
+
+
+@dataclass
+class _Model:
+    name: str
+    source: str
+    num_params: int
+    trainable: int
+    shapes: list[ParamShape] | None
+    arch: object | None
+    active: int
+
+
+def _load_model(model, params: float | None, lora_rank: int) -> _Model:
+    if params is not None:
+        n = int(params)
+        return _Model(f"{params:g} parameters", "--params (model states only)", n, n, None, None, n)
+    cfg = model if isinstance(model, dict) else resolve_model_config(model)
+    arch = architecture_from_config(cfg)
+    if lora_rank > arch.hidden_size:
+        raise UserError(f"--lora-rank {lora_rank} exceeds the hidden size {arch.hidden_size}; use a rank such as 8-64")
+    shapes = model_shapes(arch, lora_rank)
+    name = model if isinstance(model, str) else "config"
+    source = MODELS[name]["source"] if name in MODELS else name
+    total = sum(p.numel for p in shapes)  # with LoRA: the frozen base and the adapters
+    trainable = sum(p.numel for p in shapes if p.trainable)
+    return _Model(name, source, total, trainable, shapes, arch, count_active_params(arch))
+
+
+def _states(m: _Model, strategy: str, inp: Inputs, shard_degree: int) -> memory.States:
+    if inp.accounting == "paper":
+        return memory.paper_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision, inp.optimizer)
+    if m.shapes is None:
+        return memory.flat_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision, inp.optimizer)
+    return memory.max_rank_states(m.shapes, strategy, inp.gpus, shard_degree, inp.precision, inp.optimizer)
+
+
+def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
+    if inp.accounting == "paper" or m.shapes is None:
+        return 0
+    if strategy in memory.FSDP_STRATEGIES:
+        return memory.fsdp_buffer_bytes(m.shapes, strategy, inp.precision)
+    return memory.ddp_buffer_bytes(m.shapes, inp.precision)
+
+
+def _activations(m: _Model, inp: Inputs) -> int:
+    if m.arch is None:
+        return 0
+    return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
+                            inp.ac, inp.ac_every)
+
+
+def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int) -> StrategyPlan:
+    shard = inp.hsdp_shard_size if strategy == "hsdp" else (inp.gpus if strategy != "ddp" else 1)
+    st = _states(m, strategy, inp, shard if strategy != "zero1" else inp.gpus)
+    cpu_per_rank = 0
+    if inp.offload == "optimizer":
+        cpu_per_rank = st.optimizer + st.optimizer_step_temp
+        st = memory.States(st.params, st.grads, 0, 0)
+    elif inp.offload == "all":
+        cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
+        st = memory.States(0, 0, 0, 0)
+    act, buf = _activations(m, inp), _buffers(m, strategy, inp)
+    total = memory.peak_bytes(st, act, buf)
+    colls = comm.collectives(strategy, num_params=m.num_params,
+                             trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,
+                             precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)
+    return StrategyPlan(
+        name=strategy, shard_degree=shard, replicate_degree=inp.gpus // shard if strategy == "hsdp" else (
+            inp.gpus if strategy in ("ddp", "zero1") else 1),
+        memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total),
+        fits=total <= usable, headroom_bytes=usable - total,
+        cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
+        comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
+        collectives=colls,
+    )
+
+
+def _applicable(inp: Inputs) -> list[str]:
+    names = inp.strategies or list(STRATEGIES)
+    if inp.offload == "all":  # FSDP2's CPUOffloadPolicy; DDP has no offload
+        names = [s for s in names if s in memory.FSDP_STRATEGIES]
+    return names
+
+
+def _suggest(m: _Model, sp: StrategyPlan, inp: Inputs, usable: int) -> str:
+    """The smallest change that makes a strategy fit: without offload, and with offload."""
+    from dataclasses import replace
+
+    def more_gpus(base: Inputs, label: str):
+        for k in range(1, 9):
+            g = base.gpus * 2**k
+            shard = base.hsdp_shard_size * 2**k if sp.name == "hsdp" else base.hsdp_shard_size
+            extra = f" --hsdp-shard-size {shard}" if sp.name == "hsdp" else ""
+            yield f"{label}--gpus {g}{extra}".strip(), replace(base, gpus=g, hsdp_shard_size=shard)
+
+    full = replace(inp, ac="full") if m.arch is not None and inp.ac != "full" else None
+    scale_out = []
+    if full:
+        scale_out.append(("--ac full", full))
+    if inp.micro_batch > 1:
+        scale_out.append(("--micro-batch 1", replace(inp, micro_batch=1)))
+    if sp.name != "ddp":
+        scale_out += list(more_gpus(inp, ""))
+        if full:
+            scale_out += list(more_gpus(full, "--ac full "))
+    offload = []
+    if sp.name in memory.FSDP_STRATEGIES and inp.offload != "all" and inp.accounting == "shardtune":
+        offload.append(("--offload all", replace(inp, offload="all")))
+        if full:
+            offload.append(("--ac full --offload all", replace(full, offload="all")))
+    found = []
+    for tries in (scale_out, offload):
+        for label, changed in tries:
+            p = _plan_strategy(m, sp.name, changed, usable)
+            if p.fits:
+                cpu = (f" ({p.cpu_offload_bytes_per_node / GIB:,.0f} GiB CPU RAM per node)"
+                       if p.cpu_offload_bytes_per_node else "")
+                found.append(label + cpu)
+                break
+    if found:
+        return " or ".join(found)
+    if sp.name in ("ddp", "zero1", "zero2"):  # whole params (or zero2's unsharded bf16 copy) never fit
+        return "zero3"
+    return "LoRA, or a larger GPU"
+
+
+def _verdict(plans: list[StrategyPlan], usable: int) -> str:
+    fit = [p.name for p in plans if p.fits]
+    parts = [f"fits: {', '.join(fit) if fit else 'none'}"]
+    for p in plans:
+        if not p.fits:
+            parts.append(f"{p.name} needs {p.memory.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable"
+                         f" (try {p.suggestion})")
+    return "; ".join(parts)
+
+
+def default_reserve_bytes(gpu: GPU) -> int:
+    """What the planner keeps free: 1 GiB for the CUDA context, cuBLAS workspaces and NCCL
+    buffers, plus 5 % of the GPU for the caching allocator's fragmentation (an estimate;
+    override with `reserve_gib`)."""
+    return GIB + gpu.memory_bytes // 20
+
+
+def plan(model=None, gpus: int = 8, **options) -> PlanResult:
+    """Plan every applicable strategy for `model` (catalogue name, config.json, model folder or an
+    HF config dict) on `gpus` GPUs. Options (all keyword): gpu, nodes, gpus_per_node, seq_len,
+    micro_batch, grad_accum, precision, optimizer, ac, ac_every, offload, lora_rank, accounting,
+    hsdp_shard_size, params, reserve_gib, strategies — see `validate.Inputs` for defaults."""
+    inp = validate_inputs(model=model, gpus=gpus, **options)
+    gpu = resolve_gpu(inp.gpu)
+    reserve = default_reserve_bytes(gpu) if inp.reserve_gib is None else round(inp.reserve_gib * GIB)
+    if reserve >= gpu.memory_bytes:
+        raise UserError(f"--reserve-gib {inp.reserve_gib} leaves nothing of the {gpu.name}'s "
+                        f"{gpu.memory_bytes / GIB:.1f} GiB; give a smaller reserve")
+    usable = gpu.memory_bytes - reserve
+    m = _load_model(inp.model, inp.params, inp.lora_rank)
+    plans = [_plan_strategy(m, s, inp, usable) for s in _applicable(inp)]
+    ddp_bytes = comm.bytes_per_step(comm.collectives(
+        "ddp", num_params=m.num_params, trainable_params=m.trainable, world_size=inp.gpus, shard_degree=1,
+        precision=inp.precision, shapes=m.shapes, accounting=inp.accounting), inp.grad_accum)
+    for p in plans:
+        p.comm_ratio_to_ddp = round(p.comm_bytes_per_step / ddp_bytes, 4) if ddp_bytes else None
+        if not p.fits:
+            p.suggestion = _suggest(m, p, inp, usable)
+    notes = _notes(m, inp)
+    return PlanResult(
+        model={"name": m.name, "source": m.source, "params": m.num_params,
+               "trainable_params": m.trainable, "active_params": m.active,
+               "architecture": asdict(m.arch) if m.arch else None},
+        hardware={"gpu": gpu.name, "gpu_memory_bytes": gpu.memory_bytes, "reserve_bytes": reserve,
+                  "usable_bytes": usable, "gpus": inp.gpus, "nodes": inp.nodes,
+                  "gpus_per_node": inp.gpus_per_node, "bf16_flops": gpu.bf16_flops, "source": gpu.source},
+        inputs=inp.to_dict(), accounting=inp.accounting, strategies=plans,
+        verdict=_verdict(plans, usable), notes=notes,
+    )
+
+
+def _notes(m: _Model, inp: Inputs) -> list[str]:
+    notes = []
+    if m.shapes is None:
+        notes.append("model states only (--params): no activations, buffers or FSDP padding")
+    if inp.accounting == "paper":
+        notes.append("ZeRO paper accounting (Rajbhandari et al. 2020 §5): model states 2Ψ + 2Ψ + KΨ; "
+                     "no buffers or temporaries")
+    if inp.offload == "optimizer":
+        notes.append("offload optimizer is a planner-only mode (DeepSpeed ZeRO-Offload); "
+                     "the trainer offers offload all (FSDP2 CPUOffloadPolicy)")
+    if inp.offload == "all":
+        notes.append("offload all applies to FSDP strategies only (FSDP2 CPUOffloadPolicy); ddp and zero1 omitted")
+    if inp.lora_rank:
+        notes.append(f"LoRA rank {inp.lora_rank}: only the adapters carry grads and optimizer states")
+    return notes

@@ -1,0 +1,117 @@
+"""Communication per optimizer step: the collectives each strategy issues, and bytes per rank.
+
+Each strategy is a list of `Collective`s (the α-β time model in plan/timing.py prices them).
+`payload_bytes` follows nccl-tests' size convention: the whole buffer — the all-reduce buffer,
+the all-gather output, the reduce-scatter input. A ring sends per rank (nccl-tests
+doc/PERFORMANCE.md; Patarasuk & Yuan 2009):
+  all-reduce      2(n−1)/n · S
+  all-gather      (n−1)/n · S
+  reduce-scatter  (n−1)/n · S
+  broadcast       (n−1)/n · S  for ZeroRedundancyOptimizer's n broadcasts of S/n each (every
+                  rank roots its own partition; a pipelined broadcast of S/n costs (n−1)·S/n
+                  sends in all, so (n−1)/n·S per rank over the n of them)
+
+What our trainer sends (docs/DESIGN.md; Ψ = parameters, bf16-mixed):
+  ddp    all-reduce of the grads in the reduce dtype (fp32 → 4Ψ bytes), once per step (no_sync
+         on the other micro-batches). The ZeRO paper counts 2Ψ elements in fp16.
+  zero1  the same all-reduce, then ZeroRedundancyOptimizer broadcasts each rank's updated fp32
+         partition (4Ψ bytes in all): 3Ψ elements, where the paper's ZeRO-1 moves 2Ψ.
+  zero2  all-gather of the bf16 params (2Ψ bytes) per micro-batch + reduce-scatter of the fp32
+         grads (4Ψ) per micro-batch (FSDP2 reduces in every backward by default).
+  zero3  all-gather in forward and again in backward + reduce-scatter: 3Ψ elements, 1.5× DDP's
+         2Ψ — the "+50 %" — counted in elements. In bytes with bf16 gathers and fp32 reductions
+         it is (2 + 2 + 4)Ψ against DDP's 2·4Ψ: the same bytes as DDP.
+  hsdp   zero3 inside a shard group of G ranks + all-reduce of the fp32 grad shards (4Ψ/G)
+         across the N/G replicas.
+FSDP2 collectives move padded shards: S = n · Σ ceil(dim0/n)·rest (memory.fsdp2_shard_numel).
+The root group is resharded after forward (the trainer passes reshard_after_forward explicitly)
+and all-gathered again in backward. Imports no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from shardtune.plan.memory import FSDP_STRATEGIES, dtypes, fsdp2_shard_numel
+from shardtune.plan.params import ParamShape
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective over the whole model (FSDP2 issues it layer by layer; sizes add up).
+
+    `group`: "world", "shard" or "replica" (HSDP's mesh dimensions, as in plan/timing.py).
+    `phase`: "forward" / "backward" (overlap with that phase's compute) or "optimizer".
+    `count_per`: "micro_batch" (every forward/backward) or "step" (once per optimizer step).
+    """
+
+    op: str
+    group: str
+    payload_bytes: int
+    group_size: int
+    count_per: str
+    phase: str
+    what: str
+
+    def bytes_per_rank(self) -> float:
+        """Bytes each rank sends for one call (ring; module doc)."""
+        n = self.group_size
+        if n <= 1:
+            return 0.0
+        factor = 2.0 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
+        return factor * self.payload_bytes
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), bytes_per_rank=round(self.bytes_per_rank()))
+
+
+def _padded_total(shapes: list[ParamShape] | None, num: int, n: int, trainable_only: bool) -> int:
+    """Elements an FSDP2 collective over n ranks moves: n × the padded shard."""
+    if shapes is None:
+        return n * -(-num // n)
+    return n * sum(fsdp2_shard_numel(p.shape, n) for p in shapes if p.trainable or not trainable_only)
+
+
+def collectives(strategy: str, *, num_params: int, trainable_params: int, world_size: int,
+                shard_degree: int, precision: str, shapes: list[ParamShape] | None = None,
+                accounting: str = "shardtune") -> list[Collective]:
+    """The collectives `strategy` issues per step (module doc). `shapes` None: a bare count."""
+    N, G = world_size, shard_degree
+    if accounting == "paper":  # ZeRO §7: everything in fp16 (2 bytes), no padding
+        P, T = 2 * num_params, 2 * trainable_params
+        if strategy in ("ddp", "zero1"):
+            return [Collective("all_reduce", "world", T, N, "step", "backward", "grads")]
+        if strategy == "zero2":
+            return [Collective("reduce_scatter", "world", T, N, "step", "backward", "grads"),
+                    Collective("all_gather", "world", P, N, "step", "optimizer", "updated params")]
+        group, n = ("shard", G) if strategy == "hsdp" else ("world", N)
+        out = [Collective("all_gather", group, P, n, "micro_batch", "forward", "params"),
+               Collective("all_gather", group, P, n, "micro_batch", "backward", "params"),
+               Collective("reduce_scatter", group, T, n, "micro_batch", "backward", "grads")]
+        if strategy == "hsdp" and N > G:
+            out.append(Collective("all_reduce", "replica", -(-T // G), N // G, "micro_batch", "backward", "grad shards"))
+        return out
+
+    dt = dtypes(precision)
+    if strategy not in FSDP_STRATEGIES:
+        out = [Collective("all_reduce", "world", dt.reduce * trainable_params, N, "step", "backward", "grads")]
+        if strategy == "zero1":
+            out.append(Collective("broadcast", "world", dt.param * trainable_params, N, "step",
+                                  "optimizer", "updated params (each rank its partition)"))
+        return out
+    group, n = ("shard", G) if strategy == "hsdp" else ("world", N)
+    gathered = dt.compute * _padded_total(shapes, num_params, n, trainable_only=False)
+    reduced = dt.reduce * _padded_total(shapes, trainable_params, n, trainable_only=True)
+    out = [Collective("all_gather", group, gathered, n, "micro_batch", "forward", "params")]
+    if strategy != "zero2":  # zero2 keeps the forward's unsharded params for backward
+        out.append(Collective("all_gather", group, gathered, n, "micro_batch", "backward", "params"))
+    out.append(Collective("reduce_scatter", group, reduced, n, "micro_batch", "backward", "grads"))
+    if strategy == "hsdp" and N > G:
+        out.append(Collective("all_reduce", "replica", reduced // n, N // G, "micro_batch", "backward", "grad shards"))
+    return out
+
+
+def bytes_per_step(colls: list[Collective], grad_accum: int = 1) -> int:
+    """Bytes each rank sends per optimizer step (micro-batch collectives × grad_accum)."""
+    return round(sum(c.bytes_per_rank() * (grad_accum if c.count_per == "micro_batch" else 1) for c in colls))

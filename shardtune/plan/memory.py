@@ -1,0 +1,261 @@
+"""Per-GPU model states (params, grads, optimizer) and temporary buffers for each strategy.
+
+Two accountings, named in every result:
+
+* `paper` — ZeRO (Rajbhandari et al. 2020, §5 and Figure 1): mixed-precision Adam holds
+  2Ψ (fp16 params) + 2Ψ (fp16 grads) + KΨ (K = 12: fp32 params, momentum, variance). ZeRO-1
+  shards the KΨ, ZeRO-2 also the grads, ZeRO-3 also the params, each over N ranks:
+  DDP (4 + K)Ψ, ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2 + K)Ψ/N, ZeRO-3 (4 + K)Ψ/N.
+  Ψ = 7.5e9, N = 64 → 120 / 31.4 / 16.6 / 1.9 GB (10^9 bytes), the paper's Figure 1.
+  Model states only: no buffers, no optimizer temporaries, no padding.
+* `shardtune` (default) — what our trainer really holds (docs/DESIGN.md "Strategies"):
+  - zero2 / zero3 / hsdp: FSDP2 `fully_shard` per decoder layer, then the root. Sharded params
+    are kept in the precision's master dtype (fp32 for bf16-mixed: MixedPrecisionPolicy(param_dtype
+    =bf16, reduce_dtype=fp32)), sharded grads in the same dtype, AdamW m and v in fp32: 4 + 4 + 8
+    bytes per parameter, divided by the shard degree. FSDP2 pads dim 0 of every tensor to a
+    multiple of the shard degree: each rank allocates ceil(dim0 / N) rows (`fsdp2_shard_numel`).
+  - ddp: DistributedDataParallel(gradient_as_bucket_view=True): fp32 params and grads whole
+    (the bucket views are the grads, no copy), Adam 8Ψ whole.
+  - zero1: the same DDP + torch.distributed.optim.ZeroRedundancyOptimizer: params and grads
+    whole, optimizer states only for the parameters this rank owns. Torch assigns whole tensors,
+    largest first, to the rank with the fewest elements so far (`zero1_partition`).
+  - bf16 (pure): params, grads and optimizer states in bf16 (2 + 2 + 4 B/param), no fp32 master.
+    fp32: 4 + 4 + 8, no bf16 copies.
+  Every number is rank 0's, the largest rank (FSDP2's rank 0 always holds the full ceil(dim0/N)
+  rows, and the greedy zero1 partition is reported at its largest rank).
+
+Buffers (shardtune only; they exist during forward/backward, not at rest):
+  - zero3/hsdp: the bf16 unsharded params of the root group (embedding, final norm, LM head:
+    all-gathered for the whole forward and again for the whole backward) and of two decoder
+    layers in flight (the current one and the prefetched next one); the unsharded grads of one
+    layer in backward (param dtype) plus FSDP2's reduce-scatter input (reduce dtype); the root's
+    unsharded grads (LM head, final norm), which are reduced only at the end of backward.
+  - zero2 (reshard_after_forward=False): all unsharded params from forward to backward (2Ψ),
+    plus the same grads in flight.
+  - ddp/zero1 with bf16-mixed: torch.autocast's weight cache keeps a bf16 copy of every trainable
+    weight from forward to backward (2Ψ).
+The optimizer step's temporaries: torch's foreach AdamW (`_multi_tensor_adamw`) allocates
+`exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`, one copy of the local states' size in their dtype
+(4 B/param for fp32 states); the other foreach ops work in place. SGD (no weight decay) and 8-bit
+Adam are modelled without temporaries. This is a model, to be calibrated against a measurement
+(a later issue measures it on a real run); the activations are freed by then, so the step's peak
+is states + temporaries, compared with the forward/backward peak by `peak_bytes`.
+Imports no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil, prod
+
+from shardtune.plan.params import ParamShape
+
+FSDP_STRATEGIES = ("zero2", "zero3", "hsdp")
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of each role under a precision setting."""
+
+    param: int  # the sharded / stored master params
+    grad: int  # the stored grads
+    compute: int  # unsharded params and activations in forward/backward
+    reduce: int  # gradient collectives
+    state: int  # optimizer states (per state)
+
+
+def dtypes(precision: str) -> Dtypes:
+    """bf16-mixed: fp32 master, bf16 compute, fp32 reduce; bf16: all bf16; fp32: all fp32."""
+    return {
+        "bf16-mixed": Dtypes(param=4, grad=4, compute=2, reduce=4, state=4),
+        "bf16": Dtypes(param=2, grad=2, compute=2, reduce=2, state=2),
+        "fp32": Dtypes(param=4, grad=4, compute=4, reduce=4, state=4),
+    }[precision]
+
+
+def fsdp2_shard_numel(shape: tuple[int, ...], shard_degree: int, rank: int = 0, padded: bool = True) -> int:
+    """Elements of one tensor's FSDP2 shard on `rank` (torch.chunk on dim 0).
+
+    FSDP2 pads dim 0 to a multiple of the shard degree, so every rank allocates ceil(dim0/N) rows
+    (`padded=True`); the unpadded local tensor (`DTensor.to_local()`, the optimizer states made
+    with zeros_like) has min(c, max(0, dim0 − rank·c)) rows. Rank 0 always has the full c rows.
+    """
+    if not shape:
+        return 1
+    dim0, rest = shape[0], prod(shape[1:])
+    rows = ceil(dim0 / shard_degree)
+    if not padded:
+        rows = min(rows, max(0, dim0 - rank * rows))
+    return rows * rest
+
+
+def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
+    """Tensor sizes each rank owns under ZeroRedundancyOptimizer (one param group).
+
+    torch/distributed/optim/zero_redundancy_optimizer.py `_partition_parameters`: sort by numel,
+    largest first (a stable sort), give each tensor to the rank with the fewest elements so far
+    (the lowest rank on ties).
+    """
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    sizes = [0] * world_size
+    for n in sorted(numels, reverse=True):
+        r = sizes.index(min(sizes))
+        owned[r].append(n)
+        sizes[r] += n
+    return owned
+
+
+def optimizer_state_bytes(numel: int, optimizer: str, state_bytes: int) -> int:
+    """Optimizer state bytes for one tensor of `numel` elements.
+
+    adamw: m and v (2 states); sgd: the momentum buffer (1 state); adamw-8bit (bitsandbytes,
+    blockwise): two 1-byte states plus one fp32 absmax per 256-element block each, and 32-bit
+    states for tensors under 4,096 elements (bitsandbytes' `min_8bit_size`).
+    """
+    if optimizer == "adamw":
+        return 2 * state_bytes * numel
+    if optimizer == "sgd":
+        return state_bytes * numel
+    if numel < 4096:
+        return 8 * numel
+    return 2 * numel + 2 * 4 * ceil(numel / 256)
+
+
+def optimizer_temp_bytes(state_numel: int, optimizer: str, state_bytes: int) -> int:
+    """foreach AdamW's sqrt(v) temporary: one copy of the local states' size (see module doc)."""
+    return state_bytes * state_numel if optimizer == "adamw" else 0
+
+
+@dataclass(frozen=True)
+class States:
+    """Per-rank bytes at rest, and the optimizer step's temporaries."""
+
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_step_temp: int
+
+
+def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
+                 rank: int = 0) -> tuple[int, int, list[int]]:
+    """(param elements, grad elements, optimizer-owned tensor sizes) held by `rank`.
+
+    FSDP strategies hold padded shards of everything; ddp/zero1 hold whole params and grads;
+    grads and optimizer states exist for trainable tensors only.
+    """
+    if strategy in FSDP_STRATEGIES:
+        r = rank % shard_degree  # mesh (replicate, shard): the shard index is innermost
+        local = [(fsdp2_shard_numel(p.shape, shard_degree, r), p.trainable) for p in shapes]
+        opt = [fsdp2_shard_numel(p.shape, shard_degree, r, padded=False) for p in shapes if p.trainable]
+        return sum(n for n, _ in local), sum(n for n, t in local if t), opt
+    params = sum(p.numel for p in shapes)
+    grads = sum(p.numel for p in shapes if p.trainable)
+    trainable = [p.numel for p in shapes if p.trainable]
+    if strategy == "zero1":
+        return params, grads, zero1_partition(trainable, world_size)[rank]
+    return params, grads, trainable
+
+
+def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
+                     precision: str, optimizer: str, rank: int = 0) -> States:
+    """What our trainer holds on `rank` (module doc, `shardtune` accounting)."""
+    dt = dtypes(precision)
+    p, g, opt = local_numels(shapes, strategy, world_size, shard_degree, rank)
+    return States(
+        params=p * dt.param,
+        grads=g * dt.grad,
+        optimizer=sum(optimizer_state_bytes(n, optimizer, dt.state) for n in opt),
+        optimizer_step_temp=optimizer_temp_bytes(sum(opt), optimizer, dt.state),
+    )
+
+
+def max_rank_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
+                    precision: str, optimizer: str) -> States:
+    """The largest rank's states: rank 0 for FSDP2 and DDP; the fullest zero1 partition."""
+    if strategy != "zero1":
+        return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, 0)
+    trainable = [p.numel for p in shapes if p.trainable]
+    owned = zero1_partition(trainable, world_size)
+    fullest = max(range(world_size), key=lambda r: sum(owned[r]))
+    return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, fullest)
+
+
+def flat_states(num_params: int, trainable: int, strategy: str, shard_degree: int,
+                precision: str, optimizer: str) -> States:
+    """`shardtune` states for a bare parameter count (--params): an even split, no padding."""
+    dt = dtypes(precision)
+    shard = ceil(trainable / shard_degree)
+    sharded = strategy in FSDP_STRATEGIES
+    opt_numel = trainable if strategy == "ddp" else shard
+    return States(
+        params=(ceil(num_params / shard_degree) if sharded else num_params) * dt.param,
+        grads=(shard if sharded else trainable) * dt.grad,
+        optimizer=optimizer_state_bytes(opt_numel, optimizer, dt.state),
+        optimizer_step_temp=optimizer_temp_bytes(opt_numel, optimizer, dt.state),
+    )
+
+
+def paper_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, float]:
+    """(param, grad, K) bytes per parameter in ZeRO's accounting (§5: 2, 2, 12 for mixed Adam)."""
+    if precision == "bf16-mixed":
+        return 2, 2, {"adamw": 12, "sgd": 8, "adamw-8bit": 6}[optimizer]  # fp32 master + states
+    if precision == "bf16":
+        return 2, 2, {"adamw": 4, "sgd": 2, "adamw-8bit": 2}[optimizer]
+    return 4, 4, {"adamw": 8, "sgd": 4, "adamw-8bit": 2}[optimizer]
+
+
+def paper_states(num_params: int, trainable: int, strategy: str, shard_degree: int,
+                 precision: str, optimizer: str) -> States:
+    """ZeRO §5 model states per rank: stage 1 shards K, stage 2 also grads, stage 3 also params."""
+    pb, gb, k = paper_bytes_per_param(precision, optimizer)
+    n = shard_degree
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}[strategy]
+    return States(
+        params=ceil(pb * num_params / (n if stage >= 3 else 1)),
+        grads=ceil(gb * trainable / (n if stage >= 2 else 1)),
+        optimizer=ceil(k * trainable / (n if stage >= 1 else 1)),
+        optimizer_step_temp=0,
+    )
+
+
+def fsdp_buffer_bytes(shapes: list[ParamShape], strategy: str, precision: str) -> int:
+    """Unsharded params and grads in flight at the start of backward (module doc)."""
+    dt = dtypes(precision)
+    layers: dict[int, list[ParamShape]] = {}
+    for p in shapes:
+        if p.group != "root":
+            layers.setdefault(p.group, []).append(p)
+    root = [p for p in shapes if p.group == "root"]
+    layer_numel = max((sum(p.numel for p in ps) for ps in layers.values()), default=0)
+    layer_trainable = max((sum(p.numel for p in ps if p.trainable) for ps in layers.values()), default=0)
+    if strategy == "zero2":
+        unsharded = sum(p.numel for p in shapes)
+    else:
+        unsharded = sum(p.numel for p in root) + 2 * layer_numel
+    # The root's grads wait for the end of backward; the embedding's arrives last (unless tied).
+    root_grads = sum(p.numel for p in root if p.trainable and p.name != "model.embed_tokens.weight")
+    if any(p.name == "model.embed_tokens.weight" and p.trainable for p in root) and not any(
+            p.name == "lm_head.weight" for p in root):
+        root_grads += next(p.numel for p in root if p.name == "model.embed_tokens.weight")
+    return dt.compute * (unsharded + root_grads) + (dt.compute + dt.reduce) * layer_trainable
+
+
+def ddp_buffer_bytes(shapes: list[ParamShape], precision: str) -> int:
+    """torch.autocast's cache of bf16 weight copies, bf16-mixed only.
+
+    Autocast caches the bf16 cast of leaf weights that require grad and feed a matmul: every 2-D
+    trainable weight except the input embedding (an embedding lookup is not cast) unless it is
+    tied to the LM head. Mixtral's 3-D expert tensors are indexed per expert (a non-leaf view),
+    so their casts are not cached.
+    """
+    if precision != "bf16-mixed":
+        return 0
+    tied = not any(p.name == "lm_head.weight" for p in shapes)
+    cached = sum(p.numel for p in shapes if p.trainable and len(p.shape) == 2
+                 and (tied or p.name != "model.embed_tokens.weight"))
+    return dtypes(precision).compute * cached
+
+
+def peak_bytes(states: States, activations: int, buffers: int) -> int:
+    """The larger of the forward/backward peak and the optimizer step's peak, plus the states."""
+    at_rest = states.params + states.grads + states.optimizer
+    return at_rest + max(activations + buffers, states.optimizer_step_temp)

@@ -1,0 +1,78 @@
+"""Human-readable rendering of a `PlanResult`: a rich table, GiB (2^30) and GB (10^9) labelled."""
+from __future__ import annotations
+
+from shardtune.plan.api import GIB, PlanResult
+
+GB = 10**9
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.1f}"
+
+
+def render_text(result: PlanResult, console=None) -> None:
+    """Print the header lines, the per-strategy table and the verdict."""
+    from rich.console import Console
+
+    if console is None:
+        console = Console(highlight=False)
+        if not console.is_terminal:  # piped: no terminal to wrap for, keep the table whole
+            console = Console(highlight=False, width=120)
+    m, hw, inp = result.model, result.hardware, result.inputs
+    trainable = "" if m["trainable_params"] == m["params"] else f", {m['trainable_params']:,} trainable"
+    active = "" if m["active_params"] == m["params"] or inp["lora_rank"] else f", {m['active_params']:,} active per token"
+    console.print(f"model {m['name']}: {m['params']:,} parameters{trainable}{active}")
+    console.print(
+        f"{hw['gpus']} × {hw['gpu']} ({hw['nodes']} node(s) × {hw['gpus_per_node']}): "
+        f"{_gib(hw['gpu_memory_bytes'])} GiB each, {_gib(hw['reserve_bytes'])} GiB reserved "
+        f"(CUDA context, NCCL, allocator slack) → {_gib(hw['usable_bytes'])} GiB usable")
+    console.print(
+        f"seq {inp['seq_len']} × micro-batch {inp['micro_batch']}, {inp['precision']}, {inp['optimizer']}, "
+        f"AC {inp['ac']}, offload {inp['offload']}"
+        + (f", LoRA r={inp['lora_rank']}" if inp["lora_rank"] else "")
+        + f"; accounting: {result.accounting}")
+    console.print(_memory_table(result))
+    console.print(_comm_table(result))
+    for s in result.strategies:
+        if s.cpu_offload_bytes_per_node:
+            console.print(f"{s.name}: offloaded states need {_gib(s.cpu_offload_bytes_per_node)} GiB of CPU RAM per node")
+    console.print(f"verdict: {result.verdict}")
+    for note in result.notes:
+        console.print(f"note: {note}")
+
+
+_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
+
+
+def _memory_table(result: PlanResult):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Per-GPU memory in GiB (2^30 bytes); peak also in GB (10^9 bytes)",
+                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("strategy", "shard", "params", "grads", "optim", "activ", "buffers", "opt tmp",
+                "peak GiB", "peak GB", "free GiB", "fits"):
+        table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
+    for s in result.strategies:
+        mem = s.memory
+        table.add_row(
+            s.name, str(s.shard_degree), _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
+            _gib(mem.activations), _gib(mem.buffers), _gib(mem.optimizer_step_temp), _gib(mem.total),
+            f"{mem.total / GB:,.1f}", f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
+    return table
+
+
+def _comm_table(result: PlanResult):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Communication per rank per optimizer step, GB (10^9 bytes) sent (ring)",
+                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("strategy", "collectives (GB sent each)", "total GB", "× ddp"):
+        table.add_column(col, justify="left" if col.startswith(("strategy", "coll")) else "right")
+    for s in result.strategies:
+        parts = " + ".join(f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}"
+                           for c in s.collectives)
+        ratio = "" if s.comm_ratio_to_ddp is None else f"{s.comm_ratio_to_ddp:.2f}"
+        table.add_row(s.name, parts, f"{s.comm_bytes_per_step / GB:,.1f}", ratio)
+    return table

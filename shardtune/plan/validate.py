@@ -1,0 +1,128 @@
+"""The planner's inputs with their defaults, and the checks that turn bad ones into UserErrors.
+
+Defaults live here, in one place; `shardtune plan` and `shardtune.plan.plan()` share them.
+Imports no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from shardtune.errors import UserError
+from shardtune.strategies import (
+    normalize_ac,
+    normalize_offload,
+    normalize_optimizer,
+    normalize_precision,
+    normalize_strategy,
+)
+
+ACCOUNTINGS = ("shardtune", "paper")
+MAX_GPUS = 1_000_000
+MAX_PARAMS = 1e14  # 100 T parameters
+MAX_SEQ_LEN = 10_000_000
+MAX_MICRO_BATCH = 100_000
+
+
+@dataclass
+class Inputs:
+    """Everything a plan depends on, validated (names as in the CLI flags)."""
+
+    model: object = None  # catalogue name, config.json, model folder or HF config dict
+    gpus: int = 8  # total GPUs (world size)
+    gpu: str = "h100-80gb"
+    nodes: int | None = None  # default: gpus / gpus_per_node
+    gpus_per_node: int | None = None  # default: gpus / nodes, or min(8, gpus)
+    seq_len: int = 2048
+    micro_batch: int = 1
+    grad_accum: int = 1
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    ac: str = "none"
+    ac_every: int = 2  # selective AC: every k-th decoder layer
+    offload: str = "none"
+    lora_rank: int = 0
+    accounting: str = "shardtune"
+    hsdp_shard_size: int | None = None  # default: gpus_per_node
+    params: float | None = None  # a bare parameter count instead of a model
+    reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
+    strategies: list[str] | None = None  # default: all that apply
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("model")
+        return d
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> int:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise UserError(f"{flag} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise UserError(f"{flag} {value} is out of range; give {lo} to {hi:,}")
+    return int(value)
+
+
+def validate_inputs(**kw) -> Inputs:
+    """Checked, normalised `Inputs`; a bad value is a one-line UserError naming the flag."""
+    known = {f.name for f in fields(Inputs)}
+    unknown = sorted(set(kw) - known)
+    if unknown:
+        raise UserError(f"unknown plan option {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    inp = Inputs(**{k: v for k, v in kw.items() if v is not None or k in ("model",)})
+    if inp.model is None and inp.params is None:
+        raise UserError("give a MODEL (catalogue name, config.json or model folder) or --params N")
+    if inp.model is not None and inp.params is not None:
+        raise UserError("give either a MODEL or --params, not both")
+    if inp.params is not None:
+        if not isinstance(inp.params, (int, float)) or not 1 <= inp.params <= MAX_PARAMS:
+            raise UserError(f"--params {inp.params!r} is out of range; give a count such as 7.5e9 (at most 1e14)")
+        if inp.lora_rank:
+            raise UserError("--lora-rank needs a model architecture; give a MODEL instead of --params")
+    inp.gpus = _int_in("gpus", inp.gpus, 1, MAX_GPUS)
+    inp.seq_len = _int_in("seq_len", inp.seq_len, 1, MAX_SEQ_LEN)
+    inp.micro_batch = _int_in("micro_batch", inp.micro_batch, 1, MAX_MICRO_BATCH)
+    inp.grad_accum = _int_in("grad_accum", inp.grad_accum, 1, 1_000_000)
+    inp.ac_every = _int_in("ac_every", inp.ac_every, 1, 100_000)
+    inp.lora_rank = _int_in("lora_rank", inp.lora_rank, 0, 65_536)
+    _layout(inp)
+    inp.precision = normalize_precision(inp.precision)
+    inp.optimizer = normalize_optimizer(inp.optimizer)
+    inp.ac = normalize_ac(inp.ac)
+    inp.offload = normalize_offload(inp.offload)
+    if inp.accounting not in ACCOUNTINGS:
+        raise UserError(f"unknown accounting {inp.accounting!r}; choose one of {', '.join(ACCOUNTINGS)}")
+    if inp.strategies is not None:
+        inp.strategies = list(dict.fromkeys(normalize_strategy(s) for s in inp.strategies))
+    if inp.reserve_gib is not None and not (isinstance(inp.reserve_gib, (int, float)) and 0 <= inp.reserve_gib < 1e6):
+        raise UserError(f"--reserve-gib {inp.reserve_gib!r} must be a non-negative number of GiB")
+    return inp
+
+
+def _layout(inp: Inputs) -> None:
+    """nodes × gpus_per_node = gpus, and an HSDP shard size that divides the world."""
+    n = inp.gpus
+    if inp.nodes is not None:
+        inp.nodes = _int_in("nodes", inp.nodes, 1, MAX_GPUS)
+    if inp.gpus_per_node is not None:
+        inp.gpus_per_node = _int_in("gpus_per_node", inp.gpus_per_node, 1, MAX_GPUS)
+    if inp.nodes is not None and inp.gpus_per_node is not None:
+        if inp.nodes * inp.gpus_per_node != n:
+            raise UserError(f"--nodes {inp.nodes} × --gpus-per-node {inp.gpus_per_node} ≠ --gpus {n}; "
+                            "give two of the three that agree")
+    elif inp.nodes is not None:
+        if n % inp.nodes:
+            raise UserError(f"--gpus {n} is not divisible by --nodes {inp.nodes}; give a multiple")
+        inp.gpus_per_node = n // inp.nodes
+    else:
+        if inp.gpus_per_node is None:
+            inp.gpus_per_node = min(8, n)
+        if n % inp.gpus_per_node:
+            raise UserError(f"--gpus {n} is not a multiple of {inp.gpus_per_node} GPUs per node; "
+                            "give --gpus-per-node or --nodes")
+        inp.nodes = n // inp.gpus_per_node
+    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else inp.gpus_per_node
+    g = _int_in("hsdp_shard_size", g, 1, MAX_GPUS)
+    if n % g:
+        raise UserError(f"--hsdp-shard-size {g} does not divide --gpus {n}; give a divisor such as "
+                        f"{inp.gpus_per_node if n % inp.gpus_per_node == 0 else 1}")
+    inp.hsdp_shard_size = g

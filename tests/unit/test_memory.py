@@ -1,0 +1,165 @@
+"""Memory and communication of each strategy against the ZeRO paper and hand derivations."""
+import pytest
+
+from shardtune.plan import plan
+from shardtune.plan.activations import activation_bytes, korthikanti_layer_bytes
+from shardtune.plan.memory import fsdp2_shard_numel, zero1_partition
+from shardtune.plan.params import Architecture
+
+GIB = 2**30
+
+
+def test_zero_paper_figure1():
+    # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5 B, N_d = 64, K = 12 →
+    # baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB (10^9 bytes).
+    r = plan(params=7.5e9, gpus=64, accounting="paper")
+    got = {s.name: round(s.memory.total / 1e9, 1) for s in r.strategies}
+    assert (got["ddp"], got["zero1"], got["zero2"], got["zero3"]) == (120.0, 31.4, 16.6, 1.9)
+
+
+def test_paper_comm_zero3_is_one_and_a_half_ddp():
+    # ZeRO §7: DP and ZeRO-1/2 move 2Ψ elements, ZeRO-3 3Ψ (two all-gathers + reduce-scatter).
+    r = plan(params=1e9, gpus=16, accounting="paper")
+    assert r.strategy("zero3").comm_ratio_to_ddp == 1.5
+    assert r.strategy("zero2").comm_ratio_to_ddp == 1.0
+    # ring: all-reduce sends 2(N−1)/N·S per rank, S = 2 bytes × Ψ
+    assert r.strategy("ddp").comm_bytes_per_step == round(2 * 15 / 16 * 2e9)
+
+
+def test_shardtune_comm_in_bytes():
+    # bf16-mixed: DDP all-reduces fp32 grads (4Ψ); zero3 gathers bf16 twice (2Ψ + 2Ψ) and
+    # reduce-scatters fp32 (4Ψ): (N−1)/N·8Ψ either way, a ratio of 1.0 in bytes.
+    n, psi = 4, 1_000_000_000
+    r = plan(params=psi, gpus=n)
+    assert r.strategy("ddp").comm_bytes_per_step == round(2 * (n - 1) / n * 4 * psi)
+    assert r.strategy("zero3").comm_bytes_per_step == round((n - 1) / n * (2 + 2 + 4) * psi)
+    assert r.strategy("zero1").comm_ratio_to_ddp == 1.5  # + fp32 param broadcast (N−1)/N·4Ψ
+    fp32 = plan(params=psi, gpus=n, precision="fp32")
+    assert fp32.strategy("zero3").comm_ratio_to_ddp == 1.5  # every element 4 bytes: 3Ψ vs 2Ψ
+
+
+# tiny-llama: V=264, h=128, I=344, 4 layers, 4 heads, 2 KV heads of 32, untied.
+def _tiny_shards_by_hand(n_rows):
+    """Padded per-rank elements for tiny-llama: each tensor keeps ceil(dim0/N) rows."""
+    embed = n_rows(264) * 128
+    layer = (n_rows(128) * 128 + 2 * n_rows(64) * 128 + n_rows(128) * 128  # q, k, v, o
+             + 2 * n_rows(344) * 128 + n_rows(128) * 344  # gate, up, down
+             + 2 * n_rows(128))  # two RMSNorm weights
+    return embed + 4 * layer + n_rows(128) + n_rows(264) * 128  # + final norm + lm_head
+
+
+def test_zero3_fp32_exact_shards_with_padding():
+    # N = 3 pads: 128 → 43 rows (129), 64 → 22 (66), 344 → 115 (345); 264 → 88 (exact).
+    local = _tiny_shards_by_hand(lambda d: -(-d // 3))
+    assert local == 88 * 128 + 4 * (43 * 128 + 44 * 128 + 43 * 128 + 230 * 128 + 43 * 344 + 86) + 43 + 88 * 128
+    s = plan("tiny-llama", 3, precision="fp32", seq_len=16).strategy("zero3")
+    assert (s.memory.params, s.memory.grads, s.memory.optimizer) == (4 * local, 4 * local, 8 * local)
+    assert s.memory.optimizer_step_temp == 4 * local  # foreach AdamW's sqrt(v) copy
+
+
+def test_fsdp2_rows_match_torch_chunk():
+    import torch
+
+    for dim0, n in [(264, 3), (64, 5), (8, 16), (344, 8)]:
+        chunks = torch.empty(dim0).chunk(n)
+        for r in range(n):
+            real = chunks[r].numel() if r < len(chunks) else 0
+            assert fsdp2_shard_numel((dim0,), n, r, padded=False) == real
+        assert fsdp2_shard_numel((dim0,), n) == chunks[0].numel()  # rank 0 = padded size
+
+
+def test_zero1_partition_greedy_by_hand():
+    # largest first to the emptiest rank: 10→r0, 7→r1, 5→r1, 3→r0, 3→r1
+    assert zero1_partition([3, 10, 5, 7, 3], 2) == [[10, 3], [7, 5, 3]]
+
+
+def test_ddp_and_zero1_bf16_mixed_by_hand():
+    psi = 264 * 128 * 2 + 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 344 + 2 * 128) + 128
+    matrices_but_embedding = 264 * 128 + 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 344)
+    r = plan("tiny-llama", 2, seq_len=16)
+    ddp = r.strategy("ddp").memory
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    assert ddp.buffers == 2 * matrices_but_embedding  # autocast's bf16 weight cache
+    z1 = r.strategy("zero1").memory
+    assert (z1.params, z1.grads) == (4 * psi, 4 * psi)
+    assert psi / 2 <= z1.optimizer / 8 <= psi / 2 + 128 * 344  # greedy split within one tensor
+
+
+def test_pure_bf16_and_fp32_bytes_per_param():
+    bf16 = plan(params=1e9, gpus=1, precision="bf16").strategy("ddp").memory
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (2e9, 2e9, 4e9)  # no fp32 master
+    fp32 = plan(params=1e9, gpus=1, precision="fp32").strategy("ddp").memory
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4e9, 4e9, 8e9)
+
+
+def test_lora_frozen_weights_carry_no_grads_or_states():
+    r = plan("tiny-llama", 1, precision="fp32", lora_rank=8, seq_len=16)
+    # adapters on q,k,v,o,gate,up,down: r·(in + out) each, 4 layers
+    adapters = 4 * 8 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 344) + (344 + 128))
+    assert r.model["trainable_params"] == adapters
+    ddp = r.strategy("ddp").memory
+    assert (ddp.grads, ddp.optimizer) == (4 * adapters, 8 * adapters)
+    assert ddp.params == 4 * r.model["params"]
+
+
+def test_hsdp_shards_over_the_group_and_offload_reports_cpu_ram():
+    r = plan(params=16e9, gpus=16, gpus_per_node=8, precision="fp32")
+    hsdp, z3 = r.strategy("hsdp").memory, r.strategy("zero3").memory
+    assert hsdp.params == 4 * 16e9 / 8 and z3.params == 4 * 16e9 / 16
+    off = plan(params=16e9, gpus=16, gpus_per_node=8, precision="fp32", offload="all").strategy("zero3")
+    assert off.memory.params == off.memory.grads == off.memory.optimizer == 0
+    per_rank = (4 + 4 + 8 + 4) * 16e9 / 16  # params, grads, Adam m and v, the step's temporary
+    assert off.cpu_offload_bytes_per_node == 8 * per_rank
+    assert [s.name for s in plan(params=1e9, gpus=8, offload="all").strategies] == ["zero2", "zero3", "hsdp"]
+
+
+def test_fits_against_capacity_minus_reserve():
+    # h100-80gb reports 81,559 MiB; the default reserve is 1 GiB + 5 % of it.
+    r = plan(params=1e9, gpus=8, gpu="h100-80gb")
+    usable = 81_559 * 2**20 - (GIB + 81_559 * 2**20 // 20)
+    assert r.hardware["usable_bytes"] == usable
+    z3 = r.strategy("zero3")
+    assert z3.headroom_bytes == usable - z3.memory.total and z3.fits
+    tight = plan(params=1e9, gpus=8, reserve_gib=79.5)
+    assert not tight.strategy("zero3").fits and "zero3" in tight.verdict
+
+
+def test_korthikanti_eq1_gpt3():
+    # Eq. (1) for GPT-3 175B (s=2048, h=12288, a=96, b=1): sbh(34 + 5as/h) = sbh·(34 + 80).
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 114
+
+
+TINY = Architecture(model_type="llama", hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                    num_kv_heads=1, head_dim=4, vocab_size=10, tie_embeddings=False)
+
+
+def test_activations_worked_example():
+    # b=1, s=4 → T=4 tokens, bf16 (2 bytes). Per layer, tensor by tensor:
+    T = 4
+    norms = 2 * (T * 8 * 4 + T * 8 * 2)  # fp32 input copy + bf16 normalised, two RMSNorms
+    qkv_in = T * 8 * 2
+    sdpa = T * 8 * 2 + 2 * T * 4 * 2 + T * 8 * 2 + T * 2 * 4  # q, k, v (GQA: 4 wide), out, fp32 lse/head
+    mlp_in = T * 8 * 2
+    swiglu = 4 * T * 16 * 2  # gate out, silu out, up out, product
+    layer = norms + qkv_in + sdpa + mlp_in + swiglu
+    assert layer == 1248
+    head = T * 8 * 4 + T * 8 * 2 + T * 8 * 2 + T * 10 * (2 + 4 + 4)  # norm, lm_head in, logits/loss
+    assert activation_bytes(TINY, 1, 4) == 2 * layer + head
+    # full AC: each layer keeps its bf16 input; one layer is recomputed in backward
+    assert activation_bytes(TINY, 1, 4, ac="full") == 2 * (T * 8 * 2) + layer + head
+    # selective every 2nd layer: layer 0 checkpointed, layer 1 kept, + the recompute
+    assert activation_bytes(TINY, 1, 4, ac="selective", ac_every=2) == T * 8 * 2 + layer + layer + head
+
+
+def test_activation_scales_with_micro_batch_and_seq():
+    one = activation_bytes(TINY, 1, 4)
+    assert activation_bytes(TINY, 3, 4) == 3 * one
+    assert activation_bytes(TINY, 1, 12) == 3 * one  # no s² term: SDPA keeps no s×s matrix
+
+
+def test_llama3_70b_zero3_does_not_fit_8x80gb():
+    # 16 B/param × 70.55e9 / 8 ≈ 141 GB of model states per GPU before any activation.
+    z3 = plan("llama-3-70b", 8, gpu="h100-80gb").strategy("zero3")
+    states = z3.memory.params + z3.memory.grads + z3.memory.optimizer
+    assert states == pytest.approx(16 * 70_553_706_496 / 8, rel=1e-6)
+    assert not z3.fits
