@@ -38,6 +38,7 @@ def version() -> None:
 COMMAND_MODULES: tuple[str, ...] = (
     "shardtune.plan.commands",
     "shardtune.netbench.commands",
+    "shardtune.launch.commands",
 )
 
 

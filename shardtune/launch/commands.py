@@ -1,0 +1,153 @@
+"""`shardtune launch torchrun|slurm|k8s` and `shardtune doctor`. Imports no torch at module level."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from shardtune.errors import UserError
+
+launch_app = typer.Typer(no_args_is_help=True, help="Write what a cluster needs to run a recipe on several nodes.")
+
+# Options shared by the three launchers (typer has no option groups: declared once, reused).
+_RECIPE = typer.Argument(..., help="YAML recipe (must exist on every node at this path; k8s embeds it).")
+_OVERRIDES = typer.Argument(None, help="Recipe overrides key.path=value, passed to the trainer.")
+_NODES = typer.Option(1, "--nodes", help="Number of nodes.")
+_GPUS = typer.Option(8, "--gpus-per-node", help="GPUs (trainer processes) per node.")
+_IC = typer.Option("ib", "--interconnect", help="Network between nodes: ib, roce, efa, eth, or nvlink (one node).")
+_IFNAME = typer.Option(None, "--ifname", help="Interface of the training network on every node (eth0, ens5): pins NCCL and gloo sockets.")
+_HCA = typer.Option(None, "--ib-hca", help="NCCL_IB_HCA: IB/RoCE devices NCCL may use (e.g. mlx5_0,mlx5_1).")
+_LINK = typer.Option(None, "--link", help="Catalogue link for the communication estimate (e.g. eth-100g, ib-hdr-200); default from --interconnect.")
+_JOB = typer.Option("shardtune", "--job-name", help="Job name (SLURM job, Kubernetes object, rendezvous id).")
+_OUT = typer.Option(None, "-o", "--output", help="Write here instead of printing to stdout.")
+_RESTARTS = typer.Option(0, "--max-restarts", help="torchrun restarts of the worker group after a failure.")
+_GRACE = typer.Option(300, "--checkpoint-grace-s", help="Seconds between SIGTERM and SIGKILL (SLURM: signal this long before --time).")
+
+
+def _build(recipe: str, overrides: Optional[list[str]], **kw):
+    """Validate the recipe (as the trainer will see it) and the launch options."""
+    from shardtune.config import load_recipe
+    from shardtune.launch.spec import LaunchSpec, validate
+
+    cfg = load_recipe(recipe, tuple(overrides or ()))
+    spec = validate(LaunchSpec(recipe=recipe, overrides=tuple(overrides or ()), **kw))
+    return cfg, spec
+
+
+def _emit(text: str, output: Optional[str], cfg, spec, link: Optional[str], executable: bool) -> None:
+    from shardtune.launch.advice import comm_bound_warning
+
+    warning = comm_bound_warning(cfg, spec.nodes, spec.gpus_per_node, spec.interconnect, link)
+    if warning:
+        print(warning, file=sys.stderr)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    path = Path(output)
+    try:
+        path.write_text(text)
+        if executable:
+            path.chmod(path.stat().st_mode | 0o111)
+    except OSError as e:
+        raise UserError(f"cannot write {output!r}: {e.strerror}") from None
+    print(f"wrote {output}", file=sys.stderr)
+
+
+@launch_app.command("torchrun")
+def torchrun_cmd(
+    recipe: str = _RECIPE, overrides: Optional[list[str]] = _OVERRIDES,
+    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: Optional[str] = _IFNAME,
+    ib_hca: Optional[str] = _HCA, link: Optional[str] = _LINK, job_name: str = _JOB, output: Optional[str] = _OUT,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
+    rdzv_host: Optional[str] = typer.Option(None, "--rdzv-host", help="Address of the node hosting the c10d rendezvous (needed for >1 node)."),
+    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Rendezvous id (default: the job name); unique per concurrent job."),
+    venv: Optional[str] = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
+) -> None:
+    """A script to run unchanged on every node: one torchrun agent, c10d rendezvous."""
+    from shardtune.launch.torchrun import render_torchrun
+
+    cfg, spec = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node, interconnect=interconnect,
+                       ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
+                       checkpoint_grace_s=checkpoint_grace_s, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
+                       run_id=run_id, venv=venv)
+    _emit(render_torchrun(spec), output, cfg, spec, link, executable=True)
+
+
+@launch_app.command("slurm")
+def slurm_cmd(
+    recipe: str = _RECIPE, overrides: Optional[list[str]] = _OVERRIDES,
+    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: Optional[str] = _IFNAME,
+    ib_hca: Optional[str] = _HCA, link: Optional[str] = _LINK, job_name: str = _JOB, output: Optional[str] = _OUT,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
+    partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition."),
+    account: Optional[str] = typer.Option(None, "--account", help="SLURM account."),
+    time: Optional[str] = typer.Option(None, "--time", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
+    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs for each node's torchrun agent and its workers."),
+    log: Optional[str] = typer.Option(None, "--log", help="sbatch --output pattern (default %x-%j.out)."),
+    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port on the first node."),
+    venv: Optional[str] = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
+) -> None:
+    """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
+    from shardtune.launch.slurm import render_slurm
+
+    cfg, spec = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node, interconnect=interconnect,
+                       ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
+                       checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
+                       cpus_per_task=cpus_per_task, log=log, rdzv_port=rdzv_port, venv=venv)
+    _emit(render_slurm(spec), output, cfg, spec, link, executable=False)
+
+
+def _parse_elastic(value: Optional[str]) -> Optional[tuple[int, int]]:
+    if not value:
+        return None
+    lo, sep, hi = value.partition(":")
+    if not sep or not lo.isdigit() or not hi.isdigit():
+        raise UserError(f"--elastic {value!r} is not MIN:MAX nodes (e.g. 2:4)")
+    return int(lo), int(hi)
+
+
+@launch_app.command("k8s")
+def k8s_cmd(
+    recipe: str = _RECIPE, overrides: Optional[list[str]] = _OVERRIDES,
+    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: Optional[str] = _IFNAME,
+    ib_hca: Optional[str] = _HCA, link: Optional[str] = _LINK, job_name: str = _JOB, output: Optional[str] = _OUT,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
+    image: Optional[str] = typer.Option(None, "--image", help="Container image with shardtune installed."),
+    pvc: Optional[str] = typer.Option(None, "--pvc", help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints (default JOB-checkpoints)."),
+    checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", help="Where the claim is mounted; the run folder goes under it."),
+    elastic: Optional[str] = typer.Option(None, "--elastic", help="MIN:MAX nodes: an elastic job (c10d rendezvous, workers only)."),
+) -> None:
+    """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
+    from shardtune.launch.k8s import render_k8s
+
+    if not checkpoint_mount.startswith("/") or "\n" in checkpoint_mount:
+        raise UserError(f"--checkpoint-mount {checkpoint_mount!r} must be an absolute path")
+    cfg, spec = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node, interconnect=interconnect,
+                       ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
+                       checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,
+                       checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic))
+    _emit(render_k8s(spec, cfg), output, cfg, spec, link, executable=False)
+
+
+def doctor(
+    rdzv: Optional[str] = typer.Option(None, "--rdzv", help="HOST:PORT of the rendezvous to check."),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Folder checkpoints will be written to."),
+) -> None:
+    """Check this node: torch / CUDA / NCCL, GPUs, network variables, rendezvous, checkpoint folder."""
+    from shardtune.launch.doctor import format_checks, run_doctor
+
+    checks = run_doctor(rdzv, checkpoint_dir)
+    print(format_checks(checks))
+    failed = [c for c in checks if c.status == "fail"]
+    if failed:
+        print(f"{len(failed)} problem(s) would stop a run: see FAIL above", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(launch_app, name="launch")
+    app.command("doctor")(doctor)

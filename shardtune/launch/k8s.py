@@ -1,0 +1,98 @@
+"""Render a Kubeflow PyTorchJob (kubeflow.org/v1) plus a ConfigMap holding the resolved recipe.
+
+The training operator starts one pod per node and sets torchrun's settings through `PET_*`
+environment variables (PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR, ...; torchrun reads any of its
+options from `PET_<OPTION>`), so the container runs plain `torchrun -m shardtune.train RECIPE`.
+The recipe travels inside the manifest (a ConfigMap, mounted read-only) with the overrides already
+applied, so the image needs shardtune but not the recipe file. Checkpoints go to a shared
+ReadWriteMany PersistentVolumeClaim so that a restarted pod, on any node, resumes from them.
+/dev/shm is a memory-backed emptyDir: the container runtime's 64 MiB default is too small for
+NCCL's shared-memory transport and DataLoader workers.
+
+Everything is built as Python dicts and written with yaml.safe_dump: no string-built YAML.
+Sources: Kubeflow training-operator v1 API (PyTorchJobSpec: pytorchReplicaSpecs, nprocPerNode,
+elasticPolicy), https://www.kubeflow.org/docs/components/trainer/legacy-v1/user-guides/pytorch/
+"""
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+from shardtune.config import RunConfig, dump_config
+from shardtune.errors import UserError
+from shardtune.launch.network import env_dict, preset
+from shardtune.launch.spec import LaunchSpec, check_k8s_name
+from shardtune.launch.torchrun import TRAIN_MODULE
+
+RECIPE_DIR = "/etc/shardtune"
+RECIPE_FILE = "recipe.yaml"
+
+
+def _pod_template(spec: LaunchSpec, config_map: str, pvc: str) -> dict:
+    env = [{"name": k, "value": v} for k, v in env_dict(preset(spec.interconnect, spec.ifname, spec.ib_hca)).items()]
+    # SIGTERM on pod deletion/preemption: give the trainer time to checkpoint (default grace is 30 s).
+    env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(int(spec.checkpoint_grace_s))})
+    container = {
+        "name": "pytorch",  # the operator finds the training container by this name
+        "image": spec.image,
+        "command": ["torchrun"],
+        "args": ["--nproc-per-node", str(spec.gpus_per_node), "-m", TRAIN_MODULE, f"{RECIPE_DIR}/{RECIPE_FILE}"],
+        "env": env,
+        "resources": {"limits": {"nvidia.com/gpu": spec.gpus_per_node}},
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "checkpoints", "mountPath": spec.checkpoint_mount},
+            {"name": "recipe", "mountPath": RECIPE_DIR, "readOnly": True},
+        ],
+    }
+    return {
+        "spec": {
+            "terminationGracePeriodSeconds": int(spec.checkpoint_grace_s) + 30,
+            "containers": [container],
+            "volumes": [
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                {"name": "checkpoints", "persistentVolumeClaim": {"claimName": pvc}},
+                {"name": "recipe", "configMap": {"name": config_map}},
+            ],
+        }
+    }
+
+
+def build_manifests(spec: LaunchSpec, cfg: RunConfig) -> list[dict]:
+    """[ConfigMap, PyTorchJob] as dicts (see the module docstring)."""
+    name = check_k8s_name("--job-name", spec.job_name)
+    if not spec.image:
+        raise UserError("--image is needed for Kubernetes: a container image with shardtune installed")
+    pvc = check_k8s_name("--pvc", spec.pvc or f"{name}-checkpoints")
+    config_map = f"{name}-recipe"
+    # Checkpoints and metrics on the shared volume, so any pod of a restarted job finds them.
+    cfg = cfg.model_copy(update={"output_dir": f"{spec.checkpoint_mount.rstrip('/')}/{cfg.name}"})
+    template = _pod_template(spec, config_map, pvc)
+    job_spec: dict = {"nprocPerNode": str(spec.gpus_per_node), "pytorchReplicaSpecs": {}}
+    if spec.elastic:
+        lo, hi = spec.elastic
+        if not 1 <= lo <= hi:
+            raise UserError(f"--elastic {lo}:{hi}: need 1 <= MIN <= MAX nodes")
+        job_spec["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": lo, "maxReplicas": hi,
+                                     "maxRestarts": spec.max_restarts}
+        # Elastic jobs are workers only: any of them may host the c10d rendezvous.
+        job_spec["pytorchReplicaSpecs"]["Worker"] = {"replicas": spec.nodes, "restartPolicy": "OnFailure",
+                                                     "template": copy.deepcopy(template)}
+    else:
+        job_spec["pytorchReplicaSpecs"]["Master"] = {"replicas": 1, "restartPolicy": "OnFailure", "template": copy.deepcopy(template)}
+        if spec.nodes > 1:
+            job_spec["pytorchReplicaSpecs"]["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "OnFailure",
+                                                         "template": copy.deepcopy(template)}
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map},
+         "data": {RECIPE_FILE: dump_config(cfg)}},
+        {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": name}, "spec": job_spec},
+    ]
+
+
+def render_k8s(spec: LaunchSpec, cfg: RunConfig) -> str:
+    docs = build_manifests(spec, cfg)
+    header = ("# Generated by `shardtune launch k8s`. Apply with: kubectl apply -f THIS_FILE\n"
+              "# Needs the Kubeflow training operator and a ReadWriteMany PersistentVolumeClaim for checkpoints.\n")
+    return header + yaml.safe_dump_all(docs, sort_keys=False)

@@ -1,0 +1,141 @@
+"""What a multi-node launch needs, validated once before any renderer writes a line.
+
+`LaunchSpec` holds the user's values; the renderers (`torchrun.py`, `slurm.py`, `k8s.py`) only
+format them. Values that end up in a shell script are quoted there with `shlex.quote`; values that
+end up where no quoting exists (`#SBATCH` lines, Kubernetes object names) are checked here against
+what those parsers accept, and anything else is a one-line `UserError`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from shardtune.errors import UserError, suggest
+
+INTERCONNECTS = ("nvlink", "ib", "roce", "efa", "eth")
+
+# sbatch reads `#SBATCH` lines itself (not through bash): quoting there is sbatch's own, and a
+# newline ends the option. Only characters that need no quoting at all are accepted.
+_SBATCH_WORD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+# %j (job id), %x (job name), %N (node) are sbatch filename patterns, kept on purpose.
+_SBATCH_PATH = re.compile(r"^[A-Za-z0-9_./%+-]+$")
+# Slurm --time formats (sbatch(1), "-t, --time"): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+# Kubernetes object names: RFC 1123 DNS label (lowercase alphanumerics and '-', at most 63).
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# An interface name as Linux accepts it (IFNAMSIZ 16 incl. NUL); NCCL takes comma lists of them.
+_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:\[\]-]+$")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launcher renders. `recipe` and `overrides` are passed to the trainer verbatim."""
+
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    nodes: int = 1
+    gpus_per_node: int = 8
+    interconnect: str = "ib"
+    ifname: Optional[str] = None  # the training network's interface on every node (eth0, ens5)
+    ib_hca: Optional[str] = None  # NCCL_IB_HCA value (mlx5_0,mlx5_1 or a prefix)
+    job_name: str = "shardtune"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: Optional[str] = None
+    image: Optional[str] = None
+    max_restarts: int = 0
+    rdzv_host: Optional[str] = None
+    rdzv_port: int = 29500
+    run_id: Optional[str] = None
+    venv: Optional[str] = None  # activated on each node before torchrun
+    cpus_per_task: Optional[int] = None
+    log: Optional[str] = None  # sbatch --output pattern (stdout+stderr of the job)
+    checkpoint_grace_s: int = 300  # SLURM: signal this long before the time limit
+    pvc: Optional[str] = None  # k8s: shared ReadWriteMany claim for checkpoints
+    checkpoint_mount: str = "/checkpoints"
+    elastic: Optional[tuple[int, int]] = None  # k8s: (min, max) nodes
+
+
+def normalize_interconnect(name: str) -> str:
+    v = str(name).strip().lower()
+    aliases = {"infiniband": "ib", "rocev2": "roce", "roce-v2": "roce", "tcp": "eth", "ethernet": "eth",
+               "eth-10g": "eth", "eth-100g": "eth", "nvl": "nvlink"}
+    v = aliases.get(v, v)
+    if v not in INTERCONNECTS:
+        raise UserError(f"unknown interconnect {name!r}{suggest(v, INTERCONNECTS)}; choose one of {', '.join(INTERCONNECTS)}")
+    return v
+
+
+def parse_slurm_time_s(value: str) -> int:
+    """Seconds in a Slurm time limit (sbatch(1) `--time`: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
+    m = _SLURM_TIME.match(value.strip())
+    if not m:
+        raise UserError(f"--time {value!r} is not a Slurm time (e.g. 90, 4:00:00, 2-00:00:00)")
+    days, a, b, c = m.groups()
+    a, b, c = int(a), (int(b) if b else None), (int(c) if c else None)
+    if days is not None:  # D-H, D-H:M, D-H:M:S
+        return int(days) * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:  # H:M:S
+        return a * 3600 + b * 60 + c
+    if b is not None:  # M:S
+        return a * 60 + b
+    return a * 60  # M
+
+
+def _check(pattern: re.Pattern, option: str, value: str, allowed: str) -> str:
+    if not pattern.match(value):
+        raise UserError(f"{option} {value!r} has characters a #SBATCH line cannot carry; use {allowed}")
+    return value
+
+
+def check_sbatch_word(option: str, value: str) -> str:
+    return _check(_SBATCH_WORD, option, value, "letters, digits, '.', '_', '+', '-'")
+
+
+def check_sbatch_path(option: str, value: str) -> str:
+    return _check(_SBATCH_PATH, option, value, "letters, digits and . _ / % + -")
+
+
+def check_k8s_name(option: str, value: str) -> str:
+    if len(value) > 63 or not _K8S_NAME.match(value):
+        raise UserError(f"{option} {value!r} is not a Kubernetes name; use lowercase letters, digits and '-' (at most 63)")
+    return value
+
+
+def check_ifname(value: str) -> str:
+    if not all(_IFNAME.match(p) for p in value.split(",")):
+        raise UserError(f"--ifname {value!r} is not an interface name (e.g. eth0, ens5, ib0); list several with commas")
+    return value
+
+
+def check_host(option: str, value: str) -> str:
+    if not _HOST.match(value):
+        raise UserError(f"{option} {value!r} is not a host name or address")
+    return value
+
+
+def validate(spec: LaunchSpec) -> LaunchSpec:
+    """Checks every launcher shares; returns the spec with the interconnect name normalised."""
+    from dataclasses import replace
+
+    if spec.nodes < 1:
+        raise UserError(f"--nodes {spec.nodes}: need at least 1 node")
+    if spec.gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node {spec.gpus_per_node}: need at least 1 process per node")
+    if spec.max_restarts < 0:
+        raise UserError("--max-restarts must be 0 or more")
+    if not 1 <= spec.rdzv_port <= 65535:
+        raise UserError(f"--rdzv-port {spec.rdzv_port} is not a TCP port (1-65535)")
+    ic = normalize_interconnect(spec.interconnect)
+    if ic == "nvlink" and spec.nodes > 1:
+        raise UserError("--interconnect nvlink is one node's GPUs; for several nodes choose ib, roce, efa or eth")
+    if spec.ifname:
+        check_ifname(spec.ifname)
+    if spec.rdzv_host:
+        check_host("--rdzv-host", spec.rdzv_host)
+    for ov in spec.overrides:
+        if "=" not in ov:
+            raise UserError(f"override {ov!r} is not key.path=value")
+    return replace(spec, interconnect=ic)

@@ -1,0 +1,82 @@
+"""`shardtune doctor` on this machine (no GPU): says so plainly, fails only for real problems."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from shardtune.launch.doctor import check_checkpoint_dir, check_interfaces, check_rendezvous, filesystem_type
+
+DOCTOR = [sys.executable, "-m", "shardtune.cli", "doctor"]
+
+
+def _doctor(*args, env=None):
+    return subprocess.run([*DOCTOR, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+@pytest.mark.timeout(120)
+def test_doctor_on_this_machine_reports_no_gpu_and_exits_zero(tmp_path):
+    import torch
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        r = _doctor("--rdzv", f"127.0.0.1:{port}", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "no GPU: CPU-only; gloo backend" in r.stdout
+    assert torch.__version__ in r.stdout
+    assert "accepts connections" in r.stdout and "is writable" in r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_doctor_fails_for_unwritable_checkpoint_dir_and_bad_interface(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a folder cannot be made under a regular file, even by root
+    r = _doctor("--checkpoint-dir", str(blocker / "ckpt"), env={"GLOO_SOCKET_IFNAME": "nosuchif0"})
+    assert r.returncode == 1, r.stdout
+    fails = [ln for ln in r.stdout.splitlines() if ln.startswith("FAIL")]
+    assert len(fails) == 2 and any("not writable" in f for f in fails) and any("nosuchif0" in f for f in fails)
+
+
+def test_doctor_bad_endpoint_is_a_usage_error():
+    r = _doctor("--rdzv", "no-port-here")
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_rendezvous_unresolvable_host_fails():
+    (c,) = check_rendezvous("no-such-host.invalid:29500")
+    assert c.status == "fail" and "does not resolve" in c.detail
+
+
+def test_rendezvous_port_on_this_host():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.listen()
+        busy = check_rendezvous(f"127.0.0.1:{port}")[-1]
+    assert busy.status == "ok" and "accepts connections" in busy.detail
+    free = check_rendezvous(f"127.0.0.1:{port}")[-1]  # closed now: refused, and this node would host it
+    assert free.status == "ok" and "is free" in free.detail
+
+
+def test_interfaces_check_against_this_machine():
+    ifaces = [name for _, name in socket.if_nameindex()]
+    assert check_interfaces({"GLOO_SOCKET_IFNAME": ifaces[0], "NCCL_SOCKET_IFNAME": "=" + ifaces[0]})[0].status == "ok"
+    assert [c.status for c in check_interfaces({"NCCL_SOCKET_IFNAME": "=nosuchif0"})] == ["fail"]
+    assert check_interfaces({}) == []
+
+
+def test_filesystem_type_matches_findmnt(tmp_path):
+    r = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,TARGET", "--target", str(tmp_path)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip("findmnt not available")
+    fstype, target = r.stdout.split()[:2]
+    assert filesystem_type(tmp_path) == (fstype, target)
+    shared = [c for c in check_checkpoint_dir(str(tmp_path)) if c.what == "shared?"][0]
+    assert fstype in shared.detail
