@@ -2,12 +2,10 @@
 
 Uses the planner's step-time model (`shardtune.plan.timing`: α-β ring costs on a hierarchical
 cluster, FSDP overlap) with the catalogue's GPUs and links, and the exact parameter count
-(`shardtune.plan.params`). The collectives per strategy are those of docs/DESIGN.md "Strategies":
+(`shardtune.plan.params`), and the planner's collectives per strategy (`shardtune.plan.comm`:
 zero3 all-gathers the parameters in forward and again in backward and reduce-scatters the
-gradients (3Ψ), zero2 all-gathers once (2Ψ), ddp all-reduces the gradients once per step, and
-hsdp does zero3's traffic inside a shard group plus an all-reduce of each gradient shard across
-the replica groups. Gathers move parameters in the compute dtype, reductions in the reduce dtype
-(bf16-mixed: bf16 and fp32).
+gradients, hsdp does that inside a shard group plus an all-reduce of each gradient shard across
+the replica groups; gathers in the compute dtype, reductions in the reduce dtype).
 
 "Communication-bound" here means the collectives of a step take longer on the wire than the
 step's compute, so no amount of overlap can hide them.
@@ -22,12 +20,10 @@ from shardtune.catalog.interconnects import default_intra_node, get_interconnect
 from shardtune.catalog.models import resolve_model_config
 from shardtune.config import RunConfig
 from shardtune.errors import UserError
-from shardtune.plan import compute, params, timing
+from shardtune.plan import comm, compute, params, timing
 
 # The catalogue link a network preset stands for, unless the user names one (--link).
 DEFAULT_LINK = {"ib": "ib-ndr-400", "roce": "roce-400", "efa": "efa", "eth": "eth-10g"}
-GATHER_BYTES = {"bf16-mixed": 2, "bf16": 2, "fp32": 4}
-REDUCE_BYTES = {"bf16-mixed": 4, "bf16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -43,22 +39,12 @@ class Estimate:
         return self.comm_s > self.compute_s
 
 
-def comm_ops(strategy: str, num_params: int, precision: str, shard_size: Optional[int]) -> list[timing.CommOp]:
-    """The collectives one micro-batch (or step) of `strategy` issues, sized for the whole model."""
-    g, r = num_params * GATHER_BYTES[precision], num_params * REDUCE_BYTES[precision]
-    op = timing.CommOp
-    if strategy == "ddp":
-        return [op("all_reduce", r, "world", "backward", "step")]
-    if strategy == "zero1":  # torch ZeroRedundancyOptimizer: all-reduce grads, broadcast fp32 params
-        return [op("all_reduce", r, "world", "backward", "step"), op("broadcast", num_params * 4, "world", "optimizer", "step")]
-    if strategy == "zero2":
-        return [op("all_gather", g, "world", "forward"), op("reduce_scatter", r, "world", "backward")]
-    group = "shard" if strategy == "hsdp" else "world"
-    ops = [op("all_gather", g, group, "forward"), op("all_gather", g, group, "backward"),
-           op("reduce_scatter", r, group, "backward")]
-    if strategy == "hsdp":
-        ops.append(op("all_reduce", r / shard_size, "replica", "backward"))
-    return ops
+def comm_ops(strategy: str, num_params: int, world_size: int, precision: str, shard_size: Optional[int],
+             shapes=None) -> list[timing.CommOp]:
+    """The planner's collectives for `strategy` (plan.comm.collectives) as timing ops."""
+    colls = comm.collectives(strategy, num_params=num_params, trainable_params=num_params, world_size=world_size,
+                             shard_degree=shard_size or world_size, precision=precision, shapes=shapes)
+    return [timing.CommOp(c.op, c.payload_bytes, c.group, c.phase, c.count_per) for c in colls]
 
 
 def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, link: Optional[str] = None,
@@ -82,7 +68,8 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
     if strategy == "hsdp":
         shard_size = shard_size or cfg.parallel.hsdp_shard_size or gpus_per_node
     groups = timing.mesh_groups(cluster, shard_size if strategy == "hsdp" else None)
-    st = timing.step_time(comm_ops(strategy, n, cfg.parallel.precision, shard_size), cluster, groups,
+    ops = comm_ops(strategy, n, cluster.world_size, cfg.parallel.precision, shard_size, params.param_shapes(arch))
+    st = timing.step_time(ops, cluster, groups,
                           forward_s=compute.compute_time_s(fwd, gpu.bf16_flops, mfu),
                           backward_s=compute.compute_time_s(total - fwd, gpu.bf16_flops, mfu),
                           num_layers=arch.num_layers, grad_accum=cfg.train.grad_accum)
