@@ -39,6 +39,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "shardtune.plan.commands",
     "shardtune.netbench.commands",
     "shardtune.launch.commands",
+    "shardtune.train.commands",
 )
 
 

@@ -107,3 +107,38 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _fmt_mib(n: int | None) -> str:
+    return "—" if n is None else f"{n / 2**20:,.2f} MiB"
+
+
+def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, strategy: str) -> None:
+    """One screen at the end: loss first → last, throughput, and measured vs planned memory per
+    component (measured: the largest rank; MiB = 2^20 bytes)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    console = Console()
+    if records:
+        first, last = records[0], records[-1]
+        tps = sum(r["tokens_per_s"] for r in records) / len(records)
+        console.print(f"loss {first['loss']:.4f} (step 1) → {last['loss']:.4f} (step {last['step']}), "
+                      f"{tps:,.0f} tokens/s mean, {last['tflops']:.4f} TFLOP/s per rank")
+    plan_mem = {}
+    if planned:
+        plan_mem = next((s["memory"] for s in planned["strategies"] if s["name"] == strategy), {})
+    table = Table(title=f"memory per rank ({strategy}; planned: shardtune.plan, plan.json)")
+    for col in ("component", "measured (max rank)", "planned", "measured / planned"):
+        table.add_column(col, justify="right" if col != "component" else "left")
+    rows = (("params", "params_bytes", "params"), ("grads", "grads_bytes", "grads"),
+            ("optimizer", "optimizer_bytes", "optimizer"),
+            ("activations", "activations_bytes", "activations"), ("peak", "peak_bytes", "total"))
+    for label, key, pkey in rows:
+        got = max(r.get(key, 0) for r in per_rank)
+        want = plan_mem.get(pkey)
+        ratio = f"{got / want:.3f}" if want else "—"
+        table.add_row(label, _fmt_mib(got), _fmt_mib(want), ratio)
+    console.print(table)
+    console.print(f"run folder: {run_dir} (metrics.jsonl, memory.json, config.yaml, plan.json)")

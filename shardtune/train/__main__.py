@@ -1,0 +1,47 @@
+"""`python -m shardtune.train RECIPE [--strategy S] [--precision P] [--max-steps K] [--seed X]
+[--output-dir DIR] [key.path=value ...]`, one process per rank under torchrun.
+
+Bad input: one line on stderr, exit code 2 (no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardtune.errors import UserError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m shardtune.train")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="key.path=value")
+    p.add_argument("--strategy")
+    p.add_argument("--precision")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--output-dir")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    from shardtune.train.commands import resolve_config, validate_for_launch
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = resolve_config(args.recipe, args.overrides, strategy=args.strategy, precision=args.precision,
+                             max_steps=args.max_steps, seed=args.seed, output_dir=args.output_dir)
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        from shardtune.train.main import run
+
+        run(cfg)
+    except UserError as e:
+        print(f"shardtune: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`shardtune train RECIPE [--nproc N] [flags] [key.path=value ...]`: validate, then start torchrun.
+
+Everything a user can get wrong is checked here, before any process starts (exit code 2, one
+line). Imports no torch at module level.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from shardtune.errors import UserError
+
+FLAGS = ("strategy", "precision", "max_steps", "seed", "output_dir")
+_FLAG_KEYS = {"strategy": "parallel.strategy", "precision": "parallel.precision",
+              "max_steps": "train.max_steps", "seed": "train.seed", "output_dir": "output_dir"}
+
+
+def flag_overrides(**flags) -> list[str]:
+    """`--strategy zero2` → `parallel.strategy="zero2"` (JSON is YAML: strings stay strings)."""
+    return [f"{_FLAG_KEYS[k]}={json.dumps(v)}" for k, v in flags.items() if v is not None]
+
+
+def resolve_config(recipe: str, overrides: list[str], **flags):
+    """The validated RunConfig: recipe, then `key=value` overrides, then the flags."""
+    from shardtune.config import load_recipe
+
+    return load_recipe(recipe, list(overrides or []) + flag_overrides(**flags))
+
+
+def _check_writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir):
+            pass
+    except OSError as e:
+        raise UserError(f"output dir {str(run_dir)!r} cannot be written ({e.strerror}); "
+                        "give a writable --output-dir") from None
+
+
+def validate_for_launch(cfg, world_size: int, local_world_size: int) -> None:
+    """Checks that need more than the config's own fields: model, data, hsdp size, output dir."""
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.train.data import check_dataset
+
+    resolve_model_config(cfg.model.name)
+    folder = Path(cfg.model.name).expanduser()
+    if cfg.model.init == "pretrained" and not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+        raise UserError(f"model.init is 'pretrained' but {cfg.model.name!r} has no *.safetensors; "
+                        "give an HF model folder with weights or set model.init=random")
+    if cfg.parallel.strategy == "hsdp":
+        shard = cfg.parallel.hsdp_shard_size or local_world_size
+        if world_size % shard:
+            raise UserError(f"parallel.hsdp_shard_size {shard} does not divide the world size "
+                            f"{world_size}; choose a divisor of {world_size}")
+    check_dataset(cfg.data)
+    _check_writable(cfg.run_dir)
+
+
+def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m shardtune.train ...`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "shardtune.train", recipe]
+    for k, v in flags.items():
+        if v is not None:
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+    return cmd + list(overrides)
+
+
+def run_process_group(cmd: list[str]) -> int:
+    """Run `cmd` in its own session; Ctrl-C (or an exception) kills its whole process group
+    (killing torchrun alone leaves its workers alive)."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:
+        for sig, wait_s in ((signal.SIGINT, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait_s)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
+
+
+def train_command(recipe: str, overrides: list[str], nproc: int, **flags) -> int:
+    """Validate everything, then start torchrun with `nproc` processes on this machine."""
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: give at least 1 process")
+    cfg = resolve_config(recipe, overrides, **flags)
+    validate_for_launch(cfg, nproc, nproc)
+    rc = run_process_group(torchrun_command(nproc, recipe, overrides, flags))
+    if rc:
+        print(f"shardtune: error: training failed (exit code {rc}); see the messages above", file=sys.stderr)
+    return rc
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train", context_settings={"allow_interspersed_args": True})
+    def train(
+        recipe: str = typer.Argument(..., help="YAML recipe, e.g. recipes/tiny-cpu.yaml"),
+        overrides: Optional[list[str]] = typer.Argument(None, help="key.path=value overrides, e.g. optim.lr=1e-4"),
+        nproc: int = typer.Option(1, "--nproc", help="Processes on this machine (torchrun --nproc-per-node)."),
+        strategy: Optional[str] = typer.Option(None, "--strategy", help="ddp | zero1 | zero2 | zero3 | hsdp"),
+        precision: Optional[str] = typer.Option(None, "--precision", help="bf16-mixed | bf16 | fp32"),
+        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps."),
+        seed: Optional[int] = typer.Option(None, "--seed"),
+        output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Run folder (default runs/<recipe name>)."),
+    ) -> int:
+        """Fine-tune with a recipe on this machine (torchrun under the hood)."""
+        return train_command(recipe, overrides or [], nproc, strategy=strategy, precision=precision,
+                             max_steps=max_steps, seed=seed, output_dir=output_dir)

@@ -1,0 +1,213 @@
+"""The torchrun entry: setup → model, data, optimizer → loop → summary → teardown.
+
+Every rank runs `run(cfg)`; rank 0 alone writes the run folder and draws the progress bar. The
+same code serves `shardtune train` (one machine, torchrun started for you) and `torchrun ... -m
+shardtune.train` by hand (any number of nodes).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from shardtune.config import dump_config
+from shardtune.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardtune.config import RunConfig
+
+
+@dataclass
+class DistContext:
+    """Who this process is; passed down explicitly (no globals for rank or mesh state)."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: "DeviceMesh"
+
+    @property
+    def dp_group(self):
+        """The group over all data-parallel ranks (every rank: there is no model parallelism)."""
+        return self.mesh.get_group() if self.mesh.ndim == 1 else None
+
+
+def setup_distributed(cfg: "RunConfig") -> DistContext:
+    """init_process_group (nccl on CUDA, gloo on CPU, timeout train.timeout_s) and the mesh."""
+    from shardtune.parallel.apply import build_mesh
+
+    env = os.environ
+    if "RANK" not in env:  # plain `python -m shardtune.train`: a world of one
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=env.get("MASTER_PORT", "29511"))
+    rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    backend = cfg.train.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise UserError("train.backend=nccl needs CUDA; use train.backend=auto or gloo")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
+    mesh = build_mesh(cfg.parallel, world, local_world, device.type)
+    return DistContext(rank, world, local_rank, local_world, device, mesh)
+
+
+def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
+    """The planner's prediction for this exact run → plan.json (None if it cannot plan it)."""
+    try:
+        from shardtune.plan import plan
+
+        p = plan(cfg.model.name, gpus=world_size, gpu=cfg.train.gpu, seq_len=cfg.train.seq_len,
+                 micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
+                 precision=cfg.parallel.precision, optimizer="adamw",
+                 ac=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
+                 offload=cfg.parallel.offload, hsdp_shard_size=cfg.parallel.hsdp_shard_size,
+                 gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                 strategies=[cfg.parallel.strategy])
+        d = p.to_dict()
+    except Exception as e:  # the run goes on without a prediction, and says why
+        d = {"error": f"{type(e).__name__}: {e}"}
+    (run_dir / "plan.json").write_text(json.dumps(d, indent=1))
+    return d if "error" not in d else None
+
+
+def run(cfg: "RunConfig") -> dict:
+    """Train with `cfg` on this process's rank; returns the final metrics record (rank 0)."""
+    ctx = setup_distributed(cfg)
+    try:
+        return train(cfg, ctx)
+    finally:
+        gc.collect()  # drop DDP's reducer before the group goes (gloo exit hang, PYTORCH-NOTES)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare_run_dir(cfg: "RunConfig", ctx: DistContext) -> tuple[Path, dict | None]:
+    """Rank 0 writes config.yaml and plan.json; every rank gets the planner's prediction."""
+    run_dir = cfg.run_dir
+    planned = None
+    if ctx.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        planned = write_plan(cfg, ctx.world_size, run_dir)
+    return run_dir, planned
+
+
+def now_s(device: torch.device) -> float:
+    """Wall time after the device finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _progress(enabled: bool):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    disable=not enabled)
+
+
+def _peak_bytes(ctx: DistContext, model, optimizer, activations) -> tuple[int, dict]:
+    """(peak bytes of this step on this rank, per-category bytes); see train/metrics.py."""
+    from shardtune.train.metrics import model_state_bytes
+
+    states = model_state_bytes(model, optimizer)
+    states["activations_bytes"] = activations.peak_bytes if activations else 0
+    if ctx.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    else:
+        peak = sum(states.values())
+    states["peak_bytes"] = peak
+    return peak, states
+
+
+def train(cfg: "RunConfig", ctx: DistContext) -> dict:
+    """Build everything, run the loop, write metrics and the summary."""
+    from shardtune.parallel.apply import autocast_dtype
+    from shardtune.train.data import build_dataloader, build_tokenizer, steps_for_epochs
+    from shardtune.train.metrics import MetricsWriter, SavedActivations, flops_per_token, gpu_peak_flops
+    from shardtune.train.model import build_model, unwrap
+    from shardtune.train.step import TrainState, build_optimizer, build_scheduler, train_step
+
+    torch.manual_seed(cfg.train.seed)
+    run_dir, planned = prepare_run_dir(cfg, ctx)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
+    loader = build_dataloader(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, cfg.train.seed)
+    rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
+    total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
+    model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed)
+    hf_config = unwrap(model).config
+    if tokenizer.vocab_size > hf_config.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                        f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer=auto)")
+    optimizer = build_optimizer(model, cfg.optim, cfg.parallel, ctx.dp_group)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    state = TrainState(data=loader)
+    num_params = sum(p.numel() for p in unwrap(model).parameters())
+    flops_tok = flops_per_token(hf_config, num_params, cfg.train.seq_len)
+    peak_flops = gpu_peak_flops(cfg.train.gpu) if ctx.device.type == "cuda" else None
+    activations = SavedActivations() if ctx.device.type == "cpu" else None
+    amp = autocast_dtype(cfg.parallel)
+    writer = MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None
+    if ctx.rank == 0:
+        print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s) ({ctx.device.type}), "
+              f"{num_params:,} params, global batch {rows_per_step} x {cfg.train.seq_len} tokens "
+              f"(micro {cfg.train.micro_batch} x accum {cfg.train.grad_accum} x ranks {ctx.world_size}), "
+              f"{total_steps} steps -> {run_dir}", flush=True)
+    record: dict = {}
+    rank_bytes: dict = {}
+    with _progress(ctx.rank == 0) as bar:
+        task = bar.add_task("train", total=total_steps, completed=state.step, info="")
+        while state.step < total_steps:
+            mbs = [{k: v.to(ctx.device) for k, v in next(loader).items()} for _ in range(cfg.train.grad_accum)]
+            t0 = now_s(ctx.device)
+            r = train_step(model, optimizer, scheduler, mbs, dp_group=None, dp_size=ctx.world_size,
+                           grad_clip=cfg.optim.grad_clip, autocast_dtype=amp, activations=activations)
+            dt = now_s(ctx.device) - t0
+            state.step += 1
+            state.tokens_seen += r.num_tokens
+            peak, rank_bytes = _peak_bytes(ctx, model, optimizer, activations)
+            peak_t = torch.tensor([peak], dtype=torch.long, device=ctx.device)
+            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            tokens_per_s = rows_per_step * cfg.train.seq_len / dt
+            tflops = flops_tok * tokens_per_s / ctx.world_size / 1e12  # achieved, per rank
+            record = {"step": state.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                      "tokens_per_s": tokens_per_s, "tflops": tflops,
+                      "mfu": tflops * 1e12 / peak_flops if peak_flops else None,
+                      "peak_mem_bytes": int(peak_t.item()), "step_time_s": dt,
+                      "target_tokens": r.num_tokens}
+            if writer and (state.step % cfg.train.log_every == 0 or state.step == total_steps):
+                writer.write(record)
+            bar.update(task, advance=1, info=f"loss {r.loss:.4f}  lr {r.lr:.2e}  {tokens_per_s:,.0f} tok/s")
+    all_bytes = [None] * ctx.world_size
+    dist.all_gather_object(all_bytes, rank_bytes)
+    if ctx.rank == 0:
+        from shardtune.train.metrics import print_summary
+
+        writer.close()
+        (run_dir / "memory.json").write_text(json.dumps(
+            {"method": "cuda max_memory_allocated" if ctx.device.type == "cuda" else
+             "exact storage count (train/metrics.py)", "per_rank": all_bytes}, indent=1))
+        print_summary(run_dir, all_bytes, planned, cfg.parallel.strategy)
+    del model, optimizer, scheduler  # before destroy_process_group (gloo exit hang)
+    return record
