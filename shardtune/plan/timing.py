@@ -133,16 +133,17 @@ def mesh_groups(cluster: Cluster, shard_size: int | None = None) -> dict[str, Gr
 class CommOp:
     """One collective a strategy issues, for the whole model (spread evenly over its layers).
 
+    The fields are those of `shardtune.plan.comm.Collective`, which `step_time` also accepts.
     `phase`: "forward" / "backward" collectives overlap with that phase's compute layer by layer
     (FSDP2 prefetch, DDP's bucketed all-reduce); "optimizer" ones run exposed after backward.
-    `every`: "micro_batch" or "step" (DDP syncs grads only on the last micro-batch).
+    `count_per`: "micro_batch" or "step" (DDP syncs grads only on the last micro-batch).
     """
 
-    kind: str
-    size_bytes: float
+    op: str
+    payload_bytes: float
     group: str  # "world" | "shard" | "replica"
     phase: str  # "forward" | "backward" | "optimizer"
-    every: str = "micro_batch"
+    count_per: str = "micro_batch"
 
 
 def exposed_time_s(comm_s: float, compute_s: float, num_layers: int) -> float:
@@ -174,12 +175,13 @@ class StepTime:
     optimizer_comm_s: float
 
 
-def op_time_s(op: CommOp, groups: dict[str, Group], cluster: Cluster) -> float:
+def op_time_s(op, groups: dict[str, Group], cluster: Cluster) -> float:
+    """Time of one call of a CommOp / plan.comm.Collective on its group."""
     g = groups[op.group]
-    return group_time_s(op.kind, op.size_bytes, g.size, g.ranks_per_node, g.groups_per_node, cluster)
+    return group_time_s(op.op, op.payload_bytes, g.size, g.ranks_per_node, g.groups_per_node, cluster)
 
 
-def step_time(ops: list[CommOp], cluster: Cluster, groups: dict[str, Group], forward_s: float,
+def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: float,
               backward_s: float, num_layers: int, grad_accum: int = 1, optimizer_s: float = 0.0,
               overlap: bool = True) -> StepTime:
     """Step time = micro-batches × (compute + exposed comm) + exposed per-step comm + optimizer.
@@ -192,7 +194,7 @@ def step_time(ops: list[CommOp], cluster: Cluster, groups: dict[str, Group], for
     def phase_comm(phase: str, every: str) -> float:
         by_link: dict[bool, float] = {}
         for op in ops:
-            if op.phase == phase and op.every == every:
+            if op.phase == phase and op.count_per == every:
                 g = groups[op.group]
                 crosses = g.ranks_per_node < g.size and cluster.num_nodes > 1
                 by_link[crosses] = by_link.get(crosses, 0.0) + op_time_s(op, groups, cluster)
@@ -232,3 +234,108 @@ def time_for_tokens(total_tokens: float, tokens_per_s_per_gpu: float, num_gpus: 
     """(wall-clock seconds, GPU-hours) to train on `total_tokens`."""
     wall_s = total_tokens / (tokens_per_s_per_gpu * num_gpus)
     return wall_s, wall_s * num_gpus / 3600.0
+
+
+# ---- From a plan's pieces to per-strategy times -------------------------------------------
+
+# What an optimizer update streams when it runs on the host (offload): a 2-socket server's
+# ~300 GB/s of DRAM bandwidth shared by 8 GPUs' optimizer threads, and CPU Adam is partly
+# compute-bound, so we take 20 GB/s per GPU (an assumption; the step is small next to comm).
+HOST_OPTIMIZER_BYTES_PER_S = 20e9
+# Host↔GPU copies under offload: PCIe 4.0 x16, ~25 GB/s achieved (31.5 GB/s line rate).
+PCIE_BYTES_PER_S = 25e9
+TIMING_OPTIONS = ("interconnect", "intra_node", "network_profile", "mfu", "tokens", "nics_per_node")
+
+
+def build_cluster(nodes: int, gpus_per_node: int, gpu_name: str, interconnect: str | None = None,
+                  intra_node: str | None = None, nics_per_node: int | None = None,
+                  network_profile: str | None = None) -> tuple[Cluster, dict]:
+    """The Cluster a plan prices collectives on, and a description for the report.
+
+    Catalogue links (shardtune.catalog.interconnects) unless a measured profile is given: its
+    per-collective busbw replaces the link of its scope (intra: inside a node; inter: between
+    nodes — measured across nodes, a ring's busbw is already the node's NIC bandwidth).
+    """
+    from shardtune.catalog.interconnects import default_intra_node, get_interconnect
+
+    intra_c = get_interconnect(intra_node or default_intra_node(gpu_name), "intra")
+    inter_c = get_interconnect(interconnect or "ib-ndr-400", "inter")
+    nics = nics_per_node or inter_c.nics_per_node
+    intra = Link(intra_c.achieved_busbw_gbps * 1e9, intra_c.alpha_s, intra_c.name)
+    inter = Link(inter_c.achieved_busbw_gbps * 1e9 * nics, inter_c.alpha_s, f"{inter_c.name} × {nics}")
+    desc = {"intra_node": intra_c.name, "intra_busbw_gbps": intra_c.achieved_busbw_gbps,
+            "interconnect": inter_c.name if nodes > 1 else None, "nics_per_node": nics if nodes > 1 else None,
+            "inter_busbw_gbps_per_node": inter_c.achieved_busbw_gbps * nics if nodes > 1 else None,
+            "interconnect_defaulted": nodes > 1 and interconnect is None, "network_profile": None}
+    if network_profile:
+        from shardtune.netbench.profile import load_profile, profile_link
+
+        prof = load_profile(network_profile)
+        link = profile_link(prof)
+        if prof["scope"] == "inter":
+            inter = link
+        else:
+            intra = link
+        desc["network_profile"] = {"path": str(network_profile), "scope": prof["scope"],
+                                   "busbw_gbps": {k: v["busbw_gbps"] for k, v in prof["links"].items()}}
+    return Cluster(nodes, gpus_per_node, intra, inter), desc
+
+
+def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: int, cluster: Cluster,
+                     micro_batch: int, seq_len: int, grad_accum: int, ac: str, ac_every: int,
+                     trainable_params: int, num_params: int, active_params: int, lora: bool,
+                     offload: str, optimizer: str, peak_flops_per_s: float, mfu: float,
+                     mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True) -> dict:
+    """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
+
+    `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
+    compute kernels run at mfu × peak; recompute and exposed communication then lower the MFU
+    reported here. `arch` None (a bare --params count): 6N FLOPs per token, no attention term.
+    """
+    from shardtune.plan import compute as C
+
+    if arch is not None:
+        L, H, Q = arch.num_layers, arch.num_heads, arch.head_dim
+        embed = arch.vocab_size * arch.hidden_size
+        norms = (2 * L + 1) * arch.hidden_size
+        n_mm = active_params - norms - (0 if arch.tie_embeddings else embed)
+        layer_mm = n_mm - embed  # minus the LM head
+        k = arch.experts_per_token if arch.num_experts else 1
+        down = k * arch.intermediate_size * arch.hidden_size
+    else:
+        L, H, Q, n_mm, layer_mm, down = 1, 0, 0, num_params, num_params, 0
+    fwd_tok = C.forward_flops_per_token(n_mm, L, H, Q, seq_len)
+    model_tok = C.model_flops_per_token(n_mm, L, H, Q, seq_len)
+    if lora:  # frozen base weights: backward computes input grads (2N) but no weight grads (2N)
+        model_tok -= 2.0 * n_mm
+    recompute_tok = C.recompute_flops_per_token(ac, layer_mm, L, H, Q, seq_len, ac_every, down) if arch else (
+        2.0 * num_params if ac == "full" else 0.0)
+    tokens_mb = micro_batch * seq_len
+    rate = peak_flops_per_s * mfu
+    forward_s = tokens_mb * fwd_tok / rate
+    backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate
+
+    owners = {"ddp": 1, "hsdp": shard_degree}.get(strategy, cluster.world_size)
+    params_per_rank = trainable_params / owners
+    if offload in ("optimizer", "all"):
+        optimizer_s = (C.optimizer_step_time_s(params_per_rank, HOST_OPTIMIZER_BYTES_PER_S, optimizer)
+                       + C.offload_transfer_time_s(params_per_rank, PCIE_BYTES_PER_S))
+    else:
+        optimizer_s = C.optimizer_step_time_s(params_per_rank, mem_bw_bytes_per_s, optimizer)
+    groups = mesh_groups(cluster, shard_degree if strategy == "hsdp" else None)
+    st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap)
+    tokens_step = tokens_mb * grad_accum
+    tps = throughput(st.step_time_s, tokens_step)
+    out = {
+        "step_time_s": st.step_time_s,
+        "tokens_per_s": tps,
+        "mfu": C.mfu(model_tok * tokens_step, st.step_time_s, peak_flops_per_s),
+        "comm_time_s": st.comm_time_s,
+        "exposed_comm_s": st.exposed_comm_s,
+        "compute_time_s": st.compute_time_s,
+        "optimizer_time_s": st.optimizer_time_s,
+    }
+    if tokens:
+        wall, gpu_h = time_for_tokens(tokens, tps, cluster.world_size)
+        out.update(train_time_s=wall, gpu_hours=gpu_h)
+    return {k: float(f"{v:.4g}") for k, v in out.items()}

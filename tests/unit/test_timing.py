@@ -93,7 +93,7 @@ def test_step_time_ddp_syncs_only_last_micro_batch():
     # 2 nodes × 1 GPU at 1 GB/s, no α: DDP all-reduce of 1 GB once per step (not per micro-batch),
     # no overlap: step = 4 × (1 + 2) s compute + 2·(1/2)·1e9/1e9 = 1 s comm.
     c = _cluster(2, 1, 1, 1)
-    ops = [CommOp("all_reduce", 1e9, "world", "backward", every="step")]
+    ops = [CommOp("all_reduce", 1e9, "world", "backward", count_per="step")]
     st = step_time(ops, c, mesh_groups(c), 1.0, 2.0, 4, grad_accum=4, overlap=False)
     assert st.compute_time_s == pytest.approx(12)
     assert st.comm_time_s == pytest.approx(1)
