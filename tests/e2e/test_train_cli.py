@@ -1,0 +1,73 @@
+"""`shardtune train` as a user runs it: a real 2-process zero3 run of the demo recipe, and bad
+inputs that must be refused (exit 2, one line) before any process starts."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.mark.timeout(300)
+def test_tiny_cpu_recipe_trains_on_two_processes(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "2",
+           "--max-steps", "40", "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("shardtune train did not finish in 280 s")
+    assert proc.returncode == 0, log[-3000:]
+    for name in ("config.yaml", "plan.json", "metrics.jsonl", "memory.json"):
+        assert (out / name).is_file(), name
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes"):
+        assert key in records[0], key
+    assert records[0]["mfu"] is None  # CPU: no GPU peak to compare with
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0, (records[0]["loss"], records[-1]["loss"])
+    memory = json.loads((out / "memory.json").read_text())
+    assert len(memory["per_rank"]) == 2
+    assert records[-1]["peak_mem_bytes"] == max(r["peak_bytes"] for r in memory["per_rank"])
+    assert json.loads((out / "plan.json").read_text())["strategies"][0]["name"] == "zero3"
+
+
+BAD = [
+    (["--strategy", "zero9"], "unknown strategy"),
+    (["--strategy", "hsdp", "parallel.hsdp_shard_size=3"], "does not divide the world size 2"),
+    (["train.micro_batch=0"], "micro_batch"),
+    (["train.seq_len=1"], "seq_len"),
+    (["model.name=/nonexistent/model_dir"], "/nonexistent/model_dir"),
+    (["train.lr=1e-3"], "did you mean 'optim.lr'"),
+    (["data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
+    (["--precision", "fp8"], "unknown precision"),
+    (["--output-dir", "/proc/shardtune-cannot-write"], "cannot be written"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_exit_2_one_line_before_any_process(monkeypatch, capsys, args, needle):
+    from shardtune import cli
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started for bad input")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    rc = cli.main(["train", str(RECIPE), "--nproc", "2", *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert needle in err
