@@ -52,6 +52,7 @@ class StrategyPlan:
     comm_ratio_to_ddp: float | None
     collectives: list[comm.Collective]
     suggestion: str = ""
+    timing: dict = field(default_factory=dict)  # plan.timing.add_timing: step_time_s, tokens_per_s, mfu, ...
 
     @property
     def headroom_gib(self) -> float:
@@ -61,6 +62,7 @@ class StrategyPlan:
         d = asdict(self)
         d["headroom_gib"] = round(self.headroom_gib, 3)
         d["collectives"] = [c.to_dict() for c in self.collectives]
+        d.update(d.pop("timing"))  # step_time_s, tokens_per_s, mfu, comm_time_s, compute_time_s, ...
         return d
 
 
@@ -100,6 +102,7 @@ class _Model:
     shapes: list[ParamShape] | None
     arch: object | None
     active: int
+    buffer_cache: dict = field(default_factory=dict)
 
 
 def _load_model(model, params: float | None, lora_rank: int) -> _Model:
@@ -129,9 +132,13 @@ def _states(m: _Model, strategy: str, inp: Inputs, shard_degree: int) -> memory.
 def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
     if inp.accounting == "paper" or m.shapes is None:
         return 0
-    if strategy in memory.FSDP_STRATEGIES:
-        return memory.fsdp_buffer_bytes(m.shapes, strategy, inp.precision)
-    return memory.ddp_buffer_bytes(m.shapes, inp.precision)
+    key = (strategy, inp.precision)  # independent of the world size: computed once per plan
+    if key not in m.buffer_cache:
+        if strategy in memory.FSDP_STRATEGIES:
+            m.buffer_cache[key] = memory.fsdp_buffer_bytes(m.shapes, strategy, inp.precision)
+        else:
+            m.buffer_cache[key] = memory.ddp_buffer_bytes(m.shapes, inp.precision)
+    return m.buffer_cache[key]
 
 
 def _activations(m: _Model, inp: Inputs) -> int:
@@ -179,11 +186,15 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: Inputs, usable: int) -> str:
     from dataclasses import replace
 
     def more_gpus(base: Inputs, label: str):
+        if sp.name == "hsdp":  # a larger shard group first; the world stays
+            g = base.hsdp_shard_size * 2
+            while g <= base.gpus and base.gpus % g == 0:
+                yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
+                g *= 2
+            return
         for k in range(1, 9):
             g = base.gpus * 2**k
-            shard = base.hsdp_shard_size * 2**k if sp.name == "hsdp" else base.hsdp_shard_size
-            extra = f" --hsdp-shard-size {shard}" if sp.name == "hsdp" else ""
-            yield f"{label}--gpus {g}{extra}".strip(), replace(base, gpus=g, hsdp_shard_size=shard)
+            yield f"{label}--gpus {g}", replace(base, gpus=g)
 
     full = replace(inp, ac="full") if m.arch is not None and inp.ac != "full" else None
     scale_out = []
@@ -237,7 +248,11 @@ def plan(model=None, gpus: int = 8, **options) -> PlanResult:
     """Plan every applicable strategy for `model` (catalogue name, config.json, model folder or an
     HF config dict) on `gpus` GPUs. Options (all keyword): gpu, nodes, gpus_per_node, seq_len,
     micro_batch, grad_accum, precision, optimizer, ac, ac_every, offload, lora_rank, accounting,
-    hsdp_shard_size, params, reserve_gib, strategies — see `validate.Inputs` for defaults."""
+    hsdp_shard_size, params, reserve_gib, strategies — see `validate.Inputs` for defaults; timing
+    (plan/timing.py): interconnect, intra_node, nics_per_node, network_profile, mfu, tokens."""
+    from shardtune.plan.timing import TIMING_OPTIONS, add_timing
+
+    timing_options = {k: options.pop(k) for k in list(options) if k in TIMING_OPTIONS}
     inp = validate_inputs(model=model, gpus=gpus, **options)
     gpu = resolve_gpu(inp.gpu)
     reserve = default_reserve_bytes(gpu) if inp.reserve_gib is None else round(inp.reserve_gib * GIB)
@@ -255,7 +270,7 @@ def plan(model=None, gpus: int = 8, **options) -> PlanResult:
         if not p.fits:
             p.suggestion = _suggest(m, p, inp, usable)
     notes = _notes(m, inp)
-    return PlanResult(
+    result = PlanResult(
         model={"name": m.name, "source": m.source, "params": m.num_params,
                "trainable_params": m.trainable, "active_params": m.active,
                "architecture": asdict(m.arch) if m.arch else None},
@@ -265,6 +280,8 @@ def plan(model=None, gpus: int = 8, **options) -> PlanResult:
         inputs=inp.to_dict(), accounting=inp.accounting, strategies=plans,
         verdict=_verdict(plans, usable), notes=notes,
     )
+    add_timing(result, m.arch, inp, gpu, **timing_options)  # step time, tokens/s, MFU (plan/timing.py)
+    return result
 
 
 def _notes(m: _Model, inp: Inputs) -> list[str]:

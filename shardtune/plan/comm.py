@@ -29,6 +29,7 @@ and all-gathered again in backward. Imports no torch.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from shardtune.plan.memory import FSDP_STRATEGIES, dtypes, fsdp2_shard_numel
@@ -70,7 +71,8 @@ def _padded_total(shapes: list[ParamShape] | None, num: int, n: int, trainable_o
     """Elements an FSDP2 collective over n ranks moves: n × the padded shard."""
     if shapes is None:
         return n * -(-num // n)
-    return n * sum(fsdp2_shard_numel(p.shape, n) for p in shapes if p.trainable or not trainable_only)
+    kinds = Counter(p.shape for p in shapes if p.trainable or not trainable_only)
+    return n * sum(c * fsdp2_shard_numel(shape, n) for shape, c in kinds.items())
 
 
 def collectives(strategy: str, *, num_params: int, trainable_params: int, world_size: int,

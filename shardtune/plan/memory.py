@@ -44,6 +44,8 @@ Imports no torch.
 """
 from __future__ import annotations
 
+import heapq
+from collections import Counter
 from dataclasses import dataclass
 from math import ceil, prod
 
@@ -93,14 +95,14 @@ def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
 
     torch/distributed/optim/zero_redundancy_optimizer.py `_partition_parameters`: sort by numel,
     largest first (a stable sort), give each tensor to the rank with the fewest elements so far
-    (the lowest rank on ties).
+    (the lowest rank on ties) — a heap of (elements, rank) picks the same rank.
     """
     owned: list[list[int]] = [[] for _ in range(world_size)]
-    sizes = [0] * world_size
+    heap = [(0, r) for r in range(world_size)]
     for n in sorted(numels, reverse=True):
-        r = sizes.index(min(sizes))
+        size, r = heapq.heappop(heap)
         owned[r].append(n)
-        sizes[r] += n
+        heapq.heappush(heap, (size + n, r))
     return owned
 
 
@@ -136,22 +138,33 @@ class States:
 
 
 def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
-                 rank: int = 0) -> tuple[int, int, list[int]]:
-    """(param elements, grad elements, optimizer-owned tensor sizes) held by `rank`.
+                 rank: int = 0) -> tuple[int, int, Counter]:
+    """(param elements, grad elements, optimizer-owned tensor sizes → count) held by `rank`.
 
     FSDP strategies hold padded shards of everything; ddp/zero1 hold whole params and grads;
-    grads and optimizer states exist for trainable tensors only.
+    grads and optimizer states exist for trainable tensors only. Tensors of the same shape are
+    counted together (80 identical layers cost one computation).
     """
+    kinds = Counter((p.shape, p.trainable) for p in shapes)
     if strategy in FSDP_STRATEGIES:
         r = rank % shard_degree  # mesh (replicate, shard): the shard index is innermost
-        local = [(fsdp2_shard_numel(p.shape, shard_degree, r), p.trainable) for p in shapes]
-        opt = [fsdp2_shard_numel(p.shape, shard_degree, r, padded=False) for p in shapes if p.trainable]
-        return sum(n for n, _ in local), sum(n for n, t in local if t), opt
-    params = sum(p.numel for p in shapes)
-    grads = sum(p.numel for p in shapes if p.trainable)
-    trainable = [p.numel for p in shapes if p.trainable]
+        params = grads = 0
+        opt: Counter = Counter()
+        for (shape, trainable), count in kinds.items():
+            local = count * fsdp2_shard_numel(shape, shard_degree, r)
+            params += local
+            if trainable:
+                grads += local
+                opt[fsdp2_shard_numel(shape, shard_degree, r, padded=False)] += count
+        return params, grads, opt
+    params = sum(prod(shape) * c for (shape, _), c in kinds.items())
+    trainable = Counter()
+    for (shape, t), c in kinds.items():
+        if t:
+            trainable[prod(shape)] += c
+    grads = sum(n * c for n, c in trainable.items())
     if strategy == "zero1":
-        return params, grads, zero1_partition(trainable, world_size)[rank]
+        return params, grads, Counter(zero1_partition(list(trainable.elements()), world_size)[rank])
     return params, grads, trainable
 
 
@@ -163,8 +176,8 @@ def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, s
     return States(
         params=p * dt.param,
         grads=g * dt.grad,
-        optimizer=sum(optimizer_state_bytes(n, optimizer, dt.state) for n in opt),
-        optimizer_step_temp=optimizer_temp_bytes(sum(opt), optimizer, dt.state),
+        optimizer=sum(c * optimizer_state_bytes(n, optimizer, dt.state) for n, c in opt.items()),
+        optimizer_step_temp=optimizer_temp_bytes(sum(n * c for n, c in opt.items()), optimizer, dt.state),
     )
 
 
