@@ -52,6 +52,7 @@ class StrategyPlan:
     comm_ratio_to_ddp: float | None
     collectives: list[comm.Collective]
     suggestion: str = ""
+    state_bytes_per_rank: dict | None = None  # local tensor bytes of each rank (worlds ≤ 16)
     timing: dict = field(default_factory=dict)  # plan.timing.add_timing: step_time_s, tokens_per_s, mfu, ...
 
     @property
@@ -148,7 +149,7 @@ def _activations(m: _Model, inp: Inputs) -> int:
                             inp.ac, inp.ac_every)
 
 
-def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int) -> StrategyPlan:
+def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank: bool = True) -> StrategyPlan:
     shard = inp.hsdp_shard_size if strategy == "hsdp" else (inp.gpus if strategy != "ddp" else 1)
     st = _states(m, strategy, inp, shard if strategy != "zero1" else inp.gpus)
     cpu_per_rank = 0
@@ -164,6 +165,7 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int) -> Strate
                              trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,
                              precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)
     return StrategyPlan(
+        state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
         name=strategy, shard_degree=shard, replicate_degree=inp.gpus // shard if strategy == "hsdp" else (
             inp.gpus if strategy in ("ddp", "zero1") else 1),
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total),
@@ -172,6 +174,17 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int) -> Strate
         comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
         collectives=colls,
     )
+
+
+def _per_rank(m: _Model, strategy: str, inp: Inputs, shard: int) -> dict | None:
+    """params/grads/optimizer bytes of each rank's local tensors (FSDP2 `to_local()`, unpadded),
+    for comparing a real run rank by rank; `memory` holds rank 0's, which equals the padded
+    allocation every FSDP2 rank makes."""
+    if m.shapes is None or inp.accounting != "shardtune" or inp.gpus > 16:
+        return None
+    ranks = [memory.shardtune_states(m.shapes, strategy, inp.gpus, shard if strategy != "zero1" else inp.gpus,
+                                     inp.precision, inp.optimizer, r, padded=False) for r in range(inp.gpus)]
+    return {k: [getattr(s, k) for s in ranks] for k in ("params", "grads", "optimizer")}
 
 
 def _applicable(inp: Inputs) -> list[str]:
@@ -214,7 +227,7 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: Inputs, usable: int) -> str:
     found = []
     for tries in (scale_out, offload):
         for label, changed in tries:
-            p = _plan_strategy(m, sp.name, changed, usable)
+            p = _plan_strategy(m, sp.name, changed, usable, per_rank=False)
             if p.fits:
                 cpu = (f" ({p.cpu_offload_bytes_per_node / GIB:,.0f} GiB CPU RAM per node)"
                        if p.cpu_offload_bytes_per_node else "")

@@ -138,12 +138,13 @@ class States:
 
 
 def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
-                 rank: int = 0) -> tuple[int, int, Counter]:
+                 rank: int = 0, padded: bool = True) -> tuple[int, int, Counter]:
     """(param elements, grad elements, optimizer-owned tensor sizes → count) held by `rank`.
 
     FSDP strategies hold padded shards of everything; ddp/zero1 hold whole params and grads;
     grads and optimizer states exist for trainable tensors only. Tensors of the same shape are
-    counted together (80 identical layers cost one computation).
+    counted together (80 identical layers cost one computation). `padded=False`: the FSDP2
+    params and grads as `to_local()` sizes them instead of the padded allocation.
     """
     kinds = Counter((p.shape, p.trainable) for p in shapes)
     if strategy in FSDP_STRATEGIES:
@@ -151,7 +152,7 @@ def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard
         params = grads = 0
         opt: Counter = Counter()
         for (shape, trainable), count in kinds.items():
-            local = count * fsdp2_shard_numel(shape, shard_degree, r)
+            local = count * fsdp2_shard_numel(shape, shard_degree, r, padded)
             params += local
             if trainable:
                 grads += local
@@ -169,10 +170,15 @@ def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard
 
 
 def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
-                     precision: str, optimizer: str, rank: int = 0) -> States:
-    """What our trainer holds on `rank` (module doc, `shardtune` accounting)."""
+                     precision: str, optimizer: str, rank: int = 0, padded: bool = True) -> States:
+    """What our trainer holds on `rank` (module doc, `shardtune` accounting).
+
+    `padded=True`: FSDP2's allocation (ceil(dim0/N) rows on every rank); `padded=False`: the bytes
+    of the local tensors (`DTensor.to_local()`), which differ on the last ranks. Optimizer states
+    are made with zeros_like of the local tensor, so they are never padded. Rank 0: both agree.
+    """
     dt = dtypes(precision)
-    p, g, opt = local_numels(shapes, strategy, world_size, shard_degree, rank)
+    p, g, opt = local_numels(shapes, strategy, world_size, shard_degree, rank, padded)
     return States(
         params=p * dt.param,
         grads=g * dt.grad,

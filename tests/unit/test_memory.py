@@ -57,6 +57,15 @@ def test_zero3_fp32_exact_shards_with_padding():
     assert s.memory.optimizer_step_temp == 4 * local  # foreach AdamW's sqrt(v) copy
 
 
+def test_fsdp2_per_rank_local_bytes_by_hand():
+    # rank 2 of 3 holds the remainders: 264 → 88 rows, 128 → 42, 64 → 20, 344 → 114
+    rank2 = 88 * 128 + 4 * (42 * 128 + 2 * 20 * 128 + 42 * 128 + 2 * 114 * 128 + 42 * 344 + 2 * 42) + 42 + 88 * 128
+    s = plan("tiny-llama", 3, precision="fp32", seq_len=16).strategy("zero3")
+    per_rank = s.state_bytes_per_rank
+    assert per_rank["params"][2] == 4 * rank2 and per_rank["optimizer"][2] == 8 * rank2
+    assert per_rank["params"][0] == s.memory.params  # rank 0 = the padded allocation
+
+
 def test_fsdp2_rows_match_torch_chunk():
     import torch
 
