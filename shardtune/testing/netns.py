@@ -4,7 +4,8 @@ Each "host" is a network namespace with its own loopback and one interface of th
 (`ifname`, like `eth0` on every node of a cluster), addressed 10.231.S.1/24 and 10.231.S.2/24.
 Processes started in a namespace see only that namespace's interfaces, so torch.distributed
 traffic between them really crosses the veth link, optionally capped with a `tc` token bucket
-(`tbf`, on both ends: each end shapes what it sends) and delayed with `netem`.
+(`tbf`, on both ends: each end shapes what it sends) and delayed with `netem` where the kernel
+has sch_netem (when it does not, `setup` raises RuntimeError naming tc's error, after cleaning up).
 
 Usage (needs root, or CAP_NET_ADMIN + CAP_SYS_ADMIN, and iproute2's `ip`/`tc`)::
 
@@ -87,7 +88,7 @@ class TwoHosts:
     Args:
         ifname: interface name inside both namespaces (at most 15 characters).
         rate_mbit: if set, a tbf qdisc caps each direction of the link at this many Mbit/s.
-        delay_ms: if set, netem adds this one-way delay on each end.
+        delay_ms: if set, netem adds this one-way delay on each end (needs the kernel's sch_netem).
         subnet_octet: third octet S of 10.231.S.0/24; default derived from the pid and a counter
             so that concurrent users do not collide.
     """
@@ -141,15 +142,13 @@ class TwoHosts:
         base = [_tool("ip"), "netns", "exec", h.ns, tc, "qdisc", "add", "dev", self.ifname]
         parent = ["root"]
         if self.delay_ms is not None:
-            subprocess.run(base + ["root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms"],
-                           check=True, capture_output=True, timeout=30)
+            _tc(base + ["root", "handle", "1:", "netem", "delay", f"{self.delay_ms}ms"])
             parent = ["parent", "1:1"]
         if self.rate_mbit is not None:
             # burst must hold at least one timer tick of traffic at this rate (tc-tbf(8)); 1/100 s
             # of data, and never below 32 KiB, keeps the cap accurate at high rates.
             burst_bytes = max(32 * 1024, int(self.rate_mbit * 1e6 / 8 / 100))
-            subprocess.run(base + parent + ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(burst_bytes),
-                                            "latency", "50ms"], check=True, capture_output=True, timeout=30)
+            _tc(base + parent + ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", str(burst_bytes), "latency", "50ms"])
 
     def close(self) -> None:
         """Kill everything started here, then delete both namespaces (and with them the veth pair)."""
@@ -196,6 +195,12 @@ class TwoHosts:
             _killpg(p)
             raise
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _tc(argv: list[str]) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:  # e.g. "Specified qdisc kind is unknown": the kernel lacks sch_netem
+        raise RuntimeError(f"{' '.join(argv[4:])} failed: {r.stderr.strip()}")
 
 
 def _killpg(p: subprocess.Popen, grace_s: float = 3.0) -> None:

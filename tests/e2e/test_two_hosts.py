@@ -99,6 +99,43 @@ def test_namespaces_are_removed_even_when_the_body_fails():
     assert names and not any(n in listed for n in names), listed
 
 
+SINK = textwrap.dedent("""
+    import socket, time
+    s = socket.socket(); s.bind(("0.0.0.0", 5001)); s.listen(); c, _ = s.accept()
+    n, t0 = 0, None
+    while True:
+        b = c.recv(1 << 16)
+        if not b:
+            break
+        t0 = t0 or time.perf_counter(); n += len(b)
+    print(n, time.perf_counter() - t0)
+""")
+SEND = textwrap.dedent("""
+    import socket, sys, time
+    for _ in range(200):  # until the sink listens
+        try:
+            c = socket.create_connection((sys.argv[1], 5001)); break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    c.sendall(b"x" * (8 << 20)); c.close()
+""")
+
+
+@pytest.mark.timeout(60)
+def test_bandwidth_cap_is_what_tc_was_told():
+    with TwoHosts(rate_mbit=80) as net:
+        _, b = net.hosts
+        sink = net.popen(1, [sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+        sent = net.run(0, [sys.executable, "-c", SEND, b.addr], timeout=30)
+        assert sent.returncode == 0, sent.stderr
+        out, _ = sink.communicate(timeout=30)
+    n_bytes, seconds = out.split()
+    mbit_s = int(n_bytes) * 8 / float(seconds) / 1e6
+    # tbf caps the wire rate at 80 Mbit/s; TCP/IPv4 payload is 1448 of 1514 bytes per frame
+    # tbf counts (95.6 %), so goodput sits just under the cap, not above it.
+    assert int(n_bytes) == 8 << 20 and 0.85 * 80 < mbit_s < 1.02 * 80, mbit_s
+
+
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
 # Few steps, fp32 (no bf16 rounding differences to hide behind), zero3 across the two nodes.
 OVERRIDES = ["train.max_steps=4", "parallel.precision=fp32", "parallel.strategy=zero3",
