@@ -61,6 +61,8 @@ def render_slurm(spec: LaunchSpec) -> str:
     torchrun = torchrun_args(spec, "@ENDPOINT@", "@RUNID@")
     # Two values come from Slurm at run time: they stay shell expansions, not quoted literals.
     cmd = _q(torchrun).replace(shlex.quote("@ENDPOINT@"), endpoint).replace(shlex.quote("@RUNID@"), '"${SLURM_JOB_ID}"')
+    # srun does not inherit sbatch's --cpus-per-task since Slurm 22.05 (its release notes): repeat it.
+    cpus = f" --cpus-per-task={int(spec.cpus_per_task)}" if spec.cpus_per_task else ""
     lines = [
         "#!/usr/bin/env bash",
         *sbatch_lines(spec),
@@ -81,7 +83,7 @@ def render_slurm(spec: LaunchSpec) -> str:
         "}",
         "trap on_time_limit USR1",
         "",
-        "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n  torchrun \\\n  "
+        "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=1" + cpus + " \\\n  torchrun \\\n  "
         + cmd + " \\\n  " + _q(trainer_args(spec)) + " &",
         "srun_pid=$!",
         "# `wait` returns early when a trapped signal arrives: wait again until srun has exited.",

@@ -145,13 +145,15 @@ def _run_sbatch(tmp_path, env, text, **extra_env):
 def test_sbatch_script_runs_torchrun_on_first_node_rendezvous(tmp_path, stubs, hostile_recipe):
     env, log = stubs
     override = f"name={HOSTILE}"
-    p = _run_sbatch(tmp_path, env, render_slurm(_spec(hostile_recipe, overrides=(override,), time="2:00:00")), STUB_RC="3")
+    p = _run_sbatch(tmp_path, env, render_slurm(_spec(hostile_recipe, overrides=(override,), time="2:00:00",
+                                                              cpus_per_task=16)), STUB_RC="3")
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 3, out  # the training step's failure is the job's exit code
     calls = _calls(log)
     tools = [c["tool"] for c in calls]
     assert tools == ["scontrol", "srun", "torchrun"], tools  # no requeue without the signal
-    assert calls[1]["argv"][:3] == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # srun gets --cpus-per-task itself: Slurm >= 22.05 no longer passes sbatch's value to steps
+    assert calls[1]["argv"][:4] == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=16"]
     assert calls[2]["argv"] == [
         "--nnodes", "2", "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "node-a:29511",
         "--rdzv-id", "4242", "--max-restarts", "0", "-m", "shardtune.train", hostile_recipe, override]
