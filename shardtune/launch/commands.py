@@ -120,6 +120,7 @@ def k8s_cmd(
     pvc: Optional[str] = typer.Option(None, "--pvc", help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints (default JOB-checkpoints)."),
     checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", help="Where the claim is mounted; the run folder goes under it."),
     elastic: Optional[str] = typer.Option(None, "--elastic", help="MIN:MAX nodes: an elastic job (c10d rendezvous, workers only)."),
+    efa_devices: Optional[int] = typer.Option(None, "--efa-devices", help="With --interconnect efa: EFA interfaces per pod (p5 32, p4d 4)."),
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
     from shardtune.launch.k8s import render_k8s
@@ -129,7 +130,7 @@ def k8s_cmd(
     cfg, spec = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node, interconnect=interconnect,
                        ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                        checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,
-                       checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic))
+                       checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic), efa_devices=efa_devices)
     _emit(render_k8s(spec, cfg), output, cfg, spec, link, executable=False)
 
 

@@ -56,6 +56,7 @@ class LaunchSpec:
     pvc: Optional[str] = None  # k8s: shared ReadWriteMany claim for checkpoints
     checkpoint_mount: str = "/checkpoints"
     elastic: Optional[tuple[int, int]] = None  # k8s: (min, max) nodes
+    efa_devices: Optional[int] = None  # k8s + efa: vpc.amazonaws.com/efa per pod
 
 
 def normalize_interconnect(name: str) -> str:

@@ -257,6 +257,14 @@ def test_pytorchjob_elastic_policy(tmp_path):
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4
 
 
+def test_pytorchjob_efa_devices(tmp_path):
+    with pytest.raises(UserError, match="--efa-devices"):
+        build_manifests(_spec("r.yaml", interconnect="efa", image="img"), load_recipe(None))
+    _, job = build_manifests(_spec("r.yaml", interconnect="efa", image="img", efa_devices=32), load_recipe(None))
+    (c,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 4, "vpc.amazonaws.com/efa": 32}
+
+
 @pytest.mark.parametrize("name", ["My_Job", "a" * 64, "job\nx", "-job"])
 def test_pytorchjob_rejects_bad_names(tmp_path, name):
     with pytest.raises(UserError):
