@@ -21,6 +21,9 @@ Two accountings, named in every result:
     largest first, to the rank with the fewest elements so far (`zero1_partition`).
   - bf16 (pure): params, grads and optimizer states in bf16 (2 + 2 + 4 B/param), no fp32 master.
     fp32: 4 + 4 + 8, no bf16 copies.
+  AdamW's per-tensor `step` counter is a 0-dim fp32 tensor that torch keeps on the CPU
+  (torch/optim/adam.py, non-capturable, non-fused): not GPU memory, not counted here; a CPU
+  run that sums every tensor in `optimizer.state` sees 4 more bytes per owned tensor.
   Every number is rank 0's, the largest rank (FSDP2's rank 0 always holds the full ceil(dim0/N)
   rows, and the greedy zero1 partition is reported at its largest rank).
 
