@@ -132,8 +132,17 @@ def check_dataset(data_cfg) -> int:
 
 # ---------------------------------------------------------------- tokenization
 def build_tokenizer(data_cfg, model_name: str, trust_remote_code: bool = False):
-    """The model folder's tokenizer (`data.tokenizer` auto/hf, local files only) or the byte one."""
-    return load_tokenizer(data_cfg.tokenizer, model_name, trust_remote_code)
+    """The model folder's tokenizer (`data.tokenizer` auto/hf, local files only) or the byte one.
+
+    Refuses a tokenizer whose ids do not fit the model's embedding (vocab_size of its config).
+    """
+    from shardtune.catalog.models import resolve_model_config
+
+    tok = load_tokenizer(data_cfg.tokenizer, model_name, trust_remote_code)
+    model_vocab = resolve_model_config(model_name).get("vocab_size")
+    if model_vocab is not None and tok.vocab_size > model_vocab:
+        raise UserError(f"the {tok.name} tokenizer has {tok.vocab_size} ids but model {model_name!r} has vocab_size {model_vocab}; use the model's own tokenizer (data.tokenizer=auto) or a model with a larger vocabulary")
+    return tok
 
 
 def encode_example(record: dict, tokenizer, template: str = "auto") -> tuple[list[int], list[bool]]:
@@ -303,6 +312,9 @@ def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
 def build_dataloader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, seed: int) -> PackedLoader:
     """This data-parallel rank's loader (see the module docstring for the order guarantee)."""
     data = build_dataset(data_cfg, train_cfg.seq_len, tokenizer, seed)
+    rows_per_step = train_cfg.micro_batch * train_cfg.grad_accum * dp_size
+    if data.num_rows < rows_per_step:  # else one step would hold the same row twice
+        raise UserError(f"the dataset fills {data.num_rows} rows of seq_len {train_cfg.seq_len}, fewer than one global batch ({rows_per_step} = micro_batch × grad_accum × {dp_size} ranks); add data or lower train.micro_batch / grad_accum")
     return PackedLoader(data, train_cfg.micro_batch, dp_rank, dp_size, seed, data_cfg.shuffle, tokenizer.pad_id)
 
 

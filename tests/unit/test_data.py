@@ -139,6 +139,18 @@ def test_state_dict_resume_continues_identically(tmp_path):
     assert torch.equal(nxt[:2], next(other)["input_ids"]) and torch.equal(nxt[2:], ref_batches[4]["input_ids"])
 
 
+def test_dataset_smaller_than_a_global_batch_is_refused(tmp_path):
+    with pytest.raises(UserError, match="fewer than one global batch"):
+        _loader(tmp_path, 4, 0, 2, n=3, shuffle=False)
+
+
+def test_tokenizer_must_fit_the_model_vocabulary(tmp_path):
+    assert build_tokenizer(DataConfig(), "tiny-llama").vocab_size == 259  # fits 264
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 200}')
+    with pytest.raises(UserError, match="has 259 ids but model .* has vocab_size 200"):
+        build_tokenizer(DataConfig(), str(tmp_path))
+
+
 def test_resume_refuses_other_data(tmp_path):
     state = _loader(tmp_path, 2, 0, 1).state_dict()
     with pytest.raises(UserError, match="same data"):
