@@ -172,3 +172,21 @@ def test_llama3_70b_zero3_does_not_fit_8x80gb():
     states = z3.memory.params + z3.memory.grads + z3.memory.optimizer
     assert states == pytest.approx(16 * 70_553_706_496 / 8, rel=1e-6)
     assert not z3.fits
+
+
+def test_fsdp_buffers_by_hand():
+    # The trainer's contract (docs/DESIGN.md): zero3 holds the bf16 root group (embedding, final
+    # norm, LM head) and two bf16 layers unsharded, one layer's bf16 grads plus FSDP2's fp32
+    # reduce-scatter input, and the root's bf16 grads (LM head, final norm) until the end.
+    layer = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 344 + 2 * 128
+    lm_head_and_norm = 264 * 128 + 128
+    root = 264 * 128 + lm_head_and_norm
+    psi = root + 4 * layer
+    r = plan("tiny-llama", 2, seq_len=16)
+    grads_in_flight = 2 * lm_head_and_norm + (2 + 4) * layer
+    assert r.strategy("zero3").memory.buffers == 2 * (root + 2 * layer) + grads_in_flight
+    # zero2 keeps every bf16 unsharded param from forward to backward
+    assert r.strategy("zero2").memory.buffers == 2 * psi + grads_in_flight
+    z3 = r.strategy("zero3").memory
+    at_rest = z3.params + z3.grads + z3.optimizer
+    assert z3.total == at_rest + max(z3.activations + z3.buffers, z3.optimizer_step_temp)
