@@ -42,6 +42,13 @@ def plan_cmd(
     strategy: Optional[list[str]] = typer.Option(None, "--strategy", help="Only these strategies (repeatable)."),
     list_models: bool = typer.Option(False, "--list", help="List the catalogue's models and GPUs, then exit."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the plan.json format)."),
+    interconnect: Optional[str] = typer.Option(None, "--interconnect", help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, eth-100g, eth-25g, eth-10g (default ib-ndr-400)."),
+    intra_node: Optional[str] = typer.Option(None, "--intra-node", help="Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu)."),
+    nics_per_node: Optional[int] = typer.Option(None, "--nics-per-node", help="NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet)."),
+    network_profile: Optional[str] = typer.Option(None, "--network-profile", help="Measured profile from `shardtune bench comm -o FILE`, used instead of catalogue bandwidths."),
+    mfu: Optional[float] = typer.Option(None, "--mfu", help="Achievable MFU of the compute (default per GPU, e.g. 0.40 for H100)."),
+    tokens: Optional[float] = typer.Option(None, "--tokens", help="Tokens to train on: report wall-clock days and GPU-hours."),
+    fit: bool = typer.Option(False, "--fit", help="Search strategy × AC × offload × micro-batch × shard size × precision for the fastest config that fits."),
 ) -> None:
     """Per-GPU memory (params, grads, optimizer, activations, buffers), fit and communication of
     every strategy: ddp, zero1, zero2, zero3, hsdp."""
@@ -52,6 +59,11 @@ def plan_cmd(
 
     options = planner_inputs(**locals())
     options["strategies"] = strategy or None
+    options.update(interconnect=interconnect, intra_node=intra_node, nics_per_node=nics_per_node,
+                   network_profile=network_profile, mfu=mfu, tokens=tokens)  # plan/timing.py
+    if fit:
+        _fit(options, as_json)
+        return
     result = plan(**options)
     if as_json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
@@ -60,6 +72,20 @@ def plan_cmd(
     from shardtune.plan.report import render_text
 
     render_text(result)
+
+
+def _fit(options: dict, as_json: bool) -> None:
+    from shardtune.plan.fit import render_fit, search
+
+    result = search(**options)
+    if as_json:
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    render_fit(result, console if console.is_terminal else Console(highlight=False, width=120))
 
 
 def _print_catalogue() -> None:

@@ -33,6 +33,10 @@ def render_text(result: PlanResult, console=None) -> None:
         + f"; accounting: {result.accounting}")
     console.print(_memory_table(result))
     console.print(_comm_table(result))
+    if any(s.timing for s in result.strategies):  # plan/timing.py
+        from shardtune.plan.fit import timing_table
+
+        console.print(timing_table(result))
     for s in result.strategies:
         if s.cpu_offload_bytes_per_node:
             console.print(f"{s.name}: offloaded states need {_gib(s.cpu_offload_bytes_per_node)} GiB of CPU RAM per node")

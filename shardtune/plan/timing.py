@@ -339,3 +339,51 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
         wall, gpu_h = time_for_tokens(tokens, tps, cluster.world_size)
         out.update(train_time_s=wall, gpu_hours=gpu_h)
     return {k: float(f"{v:.4g}") for k, v in out.items()}
+
+
+def timing_context(inp, gpu, *, interconnect: str | None = None, intra_node: str | None = None,
+                   nics_per_node: int | None = None, network_profile: str | None = None,
+                   mfu: float | None = None, tokens: float | None = None) -> dict:
+    """Checked timing options → {"cluster", "mfu", "tokens", "network" (a description)}."""
+    from shardtune.errors import UserError
+    from shardtune.plan.compute import achievable_mfu
+
+    if mfu is not None and not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
+        raise UserError(f"--mfu {mfu!r} must be a fraction in (0, 1], e.g. 0.4")
+    if tokens is not None and not (isinstance(tokens, (int, float)) and tokens > 0):
+        raise UserError(f"--tokens {tokens!r} must be a positive number of tokens, e.g. 1e9")
+    if nics_per_node is not None and not (isinstance(nics_per_node, int) and 1 <= nics_per_node <= 64):
+        raise UserError(f"--nics-per-node {nics_per_node!r} must be an integer from 1 to 64")
+    cluster, net = build_cluster(inp.nodes, inp.gpus_per_node, gpu.name, interconnect, intra_node,
+                                 nics_per_node, network_profile)
+    mfu_used, mfu_source = (mfu, "--mfu") if mfu is not None else achievable_mfu(gpu.name)
+    net["mfu_assumed"], net["mfu_source"] = mfu_used, mfu_source
+    return {"cluster": cluster, "mfu": mfu_used, "tokens": tokens, "network": net}
+
+
+def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
+    """predict_strategy for one api.StrategyPlan under `inp` (validate.Inputs)."""
+    return predict_strategy(
+        arch, sp.collectives, strategy=sp.name, shard_degree=sp.shard_degree, cluster=ctx["cluster"],
+        micro_batch=inp.micro_batch, seq_len=inp.seq_len, grad_accum=inp.grad_accum, ac=inp.ac,
+        ac_every=inp.ac_every, trainable_params=model_info["trainable_params"],
+        num_params=model_info["params"], active_params=model_info.get("active_params") or model_info["params"],
+        lora=bool(inp.lora_rank), offload=inp.offload, optimizer=inp.optimizer,
+        peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], mem_bw_bytes_per_s=gpu.hbm_bytes_per_s,
+        tokens=ctx["tokens"])
+
+
+def add_timing(result, arch, inp, gpu, **options) -> None:
+    """Fill each StrategyPlan's `timing` (the JSON fields step_time_s, tokens_per_s, mfu,
+    comm_time_s, compute_time_s, ...) and describe the network and MFU assumption in the result.
+    `options`: those of `timing_context` (TIMING_OPTIONS)."""
+    ctx = timing_context(inp, gpu, **options)
+    net = ctx["network"]
+    result.hardware["network"] = net
+    for sp in result.strategies:
+        sp.timing = time_strategy(sp, arch, result.model, inp, gpu, ctx)
+    if net["interconnect_defaulted"]:
+        result.notes.append(f"no --interconnect given: timed with {net['interconnect']} × {net['nics_per_node']} "
+                            "per node; give --interconnect (e.g. eth-10g) or --network-profile FILE")
+    result.notes.append(f"step time assumes {ctx['mfu']:.0%} MFU for the compute ({net['mfu_source']}); "
+                        "exposed comm = per layer max(0, comm − compute) (FSDP prefetch / DDP buckets)")

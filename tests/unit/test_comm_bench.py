@@ -68,3 +68,24 @@ def test_profile_loads_for_the_planner(profile, tmp_path):
         load_profile(bad)
     with pytest.raises(UserError):
         load_profile(tmp_path / "missing.json")
+
+
+def test_plan_uses_the_measured_profile(profile, tmp_path):
+    from shardtune.plan import plan
+
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    result = plan("tiny-llama", gpus=2, network_profile=str(path), strategies=["ddp", "zero3"])
+    ar, ag, rs = (profile["links"][k] for k in ("all_reduce", "all_gather", "reduce_scatter"))
+    ddp, zero3 = result.strategies
+    # ddp, 2 ranks on one node (scope intra): one all-reduce of S bytes per step:
+    # 2(n-1) = 2 ring steps of α + 2(n-1)/n·S = S bytes at the measured all-reduce busbw.
+    (c,) = ddp.collectives
+    assert ddp.timing["comm_time_s"] == pytest.approx(2 * ar["alpha_s"] + c.payload_bytes / (ar["busbw_gbps"] * 1e9), rel=1e-3)
+    # zero3: two all-gathers and one reduce-scatter, each (n-1) = 1 step + S/2 bytes at its own busbw
+    expect = 0.0
+    for c in zero3.collectives:
+        link = ag if c.op == "all_gather" else rs
+        expect += link["alpha_s"] + c.payload_bytes / 2 / (link["busbw_gbps"] * 1e9)
+    assert zero3.timing["comm_time_s"] == pytest.approx(expect, rel=1e-3)
+    assert result.hardware["network"]["network_profile"]["scope"] == "intra"

@@ -1,0 +1,218 @@
+"""`plan --fit`: the configuration with the highest predicted tokens/s per GPU that fits.
+
+Searches strategy × activation checkpointing × offload × micro-batch × HSDP shard size ×
+precision with the planner's memory model (plan/api.py) and the step-time model (plan/timing.py),
+keeping the user's grad_accum, sequence length, GPU and cluster. Each ranked entry says why it
+loses to the best (which per-token time component is larger), each rejected one why it does not
+fit. Also renders the per-strategy time table of a plan. Imports no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from shardtune.strategies import AC_MODES, PRECISIONS
+
+GIB = 2**30
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
+OFFLOADS = ("none", "all")  # what the trainer can run ("optimizer" is planner-only)
+
+
+@dataclass
+class Candidate:
+    """One searched configuration, its memory verdict and predicted time."""
+
+    strategy: str
+    ac: str
+    offload: str
+    micro_batch: int
+    hsdp_shard_size: int | None
+    precision: str
+    fits: bool
+    peak_gib: float
+    usable_gib: float
+    timing: dict
+    why: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timing["tokens_per_s"]
+
+    def label(self) -> str:
+        shard = f" shard {self.hsdp_shard_size}" if self.strategy == "hsdp" else ""
+        return (f"{self.strategy}{shard}, AC {self.ac}, offload {self.offload}, micro-batch "
+                f"{self.micro_batch}, {self.precision}")
+
+    def flags(self) -> str:
+        f = f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} --micro-batch {self.micro_batch} --precision {self.precision}"
+        return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if self.strategy == "hsdp" else "")
+
+
+@dataclass
+class FitResult:
+    best: Candidate | None
+    ranked: list[Candidate]
+    rejected: list[Candidate]
+    searched: int
+    network: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        def d(c):
+            return dict(asdict(c), tokens_per_s=c.tokens_per_s, flags=c.flags())
+        return {"best": d(self.best) if self.best else None, "ranked": [d(c) for c in self.ranked],
+                "rejected": [d(c) for c in self.rejected], "searched": self.searched,
+                "network": self.network, "notes": self.notes}
+
+
+def _shard_sizes(world: int, per_node: int) -> list[int]:
+    """Powers of two that divide the world, from 2 up to half of it, plus one node's GPUs."""
+    sizes = {per_node} if world % per_node == 0 and 1 < per_node < world else set()
+    s = 2
+    while s < world:
+        if world % s == 0:
+            sizes.add(s)
+        s *= 2
+    return sorted(sizes)
+
+
+def search(model=None, gpus: int = 8, top: int = 5, **options) -> FitResult:
+    """Every configuration of the search space, ranked; options as `shardtune.plan.plan`."""
+    from shardtune.catalog.gpus import resolve_gpu
+    from shardtune.plan import api
+    from shardtune.plan.timing import TIMING_OPTIONS, time_strategy, timing_context
+    from shardtune.plan.validate import validate_inputs
+    from shardtune.strategies import STRATEGIES
+
+    timing_options = {k: options.pop(k) for k in list(options) if k in TIMING_OPTIONS}
+    base = validate_inputs(model=model, gpus=gpus, **options)
+    gpu = resolve_gpu(base.gpu)
+    reserve = api.default_reserve_bytes(gpu) if base.reserve_gib is None else round(base.reserve_gib * GIB)
+    usable = gpu.memory_bytes - reserve
+    m = api._load_model(base.model, base.params, base.lora_rank)
+    info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
+    ctx = timing_context(base, gpu, **timing_options)
+    strategies = base.strategies or list(STRATEGIES)
+    acs = AC_MODES if m.arch is not None else ("none",)
+    out: list[Candidate] = []
+    for strategy in strategies:
+        shards = _shard_sizes(base.gpus, base.gpus_per_node) if strategy == "hsdp" else [None]
+        for shard in shards:
+            for precision in PRECISIONS:
+                for ac in acs:
+                    for offload in OFFLOADS:
+                        if offload == "all" and strategy in ("ddp", "zero1"):
+                            continue  # FSDP2's CPUOffloadPolicy only
+                        for mb in MICRO_BATCHES:
+                            inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,
+                                          precision=precision, ac=ac, offload=offload, micro_batch=mb)
+                            sp = api._plan_strategy(m, strategy, inp, usable)
+                            c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
+                                          sp.memory.total / GIB, usable / GIB, time_strategy(sp, m.arch, info, inp, gpu, ctx))
+                            if not sp.fits:
+                                c.why = _why_not(sp, usable)
+                            out.append(c)
+                            if not sp.fits:
+                                break  # larger micro-batches need more memory still
+    fitting = sorted((c for c in out if c.fits), key=lambda c: -c.tokens_per_s)
+    best = fitting[0] if fitting else None
+    for c in fitting[1:top]:
+        c.why = _why_loses(c, best)
+    rejected = sorted((c for c in out if not c.fits), key=lambda c: -c.tokens_per_s)
+    notes = [f"grad_accum {base.grad_accum} and seq {base.seq_len} kept; micro-batch searched over "
+             f"{', '.join(map(str, MICRO_BATCHES))} (the global batch grows with it)",
+             f"compute at {ctx['mfu']:.0%} MFU ({ctx['network']['mfu_source']})"]
+    return FitResult(best, fitting[:top], _distinct(rejected, top), len(out), ctx["network"], notes)
+
+
+def _distinct(cands: list[Candidate], top: int) -> list[Candidate]:
+    """The fastest rejected configuration of each strategy, then the next fastest distinct ones
+    (one per strategy, precision, AC, offload) up to `top` — so every strategy's reason shows."""
+    out, seen = [], set()
+    for c in cands:
+        if c.strategy not in {o.strategy for o in out}:
+            out.append(c)
+            seen.add((c.strategy, c.precision, c.ac, c.offload))
+    for c in cands:
+        if len(out) >= max(top, len({o.strategy for o in out})):
+            break
+        key = (c.strategy, c.precision, c.ac, c.offload)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return sorted(out, key=lambda c: -c.tokens_per_s)
+
+
+def _why_not(sp, usable: int) -> str:
+    mem = sp.memory
+    parts = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+             "activations": mem.activations, "buffers": mem.buffers}
+    big = max(parts, key=parts.get)
+    return (f"needs {mem.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable; largest part {big} "
+            f"{parts[big] / GIB:.1f} GiB")
+
+
+def _why_loses(c: Candidate, best: Candidate) -> str:
+    """Which per-token time component makes `c` slower than `best`, in words."""
+    def per_token(x: Candidate, key: str) -> float:
+        return x.timing[key] / (x.timing["step_time_s"] * x.tokens_per_s)
+
+    gap = 1 - c.tokens_per_s / best.tokens_per_s
+    diffs = {
+        "exposed communication": per_token(c, "exposed_comm_s") - per_token(best, "exposed_comm_s"),
+        "compute (recompute / smaller micro-batch)": per_token(c, "compute_time_s") - per_token(best, "compute_time_s"),
+        "optimizer step": per_token(c, "optimizer_time_s") - per_token(best, "optimizer_time_s"),
+    }
+    worst = max(diffs, key=diffs.get)
+    changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in ("strategy", "hsdp_shard_size", "ac", "offload",
+                                                                      "micro_batch", "precision")
+               if getattr(best, k) != getattr(c, k)]
+    return f"{gap:.0%} slower than #1 ({', '.join(changed) or 'same'}): more {worst} per token"
+
+
+def render_fit(fit: FitResult, console) -> None:
+    """The winner with the command line to use, the runners-up with why they lose, the rejected."""
+    net = fit.network
+    link = (f"{net['interconnect']} × {net['nics_per_node']} per node" if net.get("interconnect") else "one node") + \
+        (f" (measured profile {net['network_profile']['path']})" if net.get("network_profile") else "")
+    console.print(f"searched {fit.searched} configurations; network: {link}, inside a node {net['intra_node']}")
+    if fit.best is None:
+        console.print("nothing fits; the closest:")
+    else:
+        b = fit.best
+        console.print(f"best: {b.label()} → {b.tokens_per_s:,.0f} tokens/s per GPU, step {b.timing['step_time_s']:.3g} s, "
+                      f"MFU {b.timing['mfu']:.1%}, peak {b.peak_gib:.1f} of {b.usable_gib:.1f} GiB")
+        console.print(f"  use: {b.flags()}")
+        for i, c in enumerate(fit.ranked[1:], 2):
+            console.print(f"#{i} {c.label()}: {c.tokens_per_s:,.0f} tokens/s — {c.why}")
+    for c in fit.rejected:
+        console.print(f"rejected: {c.label()} (would give {c.tokens_per_s:,.0f} tokens/s): {c.why}")
+    for n in fit.notes:
+        console.print(f"note: {n}")
+
+
+def timing_table(result):
+    """Per-strategy step time, throughput and MFU of a PlanResult (filled by timing.add_timing)."""
+    from rich import box
+    from rich.table import Table
+
+    net = result.hardware.get("network", {})
+    where = (f"{result.hardware['nodes']} nodes over {net.get('interconnect')} × {net.get('nics_per_node')}"
+             if net.get("interconnect") else "one node") + f", {net.get('intra_node')} inside"
+    if net.get("network_profile"):
+        where += f", measured profile ({net['network_profile']['scope']})"
+    table = Table(title=f"Predicted time per optimizer step ({where}; compute at {net.get('mfu_assumed', 0):.0%} MFU)",
+                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    cols = ["strategy", "step s", "compute s", "comm s", "exposed s", "tokens/s/GPU", "MFU"]
+    has_tokens = any("train_time_s" in s.timing for s in result.strategies)
+    if has_tokens:
+        cols += ["days", "GPU-hours"]
+    for col in cols:
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for s in result.strategies:
+        t = s.timing
+        row = [s.name, f"{t['step_time_s']:,.3g}", f"{t['compute_time_s']:,.3g}", f"{t['comm_time_s']:,.3g}",
+               f"{t['exposed_comm_s']:,.3g}", f"{t['tokens_per_s']:,.0f}", f"{t['mfu']:.1%}"]
+        if has_tokens:
+            row += [f"{t['train_time_s'] / 86400:,.1f}", f"{t['gpu_hours']:,.0f}"]
+        table.add_row(*row)
+    return table

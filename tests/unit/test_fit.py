@@ -1,0 +1,62 @@
+"""`plan --fit`: the search ranks what fits, rejects what does not, and finds the hand-derived winner."""
+import json
+
+import pytest
+
+from shardtune.cli import main
+from shardtune.plan.fit import search
+
+
+def test_slow_link_prefers_hsdp_with_one_node_per_shard_group():
+    # Llama-3-8B on 2 nodes × 8 H100 over one 10 GbE NIC per node: every step is comm-bound.
+    # Bytes each node sends over its NIC per micro-batch (Ψ params, fp32 grads, bf16 gathers):
+    #   zero3: (2 + 2 + 4)Ψ · 15/16 = 7.5Ψ;  ddp: 2 · 15/16 · 4Ψ = 7.5Ψ (once per step)
+    #   hsdp shard s (s ≤ 8): s replica groups per node, each all-reducing 4Ψ/s over r = 16/s
+    #   ranks: s · 2(r−1)/r · 4Ψ/s = 8Ψ(r−1)/r → 4Ψ (s = 8), 6Ψ (s = 4), 7Ψ (s = 2).
+    # So hsdp with 8-GPU shard groups moves the fewest bytes and must win.
+    fit = search("llama-3-8b", gpus=16, nodes=2, interconnect="eth-10g", seq_len=2048)
+    assert fit.best is not None
+    assert (fit.best.strategy, fit.best.hsdp_shard_size) == ("hsdp", 8)
+    assert fit.best.fits and all(c.fits for c in fit.ranked)
+    speeds = [c.tokens_per_s for c in fit.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(c.why for c in fit.ranked[1:])
+
+
+def test_what_does_not_fit_is_rejected_with_a_reason():
+    # 70B with AdamW on 8 × 80 GB: ddp holds 16 B/param = 1.1 TB per GPU, it can never fit.
+    fit = search("llama-3-70b", gpus=8, seq_len=2048, strategies=["ddp", "zero3"])
+    assert all(c.strategy == "zero3" for c in fit.ranked)
+    ddp = [c for c in fit.rejected if c.strategy == "ddp"]
+    assert ddp and all(not c.fits and "GiB usable" in c.why for c in ddp)
+    # at least the model states of the leanest precision (pure bf16: 2 + 2 + 4 B/param, unsharded)
+    assert min(c.peak_gib for c in ddp) > 70e9 * 8 / 2**30
+
+
+def test_fit_cli_json(capsys):
+    rc = main(["plan", "tiny-llama", "--gpus", "2", "--fit", "--json", "--seq-len", "128"])
+    assert rc in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"]["fits"] and out["searched"] > 10
+    assert out["best"]["flags"].startswith("--strategy ")
+
+
+def test_plan_json_has_timing_fields(capsys):
+    rc = main(["plan", "llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g",
+               "--tokens", "1e9", "--json", "--strategy", "ddp"])
+    assert rc in (0, None)
+    s = json.loads(capsys.readouterr().out)["strategies"][0]
+    for key in ("step_time_s", "tokens_per_s", "mfu", "comm_time_s", "compute_time_s", "gpu_hours"):
+        assert s[key] > 0
+    # ddp: one fp32 all-reduce of the grads per step across 2 nodes over one 10 GbE NIC each:
+    # 2·15/16·(4 B × params) / (0.9 × 1.25e9 B/s) (catalogue: 90 % of line rate), plus 30 α of 50 µs.
+    n = sum(c["payload_bytes"] for c in s["collectives"])  # the one all-reduce buffer, 4 B × params
+    assert s["comm_time_s"] == pytest.approx(2 * 15 / 16 * n / 1.125e9 + 30 * 50e-6, rel=1e-3)
+
+
+@pytest.mark.parametrize("args", [["--interconnect", "eth-11g"], ["--mfu", "1.5"], ["--intra-node", "eth-10g"],
+                                  ["--network-profile", "/nonexistent.json"]])
+def test_bad_timing_options_are_user_errors(args, capsys):
+    assert main(["plan", "tiny-llama", "--gpus", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardtune: error:") and len(err.strip().splitlines()) == 1
