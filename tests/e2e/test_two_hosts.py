@@ -139,7 +139,7 @@ def test_bandwidth_cap_is_what_tc_was_told():
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
 # Few steps, fp32 (no bf16 rounding differences to hide behind), zero3 across the two nodes.
 OVERRIDES = ["train.max_steps=4", "parallel.precision=fp32", "parallel.strategy=zero3",
-             "checkpoint.save_final=false", "checkpoint.resume=never"]
+             "checkpoint.save_final=false", "checkpoint.export_hf=false", "checkpoint.resume=never"]
 
 
 def _trainer_missing() -> str | None:
