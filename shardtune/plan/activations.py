@@ -8,8 +8,9 @@ input 8, down-projection input 8, dropout mask 1), two LayerNorms 4sbh.
 What a transformers Llama / Mistral / Qwen2 layer saves for backward instead, with T = b·s
 tokens, h hidden, h_kv = KV heads × head dim (GQA), I intermediate size, n query heads, and
 e = 2 bytes per activation element (bf16; 4 for fp32):
-  RMSNorm (×2)  HF's LlamaRMSNorm upcasts: the fp32 copy of its input (4·T·h, for pow and mul)
-                and the normalised bf16 tensor multiplied by the weight (e·T·h)  → 2·(4 + e)·T·h
+  RMSNorm (×2)  HF's LlamaRMSNorm upcasts: the fp32 copy of its input (4·T·h, for pow and mul),
+                the fp32 rsqrt of the variance (4·T) and the normalised tensor multiplied by the
+                weight (e·T·h)                                                  → 2·((4 + e)·h + 4)·T
   q/k/v input   the normalised hidden states                                    → e·T·h
   attention     SDPA (flash / memory-efficient) keeps q, k, v after RoPE, its output and the
                 fp32 log-sum-exp, and no s×s matrix (no 5as²b term); GQA K/V are h_kv wide
@@ -19,16 +20,20 @@ e = 2 bytes per activation element (bf16; 4 for fp32):
   SwiGLU        gate output (SiLU input), SiLU output, up output, their product
                 (down_proj input)                                               → 4·e·T·I
   dropout       none (Llama trains with p = 0, so no masks)
-Per layer: T·(2(4 + e)·h + 4e·h + 2e·h_kv + 4e·I + 4n) bytes; at e = 2: T·(20h + 4h_kv + 8I + 4n).
+Per layer: T·(2(4 + e)·h + 8 + 4e·h + 2e·h_kv + 4e·I + 4n) bytes; at e = 2:
+T·(20h + 4h_kv + 8I + 4n + 8). Checked tensor by tensor against torch's saved-tensor hooks on a
+transformers Llama layer (tests/unit/test_memory.py): equal to the byte.
 MoE (Mixtral): the router input (shared with the MLP input), fp32 router logits (4·T·E), and for
 each of the k routed copies of a token its gathered input and weighted output (2e·h) and the
 SwiGLU tensors (4e·I): T·(e·h + 4·E + k·(2e·h + 4e·I)) instead of the dense MLP's T·(e·h + 4e·I).
 
-After the last layer: the final RMSNorm (4 + e)·T·h, the LM head input e·T·h, and the logits:
+After the last layer: the final RMSNorm ((4 + e)·h + 4)·T, the LM head input e·T·h, and the logits:
 the e-byte logits (kept in the model output), their fp32 upcast inside transformers'
 ForCausalLMLoss and the fp32 log-softmax cross-entropy keeps for backward: (e + 4 + 4)·T·V at
 e = 2 (the upcast is a no-op at fp32: 8·T·V). With a 128,256-word vocabulary this term is
 10·T·V = 1.28 MB per token, more than three Llama-3-70B layers (0.38 MB each).
+
+Once per model: RoPE's cos and sin (e·T·head_dim each; shared by all layers).
 
 Activation checkpointing (torch.utils.checkpoint, non-reentrant, per decoder layer):
   none       L · layer
@@ -55,7 +60,7 @@ def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2)
     e, h, I = elem_bytes, arch.hidden_size, arch.intermediate_size
     h_kv = arch.num_kv_heads * arch.head_dim
     h_q = arch.num_heads * arch.head_dim
-    norms = 2 * (4 + e) * h  # at e = 4 the upcast is a no-op and the fp32 input itself is saved
+    norms = 2 * ((4 + e) * h + 4)  # at e = 4 the upcast is a no-op and the fp32 input itself is saved
     attn = e * h + e * (2 * h_q + 2 * h_kv) + 4 * arch.num_heads
     if arch.num_experts:
         k = arch.experts_per_token
@@ -69,7 +74,7 @@ def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) 
     """Final norm, LM-head input and the logits/loss tensors over the vocabulary (module doc)."""
     e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size
     logits = (e + 4 + 4) * V if e != 4 else 8 * V
-    return tokens * ((4 + e) * h + e * h + logits)
+    return tokens * ((4 + e) * h + 4 + e * h + logits)
 
 
 def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
@@ -87,4 +92,5 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
         checkpointed = ceil(L / ac_every)
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
-    return body + recompute + head_activation_bytes(arch, tokens, elem_bytes)
+    rope = 2 * elem_bytes * tokens * arch.head_dim  # cos, sin
+    return body + recompute + rope + head_activation_bytes(arch, tokens, elem_bytes)

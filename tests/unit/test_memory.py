@@ -145,19 +145,20 @@ TINY = Architecture(model_type="llama", hidden_size=8, intermediate_size=16, num
 def test_activations_worked_example():
     # b=1, s=4 → T=4 tokens, bf16 (2 bytes). Per layer, tensor by tensor:
     T = 4
-    norms = 2 * (T * 8 * 4 + T * 8 * 2)  # fp32 input copy + bf16 normalised, two RMSNorms
+    norms = 2 * (T * 8 * 4 + T * 4 + T * 8 * 2)  # fp32 input copy, fp32 rsqrt, bf16 normalised; ×2
     qkv_in = T * 8 * 2
     sdpa = T * 8 * 2 + 2 * T * 4 * 2 + T * 8 * 2 + T * 2 * 4  # q, k, v (GQA: 4 wide), out, fp32 lse/head
     mlp_in = T * 8 * 2
     swiglu = 4 * T * 16 * 2  # gate out, silu out, up out, product
     layer = norms + qkv_in + sdpa + mlp_in + swiglu
-    assert layer == 1248
-    head = T * 8 * 4 + T * 8 * 2 + T * 8 * 2 + T * 10 * (2 + 4 + 4)  # norm, lm_head in, logits/loss
-    assert activation_bytes(TINY, 1, 4) == 2 * layer + head
+    assert layer == 1280
+    head = T * 8 * 4 + T * 4 + T * 8 * 2 + T * 8 * 2 + T * 10 * (2 + 4 + 4)  # norm, lm_head in, logits/loss
+    rope = 2 * T * 4 * 2  # cos and sin, once per model
+    assert activation_bytes(TINY, 1, 4) == 2 * layer + head + rope
     # full AC: each layer keeps its bf16 input; one layer is recomputed in backward
-    assert activation_bytes(TINY, 1, 4, ac="full") == 2 * (T * 8 * 2) + layer + head
+    assert activation_bytes(TINY, 1, 4, ac="full") == 2 * (T * 8 * 2) + layer + head + rope
     # selective every 2nd layer: layer 0 checkpointed, layer 1 kept, + the recompute
-    assert activation_bytes(TINY, 1, 4, ac="selective", ac_every=2) == T * 8 * 2 + layer + layer + head
+    assert activation_bytes(TINY, 1, 4, ac="selective", ac_every=2) == T * 8 * 2 + layer + layer + head + rope
 
 
 def test_activation_scales_with_micro_batch_and_seq():
@@ -190,3 +191,42 @@ def test_fsdp_buffers_by_hand():
     z3 = r.strategy("zero3").memory
     at_rest = z3.params + z3.grads + z3.optimizer
     assert z3.total == at_rest + max(z3.activations + z3.buffers, z3.optimizer_step_temp)
+
+
+@pytest.mark.parametrize("dtype_name,elem_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_layer_activations_match_torch_saved_tensors(dtype_name, elem_bytes):
+    # Independent measurement: every tensor autograd saves during one decoder layer's forward
+    # (torch.autograd.graph.saved_tensors_hooks), parameters excluded, each storage counted once,
+    # storages shared with earlier layers (RoPE cos/sin, computed once per model) excluded.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.plan.activations import layer_activation_bytes
+    from shardtune.plan.params import architecture_from_config
+
+    cfg = resolve_model_config("tiny-llama")
+    hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    hf._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf).to(getattr(torch, dtype_name)).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, saved, before = [False], {}, set()
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if inside[0] and ptr not in params and ptr not in before:
+            saved[ptr] = t.untyped_storage().nbytes()
+        elif not inside[0] and not saved:
+            before.add(ptr)
+        return t
+
+    layer = model.model.layers[1]
+    layer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    b, s = 2, 48
+    ids = torch.randint(0, 256, (b, s))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    arch = architecture_from_config(cfg)
+    assert sum(saved.values()) == layer_activation_bytes(arch, b * s, elem_bytes)
