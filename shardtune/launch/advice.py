@@ -79,7 +79,7 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
 def comm_bound_warning(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str,
                        link: Optional[str] = None) -> Optional[str]:
     """A plain-words warning when the recipe is communication-bound across nodes, else None."""
-    if nodes <= 1:
+    if nodes <= 1 or cfg.train.backend == "gloo":  # the model prices GPUs and their links, not CPU runs
         return None
     try:
         cur = estimate(cfg, nodes, gpus_per_node, interconnect, link)
@@ -91,7 +91,7 @@ def comm_bound_warning(cfg: RunConfig, nodes: int, gpus_per_node: int, interconn
     where = f"{nodes} nodes x {gpus_per_node} GPUs on {name}"
     msg = (f"warning: {cur.strategy} across {where} is communication-bound: ~{cur.comm_s:.3g} s of collectives "
            f"per step vs ~{cur.compute_s:.3g} s of compute (predicted step {cur.step_s:.3g} s; shardtune.plan.timing).")
-    if (cur.strategy, cur.shard_size) != ("hsdp", gpus_per_node):
+    if gpus_per_node > 1 and (cur.strategy, cur.shard_size) != ("hsdp", gpus_per_node):
         alt = estimate(cfg, nodes, gpus_per_node, interconnect, link, strategy="hsdp", shard_size=gpus_per_node)
         if alt.step_s < cur.step_s:
             msg += (f" Better: hsdp with the shard group inside a node, ~{alt.step_s:.3g} s per step "

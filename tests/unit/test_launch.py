@@ -314,6 +314,10 @@ def test_zero3_on_10gbe_is_comm_bound_and_hsdp_named():
     # On 8 x NDR InfiniBand the same step hides its traffic behind compute: no warning.
     assert comm_bound_warning(cfg, 2, 8, "ib") is None
     assert comm_bound_warning(cfg, 1, 8, "eth") is None
+    one_gpu = comm_bound_warning(cfg, 4, 1, "eth")  # hsdp inside a 1-GPU node would be ddp: not offered
+    assert one_gpu and "hsdp" not in one_gpu
+    cpu = load_recipe(None, ["model.name=llama-3-8b", "train.backend=gloo"])
+    assert comm_bound_warning(cpu, 2, 8, "eth") is None  # GPU step-time model: silent for CPU runs
 
 
 def _cli(*args, cwd=None):
