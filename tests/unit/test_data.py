@@ -238,3 +238,45 @@ def test_packed_rows_do_not_attend_across_examples():
     row = build_row(data, data.rows[0], PAD)
     leaky = loss_sum(*row, mask=torch.ones(1, 40, dtype=torch.long))
     assert (leaky - alone).abs() > 1e-3
+
+
+def test_generated_dataset_is_seeded_and_correct(tmp_path):
+    from shardtune.train.datagen import generate_examples, main
+
+    a, b, c = generate_examples(200, 7), generate_examples(200, 7), generate_examples(200, 8)
+    assert a == b and a != c
+    for ex in a:
+        task, arg = ex["prompt"].rstrip("\n").split(": ")
+        want = {"reverse": lambda w: w[::-1], "upper": str.upper, "sort": lambda w: "".join(sorted(w)),
+                "add": lambda s: str(sum(int(x) for x in s.split("+")))}[task](arg)
+        assert ex["response"] == want
+    assert {ex["prompt"].split(":")[0] for ex in a} == {"reverse", "upper", "sort", "add"}
+    main([str(tmp_path / "g.jsonl"), "--examples", "25", "--seed", "7"])
+    written = DataConfig(path=str(tmp_path / "g.jsonl"), format="prompt_response")
+    assert check_dataset(written) == 25
+    from shardtune.train.data import read_records
+
+    assert read_records(written) == a[:25]
+
+
+def test_chat_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    from shardtune.train.tokenizer import HFTokenizer
+
+    ByteTokenizer().save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    hf.chat_template = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    msgs = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    with pytest.raises(UserError, match="rewrites earlier turns"):
+        encode_example(msgs, HFTokenizer(hf))
+    assert encode_example(msgs, HFTokenizer(hf), template="plain") == encode_example(msgs, ByteTokenizer())
+    with pytest.raises(UserError, match="has no chat template"):
+        encode_example(msgs, ByteTokenizer(), template="chat")
+
+
+def test_completion_is_an_alias_of_response(tmp_path):
+    path = _write(tmp_path, [{"prompt": "a", "completion": "b"}])
+    from shardtune.train.data import read_records
+
+    assert read_records(DataConfig(path=path)) == [{"prompt": "a", "response": "b"}]
