@@ -305,7 +305,14 @@ class PackedLoader:
 
 def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
     """Read, tokenize and pack the whole dataset (every rank does the same, deterministically)."""
-    encoded = [encode_example(r, tokenizer, data_cfg.template) for r in read_records(data_cfg)]
+    encoded = []
+    for k, record in enumerate(read_records(data_cfg), 1):
+        try:
+            encoded.append(encode_example(record, tokenizer, data_cfg.template))
+        except UserError:
+            raise
+        except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
+            raise UserError(f"example {k} (the {k}-th non-empty line) cannot be tokenized: {' '.join(str(e).split())[:200]}; fix it or set data.template=plain") from None
     return pack_examples(encoded, seq_len, data_cfg.packing, seed)
 
 

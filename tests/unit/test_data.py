@@ -280,3 +280,40 @@ def test_completion_is_an_alias_of_response(tmp_path):
     from shardtune.train.data import read_records
 
     assert read_records(DataConfig(path=path)) == [{"prompt": "a", "response": "b"}]
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3 = ("{% for m in messages %}{% set c = '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+          " + m['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set c = bos_token + c %}"
+          "{% endif %}{{ c }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template,targets", [
+    (CHATML, ["hi<|im_end|>\n", "ok<|im_end|>\n"]),   # Qwen2's ChatML: the turn's end is learned
+    (LLAMA3, ["hi<|eot_id|>", "ok<|eot_id|>"]),        # Llama-3 instruct: content + <|eot_id|>
+])
+def test_real_chat_templates_mark_exactly_the_assistant_turns(tmp_path, template, targets):
+    from transformers import AutoTokenizer
+
+    from shardtune.train.tokenizer import HFTokenizer
+
+    ByteTokenizer().save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    hf.chat_template = template
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "ok"}]
+    ids, mask = encode_example({"messages": msgs}, HFTokenizer(hf))
+    # the whole rendering is what the template gives in one go
+    assert ids == HFTokenizer(hf).encode(hf.apply_chat_template(msgs, tokenize=False))
+    spans, cur = [], []
+    for i, t in zip(ids, mask):
+        if t:
+            cur.append(i)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    spans += [cur] if cur else []
+    assert [ByteTokenizer().decode(s, skip_special_tokens=False) for s in spans] == targets
