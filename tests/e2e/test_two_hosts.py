@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.testing.netns import TwoHosts, netns_unavailable_reason
+from shardtune.testing.netns import TwoHosts, cleanup_stale, netns_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -97,6 +97,20 @@ def test_namespaces_are_removed_even_when_the_body_fails():
     assert sleeper is not None and sleeper.poll() is not None  # killed, not left running
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert names and not any(n in listed for n in names), listed
+
+
+@pytest.mark.timeout(30)
+def test_cleanup_stale_removes_namespaces_of_dead_creators():
+    dead_pid = 4_000_000  # a pid no process has (checked below); Linux pids go up to pid_max ≤ 2^22
+    while os.path.exists(f"/proc/{dead_pid}"):
+        dead_pid += 1
+    name = f"shardtune-{dead_pid}-0-a"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        assert name in cleanup_stale()
+        assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
 SINK = textwrap.dedent("""
