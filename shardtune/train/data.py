@@ -112,7 +112,7 @@ def read_records(data_cfg) -> list[dict]:
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    obj = json.loads(line.rstrip("\r\n"))  # so the column is within the line
                 except json.JSONDecodeError as e:
                     raise UserError(f"dataset {where} line {lineno}: malformed JSON ({e.msg} at column {e.colno}); fix or remove the line") from None
                 records.append(_normalize(obj, _line_format(obj, lineno, f"dataset {where}", data_cfg.format)))
