@@ -38,8 +38,11 @@ def _build(recipe: str, overrides: Optional[list[str]], **kw):
 
 
 def _emit(text: str, output: Optional[str], cfg, spec, link: Optional[str], executable: bool) -> None:
+    from shardtune.catalog.interconnects import get_interconnect
     from shardtune.launch.advice import comm_bound_warning
 
+    if link:
+        get_interconnect(link, scope="inter")  # a mistyped --link is an error, not a missing estimate
     warning = comm_bound_warning(cfg, spec.nodes, spec.gpus_per_node, spec.interconnect, link)
     if warning:
         print(warning, file=sys.stderr)

@@ -338,5 +338,7 @@ def test_cli_writes_file_and_reports_bad_values_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     r = _cli("launch", "torchrun", str(recipe), "--nodes", "2")
     assert r.returncode == 2 and "--rdzv-host" in r.stderr
+    r = _cli("launch", "slurm", str(recipe), "--link", "eth-1000g")
+    assert r.returncode == 2 and "eth-1000g" in r.stderr
     r = _cli("launch", "k8s", str(recipe), "parallel.strategy=zero9", "--image", "x")
     assert r.returncode == 2 and "zero9" in r.stderr
