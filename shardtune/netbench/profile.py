@@ -23,11 +23,12 @@ def result_row(kind: str, size_bytes: int, n: int, time_s: float) -> dict:
 
 
 def fit_links(rows: list[dict], n: int) -> dict[str, dict]:
-    """Per collective: busbw at the largest size, and α from the smallest size's time.
+    """Per collective: α and busbw of t(S) = steps·α + factor·S / busbw through the smallest and
+    the largest message (the two-point α-β fit, exact at both ends).
 
-    nccl-tests quotes the large-message busbw as the link's bandwidth; the smallest message is
-    latency-bound, so its time divided by the ring's step count is the per-step α. Then
-    t(S) = steps·α + factor·S / busbw reproduces both ends.
+    The fitted busbw is the marginal bandwidth, slightly above nccl-tests' large-message busbw
+    (which still contains steps·α); that one is kept as `busbw_at_largest_gbps`. With one size,
+    or when noise makes the marginal cost non-positive, busbw is the largest message's and α 0.
     """
     links = {}
     for kind in KINDS:
@@ -35,9 +36,13 @@ def fit_links(rows: list[dict], n: int) -> dict[str, dict]:
         if not pts:
             continue
         big, small = pts[-1], pts[0]
-        steps = max(1, ring_steps(kind, n))
-        links[kind] = {"busbw_gbps": big["busbw_gbps"], "alpha_s": small["time_s"] / steps,
-                       "from_size_bytes": big["size_bytes"]}
+        steps, factor = max(1, ring_steps(kind, n)), bus_factor(kind, n)
+        busbw, alpha = big["busbw_gbps"] * 1e9, 0.0
+        if big["size_bytes"] > small["size_bytes"] and big["time_s"] > small["time_s"]:
+            busbw = factor * (big["size_bytes"] - small["size_bytes"]) / (big["time_s"] - small["time_s"])
+            alpha = max(0.0, small["time_s"] - factor * small["size_bytes"] / busbw) / steps
+        links[kind] = {"busbw_gbps": busbw / 1e9, "alpha_s": alpha,
+                       "busbw_at_largest_gbps": big["busbw_gbps"], "from_sizes_bytes": [small["size_bytes"], big["size_bytes"]]}
     return links
 
 

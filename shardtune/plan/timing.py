@@ -11,6 +11,7 @@ and busbw = algbw × that factor, so time = steps·α + factor·S / busbw (the �
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -76,7 +77,7 @@ class Cluster:
 
 
 def group_time_s(kind: str, size_bytes: float, group_size: int, ranks_per_node: int,
-                 groups_per_node: int, cluster: Cluster) -> float:
+                 groups_per_node: int, cluster: Cluster, calls: int = 1) -> float:
     """Time of one collective over a group laid out on a hierarchical cluster.
 
     A group inside one node (`ranks_per_node == group_size`) uses the intra-node link. A group
@@ -84,19 +85,20 @@ def group_time_s(kind: str, size_bytes: float, group_size: int, ranks_per_node: 
     per ring is the same factor·S as one rank's (NCCL spreads its rings over the NICs), so the
     ring's busbw is min(intra busbw, the node's NIC bandwidth ÷ `groups_per_node`, the number of
     such groups using those NICs at the same time — e.g. HSDP's replica groups, one per local
-    rank). The latency per step is the slower link's.
+    rank). The latency per step is the slower link's. `calls`: the bytes go in that many equal
+    collectives (FSDP2: one per wrapped module; DDP: one per bucket), each paying its own α.
     """
     if group_size <= 1:
         return 0.0
     if ranks_per_node >= group_size or cluster.num_nodes <= 1:
         bw, alpha = cluster.intra.for_kind(kind)
-        return collective_time_s(kind, size_bytes, group_size, bw, alpha)
+        return calls * collective_time_s(kind, size_bytes / calls, group_size, bw, alpha)
     inter_bw, inter_alpha = cluster.inter.for_kind(kind)
     bw = inter_bw / max(1, groups_per_node)
     if ranks_per_node > 1:
         intra_bw, intra_alpha = cluster.intra.for_kind(kind)
         bw, inter_alpha = min(bw, intra_bw), max(inter_alpha, intra_alpha)
-    return collective_time_s(kind, size_bytes, group_size, bw, inter_alpha)
+    return calls * collective_time_s(kind, size_bytes / calls, group_size, bw, inter_alpha)
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,25 @@ class StepTime:
     optimizer_comm_s: float
 
 
-def op_time_s(op, groups: dict[str, Group], cluster: Cluster) -> float:
-    """Time of one call of a CommOp / plan.comm.Collective on its group."""
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25), torch's default
+
+
+def num_calls(op, num_layers: int, group_size: int) -> int:
+    """How many collectives carry `op`'s bytes: FSDP2 issues one per wrapped module (each decoder
+    layer and the root: L + 1), DDP one per 25 MiB gradient bucket, ZeroRedundancyOptimizer one
+    broadcast per rank's partition."""
+    if op.op in ("all_gather", "reduce_scatter") or op.group == "replica":
+        return num_layers + 1
+    if op.op == "broadcast":
+        return max(1, group_size)
+    return max(1, math.ceil(op.payload_bytes / DDP_BUCKET_BYTES))
+
+
+def op_time_s(op, groups: dict[str, Group], cluster: Cluster, num_layers: int = 0) -> float:
+    """Time of a CommOp / plan.comm.Collective on its group, split into `num_calls` collectives."""
     g = groups[op.group]
-    return group_time_s(op.op, op.payload_bytes, g.size, g.ranks_per_node, g.groups_per_node, cluster)
+    return group_time_s(op.op, op.payload_bytes, g.size, g.ranks_per_node, g.groups_per_node, cluster,
+                        num_calls(op, num_layers, g.size))
 
 
 def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: float,
@@ -197,7 +214,7 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
             if op.phase == phase and op.count_per == every:
                 g = groups[op.group]
                 crosses = g.ranks_per_node < g.size and cluster.num_nodes > 1
-                by_link[crosses] = by_link.get(crosses, 0.0) + op_time_s(op, groups, cluster)
+                by_link[crosses] = by_link.get(crosses, 0.0) + op_time_s(op, groups, cluster, num_layers)
         return max(by_link.values(), default=0.0)
 
     def exposed(comm: float, compute: float) -> float:

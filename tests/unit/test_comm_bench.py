@@ -50,10 +50,10 @@ def test_profile_structure_and_nccl_tests_definitions(profile):
         assert r["time_s"] > 0
         assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor[r["collective"]])
-    # the fitted link is the largest message's busbw
+    # nccl-tests' figure for the link is the largest message's busbw
     big = {r["collective"]: r["busbw_gbps"] for r in rows if r["size_bytes"] == 1048576}
     for kind, link in profile["links"].items():
-        assert link["busbw_gbps"] == pytest.approx(big[kind])
+        assert link["busbw_at_largest_gbps"] == pytest.approx(big[kind])
 
 
 def test_profile_loads_for_the_planner(profile, tmp_path):
@@ -82,10 +82,27 @@ def test_plan_uses_the_measured_profile(profile, tmp_path):
     # 2(n-1) = 2 ring steps of α + 2(n-1)/n·S = S bytes at the measured all-reduce busbw.
     (c,) = ddp.collectives
     assert ddp.timing["comm_time_s"] == pytest.approx(2 * ar["alpha_s"] + c.payload_bytes / (ar["busbw_gbps"] * 1e9), rel=1e-3)
-    # zero3: two all-gathers and one reduce-scatter, each (n-1) = 1 step + S/2 bytes at its own busbw
+    # zero3: two all-gathers and one reduce-scatter, each issued per FSDP unit (4 decoder layers +
+    # the root = 5 calls of (n-1) = 1 ring step each) + S/2 bytes at its own busbw
     expect = 0.0
     for c in zero3.collectives:
         link = ag if c.op == "all_gather" else rs
-        expect += link["alpha_s"] + c.payload_bytes / 2 / (link["busbw_gbps"] * 1e9)
+        expect += 5 * link["alpha_s"] + c.payload_bytes / 2 / (link["busbw_gbps"] * 1e9)
     assert zero3.timing["comm_time_s"] == pytest.approx(expect, rel=1e-3)
     assert result.hardware["network"]["network_profile"]["scope"] == "intra"
+
+
+def test_alpha_beta_fit_reproduces_both_ends():
+    from shardtune.netbench.profile import fit_links, result_row
+    from shardtune.plan.timing import collective_time_s
+
+    # Synthetic all-gather over 4 ranks: α = 100 µs per step, busbw 2 GB/s:
+    # t(S) = 3·100e-6 + (3/4)·S / 2e9, at 64 KiB and 64 MiB (written out by hand).
+    rows = [result_row("all_gather", s, 4, 3e-4 + 0.75 * s / 2e9) for s in (65536, 67108864)]
+    link = fit_links(rows, 4)["all_gather"]
+    assert link["busbw_gbps"] == pytest.approx(2.0) and link["alpha_s"] == pytest.approx(100e-6)
+    # nccl-tests' busbw at 64 MiB still contains 3α: 0.75·S/t
+    assert link["busbw_at_largest_gbps"] == pytest.approx(0.75 * 67108864 / (3e-4 + 0.75 * 67108864 / 2e9) / 1e9)
+    for r in rows:
+        assert collective_time_s("all_gather", r["size_bytes"], 4, link["busbw_gbps"] * 1e9,
+                                 link["alpha_s"]) == pytest.approx(r["time_s"], rel=1e-9)

@@ -113,3 +113,16 @@ def test_step_time_links_in_parallel_and_time_for_tokens():
     wall, gpu_h = time_for_tokens(1e9, 1000.0, 16)
     assert wall == pytest.approx(1e9 / 16000) and gpu_h == pytest.approx(1e9 / 16000 * 16 / 3600)
     assert math.isfinite(st.step_time_s)
+
+
+def test_each_call_pays_its_latency():
+    # 2 ranks on 2 nodes, 1 GB/s, α = 1 ms. A zero3 all-gather of 8 MB over L = 3 layers is issued
+    # per FSDP unit (3 layers + root = 4 calls): 4 × 1 step × 1 ms + (1/2)·8e6 / 1e9 = 8 ms.
+    from shardtune.plan.timing import op_time_s
+
+    c = _cluster(2, 1, 1, 1, alpha=1e-3)
+    op = CommOp("all_gather", 8e6, "world", "forward")
+    assert op_time_s(op, mesh_groups(c), c, num_layers=3) == pytest.approx(4e-3 + 4e-3)
+    # DDP: 60 MiB of grads go in 3 buckets of 25 MiB (torch's bucket_cap_mb): 3 × 2 steps × α
+    ddp = CommOp("all_reduce", 60 * 2**20, "world", "backward", count_per="step")
+    assert op_time_s(ddp, mesh_groups(c), c, num_layers=3) == pytest.approx(6e-3 + 60 * 2**20 / 1e9)
