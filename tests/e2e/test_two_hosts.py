@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,79 @@ def test_training_across_two_hosts_matches_one_node(tmp_path):
     one, two = _losses(tmp_path / "one-node"), _losses(tmp_path / "two-nodes")
     assert len(one) == len(two) == 4
     assert two == pytest.approx(one, abs=1e-5), (one, two)
+
+
+# -- SLURM time limit with the real trainer: USR1 → SIGTERM → checkpoint → requeue → resume ------
+SLURM_STUBS = {
+    # srun: record our pid (exec keeps it: it becomes torchrun's), drop srun's options, run the command
+    "srun": 'echo $$ > "$STUB_DIR/step.pid"; while [[ "$1" == --* ]]; do shift; done; exec "$@"',
+    "scontrol": 'if [[ "$1" == show ]]; then echo localhost; else echo "$*" >> "$STUB_DIR/scontrol.log"; fi',
+    # scancel --signal=TERM JOB: what slurmd does to the job step (torchrun), not to the batch shell
+    "scancel": 'echo "$*" >> "$STUB_DIR/scancel.log"; kill -TERM "$(cat "$STUB_DIR/step.pid")"',
+}
+
+
+def _metrics_steps(run_dir: Path) -> list[int]:
+    f = run_dir / "metrics.jsonl"
+    return [json.loads(ln)["step"] for ln in f.read_text().splitlines() if ln.strip()] if f.exists() else []
+
+
+@pytest.mark.timeout(180)
+def test_slurm_time_limit_checkpoints_requeues_and_resumes(tmp_path):
+    missing = _trainer_missing()
+    if not missing and not (REPO / "shardtune" / "train" / "resilience.py").is_file():
+        missing = "the trainer does not checkpoint on SIGTERM yet (issue 4)"
+    if missing:
+        pytest.skip(missing)
+    stub_dir = tmp_path / "stubs"
+    stub_dir.mkdir()
+    for name, body in SLURM_STUBS.items():
+        (stub_dir / name).write_text("#!/usr/bin/env bash\n" + body + "\n")
+        (stub_dir / name).chmod(0o755)
+    run_dir = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "shardtune.cli", "launch", "slurm", str(RECIPE), "--nodes", "1",
+                        "--gpus-per-node", "2", "--interconnect", "eth", "--time", "1:00:00",
+                        "--checkpoint-grace-s", "60", "--rdzv-port", str(port), "-o", str(tmp_path / "job.sbatch"),
+                        "train.max_steps=30", "checkpoint.save_final=false", "checkpoint.export_hf=false",
+                        f"output_dir={run_dir}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    env = {**_env("lo"), "PATH": f"{stub_dir}:{BIN}:/usr/bin:/bin", "STUB_DIR": str(stub_dir),
+           "SLURM_JOB_ID": "77", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost"}
+    env.pop("GLOO_SOCKET_IFNAME")
+
+    def sbatch(**extra) -> subprocess.Popen:
+        return subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], env={**env, **extra}, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    job = sbatch()
+    try:
+        deadline = time.monotonic() + 90
+        while len(_metrics_steps(run_dir)) < 3 and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.2)
+        assert job.poll() is None, job.communicate()[0][-3000:]
+        os.kill(job.pid, signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@60` delivers to the batch shell
+        out, _ = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, out[-3000:]
+    assert (stub_dir / "scancel.log").read_text().split() == ["--signal=TERM", "77"]
+    assert (stub_dir / "scontrol.log").read_text().split() == ["requeue", "77"]
+    saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    stopped_at = _metrics_steps(run_dir)[-1]
+    assert saved == [stopped_at] and 3 <= stopped_at < 30, (saved, stopped_at)
+
+    # The requeued job: same script, Slurm's restart count 1; it resumes and finishes.
+    again = sbatch(SLURM_RESTART_COUNT="1")
+    try:
+        out, _ = again.communicate(timeout=120)
+    finally:
+        if again.poll() is None:
+            os.killpg(again.pid, signal.SIGKILL)
+    assert again.returncode == 0, out[-3000:]
+    assert (stub_dir / "scontrol.log").read_text().split() == ["requeue", "77"]  # no second requeue
+    steps = _metrics_steps(run_dir)
+    assert steps[-1] == 30 and steps.count(stopped_at + 1) == 1, steps
