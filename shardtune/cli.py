@@ -40,6 +40,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "shardtune.netbench.commands",
     "shardtune.launch.commands",
     "shardtune.train.commands",
+    "shardtune.train.export_commands",
 )
 
 

@@ -90,6 +90,7 @@ class TrainConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with CUDA, else gloo.")
     timeout_s: float = Field(600.0, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails instead of hanging.")
     gpu: str = Field("h100-80gb", description="GPU catalogue name for MFU and the plan (ignored for the device itself).")
+    max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite loss or gradient norm (each is skipped: no optimizer step).")
 
 
 class CheckpointConfig(_Section):

@@ -20,6 +20,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--output-dir")
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--keep", type=int)
+    p.add_argument("--resume", help="auto | never | a checkpoints/step_N path")
     return p.parse_intermixed_args(argv)
 
 
@@ -31,15 +34,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = resolve_config(args.recipe, args.overrides, strategy=args.strategy, precision=args.precision,
-                             max_steps=args.max_steps, seed=args.seed, output_dir=args.output_dir)
+                             max_steps=args.max_steps, seed=args.seed, output_dir=args.output_dir,
+                             checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume)
         world = int(os.environ.get("WORLD_SIZE", 1))
         validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         from shardtune.train.main import run
 
         run(cfg)
     except UserError as e:
-        print(f"shardtune: error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # the same error on every rank: print it once
+            print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from shardtune.train.resilience import is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        # another rank failed first and its error is the one to read: one line here, no traceback
+        print(f"shardtune: rank {os.environ.get('RANK', '?')}: stopped because another rank failed "
+              f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)
+        return 1
     return 0
 
 

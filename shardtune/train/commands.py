@@ -18,9 +18,11 @@ import typer
 
 from shardtune.errors import UserError
 
-FLAGS = ("strategy", "precision", "max_steps", "seed", "output_dir")
+FLAGS = ("strategy", "precision", "max_steps", "seed", "output_dir", "checkpoint_every", "keep", "resume")
 _FLAG_KEYS = {"strategy": "parallel.strategy", "precision": "parallel.precision",
-              "max_steps": "train.max_steps", "seed": "train.seed", "output_dir": "output_dir"}
+              "max_steps": "train.max_steps", "seed": "train.seed", "output_dir": "output_dir",
+              "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
+              "resume": "checkpoint.resume"}
 
 
 def flag_overrides(**flags) -> list[str]:
@@ -62,12 +64,17 @@ def validate_for_launch(cfg, world_size: int, local_world_size: int) -> None:
                             f"{world_size}; choose a divisor of {world_size}")
     check_dataset(cfg.data)
     _check_writable(cfg.run_dir)
+    from shardtune.train.ckpt_files import resolve_resume
+
+    resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
 
 
-def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N -m shardtune.train ...`."""
+def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
+                     max_restarts: int = 0) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N [--max-restarts R]
+    -m shardtune.train ...` (after a restart, checkpoint.resume=auto picks up the last checkpoint)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "shardtune.train", recipe]
+           f"--max-restarts={max_restarts}", "-m", "shardtune.train", recipe]
     for k, v in flags.items():
         if v is not None:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
@@ -93,13 +100,15 @@ def run_process_group(cmd: list[str]) -> int:
         raise
 
 
-def train_command(recipe: str, overrides: list[str], nproc: int, **flags) -> int:
+def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: int = 0, **flags) -> int:
     """Validate everything, then start torchrun with `nproc` processes on this machine."""
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: give at least 1 process")
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts {max_restarts}: give 0 or more")
     cfg = resolve_config(recipe, overrides, **flags)
     validate_for_launch(cfg, nproc, nproc)
-    rc = run_process_group(torchrun_command(nproc, recipe, overrides, flags))
+    rc = run_process_group(torchrun_command(nproc, recipe, overrides, flags, max_restarts))
     if rc:
         print(f"shardtune: error: training failed (exit code {rc}); see the messages above", file=sys.stderr)
     return rc
@@ -116,7 +125,13 @@ def register(app: typer.Typer) -> None:
         max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps."),
         seed: Optional[int] = typer.Option(None, "--seed"),
         output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Run folder (default runs/<recipe name>)."),
+        checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Save a checkpoint every N steps (checkpoint.every)."),
+        keep: Optional[int] = typer.Option(None, "--keep", help="Keep the newest K checkpoints (checkpoint.keep)."),
+        resume: Optional[str] = typer.Option(None, "--resume", help="auto (newest complete checkpoint) | never | a checkpoints/step_N path."),
+        max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts of the whole group after a failure; each resumes from the last checkpoint."),
     ) -> int:
         """Fine-tune with a recipe on this machine (torchrun under the hood)."""
         return train_command(recipe, overrides or [], nproc, strategy=strategy, precision=precision,
-                             max_steps=max_steps, seed=seed, output_dir=output_dir)
+                             max_steps=max_steps, seed=seed, output_dir=output_dir,
+                             checkpoint_every=checkpoint_every, keep=keep, resume=resume,
+                             max_restarts=max_restarts)

@@ -105,7 +105,7 @@ def prepare_run_dir(cfg: "RunConfig", ctx: DistContext) -> tuple[Path, dict | No
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        # metrics.jsonl is truncated or removed by RunKeeper.resume (a resumed run continues it)
         planned = write_plan(cfg, ctx.world_size, run_dir)
     return run_dir, planned
 
@@ -145,6 +145,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
     """Build everything, run the loop, write metrics and the summary."""
     from shardtune.parallel.apply import autocast_dtype
     from shardtune.train.data import build_dataloader, build_tokenizer, steps_for_epochs
+    from shardtune.train.keeper import RunKeeper
     from shardtune.train.metrics import MetricsWriter, SavedActivations, flops_per_token, gpu_peak_flops
     from shardtune.train.model import build_model, unwrap
     from shardtune.train.step import TrainState, build_optimizer, build_scheduler, train_step
@@ -163,6 +164,8 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel, ctx.dp_group)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = TrainState(data=loader)
+    keeper = RunKeeper(cfg, ctx, run_dir, model, optimizer, scheduler, state, tokenizer)
+    keeper.resume()  # newest complete checkpoint (checkpoint.resume), resharded to this layout
     num_params = sum(p.numel() for p in unwrap(model).parameters())
     flops_tok = flops_per_token(hf_config, num_params, cfg.train.seq_len)
     peak_flops = gpu_peak_flops(cfg.train.gpu) if ctx.device.type == "cuda" else None
@@ -179,6 +182,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
     with _progress(ctx.rank == 0) as bar:
         task = bar.add_task("train", total=total_steps, completed=state.step, info="")
         while state.step < total_steps:
+            keeper.before_step(state.step + 1)
             mbs = [{k: v.to(ctx.device) for k, v in next(loader).items()} for _ in range(cfg.train.grad_accum)]
             t0 = now_s(ctx.device)
             r = train_step(model, optimizer, scheduler, mbs, dp_group=None, dp_size=ctx.world_size,
@@ -196,9 +200,13 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
                       "mfu": tflops * 1e12 / peak_flops if peak_flops else None,
                       "peak_mem_bytes": int(peak_t.item()), "step_time_s": dt,
                       "target_tokens": r.num_tokens}
+            record.update(keeper.record_extra(state.step, r))
             if writer and (state.step % cfg.train.log_every == 0 or state.step == total_steps):
                 writer.write(record)
             bar.update(task, advance=1, info=f"loss {r.loss:.4f}  lr {r.lr:.2e}  {tokens_per_s:,.0f} tok/s")
+            if keeper.after_step(state.step, r, total_steps):
+                break  # preempted: checkpoint saved, stop cleanly
+    keeper.finish(state.step)  # final checkpoint (checkpoint.save_final), collective
     all_bytes = [None] * ctx.world_size
     dist.all_gather_object(all_bytes, rank_bytes)
     if ctx.rank == 0:
@@ -209,5 +217,6 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
             {"method": "cuda max_memory_allocated" if ctx.device.type == "cuda" else
              "exact storage count (train/metrics.py)", "per_rank": all_bytes}, indent=1))
         print_summary(run_dir, all_bytes, planned, cfg.parallel.strategy)
-    del model, optimizer, scheduler  # before destroy_process_group (gloo exit hang)
+    keeper.export_hf()  # rank 0 alone, after the last collective (checkpoint.export_hf)
+    del model, optimizer, scheduler, keeper  # before destroy_process_group (gloo exit hang)
     return record

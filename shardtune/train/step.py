@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune.train.resilience import all_finite
+
 if TYPE_CHECKING:
     from shardtune.config import OptimConfig, ParallelConfig
 
@@ -31,6 +33,7 @@ class StepResult:
     grad_norm: float  # global L2 norm before clipping
     lr: float  # learning rate used by this step
     num_tokens: int  # target tokens over all micro-batches and ranks
+    skipped: bool = False  # non-finite loss or grad norm on some rank: no update (train/resilience.py)
 
 
 @dataclass
@@ -91,7 +94,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: "OptimConfig", 
 
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], *, dp_group,
                dp_size: int, grad_clip: float, autocast_dtype: torch.dtype | None,
-               activations=None) -> StepResult:
+               activations=None, skip_non_finite: bool = True) -> StepResult:
     """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step.
     `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given."""
     optimizer.zero_grad(set_to_none=True)  # here, not after the step: grads stay measurable at rest
@@ -116,7 +119,12 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
     lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
+    # a non-finite loss or grad norm on ANY rank skips the update on every rank (flag all-reduced)
+    skipped = skip_non_finite and not all_finite([loss_sum, norm], group=dp_group)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        scheduler.step()
     return StepResult(loss=(loss_sum / denom).item(), grad_norm=float(norm), lr=float(lr),
-                      num_tokens=int(num_tokens))
+                      num_tokens=int(num_tokens), skipped=skipped)

@@ -1,0 +1,251 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic step folders, keep-last-K, resume
+at any world size and under any strategy.
+
+Layout of `<run_dir>/checkpoints/step_<N>/`:
+  .metadata, __<rank>_0.distcp   DCP: {"model": FQN → tensor, "optim": {"state", "param_groups"}}
+                                 in torch's FQN-keyed form (`get_state_dict`), so a checkpoint
+                                 written under one strategy / world size loads under another:
+                                 DCP reads each rank's slice of each saved tensor (resharding).
+  trainer.json                   step, tokens seen, data position, LR scheduler (rank 0)
+  rng_rank<r>.json               each rank's torch CPU (and CUDA) generator state
+  hf/                            config.json and tokenizer files, for `shardtune export`
+  shardtune_checkpoint.json      written last: step, world size, strategy, config hash, complete
+
+Atomicity: every rank writes into `.tmp-step_<N>`; after a barrier rank 0 writes the metadata file
+and renames the folder to `step_<N>` (one rename, atomic on POSIX). A folder named `step_<N>` with
+`complete: true` is the only thing resume ever reads, so a killed or failed save leaves at most a
+`.tmp-*` folder, and the previous checkpoint is never touched (pruning to K happens after the rename).
+
+zero1's `ZeroRedundancyOptimizer` has no FQN state dict (`get_state_dict` cannot read it); its
+local AdamW states are written under the same FQN keys (`zero1_optim_state`), each rank writing
+the parameters it owns, so a zero1 checkpoint reads like any other.
+
+Security: DCP's `.metadata` is a pickle; it is read with an allow-list unpickler
+(`SafeFileSystemReader`), and non-tensor values with `torch.load(weights_only=True)`.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from shardtune.errors import UserError
+from shardtune.train.ckpt_files import (FORMAT_VERSION, HF_DIR, META_FILE, TRAINER_FILE, CheckpointInfo,
+                                        checkpoints_dir, prune)
+
+
+# ---------------------------------------------------------------- safe reading of DCP files
+class _AllowListUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: its dataclasses, torch sizes/dtypes and plain containers."""
+
+    _MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
+    _ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+                ("builtins", "frozenset"), ("torch._utils", "_rebuild_tensor_v2"),
+                ("torch", "device"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "PurePosixPath")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module.startswith(self._MODULE_PREFIXES):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # DCP's dataclasses and enums; never a function
+                return obj
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP "
+                                     "checkpoint never needs; refusing to load it")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` pickle is read through an allow-list (caches it)."""
+
+    _cached = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if self._cached is None:
+            path = Path(self.path) / ".metadata"
+            if not path.is_file():
+                raise UserError(f"{Path(self.path)} is not a DCP checkpoint (no .metadata); give a "
+                                "checkpoints/step_<N> folder")
+            with open(path, "rb") as f:
+                metadata = _AllowListUnpickler(f).load()
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._cached = metadata
+        return self._cached
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads non-tensor values with `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ---------------------------------------------------------------- model + optimizer state
+def _is_zero1(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _fqns(model: torch.nn.Module) -> dict[int, str]:
+    from shardtune.train.model import unwrap
+
+    return {id(p): name for name, p in unwrap(model).named_parameters()}
+
+
+def zero1_optim_state(model, optimizer, *, for_load: bool) -> dict:
+    """zero1's optimizer state in torch's FQN form; only the parameters this rank owns.
+    `for_load`: zero-filled tensors of the right shapes for DCP to read into."""
+    fqn = _fqns(model)
+    state: dict[str, dict] = {}
+    for group in optimizer.optim.param_groups:  # the local optimizer: this rank's partition
+        for p in group["params"]:
+            if for_load:
+                state[fqn[id(p)]] = {"step": torch.zeros((), dtype=torch.float32),
+                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            elif p in optimizer.optim.state:
+                state[fqn[id(p)]] = optimizer.optim.state[p]
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [fqn[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state} if for_load else {"state": state, "param_groups": groups}
+
+
+def _load_zero1_optim(model, optimizer, optim_sd: dict) -> None:
+    fqn = _fqns(model)
+    for group in optimizer.optim.param_groups:
+        for p in group["params"]:
+            optimizer.optim.state[p] = optim_sd["state"][fqn[id(p)]]
+
+
+def model_optim_state(model, optimizer, *, for_load: bool = False) -> dict:
+    """{"model": ..., "optim": ...} in FQN form for DCP (DTensors under FSDP2, tensors under DDP)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if _is_zero1(optimizer):
+        return {"model": get_model_state_dict(model),
+                "optim": zero1_optim_state(model, optimizer, for_load=for_load)}
+    model_sd, optim_sd = get_state_dict(model, optimizers=optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def set_model_optim_state(model, optimizer, sd: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    if _is_zero1(optimizer):
+        set_model_state_dict(model, sd["model"])
+        _load_zero1_optim(model, optimizer, sd["optim"])
+        return
+    set_state_dict(model, optimizers=optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+# ---------------------------------------------------------------- small JSON parts
+def _rng_state() -> dict:
+    enc = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    return {"cpu": enc(torch.get_rng_state()),
+            "cuda": enc(torch.cuda.get_rng_state()) if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(d: dict) -> None:
+    dec = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(dec(d["cpu"]))
+    if d.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state(dec(d["cuda"]))
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- save
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state, *, rank: int,
+                    world_size: int, strategy: str, cfg_hash: str, keep: int,
+                    hf_files=None, in_save_hook=None) -> Path:
+    """Write `checkpoints/step_<step>` atomically (module docstring) and keep the newest `keep`.
+    Collective: every rank calls it. `hf_files(dir)` (rank 0) writes config and tokenizer files."""
+    ckpt_dir = checkpoints_dir(run_dir)
+    tmp, final = ckpt_dir / f".tmp-step_{step}", ckpt_dir / f"step_{step}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save of the same step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(model_optim_state(model, optimizer), storage_writer=FileSystemWriter(tmp, sync_files=True))
+    _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
+    if rank == 0:
+        _write_json(tmp / TRAINER_FILE, {"step": step, "tokens_seen": state.tokens_seen,
+                                         "data": state.data.state_dict() if state.data is not None else None,
+                                         "scheduler": scheduler.state_dict()})
+        if hf_files is not None:
+            (tmp / HF_DIR).mkdir()
+            hf_files(tmp / HF_DIR)
+    if in_save_hook is not None:
+        in_save_hook()
+    dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        _write_json(tmp / META_FILE, {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
+                                      "strategy": strategy, "config_hash": cfg_hash, "complete": True})
+        _fsync_dir(tmp)
+        old = ckpt_dir / f".old-step_{step}"
+        if final.exists():  # a re-save of the same step (resumed from an older one): swap
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        _fsync_dir(ckpt_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        prune(run_dir, keep)
+    dist.barrier()
+    return final
+
+
+# ---------------------------------------------------------------- load
+def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *, rank: int) -> None:
+    """Load `info` into the model, optimizer, scheduler and train state, resharding as needed.
+    Collective: every rank calls it."""
+    sd = model_optim_state(model, optimizer, for_load=True)
+    dcp.load(sd, storage_reader=SafeFileSystemReader(info.path), planner=SafeLoadPlanner())
+    set_model_optim_state(model, optimizer, sd)
+    trainer = json.loads((info.path / TRAINER_FILE).read_text())
+    scheduler.load_state_dict(trainer["scheduler"])
+    # LambdaLR restores its counter, not the optimizer's lr: set it to what the next step uses
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    state.step, state.tokens_seen = int(trainer["step"]), int(trainer["tokens_seen"])
+    if state.data is not None and trainer.get("data") is not None:
+        state.data.load_state_dict(trainer["data"])
+    rng = info.path / f"rng_rank{rank}.json"
+    if rng.is_file():  # absent when resuming on more ranks than saved: those keep their seed
+        _set_rng_state(json.loads(rng.read_text()))

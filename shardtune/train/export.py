@@ -1,0 +1,144 @@
+"""DCP checkpoint → Hugging Face folder (config.json, safetensors shards + index, tokenizer files),
+streamed: host memory stays bounded by one output shard (or the largest single tensor), never
+the whole model.
+
+How: the DCP `.metadata` lists every saved tensor with its shape and dtype. The model's tensors are
+grouped into shards of at most `max_shard_bytes` (HF's rule: a tensor larger than that is a shard
+of its own), then each shard's tensors are allocated and read with `dcp.load(no_dist=True)`,
+which reads only their byte ranges from the `.distcp` files (whatever world size or strategy
+wrote them), written with safetensors, and freed. No process group is needed, and none is used
+when one exists (export at the end of training runs on rank 0 alone).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from shardtune.errors import UserError
+from shardtune.train.ckpt_files import HF_DIR, read_info
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_size_bytes(text: str | int) -> int:
+    """'5GB' → 5·10^9, '500MB' → 5·10^8, '2GiB' → 2·2^30, '1000' → 1000 bytes (HF's units:
+    KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise UserError(f"size {text!r} is not understood; write e.g. 5GB, 500MB, 2GiB or a byte count")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    size = int(float(m.group(1)) * scale)
+    if size < 1:
+        raise UserError(f"size {text!r} must be at least one byte")
+    return size
+
+
+def hf_name(dcp_key: str) -> str:
+    """'model.model.layers.0.mlp.up_proj.weight' (DCP key) → 'model.layers.0.mlp.up_proj.weight':
+    drop the state-dict section and any wrapper module names."""
+    name = dcp_key.removeprefix("model.")
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def model_tensors(ckpt: Path) -> list[tuple[str, str, torch.Size, torch.dtype]]:
+    """(DCP key, HF name, shape, dtype) of every model tensor in the checkpoint, in saved order."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardtune.train.checkpoint import SafeFileSystemReader
+
+    md = SafeFileSystemReader(ckpt).read_metadata()
+    return [(k, hf_name(k), v.size, v.properties.dtype) for k, v in md.state_dict_metadata.items()
+            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)]
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, in order: start a new shard when the next tensor would pass the limit (HF's
+    `shard_checkpoint` rule; a tensor over the limit gets a shard alone)."""
+    shards: list[list[str]] = []
+    current, current_bytes = [], 0
+    for name, nbytes in sizes:
+        if current and current_bytes + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None) -> Path:
+    """Write an HF folder from a complete shardtune checkpoint; returns `out_dir`. Peak host memory:
+    one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the saved one."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from shardtune.train.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+
+    ckpt, out_dir = Path(ckpt).expanduser(), Path(out_dir).expanduser()
+    if read_info(ckpt) is None:
+        raise UserError(f"{ckpt} is not a complete shardtune checkpoint; give a "
+                        "<run>/checkpoints/step_<N> folder")
+    if not (ckpt / HF_DIR / "config.json").is_file():
+        raise UserError(f"{ckpt} has no {HF_DIR}/config.json; it was not written by shardtune train")
+    if dtype is not None and dtype not in _DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose fp32, bf16 or fp16")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserError(f"output folder {out_dir} is not empty; give a new or empty folder")
+    out_dtype = _DTYPES[dtype] if dtype else None
+    entries = model_tensors(ckpt)
+    if not entries:
+        raise UserError(f"{ckpt} holds no model tensors")
+    elem = lambda dt: torch.empty((), dtype=out_dtype or dt).element_size()  # noqa: E731
+    sizes = [(k, shape.numel() * elem(dt)) for k, _, shape, dt in entries]
+    shards = plan_shards(sizes, max_shard_bytes)
+    meta = {k: (name, shape, dt) for k, name, shape, dt in entries}
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    reader = SafeFileSystemReader(ckpt)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, keys in enumerate(shards, start=1):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        want = {k: torch.empty(meta[k][1], dtype=meta[k][2]) for k in keys}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        tensors = {meta[k][0]: (t.to(out_dtype) if out_dtype else t).contiguous() for k, t in want.items()}
+        del want
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    if len(shards) > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    for f in (ckpt / HF_DIR).iterdir():  # config.json, tokenizer files
+        if f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    if out_dtype is not None:
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg["dtype"] = cfg["torch_dtype"] = str(out_dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked above)
+    tmp.rename(out_dir)
+    return out_dir

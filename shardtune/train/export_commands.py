@@ -1,0 +1,23 @@
+"""`shardtune export CHECKPOINT_DIR OUT_DIR [--max-shard-size 5GB] [--dtype bf16]`: a shardtune
+checkpoint → Hugging Face folder, streamed (train/export.py). Imports no torch at module level."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("export")
+    def export(
+        checkpoint_dir: str = typer.Argument(..., help="A checkpoint folder: runs/<name>/checkpoints/step_<N>"),
+        out_dir: str = typer.Argument(..., help="New (or empty) folder for the Hugging Face model"),
+        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB, 2GiB: also the export's memory bound."),
+        dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16 (default: as saved)."),
+    ) -> int:
+        """Write a Hugging Face folder (config, safetensors shards, tokenizer) from a checkpoint."""
+        from shardtune.train.export import export_checkpoint, parse_size_bytes
+
+        out = export_checkpoint(checkpoint_dir, out_dir, parse_size_bytes(max_shard_size), dtype)
+        print(f"exported {checkpoint_dir} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+        return 0

@@ -1,0 +1,174 @@
+"""Keeping a long run alive and honest: skipped non-finite steps, preemption, quiet peer failures.
+
+- Bad numerics: `train_step` skips the optimizer step when the loss or gradient norm is non-finite
+  (the flag is all-reduced, so every rank skips the same step); `BadStepCounter` stops the run
+  after `train.max_bad_steps` skips in a row, with the last good checkpoint untouched.
+- Preemption: SLURM and Kubernetes send SIGTERM (torchrun forwards it to its workers and waits
+  30 s before SIGKILL). `PreemptionSignal` only records it; the loop agrees on it across ranks at
+  the next step boundary (`agree_any`), saves a checkpoint and stops cleanly.
+- Peer failures: when one rank raises, its peers see a broken collective. `is_peer_failure` lets
+  them exit with one line instead of a second traceback, so the first error is the one shown.
+- Test hooks (`DebugHooks`): environment variables `SHARDTUNE_TEST_*`, read once per run, that
+  inject a NaN loss, an exception, a SIGKILL or a SIGTERM at a given step. Only tests set them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune.errors import UserError
+
+
+class NonFiniteError(UserError):
+    """Raised on every rank alike after too many consecutive non-finite steps (a UserError: the
+    user fixes it with a lower lr or cleaner data; the CLI prints it as one line)."""
+
+
+def agree_any(flags: list[bool], device: torch.device, group=None) -> list[bool]:
+    """Element-wise OR of `flags` over all ranks (one all-reduce): every rank takes the same decision."""
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in t.tolist()]
+
+
+def all_finite(values: list[torch.Tensor], group=None) -> bool:
+    """True when every value is finite on every rank (all-reduced, so all ranks agree)."""
+    bad = torch.stack([(~torch.isfinite(v.detach().float())).any() for v in values]).any()
+    bad = bad.to(torch.int32).reshape(1)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    return not bool(bad.item())
+
+
+@dataclass
+class BadStepCounter:
+    """Counts consecutive skipped steps; `update` raises NonFiniteError past `max_bad_steps`."""
+    max_bad_steps: int
+    consecutive: int = 0
+    first_bad_step: int = 0
+
+    def update(self, step: int, skipped: bool, last_good_checkpoint: str | None, rank: int) -> None:
+        if not skipped:
+            self.consecutive = 0
+            return
+        if self.consecutive == 0:
+            self.first_bad_step = step
+        self.consecutive += 1
+        if rank == 0:
+            print(f"shardtune: warning: step {step}: non-finite loss or gradient norm; step skipped "
+                  f"({self.consecutive}/{self.max_bad_steps} in a row)", file=sys.stderr, flush=True)
+        if self.consecutive >= self.max_bad_steps:
+            where = last_good_checkpoint or "none saved yet"
+            raise NonFiniteError(
+                f"{self.consecutive} consecutive steps ({self.first_bad_step}-{step}) had a non-finite "
+                f"loss or gradient norm; training stopped. Last good checkpoint: {where}. Lower "
+                "optim.lr, raise optim.warmup_steps or check the data, then resume from it")
+
+
+class PreemptionSignal:
+    """Records SIGTERM (and SIGUSR1, SLURM's `--signal` default choice) instead of dying at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame) -> None:  # noqa: ARG002
+        self.requested = True
+
+    def install(self) -> "PreemptionSignal":
+        for s in self.SIGNALS:
+            self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous.clear()
+
+
+_PEER_FAILURE_TEXT = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                      "connection refused", "timed out", "socket closed", "recvbytes", "sendbytes",
+                      "nccl communicator was aborted", "read error", "write error", "gloo")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """True for the errors a rank gets because ANOTHER rank died (a broken collective), so that it
+    can step aside and let the first rank's own error be the one the user reads."""
+    if isinstance(e, getattr(dist, "DistError", ())) and not isinstance(e, NonFiniteError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(s in text for s in _PEER_FAILURE_TEXT)
+
+
+# ---------------------------------------------------------------- test hooks (tests only)
+def _step_rank(value: str | None) -> tuple[int, int] | None:
+    """'3:1' → (step 3, rank 1); '3' → (3, 0)."""
+    if not value:
+        return None
+    step, _, rank = value.partition(":")
+    return int(step), int(rank or 0)
+
+
+@dataclass
+class DebugHooks:
+    """Fault injection for tests, from `SHARDTUNE_TEST_*` environment variables (never set in
+    normal use). Kill hooks fire only in torchrun's first attempt, so a restart can succeed.
+
+    SHARDTUNE_TEST_NAN_STEPS=3,4  — the logits (hence loss and gradients) of rank 0 become NaN
+    SHARDTUNE_TEST_RAISE=STEP:RANK — that rank raises RuntimeError before the step
+    SHARDTUNE_TEST_KILL=STEP:RANK — that rank SIGKILLs itself before the step
+    SHARDTUNE_TEST_KILL_IN_SAVE=STEP:RANK — that rank SIGKILLs itself inside the save of STEP,
+                                             after its files are written, before the rename
+    SHARDTUNE_TEST_SIGTERM=STEP:RANK — that rank gets SIGTERM before the step
+    """
+    nan_steps: set[int] = field(default_factory=set)
+    raise_at: tuple[int, int] | None = None
+    kill_at: tuple[int, int] | None = None
+    kill_in_save: tuple[int, int] | None = None
+    sigterm_at: tuple[int, int] | None = None
+    step: int = 0  # the step being run (the NaN hook reads it)
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "DebugHooks":
+        first_attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        nan = {int(s) for s in env.get("SHARDTUNE_TEST_NAN_STEPS", "").split(",") if s.strip()}
+        return cls(nan_steps=nan, raise_at=_step_rank(env.get("SHARDTUNE_TEST_RAISE")),
+                   kill_at=_step_rank(env.get("SHARDTUNE_TEST_KILL")) if first_attempt else None,
+                   kill_in_save=_step_rank(env.get("SHARDTUNE_TEST_KILL_IN_SAVE")) if first_attempt else None,
+                   sigterm_at=_step_rank(env.get("SHARDTUNE_TEST_SIGTERM")) if first_attempt else None)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.nan_steps or self.raise_at or self.kill_at or self.kill_in_save or self.sigterm_at)
+
+    def install_nan(self, model: nn.Module, rank: int) -> None:
+        """A forward hook that turns rank 0's logits into NaN at the chosen steps."""
+        if not self.nan_steps or rank != 0:
+            return
+
+        def hook(module, args, output):
+            if self.step in self.nan_steps:
+                output.logits = output.logits * float("nan")
+            return output
+
+        model.register_forward_hook(hook)
+
+    def before_step(self, step: int, rank: int) -> None:
+        self.step = step
+        if self.raise_at == (step, rank):
+            raise RuntimeError(f"injected failure on rank {rank} at step {step} (SHARDTUNE_TEST_RAISE)")
+        if self.kill_at == (step, rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.sigterm_at == (step, rank):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def in_save(self, step: int, rank: int) -> None:
+        if self.kill_in_save == (step, rank):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,60 @@
+"""One rank of the checkpoint tests: runs the real trainer (`shardtune.train.main.train`) once per
+case in the same processes (imports cost ~7 s per process) and writes rank<r>.json with each
+case's outcome ("ok" or the error message).
+
+argv: cases.json out_dir. A case: {name, overrides: [key=value, ...], env: {VAR: value}}; every
+case gets its own run folder <out_dir>/<name>.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardtune.config import load_recipe
+from shardtune.errors import UserError
+from shardtune.parallel.apply import build_mesh
+from shardtune.train.main import DistContext, train
+
+
+def run_case(case: dict, out_dir: Path, rank: int, world: int) -> dict:
+    cfg = load_recipe(None, [*case["overrides"], f"output_dir={out_dir / case['name']}"])
+    mesh = build_mesh(cfg.parallel, world, world, "cpu")
+    ctx = DistContext(rank, world, rank, world, torch.device("cpu"), mesh)
+    saved_env = dict(os.environ)
+    os.environ.update(case.get("env", {}))
+    try:
+        train(cfg, ctx)
+        return {"outcome": "ok"}
+    except UserError as e:
+        return {"outcome": "error", "message": str(e)}
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        gc.collect()
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results = {}
+    try:
+        for case in cases:
+            results[case["name"]] = run_case(case, out_dir, rank, world)
+            dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
