@@ -49,8 +49,13 @@ def setup_distributed(cfg: "RunConfig") -> DistContext:
 
     env = os.environ
     if "RANK" not in env:  # plain `python -m shardtune.train`: a world of one
+        import socket
+
+        with socket.socket() as s:  # a free port (torchrun's --master_port 0 hangs)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=env.get("MASTER_PORT", "29511"))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=env.get("MASTER_PORT", str(port)))
     rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     backend = cfg.train.backend

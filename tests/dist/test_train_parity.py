@@ -95,6 +95,8 @@ def world2(tmp_path_factory, pretrained_dir):
         _case("zero3_offload", "zero3", parallel={"offload": "all"}),
         _case("zero3_bf16mixed", "zero3", "bf16-mixed", **BF16),
         _case("ddp_bf16mixed", "ddp", "bf16-mixed", **BF16),
+        _case("zero3_bf16", "zero3", "bf16", **BF16),
+        _case("zero1_bf16mixed", "zero1", "bf16-mixed", **BF16),
         {**_case("zero3_pretrained", "zero3", logits=True, model={"name": str(pretrained_dir)}), "steps": 1},
     ]
     return _run(tmp_path_factory.mktemp("w2"), 2, cases)
@@ -130,8 +132,8 @@ def test_loss_parity_four_ranks(world4, ref, name):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["zero3_bf16mixed", "ddp_bf16mixed"])
-def test_bf16_mixed_close_and_falling(world2, name):
+@pytest.mark.parametrize("name", ["zero3_bf16mixed", "ddp_bf16mixed", "zero1_bf16mixed", "zero3_bf16"])
+def test_bf16_close_and_falling(world2, name):
     ref_losses, _ = reference(**{k: BF16[k] for k in ("steps", "lr", "same_batch")})
     losses = world2[0][name]["losses"]
     assert losses[0] == pytest.approx(ref_losses[0], abs=1e-2)  # same weights, bf16 rounding only
@@ -210,8 +212,8 @@ def _planned(strategy: str, world: int, shard_degree: int, rank: int) -> tuple[d
 
     shapes = model_shapes(architecture_from_config(resolve_model_config("tiny-llama")))
     s = shardtune_states(shapes, strategy, world, shard_degree, "fp32", "adamw", rank)
-    owned = local_numels(shapes, strategy, world, shard_degree, rank)[2]
-    return {"params_bytes": s.params, "grads_bytes": s.grads, "optimizer_bytes": s.optimizer}, len(owned)
+    owned = local_numels(shapes, strategy, world, shard_degree, rank)[2]  # Counter: size → tensors
+    return {"params_bytes": s.params, "grads_bytes": s.grads, "optimizer_bytes": s.optimizer}, sum(owned.values())
 
 
 @pytest.mark.timeout(300)
