@@ -199,7 +199,8 @@ def measure_rate(rate_mbit: float, a: argparse.Namespace, tmp: Path, port0: int)
     with TwoHosts(rate_mbit=rate_mbit) as hosts:
         prof = tmp / f"profile_{rate_mbit:g}.json"
         run_pair(hosts, [sys.executable, "-m", "shardtune.netbench.comm_bench", "--sizes", a.sizes,
-                         "--out", str(prof), "--scope", "inter", "--backend", "gloo", "--min-time", "0.2"],
+                         "--out", str(prof), "--scope", "inter", "--backend", "gloo", "--min-time", "0.2",
+                         "--kinds", a.kinds],
                  a.timeout, free_port())
         links = json.loads(prof.read_text())["links"]
         row["busbw_gbps"] = {k: v["busbw_gbps"] for k, v in links.items()}
@@ -242,7 +243,7 @@ def check(rows: list[dict], strategies: list[str], tol_step: float, tol_ratio: f
     return lines, ok
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
@@ -261,8 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                          "compute) instead of the CPU one (none: see the module doc).")
     ap.add_argument("--tol-step", type=float, default=0.25)
     ap.add_argument("--tol-ratio", type=float, default=0.20)
+    ap.add_argument("--kinds", default="all_gather,reduce_scatter,all_reduce", help="bench comm collectives.")
     ap.add_argument("--json", default=None, help="Also write the rows here.")
     a = ap.parse_args(argv)
+    a.strategies = a.strategies.split(",")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if a.worker:
         return worker(a)
 
@@ -272,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"capped_link: cannot run here: {reason}", file=sys.stderr)
         return 2
-    a.strategies = a.strategies.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="shardtune-capped-") as d:
         tmp = Path(d)

@@ -165,8 +165,8 @@ def _why_loses(c: Candidate, best: Candidate) -> str:
     worst = max(diffs, key=diffs.get)
     changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in ("strategy", "hsdp_shard_size", "ac", "offload",
                                                                       "micro_batch", "precision")
-               if getattr(best, k) != getattr(c, k)]
-    return f"{gap:.0%} slower than #1 ({', '.join(changed) or 'same'}): more {worst} per token"
+               if getattr(best, k) != getattr(c, k) and not (k == "hsdp_shard_size" and None in (best.hsdp_shard_size, c.hsdp_shard_size))]
+    return f"{gap:.1%} slower than #1 ({', '.join(changed) or 'same'}): more {worst} per token"
 
 
 def render_fit(fit: FitResult, console) -> None:
@@ -179,7 +179,7 @@ def render_fit(fit: FitResult, console) -> None:
         console.print("nothing fits; the closest:")
     else:
         b = fit.best
-        console.print(f"best: {b.label()} → {b.tokens_per_s:,.0f} tokens/s per GPU, step {b.timing['step_time_s']:.3g} s, "
+        console.print(f"best: {b.label()} → {b.tokens_per_s:,.0f} tokens/s per GPU, step {_secs(b.timing['step_time_s'])} s, "
                       f"MFU {b.timing['mfu']:.1%}, peak {b.peak_gib:.1f} of {b.usable_gib:.1f} GiB")
         console.print(f"  use: {b.flags()}")
         for i, c in enumerate(fit.ranked[1:], 2):
@@ -188,6 +188,11 @@ def render_fit(fit: FitResult, console) -> None:
         console.print(f"rejected: {c.label()} (would give {c.tokens_per_s:,.0f} tokens/s): {c.why}")
     for n in fit.notes:
         console.print(f"note: {n}")
+
+
+def _secs(v: float) -> str:
+    """Seconds with 3 significant digits, without exponents for large values."""
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def timing_table(result):
@@ -210,8 +215,8 @@ def timing_table(result):
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for s in result.strategies:
         t = s.timing
-        row = [s.name, f"{t['step_time_s']:,.3g}", f"{t['compute_time_s']:,.3g}", f"{t['comm_time_s']:,.3g}",
-               f"{t['exposed_comm_s']:,.3g}", f"{t['tokens_per_s']:,.0f}", f"{t['mfu']:.1%}"]
+        row = [s.name, _secs(t["step_time_s"]), _secs(t["compute_time_s"]), _secs(t["comm_time_s"]),
+               _secs(t["exposed_comm_s"]), f"{t['tokens_per_s']:,.0f}", f"{t['mfu']:.1%}"]
         if has_tokens:
             row += [f"{t['train_time_s'] / 86400:,.1f}", f"{t['gpu_hours']:,.0f}"]
         table.add_row(*row)
