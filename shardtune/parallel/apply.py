@@ -117,10 +117,14 @@ def _apply_ddp(model: nn.Module, mesh: "DeviceMesh") -> nn.Module:
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("ddp/zero1: apply_parallelism needs materialised parameters (DDP "
                          "broadcasts them when built); call it after init")
-    device = next(model.parameters()).device
-    device_ids = [device.index] if device.type == "cuda" else None
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    first = next(model.parameters())
+    device_ids = [first.device.index] if first.device.type == "cuda" else None
+    # init_sync checks shapes and broadcasts rank 0's values: real data that fake tensors (the
+    # simulator) lack; our init is identical on every rank anyway (train/model.py).
     return DDP(model, process_group=mesh.get_group(), device_ids=device_ids,
-               gradient_as_bucket_view=True)
+               gradient_as_bucket_view=True, init_sync=not isinstance(first, FakeTensor))
 
 
 def apply_parallelism(model: nn.Module, parallel_cfg: "ParallelConfig", mesh: "DeviceMesh") -> nn.Module:
