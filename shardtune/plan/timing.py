@@ -198,15 +198,33 @@ def op_time_s(op, groups: dict[str, Group], cluster: Cluster, num_layers: int = 
                         num_calls(op, num_layers, g.size))
 
 
+def fsdp_copy_bytes(op, n: int) -> float:
+    """Bytes FSDP2 copies in memory around one of its collectives (S = the whole buffer).
+
+    all-gather: copy-in of the local shard into the send buffer (read + write S/n) and copy-out of
+    the gathered buffer into the unsharded parameters (read + write S); reduce-scatter: copy-in of
+    the unsharded grads (read + write S) and accumulation of the S/n output into the sharded grad
+    (read 2·S/n, write S/n) — torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py. DDP
+    (gradient_as_bucket_view) and HSDP's in-place replica all-reduce copy nothing extra.
+    """
+    if op.op == "all_gather":
+        return 2.0 * op.payload_bytes + 2.0 * op.payload_bytes / n
+    if op.op == "reduce_scatter":
+        return 2.0 * op.payload_bytes + 3.0 * op.payload_bytes / n
+    return 0.0
+
+
 def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: float,
               backward_s: float, num_layers: int, grad_accum: int = 1, optimizer_s: float = 0.0,
-              overlap: bool = True) -> StepTime:
+              overlap: bool = True, copy_bytes_per_s: float | None = None) -> StepTime:
     """Step time = micro-batches × (compute + exposed comm) + exposed per-step comm + optimizer.
 
     `forward_s` / `backward_s` are one micro-batch's compute (backward includes recomputation).
     Collectives of one phase on different links (HSDP: shard group on NVLink, replica group on
     the NICs) proceed in parallel, so a phase's comm is the slowest link's sum; collectives on
     the same link add up. `overlap=False` models a runtime that does not overlap at all.
+    `copy_bytes_per_s` (memory bandwidth) prices FSDP2's copy-in/copy-out, which run on the
+    collective's stream, so they count with its link (None: not counted).
     """
     def phase_comm(phase: str, every: str) -> float:
         by_link: dict[bool, float] = {}
@@ -214,7 +232,10 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
             if op.phase == phase and op.count_per == every:
                 g = groups[op.group]
                 crosses = g.ranks_per_node < g.size and cluster.num_nodes > 1
-                by_link[crosses] = by_link.get(crosses, 0.0) + op_time_s(op, groups, cluster, num_layers)
+                t = op_time_s(op, groups, cluster, num_layers)
+                if copy_bytes_per_s:
+                    t += fsdp_copy_bytes(op, g.size) / copy_bytes_per_s
+                by_link[crosses] = by_link.get(crosses, 0.0) + t
         return max(by_link.values(), default=0.0)
 
     def exposed(comm: float, compute: float) -> float:
@@ -340,7 +361,8 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     else:
         optimizer_s = C.optimizer_step_time_s(params_per_rank, mem_bw_bytes_per_s, optimizer)
     groups = mesh_groups(cluster, shard_degree if strategy == "hsdp" else None)
-    st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap)
+    st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap,
+                   copy_bytes_per_s=mem_bw_bytes_per_s)
     tokens_step = tokens_mb * grad_accum
     tps = throughput(st.step_time_s, tokens_step)
     out = {
