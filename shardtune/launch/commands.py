@@ -33,7 +33,8 @@ def _build(recipe: str, overrides: Optional[list[str]], **kw):
     from shardtune.launch.spec import LaunchSpec, validate
 
     cfg = load_recipe(recipe, tuple(overrides or ()))
-    spec = validate(LaunchSpec(recipe=recipe, overrides=tuple(overrides or ()), **kw))
+    # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
+    spec = validate(LaunchSpec(recipe=os.path.abspath(recipe), overrides=tuple(overrides or ()), **kw))
     return cfg, spec
 
 

@@ -300,11 +300,11 @@ def test_zero3_on_10gbe_is_comm_bound_and_hsdp_named():
     # Hand derivation: Llama-3-8B has 8,030,261,248 parameters (HF model card / config).
     # zero3 per micro-batch: all-gather bf16 twice + reduce-scatter fp32 = 8 B/param over a flat
     # ring of 16 ranks: each node sends 15/16 of it through its one 10 GbE NIC at 90 % of
-    # 1.25 GB/s. Latency adds at most 3 collectives x 33 calls (32 layers + root) x 15 ring steps
-    # x 50 us = 74 ms (0.14 %), inside the tolerance.
+    # 1.25 GB/s. Latency comes on top: 3 collectives x 33 calls (32 layers + root) x 15 ring steps
+    # x 50 us = 74 ms, well under 1 % of the bandwidth term at these sizes.
     psi = 8_030_261_248
-    expected_comm_s = 8 * psi * 15 / 16 / (0.9 * 10e9 / 8)
-    assert est.comm_s == pytest.approx(expected_comm_s, rel=2e-3)
+    bandwidth_s = 8 * psi * 15 / 16 / (0.9 * 10e9 / 8)
+    assert bandwidth_s * 0.9995 <= est.comm_s <= bandwidth_s * 1.01
     # Compute: PaLM 6N FLOPs/token (N without the 128256x4096 input embedding) + attention, at
     # 40 % of H100's 989.4 TFLOP/s, for 2 x 2048 tokens: about half a second.
     n_mm = psi - 128256 * 4096
@@ -335,6 +335,9 @@ def test_cli_writes_file_and_reports_bad_values_in_one_line(tmp_path):
     assert r.returncode == 0, r.stderr
     assert out.read_text().startswith("#!/usr/bin/env bash\n#SBATCH --job-name=shardtune")
     assert "communication-bound" in r.stderr and "hsdp" in r.stderr
+    # a relative recipe path becomes absolute: the job may start in another folder
+    r = _cli("launch", "torchrun", "r.yaml", cwd=tmp_path)
+    assert r.returncode == 0 and f"-m shardtune.train {recipe}" in r.stdout, r.stdout
     r = _cli("launch", "slurm", str(recipe), "--job-name", "my job")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     r = _cli("launch", "torchrun", str(recipe), "--nodes", "2")
