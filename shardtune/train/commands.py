@@ -82,13 +82,18 @@ def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
 
 
 def run_process_group(cmd: list[str]) -> int:
-    """Run `cmd` in its own session; Ctrl-C (or an exception) kills its whole process group
-    (killing torchrun alone leaves its workers alive)."""
+    """Run torchrun in its own session. Ctrl-C or SIGTERM here: SIGTERM to its process group
+    (torchrun then stops its workers, which sit in sessions of their own), SIGKILL after 30 s."""
     proc = subprocess.Popen(cmd, start_new_session=True)
+
+    def _on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _on_term)
     try:
         return proc.wait()
     except BaseException:
-        for sig, wait_s in ((signal.SIGINT, 10), (signal.SIGKILL, 10)):
+        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             try:
                 os.killpg(proc.pid, sig)
                 proc.wait(timeout=wait_s)
@@ -98,6 +103,8 @@ def run_process_group(cmd: list[str]) -> int:
             except subprocess.TimeoutExpired:
                 continue
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: int = 0, **flags) -> int:

@@ -71,3 +71,37 @@ def test_bad_input_exit_2_one_line_before_any_process(monkeypatch, capsys, args,
     assert rc == 2
     assert len(err.strip().splitlines()) == 1, err
     assert needle in err
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_stops_torchrun_and_every_worker(tmp_path, sig):
+    """Ctrl-C (SIGINT) or SIGTERM to `shardtune train` mid-run leaves no process behind."""
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "2",
+                             "--output-dir", str(out)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def ours() -> list[str]:
+        found = subprocess.run(["pgrep", "-f", "--", f"--output-dir {out}"], capture_output=True, text=True)
+        return [p for p in found.stdout.split() if int(p) != proc.pid]
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        assert ours(), "no torchrun / worker processes found while training"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) != 0
+        deadline = time.monotonic() + 10
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ours() == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in ours():
+            os.kill(int(pid), signal.SIGKILL)
