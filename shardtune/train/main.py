@@ -68,7 +68,10 @@ def setup_distributed(cfg: "RunConfig") -> DistContext:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
+    from shardtune.train.resilience import restart_safe_store_kwargs
+
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s),
+                            **restart_safe_store_kwargs(cfg.train.timeout_s))
     mesh = build_mesh(cfg.parallel, world, local_world, device.type)
     return DistContext(rank, world, local_rank, local_world, device, mesh)
 

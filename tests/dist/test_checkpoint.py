@@ -67,6 +67,7 @@ def two(tmp_path_factory) -> Path:
               env={"SHARDTUNE_TEST_NAN_STEPS": "3"}),
         _case("nan_stop", "zero3", 2, "checkpoint.every=2", "train.max_bad_steps=3",
               env={"SHARDTUNE_TEST_NAN_STEPS": "3,4,5"}),
+        _case("sigterm", "zero3", 2, "checkpoint.save_final=false", env={"SHARDTUNE_TEST_SIGTERM": "3:1"}),
     ]
     results = _run(d, 2, cases, timeout_s=200)
     return d, results
@@ -163,3 +164,14 @@ def test_consecutive_nan_steps_stop_the_run_with_its_checkpoint_intact(two):
     assert "step_4" in r["message"], "names the last good checkpoint"
     assert [i.step for i in complete_checkpoints(d / "nan_stop")] == [2, 4]
     assert max(_losses(d / "nan_stop")) == 5
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_on_one_rank_saves_at_the_next_step_boundary_and_stops(two):
+    d, results = two
+    assert results["sigterm"]["outcome"] == "ok", results
+    run = d / "sigterm"
+    assert [i.step for i in complete_checkpoints(run)] == [3]  # every=4 and no final save: only this one
+    assert sorted(_losses(run)) == [1, 2, 3]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "preempted" and e["step"] == 3 for e in events)

@@ -1,0 +1,99 @@
+"""`shardtune train` under faults, as a user runs it (torchrun, 2 CPU processes, gloo):
+
+- a rank SIGKILLed mid-run with --max-restarts → torchrun restarts the group → it resumes from
+  the last complete checkpoint and ends with the same loss as an uninterrupted run;
+- a rank SIGKILLed inside a save → the half-written folder is never used: the restart resumes
+  from the previous complete checkpoint;
+- a rank raising at step 3 → the job ends promptly, that error shown once, no hang.
+(SIGTERM → checkpoint → clean stop is tested in tests/dist/test_checkpoint.py.)
+
+Faults are injected with the trainer's SHARDTUNE_TEST_* hooks (train/resilience.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardtune.train.ckpt_files import complete_checkpoints
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e]
+STEPS = 8
+RECIPE = """
+name: elastic
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+optim: {lr: 0.002, warmup_steps: 2}
+train: {micro_batch: 2, seq_len: 64, max_steps: %d, timeout_s: 45}
+checkpoint: {keep: 2}
+""" % STEPS
+
+
+def _train(tmp: Path, name: str, *args: str, env: dict | None = None, timeout_s: float = 120):
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2",
+           "--output-dir", str(tmp / name), *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"shardtune train did not finish in {timeout_s} s:\n{out[-3000:]}")
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("ref")
+    rc, out, _ = _train(tmp, "ref", "--checkpoint-every", "2")
+    assert rc == 0, out[-3000:]
+    return _records(tmp / "ref")
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_mid_run_and_in_a_save_restart_and_resume(tmp_path, reference):
+    """Attempt 0: rank 1 SIGKILLed before step 5 → restart, resume from step_4. Attempt 1: rank 1
+    SIGKILLed inside the save of step 6 → restart, resume from step_4 again (step_6 never became
+    complete). Attempt 2 finishes."""
+    rc, out, _ = _train(tmp_path, "run", "--checkpoint-every", "2", "--max-restarts", "2",
+                        env={"SHARDTUNE_TEST_KILL": "5:1", "SHARDTUNE_TEST_KILL_IN_SAVE": "6:1@1"},
+                        timeout_s=200)
+    assert rc == 0, out[-3000:]
+    run = tmp_path / "run"
+    assert [e["step"] for e in _events(run) if e["event"] == "resume"] == [4, 4]
+    rec = _records(run)
+    assert [r["step"] for r in rec] == list(range(1, STEPS + 1)), "every step once, none twice"
+    assert rec[4].get("resumed_from") == 4
+    for got, ref in zip(rec, reference):
+        assert abs(got["loss"] - ref["loss"]) <= 1e-6, (got["step"], got["loss"], ref["loss"])
+    ck = run / "checkpoints"
+    assert sorted(p.name for p in ck.iterdir()) == ["step_6", "step_8"]  # keep 2, no temporaries
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_raising_ends_the_job_with_its_error_once(tmp_path):
+    rc, out, wall_s = _train(tmp_path, "run", env={"SHARDTUNE_TEST_RAISE": "3:1"}, timeout_s=90)
+    assert rc != 0
+    assert out.count("injected failure on rank 1 at step 3") == 1, out[-4000:]
+    assert "stopped because another rank failed" in out or "Traceback" not in out.split("injected failure")[0]
+    assert wall_s < 60, f"the job took {wall_s:.0f} s to end (train.timeout_s is 45)"

@@ -1,0 +1,151 @@
+"""`shardtune export CHECKPOINT OUT` → `AutoModelForCausalLM.from_pretrained(OUT)` gives the trained
+model's logits.
+
+One real training run (`python -m shardtune.train`, one process, zero3 (FSDP2), fp32, a checkpoint
+at step 4, export at the end). Two independent references:
+- the loss the trainer logged at step 5 is the step-4 weights' loss on the step-5 batch; the
+  exported step-4 model must give the same loss on that batch (recomputed here from the data
+  loader state saved in the checkpoint, with torch's cross_entropy);
+- torch's own DCP reader (`dcp.load` with its default planner into a plain HF model) must give
+  the same logits as the exported folder (max abs diff ≤ 1e-5).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e]
+RECIPE = """
+name: export
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+optim: {lr: 0.002, warmup_steps: 2}
+train: {micro_batch: 4, seq_len: 64, max_steps: 5, timeout_s: 60}
+checkpoint: {every: 4, export_hf: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("export")
+    (tmp / "recipe.yaml").write_text(RECIPE)
+    cmd = [sys.executable, "-m", "shardtune.train", str(tmp / "recipe.yaml"), "--output-dir", str(tmp / "run")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("training did not finish in 150 s")
+    assert proc.returncode == 0, out[-3000:]
+    return tmp / "run"
+
+
+def _step5_batch(run: Path) -> dict:
+    """The batch step 5 trained on: the loader restored from step_4's data position."""
+    from shardtune.config import load_recipe
+    from shardtune.train.data import build_dataloader, build_tokenizer
+
+    cfg = load_recipe(run / "config.yaml")
+    loader = build_dataloader(cfg.data, cfg.train, build_tokenizer(cfg.data, cfg.model.name), 0, 1, cfg.train.seed)
+    loader.load_state_dict(json.loads((run / "checkpoints" / "step_4" / "trainer.json").read_text())["data"])
+    return next(loader)
+
+
+def _dcp_reference(ckpt: Path, config_dir: Path):
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(sd["model"])
+    return model.eval()
+
+
+@pytest.mark.timeout(240)
+def test_export_cli_sharded_folder_loads_with_the_trained_logits(run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune import cli
+
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(run / "checkpoints" / "step_4"), str(out), "--max-shard-size", "1MB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    # the largest tensor (embed/lm_head: 264 x 128 fp32 = 135 KB) is far below 1 MB: every shard fits
+    assert all((out / f).stat().st_size <= 10**6 + 10**4 for f in files)  # + safetensors header
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    batch = _step5_batch(run)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        ref = _dcp_reference(run / "checkpoints" / "step_4", out)(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    logged = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert abs(loss.item() - logged[5]) <= 1e-5, (loss.item(), logged[5])
+    assert (logits - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_export_at_the_end_of_training_and_tokenizer(run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.train.tokenizer import ByteTokenizer
+
+    out = run / "hf_export"
+    assert (out / "model.safetensors").is_file()  # 3.2 MB < 5 GB: one file, HF's unsharded name
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.arange(0, 40).reshape(2, 20)
+    with torch.no_grad():
+        diff = (model(ids).logits - _dcp_reference(run / "checkpoints" / "step_5", out)(ids).logits).abs().max()
+    assert diff.item() <= 1e-5
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok("héllo")["input_ids"] == [256] + ByteTokenizer().encode("héllo")
+
+
+@pytest.mark.timeout(60)
+def test_export_memory_bound_is_one_shard(run, tmp_path, monkeypatch):
+    """Each read asks DCP for one shard's tensors only: the bytes requested at once never pass the
+    limit (here 300 kB, every tensor smaller)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardtune.train.export import export_checkpoint
+
+    requested = []
+    real_load = dcp.load
+
+    def spy(state_dict, **kw):
+        requested.append(sum(t.numel() * t.element_size() for t in state_dict.values()))
+        return real_load(state_dict, **kw)
+
+    monkeypatch.setattr(dcp, "load", spy)
+    export_checkpoint(run / "checkpoints" / "step_4", tmp_path / "hf", max_shard_bytes=300_000)
+    assert len(requested) > 5 and max(requested) <= 300_000
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, needle", [(["{tmp}/nope", "{tmp}/out"], "not a complete shardtune checkpoint"),
+                                          (["{ckpt}", "{ckpt}"], "not empty"),
+                                          (["{ckpt}", "{tmp}/o", "--max-shard-size", "5XB"], "not understood")])
+def test_export_bad_input_is_one_line_exit_2(run, tmp_path, capsys, args, needle):
+    from shardtune import cli
+
+    args = [a.format(tmp=tmp_path, ckpt=run / "checkpoints" / "step_4") for a in args]
+    assert cli.main(["export", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
