@@ -68,12 +68,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def checkpointed_layer_indices(num_layers: int, mode: str, every: int) -> list[int]:
-    """Which decoder layers recompute their activations: full → all; selective → every k-th layer
-    counted from 1 (layers k-1, 2k-1, ...: ⌊L/k⌋ layers, torchtitan's `ac_freq`); none → []."""
+    """Which decoder layers recompute their activations: full → all; selective → every k-th layer,
+    layers 0, k, 2k, ... (⌈L/k⌉ layers, as plan/activations.py and plan/compute.py count them;
+    torchtitan's `ac_freq` picks k-1, 2k-1, ... instead); none → []."""
     if mode == "full":
         return list(range(num_layers))
     if mode == "selective":
-        return [i for i in range(num_layers) if (i + 1) % every == 0]
+        return [i for i in range(num_layers) if i % every == 0]
     return []
 
 

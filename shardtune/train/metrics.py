@@ -5,8 +5,10 @@ Memory on CPU (no allocator statistics there) is an exact count of live storages
                               under FSDP), their .grad, and every tensor in the optimizer state
                               (Adam m, v and the per-tensor `step` scalar; zero1: this rank's part);
   activations                 the storages autograd saves for backward during one micro-batch's
-                              forward (all alive at its end), parameters excluded. Transient
-                              temporaries are not counted, so this is a lower bound of the peak.
+                              forward (all alive at its end), parameters and their views
+                              excluded. Not counted: transient temporaries, and the inputs a
+                              non-reentrant checkpoint keeps in its closure (no saved-tensor
+                              hook sees them), so this is a lower bound of the peak.
 On CUDA, `peak_mem_bytes` is torch.cuda.max_memory_allocated (allocator truth).
 """
 from __future__ import annotations
@@ -58,7 +60,8 @@ class SavedActivations:
         self._seen: dict[int, int] = {}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter) and t.device.type != "meta":
+        # a parameter, or a view of one (F.linear saves weight.t()), is not an activation
+        if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter) and t.device.type != "meta":
             s = _local(t).untyped_storage()
             self._seen[s.data_ptr()] = s.nbytes()
         return t

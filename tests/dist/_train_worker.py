@@ -21,7 +21,7 @@ from _batches import global_batch, rank_micro_batches  # noqa: E402
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
-from shardtune.train.metrics import model_state_bytes  # noqa: E402
+from shardtune.train.metrics import SavedActivations, model_state_bytes  # noqa: E402
 from shardtune.train.model import build_model  # noqa: E402
 from shardtune.train.step import build_optimizer, build_scheduler, train_step  # noqa: E402
 
@@ -43,15 +43,17 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     opt = build_optimizer(model, ocfg, pcfg, dp_group)
     sched = build_scheduler(opt, ocfg, case["steps"])
     out["losses"], out["grad_norms"] = [], []
+    saved = SavedActivations()
     for step in range(case["steps"]):
         batch = global_batch(step if not case.get("same_batch") else 0, case["rows"], case["seq_len"])
         mbs = rank_micro_batches(batch, rank, world, case.get("grad_accum", 1))
         r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
-                       autocast_dtype=autocast_dtype(pcfg))
+                       autocast_dtype=autocast_dtype(pcfg), activations=saved if step == 0 else None)
         out["losses"].append(r.loss)
         out["grad_norms"].append(r.grad_norm)
         if step == 0:
             out["bytes"] = model_state_bytes(model, opt)
+            out["activations_bytes"] = saved.peak_bytes
     del model, opt, sched
     gc.collect()
     return out

@@ -226,3 +226,22 @@ def test_bytes_per_rank_equal_planner(world2, world4, name, world, shard):
         got = dict(rank_result[name]["bytes"])
         got["optimizer_bytes"] -= 4 * num_state_tensors  # AdamW's per-tensor `step` scalars
         assert got == want, (name, rank)
+
+
+@pytest.mark.timeout(300)
+def test_activation_checkpointing_really_drops_saved_activations(world2):
+    """AC on/off give equal losses (above), so check that AC was applied at all: the bytes saved
+    for backward fall with full AC, and selective (every 2nd of 4 layers) lies in between. With
+    no AC the count agrees with the planner's activation model (plan/activations.py, fp32)."""
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.plan.activations import activation_bytes
+    from shardtune.plan.params import architecture_from_config
+
+    for r in world2:
+        none, sel, full = (r[n]["activations_bytes"] for n in ("zero3", "zero2_ac_selective", "zero3_ac_full"))
+        assert full < none / 4
+        assert full < sel < none
+        assert r["ddp_ac_full"]["activations_bytes"] == full  # the same per-layer checkpoint under DDP
+    arch = architecture_from_config(resolve_model_config("tiny-llama"))
+    planned = activation_bytes(arch, ROWS // 2, SEQ, 4, "none", 2)
+    assert world2[0]["zero3"]["activations_bytes"] == pytest.approx(planned, rel=0.02)
