@@ -82,9 +82,12 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
 
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None) -> Path:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
+                      overwrite: bool = False) -> Path:
     """Write an HF folder from a complete shardtune checkpoint; returns `out_dir`. Peak host memory:
-    one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the saved one."""
+    one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the saved one.
+    The folder appears complete or not at all (written under a temporary name, then renamed);
+    `overwrite` replaces an existing export (training's end-of-run export after a resume)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
@@ -98,10 +101,15 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
         raise UserError(f"{ckpt} has no {HF_DIR}/config.json; it was not written by shardtune train")
     if dtype is not None and dtype not in _DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose fp32, bf16 or fp16")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"output folder {out_dir} is not empty; give a new or empty folder")
     out_dtype = _DTYPES[dtype] if dtype else None
     entries = model_tensors(ckpt)
+    hf_config = json.loads((ckpt / HF_DIR / "config.json").read_text())
+    names = {name for _, name, _, _ in entries}
+    if hf_config.get("tie_word_embeddings") and {"lm_head.weight", "model.embed_tokens.weight"} <= names:
+        # tied: HF saves the embedding once and ties lm_head to it when loading
+        entries = [e for e in entries if e[1] != "lm_head.weight"]
     if not entries:
         raise UserError(f"{ckpt} holds no model tensors")
     elem = lambda dt: torch.empty((), dtype=out_dtype or dt).element_size()  # noqa: E731
@@ -138,7 +146,10 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["dtype"] = cfg["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    old = out_dir.parent / f".{out_dir.name}.old-export"
     if out_dir.exists():
-        out_dir.rmdir()  # empty (checked above)
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
     tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir

@@ -148,6 +148,6 @@ class RunKeeper:
         if self.ctx.rank == 0:
             from shardtune.train.export import export_checkpoint
 
-            export_checkpoint(self.last_saved, out)
+            export_checkpoint(self.last_saved, out, overwrite=True)
             print(f"shardtune: exported a Hugging Face model to {out}", flush=True)
         return out

@@ -63,6 +63,7 @@ def two(tmp_path_factory) -> Path:
         _case("ddp_to_z2", "zero2", 2, resume=s4("ddp_straight")),
         _case("z3_to_z1", "zero1", 2, resume=s4("z3_straight")),
         _case("z1_to_z3", "zero3", 2, resume=s4("z1_straight")),
+        _case("z3_to_offload", "zero3", 2, "parallel.offload=all", resume=s4("z3_straight")),
         _case("nan_once", "zero3", 2, "train.max_steps=6", "checkpoint.every=2", "checkpoint.keep=2",
               env={"SHARDTUNE_TEST_NAN_STEPS": "3"}),
         _case("nan_stop", "zero3", 2, "checkpoint.every=2", "train.max_bad_steps=3",
@@ -108,7 +109,8 @@ def test_eight_straight_equals_four_then_resume_four(two, strategy):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("straight, resumed", [("z3_straight", "z3_to_ddp"), ("ddp_straight", "ddp_to_z2"),
-                                                ("z3_straight", "z3_to_z1"), ("z1_straight", "z1_to_z3")])
+                                                ("z3_straight", "z3_to_z1"), ("z1_straight", "z1_to_z3"),
+                                                ("z3_straight", "z3_to_offload")])
 def test_resume_under_another_strategy(two, straight, resumed):
     d, results = two
     assert results[resumed]["outcome"] == "ok", results
