@@ -92,7 +92,9 @@ def search(model=None, gpus: int = 8, top: int = 5, **options) -> FitResult:
     info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
     ctx = timing_context(base, gpu, **timing_options)
     strategies = base.strategies or list(STRATEGIES)
+    # a bare --params count has no activations to model: AC and micro-batch cannot be searched
     acs = AC_MODES if m.arch is not None else ("none",)
+    micro_batches = MICRO_BATCHES if m.arch is not None else (base.micro_batch,)
     out: list[Candidate] = []
     for strategy in strategies:
         shards = _shard_sizes(base.gpus, base.gpus_per_node) if strategy == "hsdp" else [None]
@@ -102,7 +104,7 @@ def search(model=None, gpus: int = 8, top: int = 5, **options) -> FitResult:
                     for offload in OFFLOADS:
                         if offload == "all" and strategy in ("ddp", "zero1"):
                             continue  # FSDP2's CPUOffloadPolicy only
-                        for mb in MICRO_BATCHES:
+                        for mb in micro_batches:
                             inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,
                                           precision=precision, ac=ac, offload=offload, micro_batch=mb)
                             sp = api._plan_strategy(m, strategy, inp, usable)
