@@ -126,3 +126,21 @@ def test_each_call_pays_its_latency():
     # DDP: 60 MiB of grads go in 3 buckets of 25 MiB (torch's bucket_cap_mb): 3 × 2 steps × α
     ddp = CommOp("all_reduce", 60 * 2**20, "world", "backward", count_per="step")
     assert op_time_s(ddp, mesh_groups(c), c, num_layers=3) == pytest.approx(6e-3 + 60 * 2**20 / 1e9)
+
+
+def test_interconnect_catalogue_is_sane_and_cited():
+    from shardtune.catalog.interconnects import INTERCONNECTS, get_interconnect
+    from shardtune.errors import UserError
+
+    for link in INTERCONNECTS.values():
+        assert link.source and link.scope in ("intra", "inter")
+        # a measured busbw cannot beat the wire (nccl-tests: busbw is comparable to the peak)
+        assert 0 < link.achieved_busbw_gbps <= link.line_rate_gbps
+        assert (link.nics_per_node >= 1) == (link.scope == "inter")
+    # line rates by hand: 400 Gb/s / 8 = 50 GB/s; 10 Gb/s / 8 = 1.25 GB/s
+    assert get_interconnect("ib-ndr-400").line_rate_gbps == 50.0
+    assert get_interconnect("eth-10g").line_rate_gbps == 1.25
+    with pytest.raises(UserError, match="did you mean"):
+        get_interconnect("eth-10gb")
+    with pytest.raises(UserError):
+        get_interconnect("nvlink-h100", scope="inter")
