@@ -69,28 +69,31 @@ def _tensor_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(name, make) per parameter: `make()` returns the full fp32 CPU tensor of HF's init scheme
-    (Linear/Embedding weights ~ N(0, initializer_range), biases 0, norm weights 1)."""
+def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
+    """(name, make) per parameter: `make(rows=None)` returns the fp32 CPU tensor (its dim-0 `rows`)
+    of HF's init scheme (Linear/Embedding weights ~ N(0, initializer_range), biases 0, norms 1)."""
     std = float(getattr(model.config, "initializer_range", 0.02))
     owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in model.named_modules()
               for pn, _ in m.named_parameters(recurse=False)}
     for name, p in model.named_parameters():
         owner = owners[name]
 
-        def make(name=name, shape=tuple(p.shape), owner=owner) -> torch.Tensor:
+        def make(rows: slice | None = None, name=name, shape=tuple(p.shape), owner=owner) -> torch.Tensor:
             if name.endswith("bias"):
-                return torch.zeros(shape)
-            if not isinstance(owner, (nn.Linear, nn.Embedding)):
-                return torch.ones(shape)  # RMSNorm / LayerNorm scales
-            gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
-            return torch.empty(shape).normal_(0.0, std, generator=gen)
+                full = torch.zeros(shape)
+            elif not isinstance(owner, (nn.Linear, nn.Embedding)):
+                full = torch.ones(shape)  # RMSNorm / LayerNorm scales
+            else:  # the full tensor, whatever the slice: the values must not depend on the layout
+                gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+                full = torch.empty(shape).normal_(0.0, std, generator=gen)
+            return full if rows is None else full[rows]
 
         yield name, make
 
 
-def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(name, make) per parameter, `make()` reading that one tensor from the safetensors files."""
+def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
+    """(name, make) per parameter, `make(rows=None)` reading that one tensor (only its dim-0
+    `rows` when given: a rank reads its own shard) from the safetensors files."""
     from safetensors import safe_open
 
     where: dict[str, Path] = {}
@@ -102,11 +105,23 @@ def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tup
             raise UserError(f"weights {files[0].parent} lack tensor {name!r}; give a checkpoint of "
                             f"the same architecture ({type(model).__name__})")
 
-        def make(name=name) -> torch.Tensor:
+        def make(rows: slice | None = None, name=name) -> torch.Tensor:
             with safe_open(str(where[name]), framework="pt") as h:
-                return h.get_tensor(name)
+                return h.get_tensor(name) if rows is None else h.get_slice(name)[rows]
 
         yield name, make
+
+
+def _local_rows(param: torch.Tensor) -> slice | None:
+    """The dim-0 rows this rank holds of a DTensor sharded on dim 0 only (FSDP2, hsdp), else None."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor) or param.ndim == 0 or not all(
+            isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in param.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return slice(offset[0], offset[0] + shape[0])
 
 
 @torch.no_grad()
@@ -144,7 +159,17 @@ def init_model_weights(model: nn.Module, model_cfg: "ModelConfig", seed: int) ->
     source = pretrained_full_tensors(model, files) if uses_pretrained(model_cfg) else random_full_tensors(model, seed)
     params = dict(model.named_parameters())
     for name, make in source:
-        _copy_full_into(params[name], make())
+        param = params[name]
+        rows = _local_rows(param)
+        if rows is None:
+            _copy_full_into(param, make())
+            continue
+        local = param.to_local()
+        part = make(rows)
+        if tuple(part.shape) != tuple(local.shape):
+            raise UserError(f"tensor {name!r}: rows {tuple(part.shape)} do not match the model's shard {tuple(local.shape)}")
+        with torch.no_grad():
+            local.copy_(part.to(device=local.device, dtype=local.dtype))
     reset_rotary_buffers(model)
 
 
