@@ -41,6 +41,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "shardtune.launch.commands",
     "shardtune.train.commands",
     "shardtune.train.export_commands",
+    "shardtune.report.commands",
 )
 
 

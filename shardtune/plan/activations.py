@@ -40,7 +40,21 @@ Activation checkpointing (torch.utils.checkpoint, non-reentrant, per decoder lay
   full       each layer keeps only its input (e·T·h), plus one layer recomputed in backward
   selective  every k-th layer (layer indices i with i % k == 0, ceil(L/k) layers) is
              checkpointed; the others keep everything.
-The embedding lookup keeps only the token ids. Imports no torch.
+The embedding lookup keeps only the token ids.
+
+Calibrated against the trainer's own step traced on fake tensors (`plan --simulate`,
+docs/calibration.md), `calibrated=True` (what `plan` uses) adds what the trainer really does:
+  masked attention  the trainer packs several examples per row with position ids restarting per
+                    example, so transformers builds a block-diagonal mask
+                    (masking_utils.find_packed_sequence_indices); with a mask it repeats K and V
+                    to every query head (sdpa_attention.use_gqa_in_sdpa / repeat_kv) and torch's
+                    SDPA converts the boolean mask to an additive one in the compute dtype, saved
+                    for backward: attention saves e·T·(h + 4·h_q + s) + 4·T·n instead of
+                    e·T·(h + 2h_q + 2h_kv) + 4·T·n (+8 % per layer for Llama-3-8B at s = 2048).
+  AC peak           the head's saved tensors are freed by its backward before the last
+                    checkpointed layer is recomputed, while train_step still holds the last
+                    logits (e·T·V): body + max(head, recompute + logits), not their sum.
+Imports no torch.
 """
 from __future__ import annotations
 
@@ -55,13 +69,15 @@ def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: 
     return s * b * h * (34 + 5 * a * s / h)
 
 
-def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> int:
+def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, mask_seq_len: int = 0) -> int:
     """Bytes one decoder layer saves for backward over `tokens` = b·s tokens (module doc)."""
     e, h, I = elem_bytes, arch.hidden_size, arch.intermediate_size
     h_kv = arch.num_kv_heads * arch.head_dim
     h_q = arch.num_heads * arch.head_dim
     norms = 2 * ((4 + e) * h + 4)  # at e = 4 the upcast is a no-op and the fp32 input itself is saved
     attn = e * h + e * (2 * h_q + 2 * h_kv) + 4 * arch.num_heads
+    if mask_seq_len:  # masked attention (module doc): K, V repeated to h_q, the additive mask
+        attn = e * h + e * (4 * h_q + mask_seq_len) + 4 * arch.num_heads
     if arch.num_experts:
         k = arch.experts_per_token
         mlp = e * h + 4 * arch.num_experts + k * (2 * e * h + 4 * e * I)
@@ -77,11 +93,18 @@ def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) 
     return tokens * ((4 + e) * h + 4 + e * h + logits)
 
 
+def held_logits_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> int:
+    """The last micro-batch's logits (e·T·V), which train.step.train_step keeps referenced until
+    it returns: through the backward and the optimizer step."""
+    return elem_bytes * tokens * arch.vocab_size
+
+
 def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
-                     ac: str = "none", ac_every: int = 2) -> int:
-    """Peak saved activations of one micro-batch on one rank, with activation checkpointing."""
+                     ac: str = "none", ac_every: int = 2, calibrated: bool = False) -> int:
+    """Peak saved activations of one micro-batch on one rank, with activation checkpointing.
+    `calibrated`: the trainer's masked attention and AC peak (module doc)."""
     tokens = micro_batch * seq_len
-    layer = layer_activation_bytes(arch, tokens, elem_bytes)
+    layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0)
     kept_input = elem_bytes * tokens * arch.hidden_size
     L = arch.num_layers
     if ac == "none":
@@ -93,4 +116,7 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
     rope = 2 * elem_bytes * tokens * arch.head_dim  # cos, sin
-    return body + recompute + rope + head_activation_bytes(arch, tokens, elem_bytes)
+    head = head_activation_bytes(arch, tokens, elem_bytes)
+    if calibrated and recompute:
+        return body + rope + max(head, recompute + held_logits_bytes(arch, tokens, elem_bytes))
+    return body + recompute + rope + head

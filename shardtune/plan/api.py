@@ -11,7 +11,7 @@ from shardtune.catalog.gpus import GPU, resolve_gpu
 from shardtune.catalog.models import MODELS, resolve_model_config
 from shardtune.errors import UserError
 from shardtune.plan import comm, memory
-from shardtune.plan.activations import activation_bytes
+from shardtune.plan.activations import activation_bytes, held_logits_bytes
 from shardtune.plan.params import (
     ParamShape,
     architecture_from_config,
@@ -54,6 +54,7 @@ class StrategyPlan:
     suggestion: str = ""
     state_bytes_per_rank: dict | None = None  # local tensor bytes of each rank (worlds ≤ 16)
     timing: dict = field(default_factory=dict)  # plan.timing.add_timing: step_time_s, tokens_per_s, mfu, ...
+    simulated: dict | None = None  # plan.simulate (--simulate): traced bytes with the `memory` keys, or a fallback note
 
     @property
     def headroom_gib(self) -> float:
@@ -146,7 +147,7 @@ def _activations(m: _Model, inp: Inputs) -> int:
     if m.arch is None:
         return 0
     return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
-                            inp.ac, inp.ac_every)
+                            inp.ac, inp.ac_every, calibrated=True)
 
 
 def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank: bool = True) -> StrategyPlan:
@@ -160,7 +161,12 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
         cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
         st = memory.States(0, 0, 0, 0)
     act, buf = _activations(m, inp), _buffers(m, strategy, inp)
-    total = memory.peak_bytes(st, act, buf)
+    held = 0  # calibrated against `plan --simulate` (docs/calibration.md)
+    if m.arch is not None and inp.accounting == "shardtune":
+        held = held_logits_bytes(m.arch, inp.micro_batch * inp.seq_len, memory.dtypes(inp.precision).compute)
+    grads_in_forward = not (strategy in memory.FSDP_STRATEGIES and inp.grad_accum == 1
+                            and inp.accounting == "shardtune")
+    total = memory.peak_bytes(st, act, buf, grads_in_forward, held)
     colls = comm.collectives(strategy, num_params=m.num_params,
                              trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,
                              precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)

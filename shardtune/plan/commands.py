@@ -42,6 +42,7 @@ def plan_cmd(
     strategy: Optional[list[str]] = typer.Option(None, "--strategy", help="Only these strategies (repeatable)."),
     list_models: bool = typer.Option(False, "--list", help="List the catalogue's models and GPUs, then exit."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the plan.json format)."),
+    simulate: bool = typer.Option(False, "--simulate", help="Also trace the trainer's real step on fake tensors at world size --gpus (needs torch) and show it beside the analytic numbers."),
     interconnect: Optional[str] = typer.Option(None, "--interconnect", help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, eth-100g, eth-25g, eth-10g (default ib-ndr-400)."),
     intra_node: Optional[str] = typer.Option(None, "--intra-node", help="Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu)."),
     nics_per_node: Optional[int] = typer.Option(None, "--nics-per-node", help="NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet)."),
@@ -65,6 +66,10 @@ def plan_cmd(
         _fit(options, as_json)
         return
     result = plan(**options)
+    if simulate:  # torch is imported only here (plan/simulate.py)
+        from shardtune.plan.simulate import attach_simulation
+
+        attach_simulation(result, options)
     if as_json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -72,6 +77,10 @@ def plan_cmd(
     from shardtune.plan.report import render_text
 
     render_text(result)
+    if simulate:
+        from shardtune.report.compare import render_simulated
+
+        render_simulated(result)
 
 
 def _fit(options: dict, as_json: bool) -> None:

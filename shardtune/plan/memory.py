@@ -277,7 +277,19 @@ def ddp_buffer_bytes(shapes: list[ParamShape], precision: str) -> int:
     return dtypes(precision).compute * cached
 
 
-def peak_bytes(states: States, activations: int, buffers: int) -> int:
-    """The larger of the forward/backward peak and the optimizer step's peak, plus the states."""
+def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward: bool = True,
+               held_in_step: int = 0) -> int:
+    """The larger of the forward/backward peak and the optimizer step's peak, plus the states.
+
+    `grads_in_forward=False` (FSDP2 without gradient accumulation): train_step's
+    zero_grad(set_to_none=True) frees the sharded grads, so they are not there at the
+    activation peak (the end of forward) and come back in backward as activations are freed;
+    calibrated against `plan --simulate` (docs/calibration.md). DDP's grads are views of its
+    buckets, which stay allocated; with accumulation the grads live from the first micro-batch.
+    `held_in_step`: bytes alive through the optimizer step besides its temporaries (the last
+    logits train_step still references, plan/activations.py `held_logits_bytes`)."""
     at_rest = states.params + states.grads + states.optimizer
-    return at_rest + max(activations + buffers, states.optimizer_step_temp)
+    step = states.optimizer_step_temp + held_in_step
+    if not grads_in_forward:
+        return states.params + states.optimizer + max(activations + buffers, states.grads + step)
+    return at_rest + max(activations + buffers, step)

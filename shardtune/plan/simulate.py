@@ -1,0 +1,436 @@
+"""Plan by simulation: the trainer's real setup and train step traced on fake tensors at world size N.
+
+`shardtune plan MODEL --gpus N --simulate` builds the model as `shardtune train` does — the meta
+build of train/model.py, `parallel.apply.apply_parallelism` with the same `ParallelConfig`,
+the trainer's `build_optimizer` / `build_scheduler` and `train.step.train_step` — under
+`FakeTensorMode` (no memory, no compute) with the "fake" process-group backend
+(`torch.testing._internal.distributed.fake_pg`, rank 0 of N), on the fake CPU device. It runs one
+warm-up step (the optimizer states and DDP's buckets exist only after the first step), then one
+tracked step (forward, backward, clip, optimizer step) under torch's memory trackers
+(`FSDPMemTracker` for zero2/zero3/hsdp, `MemTracker` for ddp/zero1), and maps their categories to
+the planner's `Memory` keys (`track_step`). The same `track_step` measures a real run (real
+tensors, gloo), which is how tests/dist/test_simulate_vs_real.py checks the simulation.
+
+Where a fake trace differs from the trainer, and why (the rest is the trainer's code unchanged):
+  - weights are not filled (values do not change memory): FSDP: meta → shard → `to_empty`;
+    ddp/zero1: the model is built directly on the fake CPU device (`to_empty` of a meta model
+    fails under FakeTensorMode: "Cannot swap t1 because it has weakref associated with it").
+  - ddp/zero1: DDP's constructor check `_verify_param_shape_across_processes` reads tensor data
+    (skipped); its C++ all-reduce hook needs a result the fake backend does not give (a comm hook
+    returns the bucket itself, in place, as all-reduce does); its one-time bucket rebuild reads
+    the broadcast bucket order (kept as built: the same buckets, the same bytes).
+  - `train_step` ends with `.item()` on the loss, which fake tensors cannot answer; the trace
+    stops there, after the optimizer and lr scheduler have stepped (checked).
+  - CPU, not CUDA: a CPU-only torch build cannot fake CUDA tensors. Same dtypes; SDPA takes the
+    same transformers path (no mask → `enable_gqa`, is_causal) and the CPU flash kernel saves
+    the same tensors as CUDA flash (output + fp32 log-sum-exp); the CUDA caching allocator's
+    512-byte rounding and fragmentation are not modelled (docs/calibration.md).
+Untraceable here (the analytic plan is shown, marked as such): offload (the trainer's
+CPUOffloadPolicy moves shards between devices; one fake device cannot show it), LoRA and
+optimizers other than AdamW (the trainer builds neither), and --params (no architecture).
+torch is imported only inside the functions that trace.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+from shardtune.strategies import FSDP_STRATEGIES
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
+
+# Tracker categories (torch/distributed/_tools: _FSDPRefType / _MemRefType values) → planner keys.
+# "buffers" is what the planner calls buffers: the unsharded bf16 params and grads in flight
+# (FSDP), the all-gather / reduce-scatter buffers, autocast's weight cache and the backward's
+# temporaries (ddp/zero1: autocast copies and activation grads are "Temp"), and module buffers.
+_CATEGORY = {
+    "Sharded Param": "params", "Parameter": "params",
+    "Sharded Grad": "grads", "Gradient": "grads",
+    "OptState": "optimizer", "Optstate": "optimizer",
+    "Activation": "activations", "Inputs": "activations",
+    "Unsharded Param": "buffers", "Unsharded Grad": "buffers", "All Gather": "buffers",
+    "Reduce Scatter": "buffers", "Temp": "buffers", "Buffer": "buffers", "Other": "buffers",
+}
+
+
+def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0,
+                       optimizer: str = "adamw", has_model: bool = True) -> str | None:
+    """Why `--simulate` cannot trace this strategy and option set (None: it can)."""
+    if not has_model:
+        return "--params gives no architecture to build"
+    if offload != "none":
+        return f"offload {offload} moves shards to host memory, which one fake CPU device cannot separate"
+    if lora_rank:
+        return "LoRA: the trainer has no LoRA adapters to trace"
+    if optimizer != "adamw":
+        return f"optimizer {optimizer}: the trainer builds AdamW only"
+    return None
+
+
+def _snapshot(tracker) -> dict[str, int]:
+    """The tracker's current bytes per category on the (one) CPU device, by category name."""
+    snap = tracker.get_tracker_snapshot("current")
+    out: dict[str, int] = {}
+    for dev_snap in snap.values():
+        for k, v in dev_snap.items():
+            name = getattr(k, "value", k)
+            out[name] = out.get(name, 0) + int(v)
+    return out
+
+
+def _group(snap: dict[str, int]) -> dict[str, int]:
+    """Tracker categories summed into planner keys (unknown categories go to buffers)."""
+    out = dict.fromkeys(("params", "grads", "optimizer", "activations", "buffers"), 0)
+    for name, v in snap.items():
+        if name != "Total":
+            out[_CATEGORY.get(name, "buffers")] += v
+    return out
+
+
+def _make_tracker(fsdp: bool, model, optimizer):
+    """FSDPMemTracker / MemTracker subclass that also records, after every op, the running
+    maximum of each planner key, of fwd/bwd activations + buffers, and of the optimizer step's
+    total (the trackers keep only the snapshot at the overall peak)."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    base = FSDPMemTracker if fsdp else MemTracker
+    _GATHER_STATES = (_FSDPState.PRE_FW, _FSDPState.PRE_BW)
+    _KEY_OF = {ref: _CATEGORY.get(ref.value, "buffers") for ref in (*_FSDPRefType, *_MemRefType)}
+    _KEY_OF["Total"] = "Total"
+
+    class _Tracker(base):  # type: ignore[misc, valid-type]
+        def reset_maxima(self) -> None:
+            self.maxima = dict(activations=0, opt_total=0, fwd_bwd_buffers=0)
+            self.peak_total = 0
+            self.peak_breakdown: dict[str, int] = {}
+
+        def _update_peak_stats(self, peak_state) -> None:  # called after every dispatched op
+            super()._update_peak_stats(peak_state)
+            self._record_maxima()
+
+        def _record_maxima(self) -> None:
+            acts = bufs = total = 0
+            for dev_snap in self._curr_mem_snap.values():
+                for k, v in dev_snap.items():
+                    key = _KEY_OF.get(k)
+                    if key == "activations":
+                        acts += v
+                    elif key == "buffers":
+                        bufs += v
+                    elif key == "Total":
+                        total += v
+            # FSDP's unshard (pre-forward / pre-backward) allocates the all-gather output and
+            # exposes the unsharded parameters' storages (views) before the tracker re-tags them
+            # "All Gather" / "Unsharded Param": tensors tracked meanwhile land in "Activation".
+            # No activation is made there, so count that growth as buffers.
+            if fsdp and getattr(self, "_fsdp_state", None) in _GATHER_STATES:
+                if self._acts_before_unshard is None:
+                    self._acts_before_unshard = acts
+                bufs += max(0, acts - self._acts_before_unshard)
+                acts = self._acts_before_unshard
+            else:
+                self._acts_before_unshard = None
+            m = self.maxima
+            if acts > m["activations"]:
+                m["activations"] = acts
+            if self._in_opt:
+                m["opt_total"] = max(m["opt_total"], total)
+            elif bufs > m["fwd_bwd_buffers"]:
+                m["fwd_bwd_buffers"] = bufs
+            if total > self.peak_total:
+                self.peak_total = total
+                self.peak_breakdown = {getattr(k, "value", k): v for d in self._curr_mem_snap.values()
+                                       for k, v in d.items()}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = super().__torch_dispatch__(func, types, args, kwargs)
+            # ddp/zero1 under autocast: a forward cast of a parameter is autocast's weight cache,
+            # which the planner counts as a buffer (plan/memory.py ddp_buffer_bytes), not an
+            # activation. (FSDP casts inside fully_shard: its unsharded params are tagged already.)
+            if (not fsdp and func is torch.ops.aten._to_copy.default and not self._in_opt
+                    and isinstance(res, torch.Tensor) and isinstance(args[0], torch.Tensor)):
+                src = self._WINFO.get(args[0].untyped_storage(), (None, None))[0]
+                if src is not None and src.reftype == _MemRefType.PARAM:
+                    self._update_and_maybe_create_winfos(res, _MemRefType.TEMP)
+            return res
+
+    if fsdp:
+        tracker = _Tracker(model, optimizer)
+    else:
+        tracker = _Tracker()
+        tracker.track_external(model, optimizer)
+    tracker._acts_before_unshard = None
+    tracker.reset_maxima()
+    return tracker
+
+
+def track_step(model, optimizer, step: Callable[[], Any], fsdp: bool, warmup_steps: int = 1) -> dict:
+    """Run `step` twice — a warm-up, then a tracked one — and return per-rank bytes by planner key.
+
+    params / grads / optimizer: at rest after the tracked step (the grads live until the next
+    step's zero_grad); activations: the largest activation bytes alive at any moment;
+    buffers: the largest bytes in flight in forward/backward (unsharded params and grads,
+    collective buffers, backward temporaries, autocast's weight cache); optimizer_step_temp: the optimizer step's peak above the states at rest;
+    total: the step's peak. Works on real and fake tensors alike. A real DDP model rebuilds its
+    buckets once, in the second step's forward: measure it after `warmup_steps=2`.
+    """
+
+    for _ in range(warmup_steps):  # untracked: the trackers tag params, grads and optimizer states on entry
+        step()
+    tracker = _make_tracker(fsdp, model, optimizer)
+    with tracker:
+        step()
+    rest = _group(_snapshot(tracker))
+    m = tracker.maxima
+    states = rest["params"] + rest["grads"] + rest["optimizer"]
+    activations = m["activations"]
+    return {
+        "params": rest["params"], "grads": rest["grads"], "optimizer": rest["optimizer"],
+        "activations": activations,
+        "buffers": m["fwd_bwd_buffers"],
+        "optimizer_step_temp": max(0, m["opt_total"] - states),
+        "total": tracker.peak_total,
+        "breakdown_at_peak": {k: v for k, v in tracker.peak_breakdown.items() if v and k != "Total"},
+    }
+
+
+def _model_file(spec: Any, tmp: Path) -> str:
+    """A spec `ModelConfig(name=...)` accepts: catalogue name / path as is, a dict as config.json."""
+    if isinstance(spec, dict):
+        path = tmp / "config.json"
+        path.write_text(json.dumps(spec))
+        return str(path)
+    return str(spec)
+
+
+@contextmanager
+def fake_world(world_size: int):
+    """The "fake" default process group at `world_size` (this process is rank 0), torn down after."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; simulate in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def separate_dtensor_propagation():
+    """Run DTensor's sharding propagation in its own FakeTensorMode, not in ours.
+
+    DTensor derives each op's global output shape by running the op on global-shape fake tensors
+    in `detect_fake_mode() or FakeTensorMode()` (torch/distributed/tensor/_sharding_prop.py).
+    In a real run that is a private mode the trackers skip; under our FakeTensorMode it is ours,
+    so the trackers counted full-size (unsharded) tensors for every DTensor op: clip_grad_norm_'s
+    foreach norm and the foreach AdamW step over-reported by ~N× (PYTORCH-NOTES: 13.5 × 8P/N)."""
+    from torch.distributed.tensor import _sharding_prop
+
+    detect = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect
+
+
+def _ddp_fake_patches(model) -> None:
+    """Let DDP's C++ reducer run on the fake backend (module doc): the all-reduce is in place on
+    the bucket, so returning the bucket is the same memory; the buckets stay as first built."""
+    import torch
+
+    def in_place_all_reduce(_state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, in_place_all_reduce)
+
+    class _KeepBuckets:
+        def __init__(self, reducer) -> None:
+            object.__setattr__(self, "_reducer", reducer)
+
+        def __getattr__(self, name: str):
+            return getattr(self._reducer, name)
+
+        def _rebuild_buckets(self) -> bool:
+            return False
+
+    model.reducer = _KeepBuckets(model.reducer)
+
+
+def _build(model_name: str, parallel_cfg, mesh):
+    """The trainer's model, on fake tensors (module doc: weights unfilled)."""
+    import torch
+    import torch.nn.parallel.distributed as ddp_module
+
+    from shardtune.config import ModelConfig
+    from shardtune.parallel.apply import apply_parallelism
+    from shardtune.train.model import build_hf_config, build_meta_model
+
+    model_cfg = ModelConfig(name=model_name)
+    if parallel_cfg.strategy in FSDP_STRATEGIES:
+        model = apply_parallelism(build_meta_model(model_cfg), parallel_cfg, mesh)
+        model.to_empty(device="cpu")
+        return model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(build_hf_config(model_cfg), attn_implementation="sdpa")
+    model.config.use_cache = False
+    if parallel_cfg.precision == "bf16":
+        model.to(torch.bfloat16)
+    verify = ddp_module._verify_param_shape_across_processes
+    ddp_module._verify_param_shape_across_processes = lambda *a, **k: None  # reads tensor data
+    try:
+        model = apply_parallelism(model, parallel_cfg, mesh)
+    finally:
+        ddp_module._verify_param_shape_across_processes = verify
+    _ddp_fake_patches(model)
+    return model
+
+
+def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, micro_batch: int,
+              grad_accum: int, world_size: int, autocast_dtype, grad_clip: float = 1.0) -> Callable[[], None]:
+    """One `train_step` on random token ids, two documents packed per row (position ids
+    0..S/2-1, 0..S/2-1) as the trainer's packed data has them (train/data.py). Packed position
+    ids make transformers build a block-diagonal mask (masking_utils.find_packed_sequence_indices;
+    on fake tensors it always does, as it cannot look at the ids), so a real run and the trace
+    take the same attention path: a mask, K/V repeated to every query head (repeat_kv) and
+    SDPA's additive mask in the compute dtype, saved for backward."""
+    import inspect
+
+    import torch
+
+    from shardtune.train.step import train_step
+
+    kwargs = {}
+    if "skip_non_finite" in inspect.signature(train_step).parameters:
+        kwargs["skip_non_finite"] = False  # its .item() check cannot run on fake tensors
+
+    def step() -> None:
+        batches = []
+        for _ in range(grad_accum):
+            ids = torch.randint(0, vocab_size, (micro_batch, seq_len))  # (B, S)
+            half = seq_len // 2
+            pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(micro_batch, seq_len)
+            batches.append({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
+        stepped = []
+        original = scheduler.step
+        scheduler.step = lambda *a, **k: (stepped.append(True), original(*a, **k))
+        try:
+            train_step(model, optimizer, scheduler, batches, dp_group=None, dp_size=world_size,
+                       grad_clip=grad_clip, autocast_dtype=autocast_dtype, **kwargs)
+        except Exception as e:  # the loss's .item() after the step: fine on fake tensors only
+            from torch._subclasses.fake_tensor import DataDependentOutputException
+
+            if not (isinstance(e, DataDependentOutputException) and stepped):
+                raise
+        finally:
+            del scheduler.step
+    return step
+
+
+def use_foreach_adamw(optimizer) -> None:
+    """Make AdamW take the path it takes on CUDA. torch picks foreach only when every parameter
+    is on CUDA (torch/optim/optimizer.py `_default_to_fused_or_foreach`); on CPU it loops over
+    tensors (`_single_tensor_adamw`), whose temporaries are one tensor's, not all of them."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local AdamW
+    for group in inner.param_groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
+
+
+def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = "bf16-mixed",
+                      ac: str = "none", ac_every: int = 2, seq_len: int = 2048, micro_batch: int = 1,
+                      grad_accum: int = 1, gpus_per_node: int | None = None,
+                      hsdp_shard_size: int | None = None, target: str = "cuda") -> dict:
+    """Rank 0's bytes by planner key (`track_step`) for one strategy, traced on fake tensors.
+
+    `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
+    `target`: the device whose defaults the trace takes — "cuda" (what a GPU run does: torch's
+    AdamW defaults to foreach there) or "cpu" (single-tensor AdamW, as a CPU run does)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardtune.config import OptimConfig, ParallelConfig
+    from shardtune.parallel.apply import autocast_dtype, build_mesh
+    from shardtune.train.step import build_optimizer, build_scheduler
+
+    t0 = time.perf_counter()
+    parallel_cfg = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,
+                                  ac_every=ac_every, hsdp_shard_size=hsdp_shard_size)
+    optim_cfg = OptimConfig()
+    with tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation():
+        mesh = build_mesh(parallel_cfg, gpus, gpus_per_node or min(8, gpus), "cpu")  # outside fake mode
+        with FakeTensorMode():
+            net = _build(_model_file(model, Path(tmp)), parallel_cfg, mesh)
+            optimizer = build_optimizer(net, optim_cfg, parallel_cfg, mesh.get_group() if mesh.ndim == 1 else None)
+            if target == "cuda":
+                use_foreach_adamw(optimizer)
+            scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)
+            vocab = getattr(net, "module", net).config.vocab_size
+            step = make_step(net, optimizer, scheduler, vocab_size=vocab, seq_len=seq_len,
+                             micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus,
+                             autocast_dtype=autocast_dtype(parallel_cfg))
+            result = track_step(net, optimizer, step, fsdp=strategy in FSDP_STRATEGIES)
+        del net, optimizer, scheduler, step
+        gc.collect()  # drop DDP's reducer before the fake group goes (PYTORCH-NOTES: gloo exit hang)
+    result["tracker"] = "FSDPMemTracker" if strategy in FSDP_STRATEGIES else "MemTracker"
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+def _progress_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)  # stdout stays clean for --json
+
+
+def attach_simulation(result, options: dict, console=None) -> None:
+    """Trace every strategy of a `PlanResult` (`simulate_strategy`) and store the outcome in each
+    `StrategyPlan.simulated`: the `memory` keys plus "status": "traced", or, where the trace
+    cannot run, {"status": "analytic fallback", "reason": ...} after one line on stderr."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or _progress_console()
+    inp = result.inputs
+    spec = options.get("model")
+    reasons: dict[str, list[str]] = {}
+    todo = []
+    for sp in result.strategies:
+        reason = untraceable_reason(sp.name, offload=inp["offload"], lora_rank=inp["lora_rank"],
+                                    optimizer=inp["optimizer"], has_model=spec is not None and inp["params"] is None)
+        if reason:
+            sp.simulated = {"status": "analytic fallback", "reason": reason}
+            reasons.setdefault(reason, []).append(sp.name)
+        else:
+            todo.append(sp)
+    for reason, names in reasons.items():  # one line each (print, not rich: no wrapping)
+        print(f"shardtune: --simulate cannot trace {', '.join(names)}: {reason}; "
+              "showing the analytic plan (marked 'analytic')", file=sys.stderr)
+    if not todo:
+        return
+    columns = (TextColumn("[bold]simulate"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+    with Progress(*columns, console=console, transient=not console.is_terminal) as bar:
+        task = bar.add_task("simulate", total=len(todo), info="")
+        for sp in todo:
+            bar.update(task, info=f"{sp.name} on fake tensors, world {inp['gpus']}")
+            sim = simulate_strategy(
+                spec, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
+                ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
+                grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
+                hsdp_shard_size=sp.shard_degree if sp.name == "hsdp" else None)
+            sp.simulated = {"status": "traced", **sim}
+            bar.update(task, advance=1)

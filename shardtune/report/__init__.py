@@ -1,0 +1,1 @@
+"""Predicted (plan), simulated (plan --simulate) and measured (run folder) memory side by side."""

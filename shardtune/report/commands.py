@@ -1,0 +1,124 @@
+"""`shardtune report RUN_DIR`: predicted vs simulated vs measured memory, loss and tokens/s.
+
+Reads the run folder the trainer writes (train/main.py): plan.json (the planner's prediction),
+memory.json (measured bytes per rank), metrics.jsonl (per step), and simulated.json when present
+(`shardtune plan ... --simulate --json > RUN_DIR/simulated.json`). Writes RUN_DIR/plots/*.png
+and prints the differences. Imports no torch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from shardtune.errors import UserError
+
+
+def _read_json(path: Path, what: str) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{what} {str(path)!r} is not valid JSON ({e}); re-run the step that writes it") from None
+
+
+def _strategy_memory(plan_json: dict | None, strategy: str | None) -> tuple[dict | None, dict | None]:
+    """(memory, simulated) of the run's strategy from a plan JSON (plan.json / simulated.json)."""
+    if not plan_json or "strategies" not in plan_json:
+        return None, None
+    entries = plan_json["strategies"]
+    s = next((e for e in entries if e["name"] == strategy), entries[0] if len(entries) == 1 else None)
+    if s is None:
+        return None, None
+    sim = s.get("simulated")
+    return s.get("memory"), sim if sim and sim.get("status") == "traced" else None
+
+
+def _run_strategy(run_dir: Path) -> str | None:
+    cfg = run_dir / "config.yaml"
+    if not cfg.is_file():
+        return None
+    import yaml
+
+    data = yaml.safe_load(cfg.read_text()) or {}
+    return (data.get("parallel") or {}).get("strategy")
+
+
+def load_run(run_dir: Path) -> dict:
+    """Everything `report` needs from a run folder, as plain data."""
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {str(run_dir)!r} does not exist; give the folder `shardtune train` wrote (runs/<name>)")
+    from shardtune.report.compare import measured_memory
+
+    strategy = _run_strategy(run_dir)
+    plan_json = _read_json(run_dir / "plan.json", "plan")
+    predicted, sim_in_plan = _strategy_memory(plan_json, strategy)
+    _, simulated = _strategy_memory(_read_json(run_dir / "simulated.json", "simulation"), strategy)
+    memory_json = _read_json(run_dir / "memory.json", "memory record")
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    if predicted is None and memory_json is None and not records:
+        raise UserError(f"{str(run_dir)!r} has no plan.json, memory.json or metrics.jsonl; "
+                        "give a run folder written by `shardtune train`")
+    return {"strategy": strategy, "predicted": predicted, "simulated": simulated or sim_in_plan,
+            "measured": measured_memory(memory_json) if memory_json else None,
+            "measured_method": (memory_json or {}).get("method"), "records": records}
+
+
+def report(run_dir: Path, console=None) -> list[Path]:
+    """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
+    from rich.console import Console
+
+    from shardtune.report.compare import MEASURED_KEYS, differences, memory_table
+    from shardtune.report.plots import plot_memory, plot_series
+
+    console = console or Console(highlight=False, width=140)
+    run = load_run(run_dir)
+    plots = run_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    sources = {k: run[k] for k in ("predicted", "simulated", "measured") if run[k]}
+    written = []
+    if sources:
+        written.append(plot_memory(sources, plots / "memory.png",
+                                   f"per-GPU memory ({run['strategy'] or 'run'}): predicted / simulated / measured"))
+    for key, name, label in (("loss", "loss.png", "loss"), ("tokens_per_s", "throughput.png", "tokens/s")):
+        p = plot_series(run["records"], key, plots / name, label, f"{label} per step")
+        if p:
+            written.append(p)
+    rows = []
+    for k in ("predicted", "simulated", "measured"):
+        if run[k]:
+            rows.append((run["strategy"] or "", k, run[k]))
+    measured_keys = tuple(MEASURED_KEYS)
+    if run["predicted"] and run["measured"]:
+        rows.append(("", "Δ measured vs predicted", differences(run["predicted"], run["measured"], measured_keys)))
+    if run["simulated"] and run["measured"]:
+        rows.append(("", "Δ measured vs simulated", differences(run["simulated"], run["measured"], measured_keys)))
+    if run["predicted"] and run["simulated"]:
+        rows.append(("", "Δ simulated vs predicted", differences(run["predicted"], run["simulated"])))
+    if rows:
+        peak = max(r[2].get("total") or 0 for r in rows if not r[1].startswith("Δ"))
+        unit, unit_name = (2**30, "GiB (2^30 bytes)") if peak >= 2**30 else (2**20, "MiB (2^20 bytes)")
+        console.print(memory_table(f"Per-GPU memory of the largest rank, {unit_name}; Δ = relative difference", rows, unit))
+    if run["measured_method"]:
+        console.print(f"measured: {run['measured_method']}")
+    recs = run["records"]
+    if recs:
+        tps = sum(r.get("tokens_per_s", 0) for r in recs) / len(recs)
+        console.print(f"loss {recs[0].get('loss', float('nan')):.4f} (step {recs[0].get('step')}) → "
+                      f"{recs[-1].get('loss', float('nan')):.4f} (step {recs[-1].get('step')}); {tps:,.0f} tokens/s mean")
+    for p in written:
+        console.print(f"wrote {p}")
+    return written
+
+
+def report_cmd(run_dir: Path = typer.Argument(..., help="Run folder written by `shardtune train` (runs/<name>).")) -> None:
+    """Plots (memory by category: predicted / simulated / measured; loss; tokens/s) into
+    RUN_DIR/plots/ and the differences, printed."""
+    report(Path(run_dir))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report")(report_cmd)

@@ -1,0 +1,87 @@
+"""Differences between predicted, simulated and measured memory, as numbers and as rich tables.
+
+Keys are the planner's `Memory` keys (plan/api.py); measured runs use the trainer's
+memory.json names (`params_bytes`, ..., `peak_bytes`: train/main.py). GiB = 2^30 bytes,
+MiB = 2^20 bytes. Imports no torch.
+"""
+from __future__ import annotations
+
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
+LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ",
+          "buffers": "buffers", "optimizer_step_temp": "opt tmp", "total": "peak"}
+# memory.json (train/main.py) name of each planner key; buffers and the optimizer temporary are
+# not measured separately by the trainer
+MEASURED_KEYS = {"params": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",
+                 "activations": "activations_bytes", "total": "peak_bytes"}
+GIB = 2**30
+MIB = 2**20
+
+
+def relative_diff(value: float | None, reference: float | None) -> float | None:
+    """(value − reference) / reference, None when either is missing or the reference is 0."""
+    if value is None or not reference:
+        return None
+    return (value - reference) / reference
+
+
+def fmt_pct(d: float | None) -> str:
+    return "—" if d is None else f"{d * 100:+.1f}%"
+
+
+def differences(reference: dict, other: dict, keys=MEMORY_KEYS) -> dict[str, float | None]:
+    """Per key: (other − reference) / reference."""
+    return {k: relative_diff(other.get(k), reference.get(k)) for k in keys}
+
+
+def measured_memory(memory_json: dict) -> dict[str, int]:
+    """The largest rank's bytes per planner key from a run's memory.json."""
+    ranks = [r for r in memory_json.get("per_rank", []) if r]
+    return {k: max(r.get(m, 0) for r in ranks) for k, m in MEASURED_KEYS.items()} if ranks else {}
+
+
+def _fmt(n: int | None, unit: int) -> str:
+    return "—" if n is None else f"{n / unit:,.2f}"
+
+
+def memory_table(title: str, rows: list[tuple[str, str, dict]], unit: int = GIB):
+    """A rich table: one row per (strategy, source, memory dict); a source 'Δ ...' row holds
+    relative differences instead of bytes."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("strategy", "source", *(LABELS[k] for k in MEMORY_KEYS)):
+        table.add_column(col, justify="left" if col in ("strategy", "source") else "right")
+    for name, source, values in rows:
+        if source.startswith("Δ"):
+            cells = [fmt_pct(values.get(k)) for k in MEMORY_KEYS]
+        else:
+            cells = [_fmt(values.get(k), unit) for k in MEMORY_KEYS]
+        table.add_row(name, source, *cells)
+    return table
+
+
+def render_simulated(result, console=None) -> None:
+    """`plan --simulate`: analytic, simulated and their difference per strategy and category."""
+    from rich.console import Console
+
+    console = console or Console(highlight=False, width=140)
+    peak = max((sp.memory.total for sp in result.strategies), default=0)
+    unit, unit_name = (GIB, "GiB (2^30 bytes)") if peak >= GIB else (MIB, "MiB (2^20 bytes)")
+    rows = []
+    notes = []
+    for sp in result.strategies:
+        analytic = {k: getattr(sp.memory, k) for k in MEMORY_KEYS}
+        sim = sp.simulated or {}
+        rows.append((sp.name, "analytic", analytic))
+        if sim.get("status") == "traced":
+            rows.append(("", f"simulated ({sim.get('wall_s', 0):.0f} s)", sim))
+            rows.append(("", "Δ sim vs analytic", differences(analytic, sim)))
+        else:
+            notes.append(f"{sp.name}: analytic only (not traced: {sim.get('reason', 'no simulation')})")
+    console.print(memory_table(f"Analytic vs simulated per-GPU memory, {unit_name}; "
+                               "Δ = (simulated − analytic) / analytic", rows, unit))
+    console.print("simulated: the trainer's step traced on fake CPU tensors with a fake process group "
+                  "(FSDPMemTracker / MemTracker, rank 0); see docs/calibration.md")
+    for n in notes:
+        console.print(f"note: {n}")

@@ -1,0 +1,109 @@
+"""Simulated (fake tensors, fake process group) vs real (gloo, 2 CPU ranks) per-rank memory.
+
+One 2-process launch runs the trainer's real setup (train.model.build_model: meta build, shard,
+materialise, random init) for zero3, zero2 and ddp, one warm-up and one tracked train step each,
+and measures with torch's trackers over the real tensors (`plan.simulate.track_step`). This test
+process then traces the same configurations on fake tensors at world 2 (`simulate_strategy`).
+Both sides force foreach AdamW (what torch does on CUDA), so the fake optimizer-step temporaries
+are checked against real ones. Expected values come from the real run, not from the simulator.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+STRATEGIES = ("zero3", "zero2", "ddp")
+SEQ_LEN, MICRO_BATCH = 64, 2
+KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
+
+
+def _worker(out_path: str) -> None:
+    """One rank: real tiny-llama per strategy, tracked bytes → out_path.rank<r>.json."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
+    from shardtune.parallel.apply import autocast_dtype, build_mesh
+    from shardtune.plan.simulate import make_step, track_step, use_foreach_adamw
+    from shardtune.strategies import FSDP_STRATEGIES
+    from shardtune.train.model import build_model, unwrap
+    from shardtune.train.step import build_optimizer, build_scheduler
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for strategy in STRATEGIES:
+        torch.manual_seed(rank)
+        pc = ParallelConfig(strategy=strategy, precision="bf16-mixed")
+        mesh = build_mesh(pc, world, world, "cpu")
+        model = build_model(ModelConfig(name="tiny-llama"), pc, mesh, torch.device("cpu"), seed=0)
+        opt = build_optimizer(model, OptimConfig(), pc, mesh.get_group())
+        use_foreach_adamw(opt)
+        sched = build_scheduler(opt, OptimConfig(), 10)
+        step = make_step(model, opt, sched, vocab_size=unwrap(model).config.vocab_size, seq_len=SEQ_LEN,
+                         micro_batch=MICRO_BATCH, grad_accum=1, world_size=world,
+                         autocast_dtype=autocast_dtype(pc))
+        # real DDP rebuilds its buckets in the second step's forward (the trace keeps them as built)
+        results[strategy] = track_step(model, opt, step, fsdp=strategy in FSDP_STRATEGIES,
+                                       warmup_steps=1 if strategy in FSDP_STRATEGIES else 2)
+        del model, opt, sched, step
+        gc.collect()  # DDP's reducer before the next strategy / teardown (gloo exit hang)
+        dist.barrier()
+    Path(f"{out_path}.rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _largest_reduce_scatter_input_bytes() -> int:
+    """fp32 bytes of the largest FSDP group's gradients (one decoder layer or the root: embedding,
+    final norm, LM head) of tiny-llama, from its config (catalogue), padded to 2 ranks."""
+    from shardtune.catalog.models import resolve_model_config
+
+    c = resolve_model_config("tiny-llama")
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    layer = 2 * h * h + 2 * kv * h + 3 * h * i + 2 * h  # q, o, k, v, gate/up/down, two norms
+    root = 2 * v * h + h  # untied embedding and LM head, final norm
+    return 4 * max(layer, root)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(150)
+def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _harness import launch
+
+    from shardtune.plan.simulate import simulate_strategy
+
+    out = tmp_path / "real"
+    launch(Path(__file__), 2, [str(out)], timeout_s=120, log_dir=tmp_path / "logs")
+    real = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    failures = []
+    staging = _largest_reduce_scatter_input_bytes()
+    for strategy in STRATEGIES:
+        sim = simulate_strategy("tiny-llama", strategy, 2, seq_len=SEQ_LEN, micro_batch=MICRO_BATCH,
+                                target="cuda")
+        for key in KEYS:
+            want = real[0][strategy][key]  # rank 0: the rank the simulator plays
+            got = sim[key]
+            if key in ("buffers", "total") and strategy != "ddp" and 0 <= want - got <= staging:
+                # gloo stages a copy of the reduce-scatter input while it reduces (seen in the
+                # real trace as an extra "Temp" right after c10d._reduce_scatter_base_); NCCL,
+                # which the fake backend stands for, reduces in place. Allow exactly that much.
+                continue
+            if abs(got - want) > 0.02 * want:
+                failures.append(f"{strategy} {key}: simulated {got:,} vs real {want:,}")
+        # the two real ranks agree on states here (tiny-llama's dims divide by 2), so rank 0 stands for both
+        for key in ("params", "grads", "optimizer"):
+            assert real[0][strategy][key] == real[1][strategy][key], (strategy, key)
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    _worker(sys.argv[1])
