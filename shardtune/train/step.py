@@ -109,10 +109,11 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
         sync = not is_ddp or i == len(micro_batches) - 1  # DDP: all-reduce grads on the last only
         amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
         with (nullcontext() if sync else model.no_sync()):
-            with amp, (activations.micro_batch() if activations else nullcontext()):
-                logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-            token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
+            with activations.micro_batch() if activations else nullcontext():
+                with amp:
+                    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
+                token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(),
+                                                 ignore_index=IGNORE_INDEX, reduction="sum")
             (token_loss_sum * dp_size / denom).backward()
         loss_sum += token_loss_sum.detach()
     dist.all_reduce(loss_sum, group=dp_group)
