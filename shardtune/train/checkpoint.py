@@ -64,8 +64,8 @@ class _AllowListUnpickler(pickle.Unpickler):
                 return obj
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP "
-                                     "checkpoint never needs; refusing to load it")
+        raise UserError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
+                        "needs; refusing to load it (was the checkpoint tampered with?)")
 
 
 class SafeFileSystemReader(FileSystemReader):

@@ -149,3 +149,23 @@ def test_export_bad_input_is_one_line_exit_2(run, tmp_path, capsys, args, needle
     assert cli.main(["export", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_tampered_metadata_pickle_is_refused_not_executed(run, tmp_path, capsys):
+    """DCP's .metadata is a pickle: one that calls a function must be refused before it runs."""
+    import pickle
+    import shutil
+
+    from shardtune import cli
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    ckpt = tmp_path / "step_4"
+    shutil.copytree(run / "checkpoints" / "step_4", ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    assert cli.main(["export", str(ckpt), str(tmp_path / "out")]) == 2
+    assert "refusing to load it" in capsys.readouterr().err
+    assert not (tmp_path / "pwned").exists()
