@@ -166,7 +166,10 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
         held = held_logits_bytes(m.arch, inp.micro_batch * inp.seq_len, memory.dtypes(inp.precision).compute)
     grads_in_forward = not (strategy in memory.FSDP_STRATEGIES and inp.grad_accum == 1
                             and inp.accounting == "shardtune")
-    total = memory.peak_bytes(st, act, buf, grads_in_forward, held)
+    reduce = 0
+    if m.shapes is not None and inp.accounting == "shardtune" and strategy in memory.FSDP_STRATEGIES:
+        reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision)
+    total = memory.peak_bytes(st, act, buf, grads_in_forward, held, reduce)
     colls = comm.collectives(strategy, num_params=m.num_params,
                              trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,
                              precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)

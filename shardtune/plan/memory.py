@@ -277,8 +277,18 @@ def ddp_buffer_bytes(shapes: list[ParamShape], precision: str) -> int:
     return dtypes(precision).compute * cached
 
 
+def fsdp_root_reduce_bytes(shapes: list[ParamShape], precision: str) -> int:
+    """The end of backward under FSDP2: the root group's (embedding, final norm, LM head)
+    unsharded grads in the compute dtype and the reduce-scatter input in the reduce dtype, alive
+    together (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce` copies
+    the grads in before freeing them), while every other group's sharded grads already exist.
+    Calibrated against `plan --simulate` (docs/calibration.md): the peak with full AC."""
+    dt = dtypes(precision)
+    return (dt.compute + dt.reduce) * sum(p.numel for p in shapes if p.group == "root" and p.trainable)
+
+
 def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward: bool = True,
-               held_in_step: int = 0) -> int:
+               held_in_step: int = 0, reduce_in_flight: int = 0) -> int:
     """The larger of the forward/backward peak and the optimizer step's peak, plus the states.
 
     `grads_in_forward=False` (FSDP2 without gradient accumulation): train_step's
@@ -287,9 +297,13 @@ def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward:
     calibrated against `plan --simulate` (docs/calibration.md). DDP's grads are views of its
     buckets, which stay allocated; with accumulation the grads live from the first micro-batch.
     `held_in_step`: bytes alive through the optimizer step besides its temporaries (the last
-    logits train_step still references, plan/activations.py `held_logits_bytes`)."""
+    logits train_step still references, plan/activations.py `held_logits_bytes`).
+    `reduce_in_flight`: the end of backward's extra bytes with every grad present
+    (`fsdp_root_reduce_bytes`)."""
     at_rest = states.params + states.grads + states.optimizer
     step = states.optimizer_step_temp + held_in_step
     if not grads_in_forward:
-        return states.params + states.optimizer + max(activations + buffers, states.grads + step)
-    return at_rest + max(activations + buffers, step)
+        peak = states.params + states.optimizer + max(activations + buffers, states.grads + step)
+    else:
+        peak = at_rest + max(activations + buffers, step)
+    return max(peak, at_rest + reduce_in_flight)

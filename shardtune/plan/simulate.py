@@ -178,21 +178,26 @@ def track_step(model, optimizer, step: Callable[[], Any], fsdp: bool, warmup_ste
     params / grads / optimizer: at rest after the tracked step (the grads live until the next
     step's zero_grad); activations: the largest activation bytes alive at any moment;
     buffers: the largest bytes in flight in forward/backward (unsharded params and grads,
-    collective buffers, backward temporaries, autocast's weight cache); optimizer_step_temp: the optimizer step's peak above the states at rest;
-    total: the step's peak. Works on real and fake tensors alike. A real DDP model rebuilds its
+    collective buffers, backward temporaries, autocast's weight cache); optimizer_step_temp: the
+    optimizer step's peak above the states at rest; total: the step's peak. Works on real and fake tensors alike. A real DDP model rebuilds its
     buckets once, in the second step's forward: measure it after `warmup_steps=2`.
     """
-
     for _ in range(warmup_steps):  # untracked: the trackers tag params, grads and optimizer states on entry
         step()
+    return tracked_call(model, optimizer, step, fsdp)[1]
+
+
+def tracked_call(model, optimizer, step: Callable[[], Any], fsdp: bool) -> tuple[Any, dict]:
+    """(step()'s result, bytes by planner key) for one call of `step` under the tracker
+    (`track_step` without the warm-up; the trainer measures its third step on CPU with it)."""
     tracker = _make_tracker(fsdp, model, optimizer)
     with tracker:
-        step()
+        out = step()
     rest = _group(_snapshot(tracker))
     m = tracker.maxima
     states = rest["params"] + rest["grads"] + rest["optimizer"]
     activations = m["activations"]
-    return {
+    return out, {
         "params": rest["params"], "grads": rest["grads"], "optimizer": rest["optimizer"],
         "activations": activations,
         "buffers": m["fwd_bwd_buffers"],

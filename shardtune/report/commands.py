@@ -71,7 +71,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
     """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
     from rich.console import Console
 
-    from shardtune.report.compare import MEASURED_KEYS, differences, memory_table
+    from shardtune.report.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
     from shardtune.report.plots import plot_memory, plot_series
 
     console = console or Console(highlight=False, width=140)
@@ -91,7 +91,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
     for k in ("predicted", "simulated", "measured"):
         if run[k]:
             rows.append((run["strategy"] or "", k, run[k]))
-    measured_keys = tuple(MEASURED_KEYS)
+    measured_keys = MEMORY_KEYS if run["measured"] and "buffers" in run["measured"] else tuple(MEASURED_KEYS)
     if run["predicted"] and run["measured"]:
         rows.append(("", "Δ measured vs predicted", differences(run["predicted"], run["measured"], measured_keys)))
     if run["simulated"] and run["measured"]:
@@ -103,7 +103,8 @@ def report(run_dir: Path, console=None) -> list[Path]:
         unit, unit_name = (2**30, "GiB (2^30 bytes)") if peak >= 2**30 else (2**20, "MiB (2^20 bytes)")
         console.print(memory_table(f"Per-GPU memory of the largest rank, {unit_name}; Δ = relative difference", rows, unit))
     if run["measured_method"]:
-        console.print(f"measured: {run['measured_method']}")
+        how = "; categories from torch's memory tracker over one step's real tensors" if "buffers" in (run["measured"] or {}) else ""
+        console.print(f"measured: {run['measured_method']}{how}")
     recs = run["records"]
     if recs:
         tps = sum(r.get("tokens_per_s", 0) for r in recs) / len(recs)

@@ -34,9 +34,17 @@ def differences(reference: dict, other: dict, keys=MEMORY_KEYS) -> dict[str, flo
 
 
 def measured_memory(memory_json: dict) -> dict[str, int]:
-    """The largest rank's bytes per planner key from a run's memory.json."""
+    """The largest bytes over ranks per planner key from a run's memory.json: the tracker's
+    categories of one step where the run recorded them (CPU runs: `tracked`), else the trainer's
+    counts (CUDA: `peak_bytes` is max_memory_allocated)."""
     ranks = [r for r in memory_json.get("per_rank", []) if r]
-    return {k: max(r.get(m, 0) for r in ranks) for k, m in MEASURED_KEYS.items()} if ranks else {}
+    if not ranks:
+        return {}
+    out = {k: max(r.get(m, 0) for r in ranks) for k, m in MEASURED_KEYS.items()}
+    tracked = [r["tracked"] for r in ranks if isinstance(r.get("tracked"), dict)]
+    if len(tracked) == len(ranks):
+        out.update({k: max(t.get(k, 0) for t in tracked) for k in MEMORY_KEYS})
+    return out
 
 
 def _fmt(n: int | None, unit: int) -> str:

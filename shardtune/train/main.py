@@ -187,18 +187,30 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
               f"{total_steps} steps -> {run_dir}", flush=True)
     record: dict = {}
     rank_bytes: dict = {}
+    tracked: dict | None = None  # one CPU step's tracker bytes by category (plan/simulate.py)
     with _progress(ctx.rank == 0) as bar:
         task = bar.add_task("train", total=total_steps, completed=state.step, info="")
         while state.step < total_steps:
             keeper.before_step(state.step + 1)
             mbs = [{k: v.to(ctx.device) for k, v in next(loader).items()} for _ in range(cfg.train.grad_accum)]
             t0 = now_s(ctx.device)
-            r = train_step(model, optimizer, scheduler, mbs, dp_group=None, dp_size=ctx.world_size,
-                           grad_clip=cfg.optim.grad_clip, autocast_dtype=amp, activations=activations)
+            step_fn = lambda: train_step(model, optimizer, scheduler, mbs, dp_group=None, dp_size=ctx.world_size,  # noqa: E731
+                                         grad_clip=cfg.optim.grad_clip, autocast_dtype=amp, activations=activations)
+            if ctx.device.type == "cpu" and state.step + 1 == min(3, total_steps):
+                # CPU has no allocator statistics: track this step's tensors by category (the
+                # third: optimizer states exist and DDP has rebuilt its buckets) for `report`
+                from shardtune.plan.simulate import tracked_call
+                from shardtune.strategies import FSDP_STRATEGIES
+
+                r, tracked = tracked_call(unwrap(model), optimizer, step_fn, cfg.parallel.strategy in FSDP_STRATEGIES)
+            else:
+                r = step_fn()
             dt = now_s(ctx.device) - t0
             state.step += 1
             state.tokens_seen += r.num_tokens
             peak, rank_bytes = _peak_bytes(ctx, model, optimizer, activations)
+            if tracked:
+                rank_bytes["tracked"] = {k: v for k, v in tracked.items() if k != "breakdown_at_peak"}
             peak_t = torch.tensor([peak], dtype=torch.long, device=ctx.device)
             dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
             tokens_per_s = rows_per_step * cfg.train.seq_len / dt
