@@ -33,6 +33,16 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = build_model(mcfg, pcfg, mesh, torch.device("cpu"), seed=case.get("seed", 0))
     out: dict = {}
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # count DDP's gradient all-reduces
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        out["ddp_allreduces"] = 0
+
+        def counting_hook(state, bucket):
+            out["ddp_allreduces"] += 1
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
     if case.get("logits"):
         ids = global_batch(99, 2, 16)["input_ids"]
         with torch.no_grad():

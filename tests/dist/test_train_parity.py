@@ -246,3 +246,11 @@ def test_activation_checkpointing_really_drops_saved_activations(world2):
     # calibrated: the planner's model of the trainer's packed rows (masked SDPA); measured 0.978 of it
     planned = activation_bytes(arch, ROWS // 2, SEQ, 4, "none", 2, calibrated=True)
     assert world2[0]["zero3"]["activations_bytes"] == pytest.approx(planned, rel=0.05)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_accumulation_reduces_gradients_once_per_step(world2):
+    """no_sync on all but the last micro-batch: 2 micro-batches cost the all-reduces of 1."""
+    for r in world2:
+        one, two = r["ddp"]["ddp_allreduces"], r["ddp_accum"]["ddp_allreduces"]
+        assert one > 0 and two == one
