@@ -18,8 +18,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The 70B plan, then a real sharded fine-tune of a tiny Llama (zero3, 2 CPU processes), its
+# checkpoint and HF export, and the predicted-vs-measured report. A fresh run folder each time.
 demo: $(STAMP)
-	$(BIN)/shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb
+	COLUMNS=120 $(BIN)/shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb
+	rm -rf runs/demo
+	$(BIN)/shardtune train recipes/tiny-cpu.yaml --nproc 2 --output-dir runs/demo
+	$(BIN)/shardtune report runs/demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -124,11 +124,13 @@ def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, str
 
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
     console = Console()
+    records = [r for r in records if r.get("loss") is not None]  # skipped (non-finite) steps carry none
     if records:
         first, last = records[0], records[-1]
         tps = sum(r["tokens_per_s"] for r in records) / len(records)
-        console.print(f"loss {first['loss']:.4f} (step 1) → {last['loss']:.4f} (step {last['step']}), "
-                      f"{tps:,.0f} tokens/s mean, {last['tflops']:.4f} TFLOP/s per rank")
+        console.print(f"loss {first['loss']:.4f} (step {first['step']}) → {last['loss']:.4f} "
+                      f"(step {last['step']}), {tps:,.0f} tokens/s mean, "
+                      f"{last['tflops']:.4f} TFLOP/s per rank")
     plan_mem = {}
     if planned:
         plan_mem = next((s["memory"] for s in planned["strategies"] if s["name"] == strategy), {})
