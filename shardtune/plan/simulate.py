@@ -4,12 +4,13 @@
 build of train/model.py, `parallel.apply.apply_parallelism` with the same `ParallelConfig`,
 the trainer's `build_optimizer` / `build_scheduler` and `train.step.train_step` — under
 `FakeTensorMode` (no memory, no compute) with the "fake" process-group backend
-(`torch.testing._internal.distributed.fake_pg`, rank 0 of N), on the fake CPU device. It runs one
-warm-up step (the optimizer states and DDP's buckets exist only after the first step), then one
-tracked step (forward, backward, clip, optimizer step) under torch's memory trackers
-(`FSDPMemTracker` for zero2/zero3/hsdp, `MemTracker` for ddp/zero1), and maps their categories to
-the planner's `Memory` keys (`track_step`). The same `track_step` measures a real run (real
-tensors, gloo), which is how tests/dist/test_simulate_vs_real.py checks the simulation.
+(`torch.testing._internal.distributed.fake_pg`, rank 0 of N), on the fake CPU device. The
+optimizer states (and DDP's gradient buckets) exist only after a first step: FSDP strategies get
+their states from one optimizer step on zero grads (`make_optimizer_states`), ddp/zero1 run a
+warm-up step. Then one tracked step (forward, backward, clip, optimizer step) runs under torch's
+memory trackers (`FSDPMemTracker` for zero2/zero3/hsdp, `MemTracker` for ddp/zero1); their
+categories map to the planner's `Memory` keys (`track_step`). The same `track_step` measures a
+real run (real tensors, gloo): that is how tests/dist/test_simulate_vs_real.py checks the trace.
 
 Where a fake trace differs from the trainer, and why (the rest is the trainer's code unchanged):
   - weights are not filled (values do not change memory): FSDP: meta → shard → `to_empty`;
@@ -347,6 +348,20 @@ def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, mic
     return step
 
 
+def make_optimizer_states(model, optimizer) -> None:
+    """AdamW makes its states in its first step: one step on zero grads makes them without a
+    forward and backward (the states' bytes do not depend on the values). The tracked step then
+    starts where a real second step starts (tests/dist/test_simulate_vs_real.py compares it with a
+    real run that warms up with a full step)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def use_foreach_adamw(optimizer) -> None:
     """Make AdamW take the path it takes on CUDA. torch picks foreach only when every parameter
     is on CUDA (torch/optim/optimizer.py `_default_to_fused_or_foreach`); on CPU it loops over
@@ -388,7 +403,11 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             step = make_step(net, optimizer, scheduler, vocab_size=vocab, seq_len=seq_len,
                              micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus,
                              autocast_dtype=autocast_dtype(parallel_cfg))
-            result = track_step(net, optimizer, step, fsdp=strategy in FSDP_STRATEGIES)
+            fsdp = strategy in FSDP_STRATEGIES
+            if fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
+                # of its buckets only in a real backward: it keeps the warm-up step.)
+                make_optimizer_states(net, optimizer)
+            result = track_step(net, optimizer, step, fsdp=fsdp, warmup_steps=0 if fsdp else 1)
         del net, optimizer, scheduler, step
         gc.collect()  # drop DDP's reducer before the fake group goes (PYTORCH-NOTES: gloo exit hang)
     result["tracker"] = "FSDPMemTracker" if strategy in FSDP_STRATEGIES else "MemTracker"
