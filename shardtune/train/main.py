@@ -187,7 +187,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
               f"{total_steps} steps -> {run_dir}", flush=True)
     record: dict = {}
     rank_bytes: dict = {}
-    tracked: dict | None = None  # one CPU step's tracker bytes by category (plan/simulate.py)
+    tracked: dict | None = None  # one CPU step's tracker bytes by category (report/tracker.py)
     with _progress(ctx.rank == 0) as bar:
         task = bar.add_task("train", total=total_steps, completed=state.step, info="")
         while state.step < total_steps:
@@ -199,7 +199,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
             if ctx.device.type == "cpu" and state.step + 1 == min(3, total_steps):
                 # CPU has no allocator statistics: track this step's tensors by category (the
                 # third: optimizer states exist and DDP has rebuilt its buckets) for `report`
-                from shardtune.plan.simulate import tracked_call
+                from shardtune.report.tracker import tracked_call
                 from shardtune.strategies import FSDP_STRATEGIES
 
                 r, tracked = tracked_call(unwrap(model), optimizer, step_fn, cfg.parallel.strategy in FSDP_STRATEGIES)

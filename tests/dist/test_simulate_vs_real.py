@@ -2,7 +2,7 @@
 
 One 2-process launch runs the trainer's real setup (train.model.build_model: meta build, shard,
 materialise, random init) for zero3, zero2 and ddp, one warm-up and one tracked train step each,
-and measures with torch's trackers over the real tensors (`plan.simulate.track_step`). This test
+and measures with torch's trackers over the real tensors (`report.tracker.track_step`). This test
 process then traces the same configurations on fake tensors at world 2 (`simulate_strategy`).
 Both sides force foreach AdamW (what torch does on CUDA), so the fake optimizer-step temporaries
 are checked against real ones. Expected values come from the real run, not from the simulator.
@@ -30,7 +30,8 @@ def _worker(out_path: str) -> None:
 
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
     from shardtune.parallel.apply import autocast_dtype, build_mesh
-    from shardtune.plan.simulate import make_step, track_step, use_foreach_adamw
+    from shardtune.plan.simulate import make_step, use_foreach_adamw
+    from shardtune.report.tracker import track_step
     from shardtune.strategies import FSDP_STRATEGIES
     from shardtune.train.model import build_model, unwrap
     from shardtune.train.step import build_optimizer, build_scheduler
