@@ -51,6 +51,12 @@ docs/calibration.md), `calibrated=True` (what `plan` uses) adds what the trainer
                     SDPA converts the boolean mask to an additive one in the compute dtype, saved
                     for backward: attention saves e·T·(h + 4·h_q + s) + 4·T·n instead of
                     e·T·(h + 2h_q + 2h_kv) + 4·T·n (+8 % per layer for Llama-3-8B at s = 2048).
+  autocast          ddp/zero1 with bf16-mixed run the fp32 model under torch.autocast: the
+                    residual stream and RMSNorm stay fp32 (the embedding output is fp32), so each
+                    norm saves its fp32 normalised output (4h, not e·h), and every linear casts
+                    its input to bf16 separately (q, k, v: 3·e·h; gate, up: 2·e·h): +10h per
+                    token per layer and +2h in the head at e = 2 (FSDP2 casts the parameters
+                    instead and computes in bf16 throughout).
   AC peak           the head's saved tensors are freed by its backward before the last
                     checkpointed layer is recomputed, while train_step still holds the last
                     logits (e·T·V): body + max(head, recompute + logits), not their sum.
@@ -69,28 +75,31 @@ def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: 
     return s * b * h * (34 + 5 * a * s / h)
 
 
-def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, mask_seq_len: int = 0) -> int:
+def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, mask_seq_len: int = 0,
+                           autocast: bool = False) -> int:
     """Bytes one decoder layer saves for backward over `tokens` = b·s tokens (module doc)."""
     e, h, I = elem_bytes, arch.hidden_size, arch.intermediate_size
     h_kv = arch.num_kv_heads * arch.head_dim
     h_q = arch.num_heads * arch.head_dim
-    norms = 2 * ((4 + e) * h + 4)  # at e = 4 the upcast is a no-op and the fp32 input itself is saved
-    attn = e * h + e * (2 * h_q + 2 * h_kv) + 4 * arch.num_heads
+    normed = 4 if autocast else e  # the normalised output's bytes (module doc: autocast)
+    norms = 2 * ((4 + normed) * h + 4)  # at e = 4 the upcast is a no-op and the fp32 input itself is saved
+    qkv_in = (3 if autocast else 1) * e * h
+    attn = qkv_in + e * (2 * h_q + 2 * h_kv) + 4 * arch.num_heads
     if mask_seq_len:  # masked attention (module doc): K, V repeated to h_q, the additive mask
-        attn = e * h + e * (4 * h_q + mask_seq_len) + 4 * arch.num_heads
+        attn = qkv_in + e * (4 * h_q + mask_seq_len) + 4 * arch.num_heads
     if arch.num_experts:
         k = arch.experts_per_token
         mlp = e * h + 4 * arch.num_experts + k * (2 * e * h + 4 * e * I)
     else:
-        mlp = e * h + 4 * e * I
+        mlp = (2 if autocast else 1) * e * h + 4 * e * I
     return tokens * (norms + attn + mlp)
 
 
-def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> int:
+def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, autocast: bool = False) -> int:
     """Final norm, LM-head input and the logits/loss tensors over the vocabulary (module doc)."""
     e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size
     logits = (e + 4 + 4) * V if e != 4 else 8 * V
-    return tokens * ((4 + e) * h + 4 + e * h + logits)
+    return tokens * ((4 + (4 if autocast else e)) * h + 4 + e * h + logits)
 
 
 def held_logits_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> int:
@@ -100,12 +109,15 @@ def held_logits_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> i
 
 
 def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
-                     ac: str = "none", ac_every: int = 2, calibrated: bool = False) -> int:
+                     ac: str = "none", ac_every: int = 2, calibrated: bool = False,
+                     autocast: bool = False) -> int:
     """Peak saved activations of one micro-batch on one rank, with activation checkpointing.
-    `calibrated`: the trainer's masked attention and AC peak (module doc)."""
+    `calibrated`: the trainer's masked attention and AC peak; `autocast`: an fp32 model under
+    torch.autocast (ddp/zero1 with bf16-mixed), whose residual stream stays fp32 (module doc)."""
     tokens = micro_batch * seq_len
-    layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0)
-    kept_input = elem_bytes * tokens * arch.hidden_size
+    layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast)
+    stream = 4 if autocast else elem_bytes  # the residual stream's (and RoPE cos/sin's) bytes
+    kept_input = stream * tokens * arch.hidden_size
     L = arch.num_layers
     if ac == "none":
         checkpointed = 0
@@ -115,8 +127,8 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
         checkpointed = ceil(L / ac_every)
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
-    rope = 2 * elem_bytes * tokens * arch.head_dim  # cos, sin
-    head = head_activation_bytes(arch, tokens, elem_bytes)
+    rope = 2 * stream * tokens * arch.head_dim  # cos, sin
+    head = head_activation_bytes(arch, tokens, elem_bytes, autocast)
     if calibrated and recompute:
         return body + rope + max(head, recompute + held_logits_bytes(arch, tokens, elem_bytes))
     return body + recompute + rope + head

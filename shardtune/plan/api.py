@@ -143,11 +143,13 @@ def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
     return m.buffer_cache[key]
 
 
-def _activations(m: _Model, inp: Inputs) -> int:
+def _activations(m: _Model, inp: Inputs, strategy: str) -> int:
     if m.arch is None:
         return 0
+    # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py autocast_dtype)
+    autocast = inp.precision == "bf16-mixed" and strategy not in memory.FSDP_STRATEGIES
     return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
-                            inp.ac, inp.ac_every, calibrated=True)
+                            inp.ac, inp.ac_every, calibrated=True, autocast=autocast)
 
 
 def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank: bool = True) -> StrategyPlan:
@@ -160,7 +162,7 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
     elif inp.offload == "all":
         cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
         st = memory.States(0, 0, 0, 0)
-    act, buf = _activations(m, inp), _buffers(m, strategy, inp)
+    act, buf = _activations(m, inp, strategy), _buffers(m, strategy, inp)
     held = 0  # calibrated against `plan --simulate` (docs/calibration.md)
     if m.arch is not None and inp.accounting == "shardtune":
         held = held_logits_bytes(m.arch, inp.micro_batch * inp.seq_len, memory.dtypes(inp.precision).compute)

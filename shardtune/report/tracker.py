@@ -66,7 +66,8 @@ def _make_tracker(fsdp: bool, model, optimizer):
 
         def _update_peak_stats(self, peak_state) -> None:  # called after every dispatched op
             super()._update_peak_stats(peak_state)
-            self._record_maxima()
+            if not self._defer_maxima:
+                self._record_maxima()
 
         def _record_maxima(self) -> None:
             acts = bufs = total = 0
@@ -103,15 +104,21 @@ def _make_tracker(fsdp: bool, model, optimizer):
                                        for k, v in d.items()}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            res = super().__torch_dispatch__(func, types, args, kwargs)
             # ddp/zero1 under autocast: a forward cast of a parameter is autocast's weight cache,
             # which the planner counts as a buffer (plan/memory.py ddp_buffer_bytes), not an
-            # activation. (FSDP casts inside fully_shard: its unsharded params are tagged already.)
-            if (not fsdp and func is torch.ops.aten._to_copy.default and not self._in_opt
-                    and isinstance(res, torch.Tensor) and isinstance(args[0], torch.Tensor)):
-                src = self._WINFO.get(args[0].untyped_storage(), (None, None))[0]
-                if src is not None and src.reftype == _MemRefType.PARAM:
-                    self._update_and_maybe_create_winfos(res, _MemRefType.TEMP)
+            # activation: re-tag it before the maxima see it. (FSDP casts inside fully_shard.)
+            cast = not fsdp and func is torch.ops.aten._to_copy.default and not self._in_opt
+            self._defer_maxima = cast
+            try:
+                res = super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._defer_maxima = False
+            if cast:
+                if isinstance(res, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+                    src = self._WINFO.get(args[0].untyped_storage(), (None, None))[0]
+                    if src is not None and src.reftype == _MemRefType.PARAM:
+                        self._update_and_maybe_create_winfos(res, _MemRefType.TEMP)
+                self._record_maxima()
             return res
 
     if fsdp:
@@ -120,6 +127,7 @@ def _make_tracker(fsdp: bool, model, optimizer):
         tracker = _Tracker()
         tracker.track_external(model, optimizer)
     tracker._acts_before_unshard = None
+    tracker._defer_maxima = False
     tracker.reset_maxima()
     return tracker
 
