@@ -302,10 +302,16 @@ def attach_simulation(result, options: dict, console=None) -> None:
         task = bar.add_task("simulate", total=len(todo), info="")
         for sp in todo:
             bar.update(task, info=f"{sp.name} on fake tensors, world {inp['gpus']}")
-            sim = simulate_strategy(
-                spec, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
-                ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
-                grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
-                hsdp_shard_size=sp.shard_degree if sp.name == "hsdp" else None)
-            sp.simulated = {"status": "traced", **sim}
+            try:
+                sim = simulate_strategy(
+                    spec, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
+                    ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
+                    grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
+                    hsdp_shard_size=sp.shard_degree if sp.name == "hsdp" else None)
+                sp.simulated = {"status": "traced", **sim}
+            except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan
+                reason = f"the trace failed ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+                sp.simulated = {"status": "analytic fallback", "reason": reason}
+                print(f"shardtune: --simulate cannot trace {sp.name}: {reason}; showing the analytic plan "
+                      "(marked 'analytic')", file=sys.stderr)
             bar.update(task, advance=1)
