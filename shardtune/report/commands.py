@@ -105,6 +105,9 @@ def report(run_dir: Path, console=None) -> list[Path]:
     if run["measured_method"]:
         how = "; categories from torch's memory tracker over one step's real tensors" if "buffers" in (run["measured"] or {}) else ""
         console.print(f"measured: {run['measured_method']}{how}")
+    if run["simulated"] and run["measured"] and "cuda" not in (run["measured_method"] or ""):
+        console.print("note: the simulation follows a CUDA run (foreach AdamW); a CPU run's AdamW loops over "
+                      "tensors, so its optimizer-step temporaries are smaller (docs/calibration.md)")
     recs = run["records"]
     if recs:
         tps = sum(r.get("tokens_per_s", 0) for r in recs) / len(recs)

@@ -40,8 +40,9 @@ def plot_memory(sources: dict[str, dict], path: Path, title: str) -> Path:
             bottom += v
         if sources[name].get("total"):
             ax.plot([i - 0.35, i + 0.35], [sources[name]["total"] / unit] * 2, color="black", lw=2,
-                    label="peak" if i == 0 else None)
+                    label="peak (one moment)" if i == 0 else None)
     ax.set_xticks(range(len(names)), names)
+    ax.set_xlabel("bars: each category's own maximum over the step (they need not coincide)", fontsize="small")
     ax.set_ylabel(f"per-GPU memory, {unit_name}")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
