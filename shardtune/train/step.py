@@ -6,6 +6,10 @@ target tokens over ALL micro-batches of the step and ALL data-parallel ranks (on
 step), so the step's gradient is that of the global token mean, not a mean of means. DDP and FSDP
 average gradients over the data-parallel ranks (divide by dp_size), so the backward loss is scaled
 by dp_size to undo that average.
+
+Gradient accumulation syncs across data-parallel replicas once per step: DDP through `no_sync`,
+HSDP through FSDP2's `set_requires_all_reduce(False)` on all but the last micro-batch (the shard
+group still reduce-scatters every micro-batch, so the grads stay sharded: ZeRO-2/3 memory).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from shardtune.train.resilience import all_finite
 
@@ -105,8 +110,15 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     denom = num_tokens.clamp(min=1).to(torch.float32)
     loss_sum = torch.zeros((), device=device)
     is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    is_fsdp = isinstance(model, FSDPModule)
     for i, (mb, target) in enumerate(zip(micro_batches, targets)):
-        sync = not is_ddp or i == len(micro_batches) - 1  # DDP: all-reduce grads on the last only
+        last = i == len(micro_batches) - 1
+        sync = not is_ddp or last  # DDP: all-reduce grads on the last only
+        if is_fsdp:
+            # HSDP: reduce-scatter inside the shard group every micro-batch (FSDP2 accumulates the
+            # shards), all-reduce across replicas on the last only. Set on every micro-batch so an
+            # interrupted step leaves nothing behind; no-op without a replicate dimension.
+            model.set_requires_all_reduce(last)
         amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
         with (nullcontext() if sync else model.no_sync()):
             with activations.micro_batch() if activations else nullcontext():

@@ -43,6 +43,18 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             return allreduce_hook(state, bucket)
 
         model.register_comm_hook(None, counting_hook)
+    real_all_reduce = dist.all_reduce
+    if mesh.ndim == 2:  # hsdp: count FSDP2's gradient all-reduces on the replicate group
+        replica_group = mesh.get_group("replicate")
+        out["replica_allreduces"] = 0
+
+        def counting_all_reduce(tensor, *args, **kwargs):
+            # FSDP2 calls dist.all_reduce(reduce_output, group=..., op=...) (_fsdp_collectives.py)
+            if kwargs.get("group") is replica_group:
+                out["replica_allreduces"] += 1
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting_all_reduce
     if case.get("logits"):
         ids = global_batch(99, 2, 16)["input_ids"]
         with torch.no_grad():
@@ -64,6 +76,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         if step == 0:
             out["bytes"] = model_state_bytes(model, opt)
             out["activations_bytes"] = saved.peak_bytes
+    dist.all_reduce = real_all_reduce
     del model, opt, sched
     gc.collect()
     return out

@@ -1,7 +1,7 @@
 """Trainer vs a plain single-process run on the same global batch (gloo, 2 and 4 ranks).
 
 Two launches run every case (2 ranks: ddp, zero1, zero2, zero3, AC, grad accumulation, bf16-mixed,
-model build; 4 ranks: hsdp 2 × 2). The reference is written here independently of train/step.py:
+model build; 4 ranks: hsdp 2 × 2 with and without grad accumulation, zero3). The reference is written here independently of train/step.py:
 a plain transformers model, one forward over the whole global batch, the token mean from
 torch's cross_entropy, torch AdamW and clip_grad_norm_.
 """
@@ -104,7 +104,8 @@ def world2(tmp_path_factory, pretrained_dir):
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}), _case("zero3", "zero3")]
+    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}), _case("zero3", "zero3"),
+             _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
     return _run(tmp_path_factory.mktemp("w4"), 4, cases)
 
 
@@ -124,7 +125,7 @@ def test_loss_parity_two_ranks(world2, ref, name):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["hsdp", "zero3"])
+@pytest.mark.parametrize("name", ["hsdp", "zero3", "hsdp_accum"])
 def test_loss_parity_four_ranks(world4, ref, name):
     for rank_result in world4:
         assert rank_result[name]["losses"] == pytest.approx(ref[0], abs=1e-5)
@@ -254,3 +255,14 @@ def test_ddp_accumulation_reduces_gradients_once_per_step(world2):
     for r in world2:
         one, two = r["ddp"]["ddp_allreduces"], r["ddp_accum"]["ddp_allreduces"]
         assert one > 0 and two == one
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_accumulation_all_reduces_across_replicas_once_per_step(world4):
+    """set_requires_all_reduce(False) on all but the last micro-batch: FSDP2 all-reduces each of
+    tiny-llama's L + 1 = 5 groups (4 decoder layers and the root) across the replica group once per
+    step, 2 micro-batches or 1 (FSDP2's default all-reduces every micro-batch: 30 in 3 steps)."""
+    groups = 4 + 1
+    for r in world4:
+        assert r["hsdp"]["replica_allreduces"] == STEPS * groups
+        assert r["hsdp_accum"]["replica_allreduces"] == STEPS * groups
