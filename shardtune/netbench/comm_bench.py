@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.testing.proc import free_port, kill_groups
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 DEFAULT_SIZES_GPU = "4K,64K,1M,16M,64M,256M,512M"
@@ -156,12 +156,6 @@ def _worker_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_local(nproc: int, sizes: str | None, out: str, *, scope: str | None = None,
                  backend: str = "auto", min_time_s: float = 0.3, timeout_s: float = 600,
                  on_progress=None) -> dict:
@@ -207,12 +201,12 @@ def launch_local(nproc: int, sizes: str | None, out: str, *, scope: str | None =
                 raise TimeoutError
             time.sleep(0.05)
     except TimeoutError:
-        _kill(procs)
+        kill_groups(procs)
         raise UserError(f"bench comm timed out after {timeout_s:.0f} s; try fewer or smaller --sizes") from None
     except BaseException:
-        _kill(procs)
+        kill_groups(procs)
         raise
-    _kill(procs)
+    kill_groups(procs)
     reader.join(timeout=5)
     bad = sorted(((r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0),
                  key=lambda rc: rc[1] < 0)  # the rank that failed first, not the ones we killed
@@ -222,17 +216,6 @@ def launch_local(nproc: int, sizes: str | None, out: str, *, scope: str | None =
         tail = logs[r].read().decode(errors="replace").strip().splitlines()[-5:]
         raise RuntimeError(f"bench comm rank {r} exited with {code}: " + " | ".join(tail))
     return json.loads(Path(out).read_text())
-
-
-def _kill(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.wait()
 
 
 if __name__ == "__main__":

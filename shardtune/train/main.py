@@ -49,11 +49,9 @@ def setup_distributed(cfg: "RunConfig") -> DistContext:
 
     env = os.environ
     if "RANK" not in env:  # plain `python -m shardtune.train`: a world of one
-        import socket
+        from shardtune.testing.proc import free_port
 
-        with socket.socket() as s:  # a free port (torchrun's --master_port 0 hangs)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()  # torchrun's --master_port 0 hangs
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=env.get("MASTER_PORT", str(port)))
     rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
@@ -86,6 +84,7 @@ def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
                  precision=cfg.parallel.precision, optimizer="adamw",
                  ac=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
                  offload=cfg.parallel.offload, hsdp_shard_size=cfg.parallel.hsdp_shard_size,
+                 lora_rank=cfg.lora.rank,
                  gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                  strategies=[cfg.parallel.strategy])
         d = p.to_dict()
@@ -164,7 +163,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
     loader = build_dataloader(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, cfg.train.seed)
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
     total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
-    model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed)
+    model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed, cfg.lora)
     hf_config = unwrap(model).config
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "

@@ -7,8 +7,6 @@ otherwise wait for the process-group timeout).
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,21 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.wait()
+from shardtune.testing.proc import free_port, kill_groups
 
 
 def launch(script: Path, nproc: int, args: list[str], timeout_s: float, log_dir: Path) -> None:
@@ -62,6 +46,6 @@ def launch(script: Path, nproc: int, args: list[str], timeout_s: float, log_dir:
                                      + (log_dir / "rank0.log").read_text()[-3000:])
             time.sleep(0.2)
     finally:
-        _kill(procs)
+        kill_groups(procs)
         for log in logs:
             log.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.train.ckpt_files import complete_checkpoints
+from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
@@ -43,15 +43,9 @@ def _train(tmp: Path, name: str, *args: str, env: dict | None = None, timeout_s:
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2",
            "--output-dir", str(tmp / name), *args]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"shardtune train did not finish in {timeout_s} s:\n{out[-3000:]}")
-    return proc.returncode, out, time.monotonic() - t0
+    proc = run_bounded(cmd, timeout_s, cwd=REPO, stderr=subprocess.STDOUT,
+                       env={**os.environ, **(env or {})})
+    return proc.returncode, proc.stdout, time.monotonic() - t0
 
 
 def _records(run: Path) -> list[dict]:

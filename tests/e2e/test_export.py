@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
@@ -40,15 +40,8 @@ def run(tmp_path_factory) -> Path:
     (tmp / "recipe.yaml").write_text(RECIPE)
     cmd = [sys.executable, "-m", "shardtune.train", str(tmp / "recipe.yaml"), "--output-dir", str(tmp / "run")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("training did not finish in 150 s")
-    assert proc.returncode == 0, out[-3000:]
+    proc = run_bounded(cmd, timeout_s=150, cwd=REPO, stderr=subprocess.STDOUT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
     return tmp / "run"
 
 

@@ -3,13 +3,12 @@ beside it, then draw the plots and print predicted / simulated / measured differ
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
@@ -17,15 +16,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(cmd: list[str], timeout_s: float, stdout=subprocess.PIPE) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{' '.join(cmd[2:5])} did not finish in {timeout_s} s")
-    return proc.returncode, (out or "") + err
+    proc = run_bounded(cmd, timeout_s, cwd=REPO, stdout=stdout)
+    return proc.returncode, (proc.stdout or "") + proc.stderr
 
 
 @pytest.mark.e2e

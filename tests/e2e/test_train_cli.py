@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
@@ -21,14 +22,8 @@ def test_tiny_cpu_recipe_trains_on_two_processes(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "2",
            "--max-steps", "40", "--output-dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=280)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("shardtune train did not finish in 280 s")
+    proc = run_bounded(cmd, timeout_s=280, cwd=REPO, stderr=subprocess.STDOUT)
+    log = proc.stdout
     assert proc.returncode == 0, log[-3000:]
     for name in ("config.yaml", "plan.json", "metrics.jsonl", "memory.json"):
         assert (out / name).is_file(), name

@@ -1,6 +1,5 @@
 """`shardtune bench comm`: a real 2-rank gloo run, its numbers against nccl-tests' definitions."""
 import json
-import subprocess
 import sys
 
 import pytest
@@ -8,6 +7,7 @@ import pytest
 from shardtune.errors import UserError
 from shardtune.netbench.comm_bench import parse_sizes
 from shardtune.netbench.profile import load_profile, profile_link
+from shardtune.testing.proc import run_bounded
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,17 +24,9 @@ def profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "profile.json"
     cmd = [sys.executable, "-m", "shardtune.cli", "bench", "comm", "--nproc", "2", "--sizes", "64K,1M",
            "-o", str(out), "--timeout", "40"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=50)
-    except subprocess.TimeoutExpired:
-        import os
-        import signal
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        pytest.fail("bench comm hung")
-    assert p.returncode == 0, stderr
-    assert "busbw" in stdout and "all_gather" in stdout
+    p = run_bounded(cmd, timeout_s=50)
+    assert p.returncode == 0, p.stderr
+    assert "busbw" in p.stdout and "all_gather" in p.stdout
     return json.loads(out.read_text())
 
 

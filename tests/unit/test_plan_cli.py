@@ -1,13 +1,11 @@
 """`shardtune plan` as a user runs it: JSON contract, table labels, bad input, no torch import."""
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from shardtune.cli import main
+from shardtune.testing.proc import run_bounded
 
 
 def _run(argv, capsys):
@@ -104,12 +102,5 @@ def test_plan_path_imports_no_torch():
             "assert rc == 0, rc\n"
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert not heavy, heavy")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True)
-    try:
-        out, err = proc.communicate(timeout=50)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("planner subprocess timed out")
-    assert proc.returncode == 0, err
+    proc = run_bounded([sys.executable, "-c", code], timeout_s=50)
+    assert proc.returncode == 0, proc.stderr
