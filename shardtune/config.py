@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardtune.errors import UserError
+from shardtune.plan.params import LORA_TARGETS  # the planner's adapters are the trainer's default
 from shardtune.strategies import (
     normalize_ac,
     normalize_offload,
@@ -101,6 +102,22 @@ class CheckpointConfig(_Section):
     save_final: bool = Field(True, description="Save a checkpoint after the last step.")
 
 
+class LoraConfig(_Section):
+    """PEFT LoRA (Hu et al. 2021): W x + (alpha / rank) · B A x on each target nn.Linear; the base
+    weights are frozen (no grads, no optimizer state), as plan/params.py `model_shapes` assumes."""
+    rank: int = Field(0, ge=0, le=65_536, description="LoRA rank r (0: off, full fine-tuning).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input (0: none; the run is then the same on any layout).")
+    target_modules: list[str] = Field(list(LORA_TARGETS), description="Names of the nn.Linear modules that get adapters (default: attention and MLP projections).")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if not v or any(not t.replace("_", "").isalnum() for t in v):
+            raise ValueError(f"{v!r} must be a non-empty list of module names such as {list(LORA_TARGETS[:2])}")
+        return v
+
+
 class RunConfig(_Section):
     name: str = Field("run", description="Run name; the run folder defaults to runs/<name>.")
     output_dir: Optional[str] = Field(None, description="Run folder (default runs/<name>).")
@@ -110,6 +127,7 @@ class RunConfig(_Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    lora: LoraConfig = LoraConfig()
 
     @property
     def run_dir(self) -> Path:

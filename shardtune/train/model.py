@@ -7,6 +7,7 @@ Model code stays free of distributed code: sharding is applied from outside (par
 """
 from __future__ import annotations
 
+import itertools
 import json
 import zlib
 from pathlib import Path
@@ -18,11 +19,12 @@ from torch import nn
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
 from shardtune.strategies import FSDP_STRATEGIES
+from shardtune.train.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from shardtune.config import ModelConfig, ParallelConfig
+    from shardtune.config import LoraConfig, ModelConfig, ParallelConfig
 
 
 def build_hf_config(model_cfg: "ModelConfig"):
@@ -75,8 +77,11 @@ def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Call
     std = float(getattr(model.config, "initializer_range", 0.02))
     owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in model.named_modules()
               for pn, _ in m.named_parameters(recurse=False)}
-    for name, p in model.named_parameters():
-        owner = owners[name]
+    for model_name, p in model.named_parameters():
+        if is_adapter(model_name):
+            continue  # train/lora.py makes the adapters
+        owner = owners[model_name]
+        name = base_name(model_name)  # a LoRA-wrapped weight gets the same values as the plain one
 
         def make(rows: slice | None = None, name=name, shape=tuple(p.shape), owner=owner) -> torch.Tensor:
             if name.endswith("bias"):
@@ -88,7 +93,7 @@ def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Call
                 full = torch.empty(shape).normal_(0.0, std, generator=gen)
             return full if rows is None else full[rows]
 
-        yield name, make
+        yield model_name, make
 
 
 def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
@@ -100,7 +105,10 @@ def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tup
     for f in files:
         with safe_open(str(f), framework="pt") as h:
             where.update({k: f for k in h.keys()})
-    for name, _ in model.named_parameters():
+    for model_name, _ in model.named_parameters():
+        if is_adapter(model_name):
+            continue  # adapters are not in a base checkpoint: train/lora.py makes them
+        name = base_name(model_name)
         if name not in where:
             raise UserError(f"weights {files[0].parent} lack tensor {name!r}; give a checkpoint of "
                             f"the same architecture ({type(model).__name__})")
@@ -109,7 +117,7 @@ def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tup
             with safe_open(str(where[name]), framework="pt") as h:
                 return h.get_tensor(name) if rows is None else h.get_slice(name)[rows]
 
-        yield name, make
+        yield model_name, make
 
 
 def _local_rows(param: torch.Tensor) -> slice | None:
@@ -158,7 +166,7 @@ def init_model_weights(model: nn.Module, model_cfg: "ModelConfig", seed: int) ->
     files = safetensors_files(model_cfg)
     source = pretrained_full_tensors(model, files) if uses_pretrained(model_cfg) else random_full_tensors(model, seed)
     params = dict(model.named_parameters())
-    for name, make in source:
+    for name, make in itertools.chain(source, adapter_full_tensors(model, seed, _tensor_seed)):
         param = params[name]
         rows = _local_rows(param)
         if rows is None:
@@ -174,12 +182,16 @@ def init_model_weights(model: nn.Module, model_cfg: "ModelConfig", seed: int) ->
 
 
 def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: "DeviceMesh",
-                device: torch.device, seed: int) -> nn.Module:
-    """Meta build → parallelise → materialise on `device` → fill. ddp/zero1 are wrapped after the
-    fill because DDP broadcasts materialised parameters when it is built (parallel/apply.py)."""
+                device: torch.device, seed: int, lora_cfg: "LoraConfig | None" = None) -> nn.Module:
+    """Meta build → LoRA adapters (if lora_cfg.rank) → parallelise → materialise on `device` →
+    fill. ddp/zero1 are wrapped after the fill because DDP broadcasts materialised parameters when
+    it is built (parallel/apply.py). Adapters go in before fully_shard so that each decoder
+    layer's adapters are sharded with it (train/lora.py)."""
     from shardtune.parallel.apply import apply_parallelism
 
     model = build_meta_model(model_cfg)
+    if lora_cfg is not None and lora_cfg.rank > 0:
+        apply_lora(model, lora_cfg)
     if parallel_cfg.strategy in FSDP_STRATEGIES:
         model = apply_parallelism(model, parallel_cfg, mesh)
         # with CPUOffloadPolicy the sharded parameters live on the CPU (torchtitan does the same)

@@ -1,0 +1,126 @@
+"""LoRA adapters (PEFT) on the meta-built model, their seeded init, and the merge for export.
+
+Hu et al. 2021 (LoRA) eq. (3): h = W x + (alpha / r) · B A x, A (r, in), B (out, r). PEFT's
+`inject_adapter_in_model` replaces each target nn.Linear by a `lora.Linear` in place (no
+PeftModel wrapper): the model keeps its HF class, `_no_split_modules` and `.config`, so
+`parallel/apply.decoder_layers` still finds the decoder layers and FSDP2 shards each layer's
+adapters with the layer. Parameter names become `<proj>.base_layer.weight` (the frozen W) and
+`<proj>.lora_A.default.weight` / `<proj>.lora_B.default.weight` (PEFT's names, as
+plan/params.py `lora_shapes` counts them). Every base weight is frozen (requires_grad False):
+no grads, no optimizer state, exactly what plan/memory.py assumes.
+
+The adapter config travels in the HF config.json of each checkpoint (`config.shardtune_lora`),
+so export needs nothing but the checkpoint folder.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+from torch import nn
+
+from shardtune.errors import UserError
+
+if TYPE_CHECKING:
+    from shardtune.config import LoraConfig
+
+ADAPTER = "default"  # PEFT's adapter name, part of every parameter name
+CONFIG_KEY = "shardtune_lora"  # key in the HF config.json of a checkpoint
+
+
+def is_adapter(name: str) -> bool:
+    """True for a LoRA A or B parameter name."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_name(name: str) -> str:
+    """'...q_proj.base_layer.weight' → '...q_proj.weight': the HF name of a wrapped base weight."""
+    return name.replace(".base_layer.", ".")
+
+
+def scaling(lora: dict) -> float:
+    """alpha / r (LoRA eq. 3; PEFT's `scaling` without rslora)."""
+    return float(lora["alpha"]) / int(lora["rank"])
+
+
+def peft_config(lora_cfg: "LoraConfig"):
+    """The peft.LoraConfig of our settings (no bias, no rslora, PEFT's default init)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                          target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model: nn.Module, lora_cfg: "LoraConfig") -> nn.Module:
+    """Inject adapters in place (call on the meta model, before apply_parallelism) and freeze every
+    other parameter. Returns the same model. Unknown target names are a one-line UserError."""
+    from peft import inject_adapter_in_model
+
+    try:  # low_cpu_mem_usage: adapters are made on meta like the rest (filled by init_model_weights)
+        inject_adapter_in_model(peft_config(lora_cfg), model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    except ValueError as e:
+        raise UserError(f"lora.target_modules {list(lora_cfg.target_modules)}: {str(e).splitlines()[0]}; "
+                        "name nn.Linear modules of the model (e.g. q_proj, v_proj)") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    model.config.update({CONFIG_KEY: {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha,
+                                      "dropout": lora_cfg.dropout,
+                                      "target_modules": list(lora_cfg.target_modules)}})
+    return model
+
+
+def adapter_full_tensors(model: nn.Module, seed: int, tensor_seed: Callable[[int, str], int]
+                         ) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
+    """(name, make) per adapter parameter, like train/model.py's `random_full_tensors`: A as PEFT
+    inits it (kaiming_uniform_(a=√5) = U(-1/√in, 1/√in), microsoft/LoRA loralib), from one
+    generator seeded by (seed, name), so every layout gets the same values; B zeros."""
+    for name, p in model.named_parameters():
+        if not is_adapter(name):
+            continue
+
+        def make(rows: slice | None = None, name=name, shape=tuple(p.shape)) -> torch.Tensor:
+            if ".lora_B." in name:
+                full = torch.zeros(shape)
+            else:
+                gen = torch.Generator().manual_seed(tensor_seed(seed, name))
+                full = torch.empty(shape)
+                nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=gen)
+            return full if rows is None else full[rows]
+
+        yield name, make
+
+
+@torch.no_grad()
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale · B A in fp32 (PEFT's `merge`), returned in W's dtype."""
+    return (weight.float() + scale * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+
+
+def write_adapter_config(lora: dict, base_model: str, folder) -> None:
+    """adapter_config.json for `PeftModel.from_pretrained`, written by PEFT itself."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    PeftLoraConfig(r=int(lora["rank"]), lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                   target_modules=list(lora["target_modules"]), bias="none", task_type="CAUSAL_LM",
+                   base_model_name_or_path=base_model).save_pretrained(str(folder))
+
+
+def split_adapters(entries: list[tuple]) -> tuple[list[tuple], dict[str, dict[str, tuple]]]:
+    """Split export entries (DCP key, HF name, shape, dtype): the base tensors under their plain
+    HF names ('q_proj.base_layer.weight' → 'q_proj.weight'), and per base weight name its
+    adapters {"A": entry, "B": entry}."""
+    base, pairs = [], {}
+    for k, name, shape, dt in entries:
+        if is_adapter(name):
+            module, rest = name.split(".lora_", 1)  # rest: 'A.default.weight'
+            pairs.setdefault(f"{module}.weight", {})[rest[0]] = (k, name, shape, dt)
+        else:
+            base.append((k, base_name(name), shape, dt))
+    return base, pairs
+
+
+def peft_saved_name(name: str) -> str:
+    """Our adapter name → the key PEFT saves in adapter_model.safetensors ('base_model.model.'
+    prefix, no adapter name: peft.utils.get_peft_model_state_dict)."""
+    return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
