@@ -20,8 +20,30 @@ def planner_inputs(**cli: object) -> dict:
     return {k: v for k, v in cli.items() if k in names}
 
 
+def recipe_inputs(path: str, given: set[str]) -> dict:
+    """Planner inputs taken from a training recipe (YAML), except those given on the command line:
+    `shardtune plan recipes/x.yaml --gpus 8` plans exactly what `shardtune train` would run."""
+    from shardtune.config import load_recipe
+
+    cfg = load_recipe(path)
+    lora = getattr(cfg, "lora", None)
+    from_recipe = dict(
+        model=cfg.model.name, gpu=cfg.train.gpu, seq_len=cfg.train.seq_len,
+        micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
+        precision=cfg.parallel.precision, ac=cfg.parallel.activation_checkpointing,
+        ac_every=cfg.parallel.ac_every, offload=cfg.parallel.offload,
+        hsdp_shard_size=cfg.parallel.hsdp_shard_size, lora_rank=getattr(lora, "rank", 0) or 0)
+    return {k: v for k, v in from_recipe.items() if k not in given}
+
+
+def _given_on_command_line(ctx: typer.Context) -> set[str]:
+    return {name for name in ctx.params
+            if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
+
+
 def plan_cmd(
-    model: Optional[str] = typer.Argument(None, help="Catalogue name (shardtune plan --list), HF config.json or model folder."),
+    ctx: typer.Context,
+    model: Optional[str] = typer.Argument(None, help="Catalogue name (shardtune plan --list), HF config.json, model folder, or a training recipe (YAML: its model and settings)."),
     gpus: int = typer.Option(8, "--gpus", help="Total GPUs (world size)."),
     nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes (default: gpus / gpus-per-node)."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(8, gpus))."),
@@ -58,7 +80,10 @@ def plan_cmd(
         return
     from shardtune.plan import plan
 
-    options = planner_inputs(**locals())
+    cli_values = {k: v for k, v in locals().items() if k != "ctx"}
+    if model and model.endswith((".yaml", ".yml")):
+        cli_values.update(recipe_inputs(model, _given_on_command_line(ctx) - {"model"}))
+    options = planner_inputs(**cli_values)
     options["strategies"] = strategy or None
     options.update(interconnect=interconnect, intra_node=intra_node, nics_per_node=nics_per_node,
                    network_profile=network_profile, mfu=mfu, tokens=tokens)  # plan/timing.py

@@ -104,3 +104,36 @@ def test_plan_path_imports_no_torch():
             "assert not heavy, heavy")
     proc = run_bounded([sys.executable, "-c", code], timeout_s=50)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_recipe_is_planned_with_its_own_settings_and_flags_override(capsys):
+    # The recipe's values, read here with plain YAML, must reach the planner; a flag wins over them.
+    import yaml
+
+    from shardtune.plan import plan
+
+    path = "recipes/llama-3-8b-8xh100.yaml"
+    r = yaml.safe_load(open(path))
+    rc, out, _ = _run(["plan", path, "--gpus", "8", "--micro-batch", "1", "--json"], capsys)
+    assert rc == 0
+    got = json.loads(out)
+    assert got["model"]["name"] == r["model"]["name"]
+    assert got["inputs"]["seq_len"] == r["train"]["seq_len"]
+    assert got["inputs"]["ac"] == r["parallel"]["activation_checkpointing"]
+    assert got["inputs"]["micro_batch"] == 1 != r["train"]["micro_batch"]
+    by_hand = plan(r["model"]["name"], 8, seq_len=r["train"]["seq_len"], micro_batch=1,
+                   grad_accum=r["train"]["grad_accum"], ac=r["parallel"]["activation_checkpointing"],
+                   ac_every=r["parallel"]["ac_every"], precision=r["parallel"]["precision"])
+    want = {s.name: s.memory.total for s in by_hand.strategies}
+    assert {s["name"]: s["memory"]["total"] for s in got["strategies"]} == want
+    assert next(s for s in got["strategies"] if s["name"] == r["parallel"]["strategy"])["fits"]
+
+
+@pytest.mark.parametrize("path", ["recipes/llama-3-8b-8xh100.yaml", "recipes/llama-3-70b-8xh100.yaml"])
+def test_shipped_big_recipes_fit_on_8_h100(path, capsys):
+    import yaml
+
+    strategy = yaml.safe_load(open(path))["parallel"]["strategy"]
+    rc, out, _ = _run(["plan", path, "--gpus", "8", "--gpu", "h100-80gb", "--json"], capsys)
+    assert rc == 0
+    assert next(s for s in json.loads(out)["strategies"] if s["name"] == strategy)["fits"]
