@@ -7,9 +7,11 @@ doc/PERFORMANCE.md; Patarasuk & Yuan 2009):
   all-reduce      2(n−1)/n · S
   all-gather      (n−1)/n · S
   reduce-scatter  (n−1)/n · S
-  broadcast       (n−1)/n · S  for ZeroRedundancyOptimizer's n broadcasts of S/n each (every
-                  rank roots its own partition; a pipelined broadcast of S/n costs (n−1)·S/n
-                  sends in all, so (n−1)/n·S per rank over the n of them)
+  broadcast       (n−1)/n · S  for ZeroRedundancyOptimizer's broadcasts of each rank's partition
+                  from its owner (Σ = S; in a pipelined chain n−1 of the n ranks forward each
+                  byte, so (n−1)·S sends in all, (n−1)/n·S per rank). Its time is S / busbw,
+                  not (n−1)/n·S / busbw: one rank's link idles in each chain (plan/timing.py,
+                  which owns both numbers: `ring_bytes_per_rank`, `bus_factor`).
 
 What our trainer sends (docs/DESIGN.md; Ψ = parameters, bf16-mixed):
   ddp    all-reduce of the grads in the reduce dtype (fp32 → 4Ψ bytes), once per step (no_sync
@@ -22,7 +24,9 @@ What our trainer sends (docs/DESIGN.md; Ψ = parameters, bf16-mixed):
          2Ψ — the "+50 %" — counted in elements. In bytes with bf16 gathers and fp32 reductions
          it is (2 + 2 + 4)Ψ against DDP's 2·4Ψ: the same bytes as DDP.
   hsdp   zero3 inside a shard group of G ranks + all-reduce of the fp32 grad shards (4Ψ/G)
-         across the N/G replicas.
+         across the N/G replicas, once per step: train/step.py sets FSDP2's
+         set_requires_all_reduce(False) on all but the last micro-batch (FSDP2's default
+         all-reduces every micro-batch); the reduce-scatter stays per micro-batch.
 FSDP2 collectives move padded shards: S = n · Σ ceil(dim0/n)·rest (memory.fsdp2_shard_numel).
 The root group is resharded after forward (the trainer passes reshard_after_forward explicitly)
 and all-gathered again in backward. Imports no torch.
@@ -34,6 +38,7 @@ from dataclasses import asdict, dataclass
 
 from shardtune.plan.memory import FSDP_STRATEGIES, dtypes, fsdp2_shard_numel
 from shardtune.plan.params import ParamShape
+from shardtune.plan.timing import ring_bytes_per_rank
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -56,12 +61,8 @@ class Collective:
     what: str
 
     def bytes_per_rank(self) -> float:
-        """Bytes each rank sends for one call (ring; module doc)."""
-        n = self.group_size
-        if n <= 1:
-            return 0.0
-        factor = 2.0 * (n - 1) / n if self.op == "all_reduce" else (n - 1) / n
-        return factor * self.payload_bytes
+        """Bytes each rank sends for one call, on average (ring; module doc)."""
+        return ring_bytes_per_rank(self.op, self.payload_bytes, self.group_size)
 
     def to_dict(self) -> dict:
         return dict(asdict(self), bytes_per_rank=round(self.bytes_per_rank()))
@@ -92,7 +93,7 @@ def collectives(strategy: str, *, num_params: int, trainable_params: int, world_
                Collective("all_gather", group, P, n, "micro_batch", "backward", "params"),
                Collective("reduce_scatter", group, T, n, "micro_batch", "backward", "grads")]
         if strategy == "hsdp" and N > G:
-            out.append(Collective("all_reduce", "replica", -(-T // G), N // G, "micro_batch", "backward", "grad shards"))
+            out.append(Collective("all_reduce", "replica", -(-T // G), N // G, "step", "backward", "grad shards"))
         return out
 
     dt = dtypes(precision)
@@ -110,7 +111,7 @@ def collectives(strategy: str, *, num_params: int, trainable_params: int, world_
         out.append(Collective("all_gather", group, gathered, n, "micro_batch", "backward", "params"))
     out.append(Collective("reduce_scatter", group, reduced, n, "micro_batch", "backward", "grads"))
     if strategy == "hsdp" and N > G:
-        out.append(Collective("all_reduce", "replica", reduced // n, N // G, "micro_batch", "backward", "grad shards"))
+        out.append(Collective("all_reduce", "replica", reduced // n, N // G, "step", "backward", "grad shards"))
     return out
 
 

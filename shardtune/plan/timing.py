@@ -8,6 +8,14 @@ ring moves (NVIDIA nccl-tests PERFORMANCE.md; Patarasuk & Yuan 2009):
   reduce-scatter  (n−1)/n · S  in n−1 steps
   broadcast       S            in n−1 pipelined steps (nccl-tests: busbw = algbw)
 and busbw = algbw × that factor, so time = steps·α + factor·S / busbw (the α-β model).
+
+The factor is the bytes of the busiest rank. For all-reduce, all-gather and reduce-scatter every
+rank sends that much; a broadcast is a pipelined chain root → … → last, in which n−1 ranks
+forward all S bytes and the last sends none: time S / busbw, but (n−1)/n · S sent per rank on
+average (`ring_bytes_per_rank`, what plan/comm.py counts). ZeroRedundancyOptimizer (zero1)
+broadcasts each rank's partition from its owner (torch: parameter by parameter), one after another
+on the communicator: Σ B_i = S in all, so S / busbw plus (n−1)α per call, and (n−1)/n · S sent per
+rank. We price n calls (one per partition, `num_calls`); torch's per-tensor calls add more α.
 """
 from __future__ import annotations
 
@@ -38,7 +46,10 @@ def ring_steps(kind: str, n: int) -> int:
 
 
 def ring_bytes_per_rank(kind: str, size_bytes: float, n: int) -> float:
-    """Bytes each rank sends: bus_factor × S (e.g. 2(n−1)/n·S for all-reduce)."""
+    """Bytes each rank sends on average: bus_factor × S (e.g. 2(n−1)/n·S for all-reduce), except a
+    broadcast: (n−1)/n · S, as n−1 of the chain's n ranks forward S (module doc)."""
+    if kind == "broadcast":
+        return (n - 1) / n * size_bytes if n > 1 else 0.0
     return bus_factor(kind, n) * size_bytes
 
 
@@ -46,7 +57,7 @@ def collective_time_s(kind: str, size_bytes: float, n: int, busbw_bytes_per_s: f
     """α-β ring time: steps·α + factor·S / busbw; 0 for a group of one."""
     if n <= 1 or size_bytes <= 0:
         return 0.0
-    return ring_steps(kind, n) * alpha_s + ring_bytes_per_rank(kind, size_bytes, n) / busbw_bytes_per_s
+    return ring_steps(kind, n) * alpha_s + bus_factor(kind, n) * size_bytes / busbw_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -138,7 +149,8 @@ class CommOp:
     The fields are those of `shardtune.plan.comm.Collective`, which `step_time` also accepts.
     `phase`: "forward" / "backward" collectives overlap with that phase's compute layer by layer
     (FSDP2 prefetch, DDP's bucketed all-reduce); "optimizer" ones run exposed after backward.
-    `count_per`: "micro_batch" or "step" (DDP syncs grads only on the last micro-batch).
+    `count_per`: "micro_batch" or "step" (DDP and HSDP's replica all-reduce sync grads only on
+    the last micro-batch).
     """
 
     op: str
@@ -226,8 +238,8 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
     `copy_bytes_per_s` (memory bandwidth) prices FSDP2's copy-in/copy-out, which run on the
     collective's stream, so they count with its link (None: not counted).
     """
-    def phase_comm(phase: str, every: str) -> float:
-        by_link: dict[bool, float] = {}
+    def phase_comm(phase: str, every: str) -> dict[bool, float]:
+        by_link: dict[bool, float] = {}  # crosses nodes? → seconds
         for op in ops:
             if op.phase == phase and op.count_per == every:
                 g = groups[op.group]
@@ -236,18 +248,26 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
                 if copy_bytes_per_s:
                     t += fsdp_copy_bytes(op, g.size) / copy_bytes_per_s
                 by_link[crosses] = by_link.get(crosses, 0.0) + t
-        return max(by_link.values(), default=0.0)
+        return by_link
+
+    def slowest(*parts: dict[bool, float]) -> float:
+        """Collectives on one link add up; different links run in parallel."""
+        return max((sum(p.get(k, 0.0) for p in parts) for k in set().union(*parts)), default=0.0)
 
     def exposed(comm: float, compute: float) -> float:
         return exposed_time_s(comm, compute, num_layers) if overlap else comm
 
-    fw_mb, bw_mb = phase_comm("forward", "micro_batch"), phase_comm("backward", "micro_batch")
-    fw_st, bw_st = phase_comm("forward", "step"), phase_comm("backward", "step")
-    opt_comm = phase_comm("optimizer", "micro_batch") * grad_accum + phase_comm("optimizer", "step")
+    links = {(ph, ev): phase_comm(ph, ev) for ph in ("forward", "backward", "optimizer")
+             for ev in ("micro_batch", "step")}
+    (fw_mb, bw_mb), (fw_st, bw_st) = ([slowest(links[ph, ev]) for ph in ("forward", "backward")]
+                                      for ev in ("micro_batch", "step"))
+    opt_comm = slowest(links["optimizer", "micro_batch"]) * grad_accum + slowest(links["optimizer", "step"])
     k = max(1, grad_accum)
-    # Micro-batches without per-step traffic, then the last one carrying both kinds.
+    # Micro-batches without per-step traffic, then the last one carrying both kinds (HSDP: the
+    # replica all-reduce on the NICs beside the shard group's collectives on NVLink).
     exposed_mb = exposed(fw_mb, forward_s) + exposed(bw_mb, backward_s)
-    exposed_last = exposed(fw_mb + fw_st, forward_s) + exposed(bw_mb + bw_st, backward_s)
+    exposed_last = (exposed(slowest(links["forward", "micro_batch"], links["forward", "step"]), forward_s)
+                    + exposed(slowest(links["backward", "micro_batch"], links["backward", "step"]), backward_s))
     exposed_total = (k - 1) * exposed_mb + exposed_last + opt_comm
     compute = k * (forward_s + backward_s)
     comm_total = k * (fw_mb + bw_mb) + fw_st + bw_st + opt_comm

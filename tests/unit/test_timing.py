@@ -144,3 +144,57 @@ def test_interconnect_catalogue_is_sane_and_cited():
         get_interconnect("eth-10gb")
     with pytest.raises(UserError):
         get_interconnect("nvlink-h100", scope="inter")
+
+
+def test_zero1_broadcasts_one_model_for_bytes_and_time():
+    # ZeroRedundancyOptimizer, n = 4, fp32, 1e6 trainable params: each rank broadcasts its
+    # partition B = 1e6 bytes (S = 4e6 in all). By hand, a pipelined chain root → … → last:
+    from shardtune.plan.comm import bytes_per_step, collectives
+    from shardtune.plan.timing import op_time_s
+
+    n, S, alpha, bw = 4, 4e6, 1e-3, 1 * GB
+    sent = [0.0] * n
+    for root in range(n):
+        chain = [(root + i) % n for i in range(n)]
+        for rank in chain[:-1]:  # every rank but the last forwards all B bytes
+            sent[rank] += S / n
+    assert sent == [3e6] * n  # (n−1)/n · S each
+    (_, bcast) = collectives("zero1", num_params=10**6, trainable_params=10**6, world_size=n,
+                             shard_degree=n, precision="fp32")
+    assert bcast.op == "broadcast" and bcast.payload_bytes == S
+    assert bcast.bytes_per_rank() == pytest.approx(sent[0])
+    assert ring_bytes_per_rank("broadcast", S, n) == pytest.approx(sent[0])  # the one model
+    # the all-reduce (2·3/4·4e6 = 6e6) plus the broadcasts, once per step whatever the accumulation
+    assert bytes_per_step([bcast], grad_accum=4) == 3e6
+    # time: n chains one after another, each (n−1) hops of α and B / bw once the pipe is full:
+    # n·((n−1)α + B/bw) = 12 ms + S/bw — S/bw, not (n−1)/n·S/bw: one link idles in each chain.
+    c = _cluster(1, n, 1, 1, alpha=alpha)
+    assert op_time_s(bcast, mesh_groups(c), c) == pytest.approx(n * ((n - 1) * alpha + S / n / bw))
+
+
+def test_hsdp_replica_all_reduce_once_per_step():
+    # hsdp, 4 ranks = 2 replicas × shard 2, fp32, P = 1e6 (even: no padding), grad_accum 2.
+    # Per micro-batch in the shard group (n = 2): all-gather fwd + bwd and reduce-scatter of 4P
+    # bytes, each (1/2)·4P = 2P sent → 6P; two micro-batches 12P. The replica all-reduce of the
+    # 2P-byte grad shard over 2 replicas sends 2·(1/2)·2P = 2P, once (train/step.py
+    # set_requires_all_reduce): 14P in all (FSDP2's default, per micro-batch, would be 16P).
+    from shardtune.plan.comm import bytes_per_step, collectives
+
+    P = 10**6
+    colls = collectives("hsdp", num_params=P, trainable_params=P, world_size=4, shard_degree=2,
+                        precision="fp32")
+    replica = [c for c in colls if c.group == "replica"]
+    assert [(c.op, c.count_per) for c in replica] == [("all_reduce", "step")]
+    assert bytes_per_step(colls, grad_accum=2) == 14 * P
+
+
+def test_step_time_per_step_op_on_another_link_runs_beside_the_last_micro_batch():
+    # HSDP on 2×8, no overlap, no compute, 2 micro-batches: the shard reduce-scatter (NVLink,
+    # 0.07 s) every micro-batch; the replica all-reduce (NICs, 0.8 s, as above) once, in the last
+    # micro-batch's backward, beside that micro-batch's reduce-scatter: 0.07 + max(0.07, 0.8).
+    c = _cluster(2, 8, 100, 10)
+    ops = [CommOp("reduce_scatter", 8e9, "shard", "backward"),
+           CommOp("all_reduce", 1e9, "replica", "backward", count_per="step")]
+    st = step_time(ops, c, mesh_groups(c, shard_size=8), 0.0, 0.0, 1, grad_accum=2, overlap=False)
+    assert st.exposed_comm_s == pytest.approx(0.07 + 0.8)
+    assert st.comm_time_s == pytest.approx(2 * 0.07 + 0.8)
