@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import UserError
+from shardtune.train import lora as lora_mod
 from shardtune.train.ckpt_files import HF_DIR, read_info
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
@@ -83,11 +84,14 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, adapter_only: bool = False) -> Path:
     """Write an HF folder from a complete shardtune checkpoint; returns `out_dir`. Peak host memory:
     one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the saved one.
     The folder appears complete or not at all (written under a temporary name, then renamed);
-    `overwrite` replaces an existing export (training's end-of-run export after a resume)."""
+    `overwrite` replaces an existing export (training's end-of-run export after a resume).
+    LoRA checkpoints (train/lora.py): each target weight is merged, W + (alpha/r)·B A, as its shard
+    streams (its A and B are read with it); `adapter_only` writes a PEFT adapter folder instead
+    (adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained`)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
@@ -106,6 +110,13 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     out_dtype = _DTYPES[dtype] if dtype else None
     entries = model_tensors(ckpt)
     hf_config = json.loads((ckpt / HF_DIR / "config.json").read_text())
+    lora = hf_config.get(lora_mod.CONFIG_KEY)
+    if adapter_only and not lora:
+        raise UserError(f"{ckpt} was not trained with LoRA (lora.rank > 0); drop --adapter-only")
+    entries, adapters = lora_mod.split_adapters(entries) if lora else (entries, {})
+    if adapter_only:
+        entries = [a for pair in adapters.values() for a in pair.values()]
+        entries = [(k, lora_mod.peft_saved_name(name), shape, dt) for k, name, shape, dt in entries]
     names = {name for _, name, _, _ in entries}
     if hf_config.get("tie_word_embeddings") and {"lm_head.weight", "model.embed_tokens.weight"} <= names:
         # tied: HF saves the embedding once and ties lm_head to it when loading
@@ -114,8 +125,11 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
         raise UserError(f"{ckpt} holds no model tensors")
     elem = lambda dt: torch.empty((), dtype=out_dtype or dt).element_size()  # noqa: E731
     sizes = [(k, shape.numel() * elem(dt)) for k, _, shape, dt in entries]
-    shards = plan_shards(sizes, max_shard_bytes)
+    # adapters are small (r × (in + out) per target) and PEFT reads one file: never split them
+    shards = [[k for k, _ in sizes]] if adapter_only else plan_shards(sizes, max_shard_bytes)
     meta = {k: (name, shape, dt) for k, name, shape, dt in entries}
+    merge = {} if adapter_only else adapters
+    meta.update({e[0]: (e[1], e[2], e[3]) for pair in merge.values() for e in pair.values()})
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -125,11 +139,20 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     total = 0
     for i, keys in enumerate(shards, start=1):
         fname = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        want = {k: torch.empty(meta[k][1], dtype=meta[k][2]) for k in keys}
+        if adapter_only:
+            fname = "adapter_model.safetensors"
+        # a LoRA target weight is read with its A and B (r × (in + out) more elements) and merged
+        extra = [e[0] for k in keys for e in merge.get(meta[k][0], {}).values()]
+        want = {k: torch.empty(meta[k][1], dtype=meta[k][2]) for k in [*keys, *extra]}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-        tensors = {meta[k][0]: (t.to(out_dtype) if out_dtype else t).contiguous() for k, t in want.items()}
+        for k in keys:
+            if meta[k][0] in merge:
+                pair = merge[meta[k][0]]
+                want[k] = lora_mod.merged_weight(want[k], want[pair["A"][0]], want[pair["B"][0]],
+                                                 lora_mod.scaling(lora))
+        tensors = {meta[k][0]: (want[k].to(out_dtype) if out_dtype else want[k]).contiguous() for k in keys}
         del want
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
@@ -139,10 +162,17 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     if len(shards) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    for f in (ckpt / HF_DIR).iterdir():  # config.json, tokenizer files
-        if f.is_file():
-            shutil.copy2(f, tmp / f.name)
-    if out_dtype is not None:
+    if adapter_only:
+        lora_mod.write_adapter_config(lora, hf_config.get("_name_or_path") or "", tmp)
+    else:
+        for f in (ckpt / HF_DIR).iterdir():  # config.json, tokenizer files
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+    if lora and not adapter_only:  # merged: a plain HF model, without our adapter settings
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.pop(lora_mod.CONFIG_KEY, None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if out_dtype is not None and not adapter_only:
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["dtype"] = cfg["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

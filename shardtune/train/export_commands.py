@@ -14,10 +14,13 @@ def register(app: typer.Typer) -> None:
         out_dir: str = typer.Argument(..., help="New (or empty) folder for the Hugging Face model"),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB, 2GiB: also the export's memory bound."),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16 (default: as saved)."),
+        adapter_only: bool = typer.Option(False, "--adapter-only", help="LoRA runs: write the PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of the merged model."),
     ) -> int:
         """Write a Hugging Face folder (config, safetensors shards, tokenizer) from a checkpoint."""
         from shardtune.train.export import export_checkpoint, parse_size_bytes
 
-        out = export_checkpoint(checkpoint_dir, out_dir, parse_size_bytes(max_shard_size), dtype)
-        print(f"exported {checkpoint_dir} -> {out} (AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+        out = export_checkpoint(checkpoint_dir, out_dir, parse_size_bytes(max_shard_size), dtype,
+                                adapter_only=adapter_only)
+        loader = "PeftModel.from_pretrained(base_model, " if adapter_only else "AutoModelForCausalLM.from_pretrained("
+        print(f"exported {checkpoint_dir} -> {out} ({loader}{str(out)!r}))")
         return 0

@@ -195,7 +195,9 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
             t0 = now_s(ctx.device)
             step_fn = lambda: train_step(model, optimizer, scheduler, mbs, dp_group=None, dp_size=ctx.world_size,  # noqa: E731
                                          grad_clip=cfg.optim.grad_clip, autocast_dtype=amp, activations=activations)
-            if ctx.device.type == "cpu" and state.step + 1 == min(3, total_steps):
+            # torch's MemTracker puts a grad hook on every parameter of a module and fails on
+            # frozen ones (LoRA's base weights): LoRA runs are not tracked
+            if ctx.device.type == "cpu" and state.step + 1 == min(3, total_steps) and not cfg.lora.rank:
                 # CPU has no allocator statistics: track this step's tensors by category (the
                 # third: optimizer states exist and DDP has rebuilt its buckets) for `report`
                 from shardtune.report.tracker import tracked_call

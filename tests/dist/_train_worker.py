@@ -2,7 +2,9 @@
 cost ~7 s per process, so cases share them) and writes rank<r>.json with what each case measured.
 
 argv: cases.json out_dir. A case: {name, parallel: {...ParallelConfig}, steps, rows, seq_len,
-grad_accum, lr, model: {...ModelConfig}, logits: bool, crash: bool}.
+grad_accum, lr, model: {...ModelConfig}, logits: bool, crash: bool, lora: {...LoraConfig}
+(LoRA cases also measure frozen weights, grads and logits after training: _lora_checks.py),
+save_dir: a LoRA case saves a checkpoint there}.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
 
-from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from _lora_checks import LoraProbe  # noqa: E402
+
+from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
 from shardtune.train.metrics import SavedActivations, model_state_bytes  # noqa: E402
 from shardtune.train.model import build_model  # noqa: E402
@@ -31,7 +35,9 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     mesh = build_mesh(pcfg, world, world, "cpu")
     mcfg = ModelConfig(**case.get("model", {}))
     torch.manual_seed(0)
-    model = build_model(mcfg, pcfg, mesh, torch.device("cpu"), seed=case.get("seed", 0))
+    lora_cfg = LoraConfig(**case["lora"]) if case.get("lora") else None
+    model = build_model(mcfg, pcfg, mesh, torch.device("cpu"), seed=case.get("seed", 0), lora_cfg=lora_cfg)
+    probe = LoraProbe(model) if lora_cfg else None
     out: dict = {}
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):  # count DDP's gradient all-reduces
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -76,7 +82,11 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         if step == 0:
             out["bytes"] = model_state_bytes(model, opt)
             out["activations_bytes"] = saved.peak_bytes
+            if probe:
+                out.update(probe.after_first_step(model))
     dist.all_reduce = real_all_reduce
+    if probe:
+        out.update(probe.finish(model, opt, sched, case, rank, world))
     del model, opt, sched
     gc.collect()
     return out

@@ -1,0 +1,216 @@
+"""LoRA in the trainer (train/lora.py) on gloo ranks, in ONE 2-rank launch (_lora_worker.py).
+
+The reference is written here independently of train/lora.py: a plain transformers model (the
+trainer's seeded base init), wrapped by PEFT's own `get_peft_model`, its A matrices set by hand
+to U(-1/√in, 1/√in) from the per-tensor generator (= PEFT's kaiming_uniform_(a=√5), microsoft/LoRA
+loralib), B zeros; one forward over the whole global batch, torch AdamW and clip_grad_norm_ on the
+adapters alone.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _batches import global_batch  # noqa: E402
+from _harness import launch  # noqa: E402
+
+pytestmark = [pytest.mark.dist]
+WORKER = Path(__file__).parent / "_lora_worker.py"
+ROWS, SEQ, STEPS, LR = 8, 32, 3, 1e-2
+RANK, ALPHA = 4, 8.0
+LORA = {"rank": RANK, "alpha": ALPHA}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CKPT_BASE = ["model.name=tiny-llama", "data.generated_examples=200", "parallel.precision=fp32",
+             "optim.lr=0.01", "train.seq_len=64", "train.max_steps=4", "train.micro_batch=2",
+             "train.timeout_s=60", "checkpoint.every=2", "checkpoint.keep=3", f"lora.rank={RANK}",
+             f"lora.alpha={ALPHA}"]
+
+
+def _case(name, strategy, precision="fp32", **kw):
+    par = {"strategy": strategy, "precision": precision, **kw.pop("parallel", {})}
+    return {"name": name, "parallel": par, "steps": STEPS, "rows": ROWS, "seq_len": SEQ, "lr": LR,
+            "lora": LORA, **kw}
+
+
+def _plain_model():
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ModelConfig
+    from shardtune.train.model import build_hf_config, init_model_weights
+
+    model = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()), attn_implementation="sdpa")
+    init_model_weights(model, ModelConfig(name="tiny-llama"), seed=0)
+    return model
+
+
+def _reference_model():
+    """PEFT's own wrapper on the plain model; A by hand (module doc), B zeros."""
+    from peft import LoraConfig, get_peft_model
+
+    from shardtune.train.model import _tensor_seed
+
+    model = get_peft_model(_plain_model(), LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                      target_modules=TARGETS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                gen = torch.Generator().manual_seed(_tensor_seed(0, name.removeprefix("base_model.model.")))
+                bound = 1 / math.sqrt(p.shape[1])
+                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=gen))
+            elif ".lora_B." in name:
+                assert p.abs().max() == 0  # PEFT inits B to zeros too
+    return model
+
+
+def reference():
+    torch.manual_seed(0)
+    model = _reference_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses, norms = [], []
+    for step in range(STEPS):
+        b = global_batch(step, ROWS, SEQ)
+        logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference()
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora2")
+    s2 = str(d / "lora_straight" / "checkpoints" / "step_2")
+    cases = [
+        _case("zero3", "zero3", logits=True, save_dir=str(d / "zero3_run")),
+        _case("ddp", "ddp"),
+        _case("zero1", "zero1"),
+        _case("zero3_bf16_ac", "zero3", "bf16-mixed", parallel={"activation_checkpointing": "full"}, steps=1),
+        {"name": "lora_straight", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", "checkpoint.resume=never"]},
+        {"name": "lora_resume", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", f"checkpoint.resume={s2}"]},
+        {"name": "lora_resume_ddp", "overrides": [*CKPT_BASE, "parallel.strategy=ddp", f"checkpoint.resume={s2}"]},
+    ]
+    (d / "cases.json").write_text(json.dumps(cases))
+    launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=240, log_dir=d / "logs")
+    return d, [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["zero3", "ddp", "zero1"])
+def test_lora_loss_parity_two_ranks_vs_one_process(world2, ref, name):
+    for rank_result in world2[1]:
+        assert rank_result[name]["losses"] == pytest.approx(ref[0], abs=1e-5), name
+        assert rank_result[name]["grad_norms"] == pytest.approx(ref[1], rel=1e-4), name
+
+
+@pytest.mark.timeout(300)
+def test_initial_logits_are_the_base_models(world2):
+    """B = 0: before training, the LoRA model computes exactly the plain model."""
+    ids = global_batch(99, 2, 16)["input_ids"]
+    with torch.no_grad():
+        want = _plain_model()(input_ids=ids).logits
+    for rank_result in world2[1]:
+        torch.testing.assert_close(torch.tensor(rank_result["zero3"]["logits"]), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero3_bf16_ac"])
+def test_base_frozen_and_only_adapters_get_grads(world2, name):
+    L = 4  # tiny-llama layers
+    for rank_result in world2[1]:
+        r = rank_result[name]
+        assert r["frozen_max_change"] == 0.0
+        assert r["num_frozen"] == 3 + 9 * L  # embed, norm, lm_head + 9 per layer (test_train_parity)
+        assert len(r["trainable_params"]) == 2 * len(TARGETS) * L
+        assert all(".lora_A." in n or ".lora_B." in n for n in r["trainable_params"])
+        # step 1: B = 0, so dL/dA = 0 but A's grad tensor exists; no base weight has one
+        assert r["grad_params"] == r["trainable_params"]
+
+
+def _lora_trainable_numel() -> int:
+    """Hand derivation (tiny-llama: H 128, I 344, 2 KV heads × 32, L 4): r·(in + out) per target."""
+    H, I, KV, L = 128, 344, 64, 4
+    per_layer = (H + H) + (H + KV) + (H + KV) + (H + H) + 2 * (H + I) + (I + H)
+    return L * RANK * per_layer
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, strategy, shard, precision", [
+    ("zero3", "zero3", 2, "fp32"), ("ddp", "ddp", 1, "fp32"), ("zero1", "zero1", 1, "fp32"),
+    ("zero3_bf16_ac", "zero3", 2, "bf16-mixed")])
+def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, precision):
+    """After step 1 each rank's params (frozen base + adapters), grads (adapters only) and AdamW
+    states (adapters only) equal plan/memory.py's `shardtune_states` for lora_rank; AdamW's
+    per-tensor `step` scalar (4 B, CPU) is left out by the planner."""
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.plan.memory import local_numels, shardtune_states
+    from shardtune.plan.params import architecture_from_config, model_shapes
+
+    shapes = model_shapes(architecture_from_config(resolve_model_config("tiny-llama")), lora_rank=RANK)
+    assert sum(p.numel for p in shapes if p.trainable) == _lora_trainable_numel()
+    for rank, rank_result in enumerate(world2[1]):
+        s = shardtune_states(shapes, strategy, 2, shard, precision, "adamw", rank)
+        owned = sum(local_numels(shapes, strategy, 2, shard, rank)[2].values())
+        got = dict(rank_result[name]["bytes"])
+        got["optimizer_bytes"] -= 4 * owned
+        assert got == {"params_bytes": s.params, "grads_bytes": s.grads, "optimizer_bytes": s.optimizer}
+        if strategy == "zero3":  # and by hand: fp32 grads of half the adapters
+            assert got["grads_bytes"] == 4 * _lora_trainable_numel() // 2
+
+
+@pytest.mark.timeout(300)
+def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path):
+    """Merged export → AutoModelForCausalLM.from_pretrained, and the adapter folder →
+    PeftModel.from_pretrained on the plain base: both give the trained model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.train.export import export_checkpoint
+
+    d, results = world2
+    want = torch.tensor(results[0]["zero3"]["logits_after"])
+    assert not torch.allclose(want, torch.tensor(results[0]["zero3"]["logits"]), atol=1e-3)  # trained
+    ckpt = d / "zero3_run" / "checkpoints" / f"step_{STEPS}"
+    ids = global_batch(99, 2, 16)["input_ids"]
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "merged"))
+    cfg = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "shardtune_lora" not in cfg and not (tmp_path / "merged" / "adapter_config.json").exists()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    peft_model = PeftModel.from_pretrained(_plain_model(), adapter)
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["lora_resume", "lora_resume_ddp"])
+def test_lora_resume_continues_the_straight_run(world2, name):
+    """4 steps straight == 2 steps, checkpoint, resume (same zero3 or resharded to ddp), 2 steps."""
+    d, results = world2
+    assert results[0]["lora_straight"]["outcome"] == "ok" and results[0][name]["outcome"] == "ok"
+    straight, resumed = _losses(d / "lora_straight"), _losses(d / name)
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[s] for s in (3, 4)] == pytest.approx([straight[s] for s in (3, 4)], abs=1e-5)
+    plan = json.loads((d / name / "plan.json").read_text())
+    assert plan["inputs"]["lora_rank"] == RANK
