@@ -21,9 +21,14 @@ Two accountings, named in every result:
     largest first, to the rank with the fewest elements so far (`zero1_partition`).
   - bf16 (pure): params, grads and optimizer states in bf16 (2 + 2 + 4 B/param), no fp32 master.
     fp32: 4 + 4 + 8, no bf16 copies.
-  AdamW's per-tensor `step` counter is a 0-dim fp32 tensor that torch keeps on the CPU
-  (torch/optim/adam.py, non-capturable, non-fused): not GPU memory, not counted here; a CPU
-  run that sums every tensor in `optimizer.state` sees 4 more bytes per owned tensor.
+  AdamW's per-tensor `step` counter: a 0-dim fp32 tensor per tensor the rank holds state for
+  (each FSDP2 local shard, every tensor under ddp, the rank's own tensors under zero1's
+  partition). torch/optim/adam.py `_init_group` puts it on device="cpu" unless capturable or
+  fused — our trainer uses neither (train/step.py `build_optimizer`) — so it is host memory on a
+  GPU run: counted exactly, but apart, in `States.optimizer_host` (4 B × owned tensors), not in
+  the GPU's `optimizer`. On a CPU run both live in the same RAM: optimizer + optimizer_host is
+  what summing every tensor in `optimizer.state` gives. SGD keeps no counter; bitsandbytes keeps
+  a Python int.
   Every number is rank 0's, the largest rank (FSDP2's rank 0 always holds the full ceil(dim0/N)
   rows, and the greedy zero1 partition is reported at its largest rank).
 
@@ -125,6 +130,12 @@ def optimizer_state_bytes(numel: int, optimizer: str, state_bytes: int) -> int:
     return 2 * numel + 2 * 4 * ceil(numel / 256)
 
 
+def optimizer_host_bytes(num_tensors: int, optimizer: str) -> int:
+    """AdamW's per-tensor `step` counters: 4 bytes (fp32, torch.optim.optimizer `_get_scalar_dtype`)
+    per tensor with optimizer state, on the CPU (module doc); none for sgd and adamw-8bit."""
+    return 4 * num_tensors if optimizer == "adamw" else 0
+
+
 def optimizer_temp_bytes(state_numel: int, optimizer: str, state_bytes: int) -> int:
     """foreach AdamW's sqrt(v) temporary: one copy of the local states' size (see module doc)."""
     return state_bytes * state_numel if optimizer == "adamw" else 0
@@ -138,6 +149,7 @@ class States:
     grads: int
     optimizer: int
     optimizer_step_temp: int
+    optimizer_host: int = 0  # host-resident optimizer bytes: AdamW's `step` counters (module doc)
 
 
 def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
@@ -187,6 +199,7 @@ def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, s
         grads=g * dt.grad,
         optimizer=sum(c * optimizer_state_bytes(n, optimizer, dt.state) for n, c in opt.items()),
         optimizer_step_temp=optimizer_temp_bytes(sum(n * c for n, c in opt.items()), optimizer, dt.state),
+        optimizer_host=optimizer_host_bytes(sum(opt.values()), optimizer),
     )
 
 
@@ -203,7 +216,8 @@ def max_rank_states(shapes: list[ParamShape], strategy: str, world_size: int, sh
 
 def flat_states(num_params: int, trainable: int, strategy: str, shard_degree: int,
                 precision: str, optimizer: str) -> States:
-    """`shardtune` states for a bare parameter count (--params): an even split, no padding."""
+    """`shardtune` states for a bare parameter count (--params): an even split, no padding, and
+    no tensor count for AdamW's host-side step counters (optimizer_host 0)."""
     dt = dtypes(precision)
     shard = ceil(trainable / shard_degree)
     sharded = strategy in FSDP_STRATEGIES

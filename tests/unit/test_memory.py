@@ -237,3 +237,32 @@ def test_layer_activations_match_torch_saved_tensors(dtype_name, elem_bytes):
         model(input_ids=ids, labels=ids, use_cache=False)
     arch = architecture_from_config(cfg)
     assert sum(saved.values()) == layer_activation_bytes(arch, b * s, elem_bytes)
+
+
+def test_adamw_step_counters_are_host_bytes_per_owned_tensor():
+    # torch's own AdamW as the trainer builds it (not fused, not capturable): one 0-dim fp32
+    # `step` tensor on the CPU per parameter tensor, whatever the parameters' device.
+    import torch
+
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.plan.memory import shardtune_states
+    from shardtune.plan.params import architecture_from_config, model_shapes
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    steps = [s["step"] for s in opt.state.values()]
+    assert len(steps) == 4
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 and t.nbytes == 4 for t in steps)
+    # tiny-llama, 4 layers: embed, final norm, lm_head + 9 tensors per layer = 39 tensors
+    shapes = model_shapes(architecture_from_config(resolve_model_config("tiny-llama")))
+    tensors = 3 + 9 * 4
+    ddp = shardtune_states(shapes, "ddp", 2, 1, "fp32", "adamw")
+    assert ddp.optimizer_host == 4 * tensors
+    assert ddp.optimizer == 8 * sum(p.numel for p in shapes)  # the GPU's m and v: no counters
+    for rank in range(4):  # FSDP2: every rank holds a shard of every tensor
+        assert shardtune_states(shapes, "zero3", 4, 4, "fp32", "adamw", rank).optimizer_host == 4 * tensors
+    z1 = [shardtune_states(shapes, "zero1", 2, 2, "fp32", "adamw", r).optimizer_host for r in (0, 1)]
+    assert sum(z1) == 4 * tensors and all(0 < h < 4 * tensors for h in z1)  # whole tensors split
+    assert shardtune_states(shapes, "zero3", 4, 4, "fp32", "sgd").optimizer_host == 0
