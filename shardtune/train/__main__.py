@@ -23,6 +23,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--keep", type=int)
     p.add_argument("--resume", help="auto | never | a checkpoints/step_N path")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank (lora.rank; 0: full fine-tune)")
     return p.parse_intermixed_args(argv)
 
 
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args.recipe, args.overrides, strategy=args.strategy, precision=args.precision,
                              max_steps=args.max_steps, seed=args.seed, output_dir=args.output_dir,
-                             checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume)
+                             checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume,
+                             lora_rank=args.lora_rank)
         world = int(os.environ.get("WORLD_SIZE", 1))
         validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         from shardtune.train.main import run

@@ -18,11 +18,12 @@ import typer
 
 from shardtune.errors import UserError
 
-FLAGS = ("strategy", "precision", "max_steps", "seed", "output_dir", "checkpoint_every", "keep", "resume")
+FLAGS = ("strategy", "precision", "max_steps", "seed", "output_dir", "checkpoint_every", "keep", "resume",
+         "lora_rank")
 _FLAG_KEYS = {"strategy": "parallel.strategy", "precision": "parallel.precision",
               "max_steps": "train.max_steps", "seed": "train.seed", "output_dir": "output_dir",
               "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
-              "resume": "checkpoint.resume"}
+              "resume": "checkpoint.resume", "lora_rank": "lora.rank"}
 
 
 def flag_overrides(**flags) -> list[str]:
@@ -136,9 +137,10 @@ def register(app: typer.Typer) -> None:
         keep: Optional[int] = typer.Option(None, "--keep", help="Keep the newest K checkpoints (checkpoint.keep)."),
         resume: Optional[str] = typer.Option(None, "--resume", help="auto (newest complete checkpoint) | never | a checkpoints/step_N path."),
         max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts of the whole group after a failure; each resumes from the last checkpoint."),
+        lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`."),
     ) -> int:
         """Fine-tune with a recipe on this machine (torchrun under the hood)."""
         return train_command(recipe, overrides or [], nproc, strategy=strategy, precision=precision,
                              max_steps=max_steps, seed=seed, output_dir=output_dir,
                              checkpoint_every=checkpoint_every, keep=keep, resume=resume,
-                             max_restarts=max_restarts)
+                             max_restarts=max_restarts, lora_rank=lora_rank)
