@@ -4,7 +4,8 @@ cost ~7 s per process, so cases share them) and writes rank<r>.json with what ea
 argv: cases.json out_dir. A case: {name, parallel: {...ParallelConfig}, steps, rows, seq_len,
 grad_accum, lr, model: {...ModelConfig}, logits: bool, crash: bool, lora: {...LoraConfig}
 (LoRA cases also measure frozen weights, grads and logits after training: _lora_checks.py),
-save_dir: a LoRA case saves a checkpoint there}.
+save_dir: a LoRA case saves a checkpoint there}; a case with `overrides` runs the real
+trainer instead (_ckpt_worker.run_case).
 """
 from __future__ import annotations
 
@@ -104,7 +105,12 @@ def main() -> None:
                 raise RuntimeError("rank 1 crashes on purpose")
             if case.get("crash"):
                 dist.barrier()  # rank 0 waits here for a peer that never comes
-            results[case["name"]] = run_case(case, rank, world)
+            if "overrides" in case:  # a real-trainer case (_ckpt_worker.py), e.g. LoRA resume
+                import _ckpt_worker
+
+                results[case["name"]] = _ckpt_worker.run_case(case, out_dir, rank, world)
+            else:
+                results[case["name"]] = run_case(case, rank, world)
             dist.barrier()
     finally:
         gc.collect()

@@ -1,4 +1,5 @@
-"""LoRA in the trainer (train/lora.py) on gloo ranks, in ONE 2-rank launch (_lora_worker.py).
+"""LoRA in the trainer (train/lora.py) on gloo ranks, in ONE 2-rank launch of _train_worker.py
+(its LoRA cases, and real-trainer cases for resume).
 
 The reference is written here independently of train/lora.py: a plain transformers model (the
 trainer's seeded base init), wrapped by PEFT's own `get_peft_model`, its A matrices set by hand
@@ -22,7 +23,7 @@ from _batches import global_batch  # noqa: E402
 from _harness import launch  # noqa: E402
 
 pytestmark = [pytest.mark.dist]
-WORKER = Path(__file__).parent / "_lora_worker.py"
+WORKER = Path(__file__).parent / "_train_worker.py"
 ROWS, SEQ, STEPS, LR = 8, 32, 3, 1e-2
 RANK, ALPHA = 4, 8.0
 LORA = {"rank": RANK, "alpha": ALPHA}

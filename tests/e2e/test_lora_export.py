@@ -21,6 +21,9 @@ import torch.nn.functional as F
 
 from shardtune.testing.proc import run_bounded
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_export import _step5_batch  # noqa: E402  (the step-5 batch from step_4's data position)
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
@@ -49,16 +52,6 @@ def run(tmp_path_factory) -> Path:
                       "--output-dir", str(tmp / "run"))
     assert proc.returncode == 0, proc.stdout[-3000:]
     return tmp / "run"
-
-
-def _step5_batch(run: Path) -> dict:
-    from shardtune.config import load_recipe
-    from shardtune.train.data import build_dataloader, build_tokenizer
-
-    cfg = load_recipe(run / "config.yaml")
-    loader = build_dataloader(cfg.data, cfg.train, build_tokenizer(cfg.data, cfg.model.name), 0, 1, cfg.train.seed)
-    loader.load_state_dict(json.loads((run / "checkpoints" / "step_4" / "trainer.json").read_text())["data"])
-    return next(loader)
 
 
 @pytest.mark.timeout(240)
