@@ -101,6 +101,8 @@ def world2(tmp_path_factory):
         _case("zero3", "zero3", logits=True, save_dir=str(d / "zero3_run")),
         _case("ddp", "ddp"),
         _case("zero1", "zero1"),
+        _case("zero2", "zero2"),
+        _case("zero3_offload", "zero3", parallel={"offload": "all"}),
         _case("zero3_bf16_ac", "zero3", "bf16-mixed", parallel={"activation_checkpointing": "full"}, steps=1),
         {"name": "lora_straight", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", "checkpoint.resume=never"]},
         {"name": "lora_resume", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", f"checkpoint.resume={s2}"]},
@@ -112,7 +114,7 @@ def world2(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["zero3", "ddp", "zero1"])
+@pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero2", "zero3_offload"])
 def test_lora_loss_parity_two_ranks_vs_one_process(world2, ref, name):
     for rank_result in world2[1]:
         assert rank_result[name]["losses"] == pytest.approx(ref[0], abs=1e-5), name
@@ -153,6 +155,7 @@ def _lora_trainable_numel() -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, strategy, shard, precision", [
     ("zero3", "zero3", 2, "fp32"), ("ddp", "ddp", 1, "fp32"), ("zero1", "zero1", 1, "fp32"),
+    ("zero2", "zero2", 2, "fp32"),
     ("zero3_bf16_ac", "zero3", 2, "bf16-mixed")])
 def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, precision):
     """After step 1 each rank's params (frozen base + adapters), grads (adapters only) and AdamW
