@@ -60,7 +60,7 @@ def apply_lora(model: nn.Module, lora_cfg: "LoraConfig") -> nn.Module:
     try:  # low_cpu_mem_usage: adapters are made on meta like the rest (filled by init_model_weights)
         inject_adapter_in_model(peft_config(lora_cfg), model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except ValueError as e:
-        raise UserError(f"lora.target_modules {list(lora_cfg.target_modules)}: {str(e).splitlines()[0]}; "
+        raise UserError(f"lora.target_modules {list(lora_cfg.target_modules)}: {str(e).splitlines()[0].rstrip('.')}; "
                         "name nn.Linear modules of the model (e.g. q_proj, v_proj)") from None
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))

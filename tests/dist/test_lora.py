@@ -218,3 +218,28 @@ def test_lora_resume_continues_the_straight_run(world2, name):
     assert [resumed[s] for s in (3, 4)] == pytest.approx([straight[s] for s in (3, 4)], abs=1e-5)
     plan = json.loads((d / name / "plan.json").read_text())
     assert plan["inputs"]["lora_rank"] == RANK
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("override, needle", [
+    ("lora.rank=-1", "lora.rank"), ("lora.alpha=0", "lora.alpha"), ("lora.dropout=1", "lora.dropout"),
+    ("lora.target_modules=[]", "lora.target_modules"), ("lora.rnak=4", "did you mean 'lora.rank'")])
+def test_bad_lora_settings_are_one_line_user_errors(override, needle):
+    from shardtune.config import load_recipe
+    from shardtune.errors import UserError
+
+    with pytest.raises(UserError, match=needle) as e:
+        load_recipe(None, [override])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_target_module_is_a_user_error():
+    from shardtune.config import LoraConfig, ModelConfig
+    from shardtune.errors import UserError
+    from shardtune.train.lora import apply_lora
+    from shardtune.train.model import build_meta_model
+
+    with pytest.raises(UserError, match="foo_proj") as e:
+        apply_lora(build_meta_model(ModelConfig()), LoraConfig(rank=4, target_modules=["foo_proj"]))
+    assert "\n" not in str(e.value)
