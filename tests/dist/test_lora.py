@@ -104,6 +104,7 @@ def world2(tmp_path_factory):
         _case("zero2", "zero2"),
         _case("zero3_offload", "zero3", parallel={"offload": "all"}),
         _case("zero3_bf16_ac", "zero3", "bf16-mixed", parallel={"activation_checkpointing": "full"}, steps=1),
+        _case("ddp_bf16", "ddp", "bf16-mixed", steps=1),
         {"name": "lora_straight", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", "checkpoint.resume=never"]},
         {"name": "lora_resume", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", f"checkpoint.resume={s2}"]},
         {"name": "lora_resume_ddp", "overrides": [*CKPT_BASE, "parallel.strategy=ddp", f"checkpoint.resume={s2}"]},
@@ -132,7 +133,7 @@ def test_initial_logits_are_the_base_models(world2):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero3_bf16_ac"])
+@pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero3_bf16_ac", "ddp_bf16"])
 def test_base_frozen_and_only_adapters_get_grads(world2, name):
     L = 4  # tiny-llama layers
     for rank_result in world2[1]:
@@ -155,7 +156,7 @@ def _lora_trainable_numel() -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, strategy, shard, precision", [
     ("zero3", "zero3", 2, "fp32"), ("ddp", "ddp", 1, "fp32"), ("zero1", "zero1", 1, "fp32"),
-    ("zero2", "zero2", 2, "fp32"),
+    ("zero2", "zero2", 2, "fp32"), ("ddp_bf16", "ddp", 1, "bf16-mixed"),
     ("zero3_bf16_ac", "zero3", 2, "bf16-mixed")])
 def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, precision):
     """After step 1 each rank's params (frozen base + adapters), grads (adapters only) and AdamW
