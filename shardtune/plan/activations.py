@@ -57,9 +57,10 @@ docs/calibration.md), `calibrated=True` (what `plan` uses) adds what the trainer
                     its input to bf16 separately (q, k, v: 3·e·h; gate, up: 2·e·h): +10h per
                     token per layer and +2h in the head at e = 2 (FSDP2 casts the parameters
                     instead and computes in bf16 throughout).
-  AC peak           the head's saved tensors are freed by its backward before the last
-                    checkpointed layer is recomputed, while train_step still holds the last
-                    logits (e·T·V): body + max(head, recompute + logits), not their sum.
+  AC peak           the head's saved tensors (the logits among them: train_step drops its own
+                    reference once the loss is computed) are freed by its backward before the
+                    last checkpointed layer is recomputed: body + max(head, recompute), not
+                    their sum.
 Imports no torch.
 """
 from __future__ import annotations
@@ -102,12 +103,6 @@ def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, 
     return tokens * ((4 + (4 if autocast else e)) * h + 4 + e * h + logits)
 
 
-def held_logits_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> int:
-    """The last micro-batch's logits (e·T·V), which train.step.train_step keeps referenced until
-    it returns: through the backward and the optimizer step."""
-    return elem_bytes * tokens * arch.vocab_size
-
-
 def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
                      ac: str = "none", ac_every: int = 2, calibrated: bool = False,
                      autocast: bool = False) -> int:
@@ -130,5 +125,5 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     rope = 2 * stream * tokens * arch.head_dim  # cos, sin
     head = head_activation_bytes(arch, tokens, elem_bytes, autocast)
     if calibrated and recompute:
-        return body + rope + max(head, recompute + held_logits_bytes(arch, tokens, elem_bytes))
+        return body + rope + max(head, recompute)
     return body + recompute + rope + head

@@ -11,7 +11,7 @@ from shardtune.catalog.gpus import GPU, resolve_gpu
 from shardtune.catalog.models import MODELS, resolve_model_config
 from shardtune.errors import UserError
 from shardtune.plan import comm, memory
-from shardtune.plan.activations import activation_bytes, held_logits_bytes
+from shardtune.plan.activations import activation_bytes
 from shardtune.plan.params import (
     ParamShape,
     architecture_from_config,
@@ -163,15 +163,15 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
         cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
         st = memory.States(0, 0, 0, 0)
     act, buf = _activations(m, inp, strategy), _buffers(m, strategy, inp)
-    held = 0  # calibrated against `plan --simulate` (docs/calibration.md)
-    if m.arch is not None and inp.accounting == "shardtune":
-        held = held_logits_bytes(m.arch, inp.micro_batch * inp.seq_len, memory.dtypes(inp.precision).compute)
     grads_in_forward = not (strategy in memory.FSDP_STRATEGIES and inp.grad_accum == 1
                             and inp.accounting == "shardtune")
     reduce = 0
     if m.shapes is not None and inp.accounting == "shardtune" and strategy in memory.FSDP_STRATEGIES:
-        reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision)
-    total = memory.peak_bytes(st, act, buf, grads_in_forward, held, reduce)
+        # the root's sharded grads are not there yet, unless a previous micro-batch made them
+        # or they live on the host (offload all)
+        net_of = shard if not grads_in_forward and inp.offload != "all" else 0
+        reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision, net_of)
+    total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce)
     colls = comm.collectives(strategy, num_params=m.num_params,
                              trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,
                              precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)

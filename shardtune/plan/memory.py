@@ -291,18 +291,23 @@ def ddp_buffer_bytes(shapes: list[ParamShape], precision: str) -> int:
     return dtypes(precision).compute * cached
 
 
-def fsdp_root_reduce_bytes(shapes: list[ParamShape], precision: str) -> int:
+def fsdp_root_reduce_bytes(shapes: list[ParamShape], precision: str, shard_degree: int = 0) -> int:
     """The end of backward under FSDP2: the root group's (embedding, final norm, LM head)
     unsharded grads in the compute dtype and the reduce-scatter input in the reduce dtype, alive
     together (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce` copies
     the grads in before freeing them), while every other group's sharded grads already exist.
-    Calibrated against `plan --simulate` (docs/calibration.md): the peak with full AC."""
+    `shard_degree` > 0 (no gradient accumulation): net of the root's own sharded grads, which the
+    grads at rest count but which do not exist yet (zero_grad(set_to_none=True) freed them; the
+    reduce-scatter makes them). Calibrated against `plan --simulate` (docs/calibration.md): the
+    peak with full AC, equal to the byte."""
     dt = dtypes(precision)
-    return (dt.compute + dt.reduce) * sum(p.numel for p in shapes if p.group == "root" and p.trainable)
+    root = [p for p in shapes if p.group == "root" and p.trainable]
+    own_shard = dt.grad * sum(fsdp2_shard_numel(p.shape, shard_degree) for p in root) if shard_degree else 0
+    return (dt.compute + dt.reduce) * sum(p.numel for p in root) - own_shard
 
 
 def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward: bool = True,
-               held_in_step: int = 0, reduce_in_flight: int = 0) -> int:
+               reduce_in_flight: int = 0) -> int:
     """The larger of the forward/backward peak and the optimizer step's peak, plus the states.
 
     `grads_in_forward=False` (FSDP2 without gradient accumulation): train_step's
@@ -310,12 +315,10 @@ def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward:
     activation peak (the end of forward) and come back in backward as activations are freed;
     calibrated against `plan --simulate` (docs/calibration.md). DDP's grads are views of its
     buckets, which stay allocated; with accumulation the grads live from the first micro-batch.
-    `held_in_step`: bytes alive through the optimizer step besides its temporaries (the last
-    logits train_step still references, plan/activations.py `held_logits_bytes`).
     `reduce_in_flight`: the end of backward's extra bytes with every grad present
     (`fsdp_root_reduce_bytes`)."""
     at_rest = states.params + states.grads + states.optimizer
-    step = states.optimizer_step_temp + held_in_step
+    step = states.optimizer_step_temp
     if not grads_in_forward:
         peak = states.params + states.optimizer + max(activations + buffers, states.grads + step)
     else:

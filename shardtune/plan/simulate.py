@@ -199,6 +199,38 @@ def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, mic
     return step
 
 
+@contextmanager
+def module_stats_per_micro_batch(model):
+    """Let torch's trackers follow gradient accumulation: one tracker around the whole step.
+
+    `MemTracker` / `FSDPMemTracker` keep per-module statistics and refuse a second forward of the
+    root module in one context ("does not support memory tracking for multiple iterative calls",
+    torch/distributed/_tools/mem_tracker.py `_pre_fw_hook`, fsdp2_mem_tracker.py
+    `_fsdp_state_pre_forward`), which is what train_step does with grad_accum > 1. A global
+    forward pre-hook, registered before the tracker enters so that it runs before the tracker's
+    own hooks (global hooks run in registration order, before a module's own), clears those
+    per-module statistics (`reset_mod_stats`, the fix the error names) when `model` starts
+    another micro-batch's forward. Only the module statistics go: the tensor tags (params, grads,
+    optimizer states, activations) and the running totals `track_step` reads stay, so FSDP's
+    sharded grads from earlier micro-batches stay counted, as they stay allocated in a real run."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def reset(module, _args) -> None:
+        if module is not model:
+            return
+        for mode in _get_current_dispatch_mode_stack():
+            if isinstance(mode, MemTracker) and not mode._mod_tracker.is_bw and module in mode.memory_tracking:
+                mode.reset_mod_stats()
+
+    handle = register_module_forward_pre_hook(reset)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def make_optimizer_states(model, optimizer) -> None:
     """AdamW makes its states in its first step: one step on zero grads makes them without a
     forward and backward (the states' bytes do not depend on the values). The tracked step then
@@ -258,7 +290,8 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             if fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
-            result = track_step(net, optimizer, step, fsdp=fsdp, warmup_steps=0 if fsdp else 1)
+            with module_stats_per_micro_batch(net):
+                result = track_step(net, optimizer, step, fsdp=fsdp, warmup_steps=0 if fsdp else 1)
         del net, optimizer, scheduler, step
         gc.collect()  # drop DDP's reducer before the fake group goes (PYTORCH-NOTES: gloo exit hang)
     result["tracker"] = "FSDPMemTracker" if strategy in FSDP_STRATEGIES else "MemTracker"
