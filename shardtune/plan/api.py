@@ -171,7 +171,10 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
         # or they live on the host (offload all)
         net_of = shard if not grads_in_forward and inp.offload != "all" else 0
         reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision, net_of)
-    total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce)
+    unsynced = 0  # DDP's fresh grads beside its buckets under accumulation (memory.peak_bytes)
+    if strategy in ("ddp", "zero1") and inp.grad_accum > 1 and inp.accounting == "shardtune":
+        unsynced = st.grads
+    total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced)
     colls = comm.collectives(strategy, num_params=m.num_params,
                              trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,
                              precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)

@@ -307,7 +307,7 @@ def fsdp_root_reduce_bytes(shapes: list[ParamShape], precision: str, shard_degre
 
 
 def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward: bool = True,
-               reduce_in_flight: int = 0) -> int:
+               reduce_in_flight: int = 0, unsynced_grads: int = 0) -> int:
     """The larger of the forward/backward peak and the optimizer step's peak, plus the states.
 
     `grads_in_forward=False` (FSDP2 without gradient accumulation): train_step's
@@ -316,11 +316,17 @@ def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward:
     calibrated against `plan --simulate` (docs/calibration.md). DDP's grads are views of its
     buckets, which stay allocated; with accumulation the grads live from the first micro-batch.
     `reduce_in_flight`: the end of backward's extra bytes with every grad present
-    (`fsdp_root_reduce_bytes`)."""
+    (`fsdp_root_reduce_bytes`).
+    `unsynced_grads`: ddp/zero1 with gradient accumulation. zero_grad(set_to_none=True) drops the
+    grads that were views of DDP's buckets (gradient_as_bucket_view=True), so the no_sync
+    micro-batches accumulate into fresh grads beside the buckets, which the last backward copies
+    in (torch/csrc/distributed/c10d/reducer.cpp `mark_variable_ready_dense`) and frees: one more
+    copy of the grads from the first backward through the last. Calibrated against
+    `plan --simulate --grad-accum 2` (docs/calibration.md)."""
     at_rest = states.params + states.grads + states.optimizer
     step = states.optimizer_step_temp
     if not grads_in_forward:
         peak = states.params + states.optimizer + max(activations + buffers, states.grads + step)
     else:
-        peak = at_rest + max(activations + buffers, step)
+        peak = at_rest + max(activations + buffers + unsynced_grads, step)
     return max(peak, at_rest + reduce_in_flight)

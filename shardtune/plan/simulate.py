@@ -9,7 +9,10 @@ optimizer states (and DDP's gradient buckets) exist only after a first step: FSD
 their states from one optimizer step on zero grads (`make_optimizer_states`), ddp/zero1 run a
 warm-up step. Then one tracked step (forward, backward, clip, optimizer step) runs under torch's
 memory trackers (`FSDPMemTracker` for zero2/zero3/hsdp, `MemTracker` for ddp/zero1); their
-categories map to the planner's `Memory` keys (report/tracker.py `track_step`). The same `track_step` measures a
+categories map to the planner's `Memory` keys (report/tracker.py `track_step`). With
+`grad_accum` > 1 every micro-batch of the step runs under that one tracker
+(`module_stats_per_micro_batch`), so the grads of earlier micro-batches stay counted, as they stay
+allocated in a real run. The same `track_step` measures a
 real run (real tensors, gloo): that is how tests/dist/test_simulate_vs_real.py checks the trace.
 
 Where a fake trace differs from the trainer, and why (the rest is the trainer's code unchanged):

@@ -146,3 +146,25 @@ def test_cli_simulate_grad_accum_2_traces_every_strategy(capsys):
     for s in json.loads(out)["strategies"]:
         assert s["simulated"]["status"] == "traced", (s["name"], s["simulated"])
         assert s["simulated"]["params"] == s["memory"]["params"], s["name"]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_grad_accum_2_holds_a_second_copy_of_the_grads():
+    # DDP (gradient_as_bucket_view=True): zero_grad(set_to_none=True) drops the bucket views, so
+    # the no_sync micro-batch accumulates into fresh grads; the last backward copies them into the
+    # buckets, which stay allocated: by hand, two copies of the fp32 grads at the peak.
+    from shardtune.plan import plan
+    from shardtune.plan.simulate import simulate_strategy
+
+    cfg = _reduced_8b()
+    sim = simulate_strategy(cfg, "ddp", N, seq_len=512, grad_accum=2)
+    assert sim["grads"] == 4 * sum(p for p in _reduced_8b_numels())
+    assert sim["breakdown_at_peak"]["Gradient"] == 2 * sim["grads"]
+    mem = plan(cfg, gpus=N, seq_len=512, grad_accum=2, strategies=["ddp"]).strategy("ddp").memory
+    assert mem.total == pytest.approx(sim["total"], rel=0.10)
+
+
+def _reduced_8b_numels() -> list[int]:
+    h, v, f, kv = 4096, 128256, 14336, 1024
+    layer = [h * h, kv * h, kv * h, h * h, f * h, f * h, h * f, h, h]
+    return [v * h, v * h, h] + 2 * layer
