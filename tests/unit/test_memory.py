@@ -267,3 +267,21 @@ def test_adamw_step_counters_are_host_bytes_per_owned_tensor():
     z1 = [shardtune_states(shapes, "zero1", 2, 2, "fp32", "adamw", r).optimizer_host for r in (0, 1)]
     assert sum(z1) == 4 * tensors and all(0 < h < 4 * tensors for h in z1)  # whole tensors split
     assert shardtune_states(shapes, "zero3", 4, 4, "fp32", "sgd").optimizer_host == 0
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_fsdp_end_of_backward_peak_by_hand(grad_accum):
+    # Llama-3-8B widths with 2 layers and full AC: the peak is the end of backward (checked
+    # against the trace in tests/unit/test_simulate.py). The root group (embedding, LM head,
+    # final norm) has its bf16 unsharded grads and its fp32 reduce-scatter input alive together;
+    # its own fp32 grad shard is not there yet unless an earlier micro-batch made it.
+    from shardtune.catalog.models import MODELS
+
+    cfg = dict(MODELS["llama-3-8b"]["config"], num_hidden_layers=2)
+    v, h, n = 128256, 4096, 8
+    root = 2 * v * h + h
+    root_shard = 2 * -(-v // n) * h + h // n
+    m = plan(cfg, n, seq_len=512, ac="full", grad_accum=grad_accum, strategies=["zero3"]).strategy("zero3").memory
+    states = m.params + m.grads + m.optimizer
+    expected = states + (2 + 4) * root - (4 * root_shard if grad_accum == 1 else 0)
+    assert m.total == expected
