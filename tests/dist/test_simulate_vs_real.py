@@ -1,7 +1,8 @@
 """Simulated (fake tensors, fake process group) vs real (gloo, 2 CPU ranks) per-rank memory.
 
 One 2-process launch runs the trainer's real setup (train.model.build_model: meta build, shard,
-materialise, random init) for zero3, zero2 and ddp, one warm-up and one tracked train step each,
+materialise, random init) for zero3, zero2 and ddp, and zero3 and ddp with 2 micro-batches of
+gradient accumulation (the grads persist across them), one warm-up and one tracked train step each,
 and measures with torch's trackers over the real tensors (`report.tracker.track_step`). This test
 process then traces the same configurations on fake tensors at world 2 (`simulate_strategy`).
 Both sides force foreach AdamW (what torch does on CUDA), so the fake optimizer-step temporaries
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-STRATEGIES = ("zero3", "zero2", "ddp")
+CASES = (("zero3", 1), ("zero2", 1), ("ddp", 1), ("zero3", 2), ("ddp", 2))  # (strategy, grad_accum)
 SEQ_LEN, MICRO_BATCH = 64, 2
 KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
 
@@ -30,7 +31,7 @@ def _worker(out_path: str) -> None:
 
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
     from shardtune.parallel.apply import autocast_dtype, build_mesh
-    from shardtune.plan.simulate import make_step, use_foreach_adamw
+    from shardtune.plan.simulate import make_step, module_stats_per_micro_batch, use_foreach_adamw
     from shardtune.report.tracker import track_step
     from shardtune.strategies import FSDP_STRATEGIES
     from shardtune.train.model import build_model, unwrap
@@ -39,7 +40,7 @@ def _worker(out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    for strategy in STRATEGIES:
+    for strategy, grad_accum in CASES:
         torch.manual_seed(rank)
         pc = ParallelConfig(strategy=strategy, precision="bf16-mixed")
         mesh = build_mesh(pc, world, world, "cpu")
@@ -48,11 +49,13 @@ def _worker(out_path: str) -> None:
         use_foreach_adamw(opt)
         sched = build_scheduler(opt, OptimConfig(), 10)
         step = make_step(model, opt, sched, vocab_size=unwrap(model).config.vocab_size, seq_len=SEQ_LEN,
-                         micro_batch=MICRO_BATCH, grad_accum=1, world_size=world,
+                         micro_batch=MICRO_BATCH, grad_accum=grad_accum, world_size=world,
                          autocast_dtype=autocast_dtype(pc))
         # real DDP rebuilds its buckets in the second step's forward (the trace keeps them as built)
-        results[strategy] = track_step(model, opt, step, fsdp=strategy in FSDP_STRATEGIES,
-                                       warmup_steps=1 if strategy in FSDP_STRATEGIES else 2)
+        with module_stats_per_micro_batch(model):  # the trackers' per-module stats, per micro-batch
+            results[f"{strategy} ga{grad_accum}"] = track_step(
+                model, opt, step, fsdp=strategy in FSDP_STRATEGIES,
+                warmup_steps=1 if strategy in FSDP_STRATEGIES else 2)
         del model, opt, sched, step
         gc.collect()  # DDP's reducer before the next strategy / teardown (gloo exit hang)
         dist.barrier()
@@ -74,7 +77,7 @@ def _largest_reduce_scatter_input_bytes() -> int:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from _harness import launch
@@ -82,15 +85,16 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
     from shardtune.plan.simulate import simulate_strategy
 
     out = tmp_path / "real"
-    launch(Path(__file__), 2, [str(out)], timeout_s=120, log_dir=tmp_path / "logs")
+    launch(Path(__file__), 2, [str(out)], timeout_s=170, log_dir=tmp_path / "logs")
     real = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     failures = []
     staging = _largest_reduce_scatter_input_bytes()
-    for strategy in STRATEGIES:
+    for strategy, grad_accum in CASES:
+        case = f"{strategy} ga{grad_accum}"
         sim = simulate_strategy("tiny-llama", strategy, 2, seq_len=SEQ_LEN, micro_batch=MICRO_BATCH,
-                                target="cuda")
+                                grad_accum=grad_accum, target="cuda")
         for key in KEYS:
-            want = real[0][strategy][key]  # rank 0: the rank the simulator plays
+            want = real[0][case][key]  # rank 0: the rank the simulator plays
             got = sim[key]
             if key in ("buffers", "total") and strategy != "ddp" and 0 <= want - got <= staging:
                 # gloo stages a copy of the reduce-scatter input while it reduces (seen in the
@@ -98,10 +102,10 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
                 # which the fake backend stands for, reduces in place. Allow exactly that much.
                 continue
             if abs(got - want) > 0.02 * want:
-                failures.append(f"{strategy} {key}: simulated {got:,} vs real {want:,}")
+                failures.append(f"{case} {key}: simulated {got:,} vs real {want:,}")
         # the two real ranks agree on states here (tiny-llama's dims divide by 2), so rank 0 stands for both
         for key in ("params", "grads", "optimizer"):
-            assert real[0][strategy][key] == real[1][strategy][key], (strategy, key)
+            assert real[0][case][key] == real[1][case][key], (case, key)
     assert not failures, "\n".join(failures)
 
 
