@@ -299,7 +299,7 @@ def fsdp_root_reduce_bytes(shapes: list[ParamShape], precision: str, shard_degre
     `shard_degree` > 0 (no gradient accumulation): net of the root's own sharded grads, which the
     grads at rest count but which do not exist yet (zero_grad(set_to_none=True) freed them; the
     reduce-scatter makes them). Calibrated against `plan --simulate` (docs/calibration.md): the
-    peak with full AC, equal to the byte."""
+    peak with full AC (Llama-3-8B, N = 8: the trace is 51 kB above, Adam's `step` scalars)."""
     dt = dtypes(precision)
     root = [p for p in shapes if p.group == "root" and p.trainable]
     own_shard = dt.grad * sum(fsdp2_shard_numel(p.shape, shard_degree) for p in root) if shard_degree else 0
