@@ -30,8 +30,9 @@ Where a fake trace differs from the trainer, and why (the rest is the trainer's 
     the same tensors as CUDA flash (output + fp32 log-sum-exp); the CUDA caching allocator's
     512-byte rounding and fragmentation are not modelled (docs/calibration.md).
 Untraceable here (the analytic plan is shown, marked as such): offload (the trainer's
-CPUOffloadPolicy moves shards between devices; one fake device cannot show it), LoRA and
-optimizers other than AdamW (the trainer builds neither), and --params (no architecture).
+CPUOffloadPolicy moves shards between devices; one fake device cannot show it), LoRA (torch's
+memory trackers hook every parameter's gradient and fail on frozen ones), optimizers other than
+AdamW (the trainer builds none), and --params (no architecture).
 torch is imported only inside the functions that trace.
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int =
     if offload != "none":
         return f"offload {offload} moves shards to host memory, which one fake CPU device cannot separate"
     if lora_rank:
-        return "LoRA: the trainer has no LoRA adapters to trace"
+        return "LoRA: torch's memory trackers hook every parameter's gradient and fail on frozen base weights"
     if optimizer != "adamw":
         return f"optimizer {optimizer}: the trainer builds AdamW only"
     return None
