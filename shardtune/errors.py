@@ -11,3 +11,21 @@ def suggest(name: str, choices) -> str:
 
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def read_json_object(path, what: str, fix: str) -> dict:
+    """The JSON object in `path`; a missing, unreadable, malformed or non-object file is a
+    one-line UserError naming `what` and the `fix`."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{what} {str(p)!r} does not exist; {fix}")
+    try:
+        obj = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"malformed {what} {str(p)!r}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"malformed {what} {str(p)!r}: not a JSON object; {fix}")
+    return obj

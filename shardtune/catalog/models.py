@@ -5,10 +5,9 @@ config.json path or a model folder into an HF config dict. Imports no torch.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from shardtune.errors import UserError, suggest
+from shardtune.errors import UserError, read_json_object, suggest
 
 # Each entry: {"source": URL of the config.json the values were copied from, "config": {...}}.
 MODELS: dict[str, dict] = {
@@ -120,15 +119,7 @@ def resolve_model_config(spec: str) -> dict:
         if not path.is_file():
             raise UserError(f"model folder {spec!r} has no config.json; give an HF model folder or a catalogue name")
     if path.suffix == ".json" or path.is_file():
-        if not path.is_file():
-            raise UserError(f"model config {spec!r} does not exist")
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UserError(f"malformed config.json {str(path)!r}: {e}; give a valid HF config.json") from None
-        if not isinstance(cfg, dict):
-            raise UserError(f"malformed config.json {str(path)!r}: not a JSON object")
-        return cfg
+        return read_json_object(path, "config.json", "give a valid HF config.json or a catalogue name")
     raise UserError(
         f"unknown model {spec!r}{suggest(spec, MODELS)}; give a catalogue name "
         f"({', '.join(sorted(MODELS))}), an HF config.json or a model folder"

@@ -6,10 +6,9 @@ reduce-scatter, × 1 for broadcast — the per-rank link bandwidth a ring achiev
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, read_json_object
 from shardtune.plan.timing import KINDS, Link, bus_factor, ring_steps
 
 PROFILE_FORMAT = 1
@@ -68,13 +67,8 @@ def build_profile(rows: list[dict], n: int, backend: str, hostnames: list[str], 
 def load_profile(path: str | Path) -> dict:
     """Read and check a profile file; UserError with the fix when it is not one."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"network profile {str(p)!r} does not exist; write one with `shardtune bench comm -o {p}`")
-    try:
-        prof = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"network profile {str(p)!r} is not valid JSON ({e}); rerun `shardtune bench comm -o FILE`") from None
-    if not isinstance(prof, dict) or not isinstance(prof.get("links"), dict) or not prof["links"]:
+    prof = read_json_object(p, "network profile", f"write one with `shardtune bench comm -o {p}`")
+    if not isinstance(prof.get("links"), dict) or not prof["links"]:
         raise UserError(f"{str(p)!r} is not a shardtune network profile (no 'links'); rerun `shardtune bench comm -o FILE`")
     for kind, v in prof["links"].items():
         if kind not in KINDS or not isinstance(v, dict) or not float(v.get("busbw_gbps", 0)) > 0:

@@ -12,16 +12,13 @@ from pathlib import Path
 
 import typer
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, read_json_object
 
 
 def _read_json(path: Path, what: str) -> dict | None:
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{what} {str(path)!r} is not valid JSON ({e}); re-run the step that writes it") from None
+    return read_json_object(path, what, "re-run the step that writes it")
 
 
 def _strategy_memory(plan_json: dict | None, strategy: str | None) -> tuple[dict | None, dict | None]:
