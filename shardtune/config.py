@@ -7,6 +7,7 @@ Each section is a small pydantic model; functions take the narrowest section the
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -19,6 +20,7 @@ from shardtune.plan.params import LORA_TARGETS  # the planner's adapters are the
 from shardtune.strategies import (
     normalize_ac,
     normalize_offload,
+    normalize_optimizer_impl,
     normalize_precision,
     normalize_strategy,
 )
@@ -70,6 +72,8 @@ class ParallelConfig(_Section):
 
 
 class OptimConfig(_Section):
+    name: Literal["adamw", "adamw-8bit"] = Field("adamw", description="adamw: torch.optim.AdamW | adamw-8bit: bitsandbytes' AdamW8bit (m and v in 8 bits, blockwise: 2 B/param instead of 8; needs bitsandbytes; ddp and zero1 only, it does not take FSDP2's DTensor parameters).")
+    implementation: str = Field("auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | foreach (a temporary the size of the rank's states) | fused (no temporary) | for-loop (temporaries of the largest tensor only). See docs/planner.md.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.95))
@@ -78,6 +82,17 @@ class OptimConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of `lr`.")
+
+    _impl = field_validator("implementation")(lambda v: normalize_optimizer_impl(v))
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.name == "adamw-8bit":
+            if self.implementation != "auto":
+                raise ValueError("optim.implementation applies to torch's AdamW; leave it 'auto' with adamw-8bit")
+            if importlib.util.find_spec("bitsandbytes") is None:
+                raise ValueError("optim.name 'adamw-8bit' needs bitsandbytes (pip install bitsandbytes); it is not installed")
+        return self
 
 
 class TrainConfig(_Section):
@@ -129,9 +144,29 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
 
+    @model_validator(mode="after")
+    def _check(self):
+        if self.optim.name == "adamw-8bit" and self.parallel.strategy not in ("ddp", "zero1"):
+            # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
+            # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
+            raise ValueError(f"optim.name 'adamw-8bit' runs under ddp or zero1 only: bitsandbytes does "
+                             f"not take FSDP2's DTensor parameters (strategy {self.parallel.strategy!r})")
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir or os.path.join("runs", self.name))
+
+    def plan_inputs(self) -> dict:
+        """The planner's inputs (plan/validate.py `Inputs`) for exactly this run, bar the world
+        size and layout: `shardtune plan RECIPE` and the run's plan.json both use it."""
+        return dict(
+            model=self.model.name, gpu=self.train.gpu, seq_len=self.train.seq_len,
+            micro_batch=self.train.micro_batch, grad_accum=self.train.grad_accum,
+            precision=self.parallel.precision, optimizer=self.optim.name,
+            optimizer_impl=self.optim.implementation, ac=self.parallel.activation_checkpointing,
+            ac_every=self.parallel.ac_every, offload=self.parallel.offload,
+            hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank)
 
 
 def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:

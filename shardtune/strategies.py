@@ -21,6 +21,8 @@ PRECISIONS = ("bf16-mixed", "bf16", "fp32")
 AC_MODES = ("none", "full", "selective")
 OFFLOAD_MODES = ("none", "optimizer", "all")
 OPTIMIZERS = ("adamw", "sgd", "adamw-8bit")
+# torch AdamW's kernels; "auto" is torch's own choice (foreach on CUDA, for-loop on CPU)
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 
 
 def _pick(kind: str, value: str, choices, aliases: dict | None = None) -> str:
@@ -55,3 +57,7 @@ def normalize_offload(name: str) -> str:
 
 def normalize_optimizer(name: str) -> str:
     return _pick("optimizer", name, OPTIMIZERS)
+
+
+def normalize_optimizer_impl(name: str) -> str:
+    return _pick("optimizer implementation", name, OPTIMIZER_IMPLS)

@@ -4,9 +4,12 @@
 simulator can call it on a meta-device model inside FakeTensorMode with a fake process group.
 
 Order (and why):
-  1. precision cast (pure bf16 only): before sharding, so FSDP shards bf16 storage and DDP buckets
-     bf16 gradients; bf16-mixed keeps fp32 master weights (FSDP: MixedPrecisionPolicy; DDP/zero1:
-     torch.autocast in the step, see `autocast_dtype`).
+  1. precision cast (`apply_precision`): before sharding, so FSDP shards bf16 storage and DDP
+     buckets bf16 gradients. Pure bf16: everything. bf16-mixed keeps fp32 master weights for what
+     trains (FSDP: MixedPrecisionPolicy; DDP/zero1: torch.autocast in the step, see
+     `autocast_dtype`) and casts the frozen ones (LoRA's base) to bf16: a frozen weight gets no
+     update, so an fp32 master copy of it buys nothing and costs 2 B/param more (FSDP2 needs one
+     original dtype among a group's trainable params only, `_init_mp_dtypes`).
   2. activation checkpointing per decoder layer: before sharding, so FSDP's pre/post-forward hooks
      wrap the checkpointed region and the recompute in backward re-gathers parameters
      (torchtitan's order: TP → AC → compile → FSDP).
@@ -96,6 +99,16 @@ def autocast_dtype(parallel_cfg: "ParallelConfig") -> torch.dtype | None:
     return None
 
 
+def apply_precision(model: nn.Module, parallel_cfg: "ParallelConfig") -> None:
+    """Cast parameters to their stored dtype (module doc, step 1); on meta or real tensors alike."""
+    if parallel_cfg.precision == "bf16":
+        model.to(torch.bfloat16)
+    elif parallel_cfg.precision == "bf16-mixed":
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+
+
 def _apply_fsdp(model: nn.Module, parallel_cfg: "ParallelConfig", mesh: "DeviceMesh") -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -134,8 +147,7 @@ def apply_parallelism(model: nn.Module, parallel_cfg: "ParallelConfig", mesh: "D
     sharding is built with the optimizer, `train.step.build_optimizer`)."""
     if hasattr(model, "config"):
         model.config.use_cache = False  # with the KV cache on, AC saves far less (PYTORCH-NOTES)
-    if parallel_cfg.precision == "bf16":
-        model.to(torch.bfloat16)
+    apply_precision(model, parallel_cfg)
     apply_activation_checkpointing(model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)
     if parallel_cfg.strategy in FSDP_STRATEGIES:
         if (parallel_cfg.strategy == "hsdp") != (mesh.ndim == 2):

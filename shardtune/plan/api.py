@@ -127,8 +127,15 @@ def _states(m: _Model, strategy: str, inp: Inputs, shard_degree: int) -> memory.
     if inp.accounting == "paper":
         return memory.paper_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision, inp.optimizer)
     if m.shapes is None:
-        return memory.flat_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision, inp.optimizer)
-    return memory.max_rank_states(m.shapes, strategy, inp.gpus, shard_degree, inp.precision, inp.optimizer)
+        return memory.flat_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision,
+                                  inp.optimizer, _impl(inp))
+    return memory.max_rank_states(m.shapes, strategy, inp.gpus, shard_degree, inp.precision, inp.optimizer,
+                                  _impl(inp))
+
+
+def _impl(inp: Inputs) -> str:
+    """The AdamW kernel planned: `auto` is torch's CUDA default, foreach (a GPU is planned)."""
+    return "foreach" if inp.optimizer_impl == "auto" else inp.optimizer_impl
 
 
 def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
@@ -146,8 +153,11 @@ def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
 def _activations(m: _Model, inp: Inputs, strategy: str) -> int:
     if m.arch is None:
         return 0
-    # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py autocast_dtype)
-    autocast = inp.precision == "bf16-mixed" and strategy not in memory.FSDP_STRATEGIES
+    # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py
+    # autocast_dtype). Under LoRA the base (embedding and norms included) is stored in bf16, so
+    # the residual stream is bf16 and only the adapters' weights are cast: bf16 activations.
+    autocast = (inp.precision == "bf16-mixed" and strategy not in memory.FSDP_STRATEGIES
+                and not inp.lora_rank)
     return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast)
 
@@ -197,7 +207,8 @@ def _per_rank(m: _Model, strategy: str, inp: Inputs, shard: int) -> dict | None:
     if m.shapes is None or inp.accounting != "shardtune" or inp.gpus > 16:
         return None
     ranks = [memory.shardtune_states(m.shapes, strategy, inp.gpus, shard if strategy != "zero1" else inp.gpus,
-                                     inp.precision, inp.optimizer, r, padded=False) for r in range(inp.gpus)]
+                                     inp.precision, inp.optimizer, r, padded=False, impl=_impl(inp))
+             for r in range(inp.gpus)]
     return {k: [getattr(s, k) for s in ranks] for k in ("params", "grads", "optimizer")}
 
 

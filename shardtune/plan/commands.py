@@ -25,15 +25,7 @@ def recipe_inputs(path: str, given: set[str]) -> dict:
     `shardtune plan recipes/x.yaml --gpus 8` plans exactly what `shardtune train` would run."""
     from shardtune.config import load_recipe
 
-    cfg = load_recipe(path)
-    lora = getattr(cfg, "lora", None)
-    from_recipe = dict(
-        model=cfg.model.name, gpu=cfg.train.gpu, seq_len=cfg.train.seq_len,
-        micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
-        precision=cfg.parallel.precision, ac=cfg.parallel.activation_checkpointing,
-        ac_every=cfg.parallel.ac_every, offload=cfg.parallel.offload,
-        hsdp_shard_size=cfg.parallel.hsdp_shard_size, lora_rank=getattr(lora, "rank", 0) or 0)
-    return {k: v for k, v in from_recipe.items() if k not in given}
+    return {k: v for k, v in load_recipe(path).plan_inputs().items() if k not in given}
 
 
 def _given_on_command_line(ctx: typer.Context) -> set[str]:
@@ -53,6 +45,7 @@ def plan_cmd(
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | bf16 | fp32."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | sgd | adamw-8bit."),
+    optimizer_impl: str = typer.Option("auto", "--optimizer-impl", help="AdamW kernel: auto (= foreach, torch's CUDA default) | foreach | fused | for-loop: the step's temporaries."),
     ac: str = typer.Option("none", "--ac", help="Activation checkpointing: none | full | selective."),
     ac_every: int = typer.Option(2, "--ac-every", help="selective AC: checkpoint every k-th layer."),
     offload: str = typer.Option("none", "--offload", help="none | optimizer | all (CPU RAM per node is reported)."),

@@ -20,6 +20,8 @@ Two accountings, named in every result:
     whole, optimizer states only for the parameters this rank owns. Torch assigns whole tensors,
     largest first, to the rank with the fewest elements so far (`zero1_partition`).
   - bf16 (pure): params, grads and optimizer states in bf16 (2 + 2 + 4 B/param), no fp32 master.
+  - frozen params (LoRA's base weights) have no grads and no optimizer state, and are stored in
+    the compute dtype: bf16 under bf16-mixed (2 B/param; no update needs a master copy).
     fp32: 4 + 4 + 8, no bf16 copies.
   AdamW's per-tensor `step` counter: a 0-dim fp32 tensor per tensor the rank holds state for
   (each FSDP2 local shard, every tensor under ddp, the rank's own tensors under zero1's
@@ -42,12 +44,17 @@ Buffers (shardtune only; they exist during forward/backward, not at rest):
     plus the same grads in flight.
   - ddp/zero1 with bf16-mixed: torch.autocast's weight cache keeps a bf16 copy of every trainable
     weight from forward to backward (2Ψ).
-The optimizer step's temporaries: torch's foreach AdamW (`_multi_tensor_adamw`) allocates
-`exp_avg_sq_sqrt = _foreach_sqrt(exp_avg_sqs)`, one copy of the local states' size in their dtype
-(4 B/param for fp32 states); the other foreach ops work in place. SGD (no weight decay) and 8-bit
-Adam are modelled without temporaries. This is a model, to be calibrated against a measurement
-(a later issue measures it on a real run); the activations are freed by then, so the step's peak
-is states + temporaries, compared with the forward/backward peak by `peak_bytes`.
+The optimizer step's temporaries depend on torch AdamW's kernel (`optim.implementation`), each
+measured with torch's MemTracker on real tensors (peak during `step()` minus the states at rest,
+3 weights of 1024², 1024×512, 512×256, fp32 and bf16 alike; docs/planner.md):
+  - foreach (`_multi_tensor_adamw`, torch's CUDA default, what `auto` plans): `exp_avg_sq_sqrt =
+    _foreach_sqrt(exp_avg_sqs)`, one copy of the local states' size in their dtype (measured 1.00 ×);
+  - fused (`_fused_adamw_`): none (measured 0); its `step` counters live on the device;
+  - for-loop (`_single_tensor_adamw`, torch's CPU default): `exp_avg_sq.sqrt() / bias_correction2_sqrt`
+    holds two temporaries of one tensor's state at a time: 2 × the largest local tensor (measured 2.00 ×).
+SGD (no weight decay) and 8-bit Adam are modelled without temporaries. The activations are freed
+by then, so the step's peak is states + temporaries, compared with the forward/backward peak by
+`peak_bytes`.
 Imports no torch.
 """
 from __future__ import annotations
@@ -71,14 +78,16 @@ class Dtypes:
     compute: int  # unsharded params and activations in forward/backward
     reduce: int  # gradient collectives
     state: int  # optimizer states (per state)
+    frozen: int  # params that do not train (LoRA's base): stored in the compute dtype
 
 
 def dtypes(precision: str) -> Dtypes:
-    """bf16-mixed: fp32 master, bf16 compute, fp32 reduce; bf16: all bf16; fp32: all fp32."""
+    """bf16-mixed: fp32 master, bf16 compute, fp32 reduce, frozen params bf16 (no update, so no
+    master copy: parallel/apply.py `apply_precision`); bf16: all bf16; fp32: all fp32."""
     return {
-        "bf16-mixed": Dtypes(param=4, grad=4, compute=2, reduce=4, state=4),
-        "bf16": Dtypes(param=2, grad=2, compute=2, reduce=2, state=2),
-        "fp32": Dtypes(param=4, grad=4, compute=4, reduce=4, state=4),
+        "bf16-mixed": Dtypes(param=4, grad=4, compute=2, reduce=4, state=4, frozen=2),
+        "bf16": Dtypes(param=2, grad=2, compute=2, reduce=2, state=2, frozen=2),
+        "fp32": Dtypes(param=4, grad=4, compute=4, reduce=4, state=4, frozen=4),
     }[precision]
 
 
@@ -117,9 +126,11 @@ def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
 def optimizer_state_bytes(numel: int, optimizer: str, state_bytes: int) -> int:
     """Optimizer state bytes for one tensor of `numel` elements.
 
-    adamw: m and v (2 states); sgd: the momentum buffer (1 state); adamw-8bit (bitsandbytes,
-    blockwise): two 1-byte states plus one fp32 absmax per 256-element block each, and 32-bit
-    states for tensors under 4,096 elements (bitsandbytes' `min_8bit_size`).
+    adamw: m and v (2 states); sgd: the momentum buffer (1 state); adamw-8bit (bitsandbytes
+    AdamW8bit, blockwise): two 1-byte states and one fp32 absmax per 256-element block each, and
+    32-bit states for tensors under 4,096 elements (bitsandbytes' `min_8bit_size`); bitsandbytes
+    0.50 `Optimizer2State.init_state`. Its two 256-entry fp32 quantisation maps are one pair per
+    optimizer, shared by every tensor (`QMAP_BYTES`, added once by `shardtune_states`).
     """
     if optimizer == "adamw":
         return 2 * state_bytes * numel
@@ -130,15 +141,24 @@ def optimizer_state_bytes(numel: int, optimizer: str, state_bytes: int) -> int:
     return 2 * numel + 2 * 4 * ceil(numel / 256)
 
 
-def optimizer_host_bytes(num_tensors: int, optimizer: str) -> int:
+QMAP_BYTES = 2 * 256 * 4  # adamw-8bit: the signed and unsigned dynamic maps, fp32, per optimizer
+
+
+def step_counter_bytes(num_tensors: int, optimizer: str) -> int:
     """AdamW's per-tensor `step` counters: 4 bytes (fp32, torch.optim.optimizer `_get_scalar_dtype`)
-    per tensor with optimizer state, on the CPU (module doc); none for sgd and adamw-8bit."""
+    per tensor with optimizer state; none for sgd and adamw-8bit (a Python int)."""
     return 4 * num_tensors if optimizer == "adamw" else 0
 
 
-def optimizer_temp_bytes(state_numel: int, optimizer: str, state_bytes: int) -> int:
-    """foreach AdamW's sqrt(v) temporary: one copy of the local states' size (see module doc)."""
-    return state_bytes * state_numel if optimizer == "adamw" else 0
+def optimizer_temp_bytes(state_numel: int, largest_numel: int, optimizer: str, state_bytes: int,
+                         impl: str = "foreach") -> int:
+    """The AdamW step's temporaries for the rank's `state_numel` state elements, the largest
+    tensor `largest_numel` of them, under kernel `impl` (module doc; `auto` plans foreach)."""
+    if optimizer != "adamw" or impl == "fused":
+        return 0
+    if impl == "for-loop":
+        return 2 * state_bytes * largest_numel
+    return state_bytes * state_numel
 
 
 @dataclass(frozen=True)
@@ -149,7 +169,7 @@ class States:
     grads: int
     optimizer: int
     optimizer_step_temp: int
-    optimizer_host: int = 0  # host-resident optimizer bytes: AdamW's `step` counters (module doc)
+    optimizer_host: int = 0  # host-resident optimizer bytes: AdamW's `step` counters, unless fused (module doc)
 
 
 def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
@@ -185,7 +205,8 @@ def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard
 
 
 def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
-                     precision: str, optimizer: str, rank: int = 0, padded: bool = True) -> States:
+                     precision: str, optimizer: str, rank: int = 0, padded: bool = True,
+                     impl: str = "foreach") -> States:
     """What our trainer holds on `rank` (module doc, `shardtune` accounting).
 
     `padded=True`: FSDP2's allocation (ceil(dim0/N) rows on every rank); `padded=False`: the bytes
@@ -194,39 +215,48 @@ def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, s
     """
     dt = dtypes(precision)
     p, g, opt = local_numels(shapes, strategy, world_size, shard_degree, rank, padded)
+    counters = step_counter_bytes(sum(opt.values()), optimizer)
+    qmaps = QMAP_BYTES if optimizer == "adamw-8bit" and any(n >= 4096 for n in opt) else 0
+    on_device = impl == "fused"  # torch puts fused AdamW's counters beside the params
     return States(
-        params=p * dt.param,
+        params=g * dt.param + (p - g) * dt.frozen,  # the trainable local elements are the grads'
         grads=g * dt.grad,
-        optimizer=sum(c * optimizer_state_bytes(n, optimizer, dt.state) for n, c in opt.items()),
-        optimizer_step_temp=optimizer_temp_bytes(sum(n * c for n, c in opt.items()), optimizer, dt.state),
-        optimizer_host=optimizer_host_bytes(sum(opt.values()), optimizer),
+        optimizer=sum(c * optimizer_state_bytes(n, optimizer, dt.state) for n, c in opt.items())
+        + (counters if on_device else 0) + qmaps,
+        optimizer_step_temp=optimizer_temp_bytes(sum(n * c for n, c in opt.items()), max(opt, default=0),
+                                                 optimizer, dt.state, impl),
+        optimizer_host=0 if on_device else counters,
     )
 
 
 def max_rank_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
-                    precision: str, optimizer: str) -> States:
+                    precision: str, optimizer: str, impl: str = "foreach") -> States:
     """The largest rank's states: rank 0 for FSDP2 and DDP; the fullest zero1 partition."""
     if strategy != "zero1":
-        return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, 0)
+        return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, 0, impl=impl)
     trainable = [p.numel for p in shapes if p.trainable]
     owned = zero1_partition(trainable, world_size)
     fullest = max(range(world_size), key=lambda r: sum(owned[r]))
-    return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, fullest)
+    return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, fullest, impl=impl)
 
 
 def flat_states(num_params: int, trainable: int, strategy: str, shard_degree: int,
-                precision: str, optimizer: str) -> States:
+                precision: str, optimizer: str, impl: str = "foreach") -> States:
     """`shardtune` states for a bare parameter count (--params): an even split, no padding, and
-    no tensor count for AdamW's host-side step counters (optimizer_host 0)."""
+    no tensor count for AdamW's step counters (0). With no tensor sizes, for-loop's temporary is
+    planned as foreach's (one copy of the states: an upper bound)."""
     dt = dtypes(precision)
     shard = ceil(trainable / shard_degree)
     sharded = strategy in FSDP_STRATEGIES
     opt_numel = trainable if strategy == "ddp" else shard
+    frozen = num_params - trainable
     return States(
-        params=(ceil(num_params / shard_degree) if sharded else num_params) * dt.param,
+        params=(ceil(trainable / shard_degree) * dt.param + ceil(frozen / shard_degree) * dt.frozen
+                if sharded else trainable * dt.param + frozen * dt.frozen),
         grads=(shard if sharded else trainable) * dt.grad,
         optimizer=optimizer_state_bytes(opt_numel, optimizer, dt.state),
-        optimizer_step_temp=optimizer_temp_bytes(opt_numel, optimizer, dt.state),
+        optimizer_step_temp=optimizer_temp_bytes(opt_numel, opt_numel, optimizer, dt.state,
+                                                 "foreach" if impl == "for-loop" else impl),
     )
 
 

@@ -137,7 +137,7 @@ def _build(model_name: str, parallel_cfg, mesh):
     import torch.nn.parallel.distributed as ddp_module
 
     from shardtune.config import ModelConfig
-    from shardtune.parallel.apply import apply_parallelism
+    from shardtune.parallel.apply import apply_parallelism, apply_precision
     from shardtune.train.model import build_hf_config, build_meta_model
 
     model_cfg = ModelConfig(name=model_name)
@@ -150,8 +150,7 @@ def _build(model_name: str, parallel_cfg, mesh):
     with torch.device("cpu"):
         model = AutoModelForCausalLM.from_config(build_hf_config(model_cfg), attn_implementation="sdpa")
     model.config.use_cache = False
-    if parallel_cfg.precision == "bf16":
-        model.to(torch.bfloat16)
+    apply_precision(model, parallel_cfg)
     verify = ddp_module._verify_param_shape_across_processes
     ddp_module._verify_param_shape_across_processes = lambda *a, **k: None  # reads tensor data
     try:
@@ -262,12 +261,14 @@ def use_foreach_adamw(optimizer) -> None:
 def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = "bf16-mixed",
                       ac: str = "none", ac_every: int = 2, seq_len: int = 2048, micro_batch: int = 1,
                       grad_accum: int = 1, gpus_per_node: int | None = None,
-                      hsdp_shard_size: int | None = None, target: str = "cuda") -> dict:
+                      hsdp_shard_size: int | None = None, target: str = "cuda",
+                      optimizer_impl: str = "auto") -> dict:
     """Rank 0's bytes by planner key (`track_step`) for one strategy, traced on fake tensors.
 
     `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
     `target`: the device whose defaults the trace takes — "cuda" (what a GPU run does: torch's
-    AdamW defaults to foreach there) or "cpu" (single-tensor AdamW, as a CPU run does)."""
+    AdamW defaults to foreach there) or "cpu" (single-tensor AdamW, as a CPU run does), for
+    `optimizer_impl` auto; another kernel is traced as given."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shardtune.config import OptimConfig, ParallelConfig
@@ -277,13 +278,13 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
     t0 = time.perf_counter()
     parallel_cfg = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,
                                   ac_every=ac_every, hsdp_shard_size=hsdp_shard_size)
-    optim_cfg = OptimConfig()
+    optim_cfg = OptimConfig(implementation=optimizer_impl)
     with tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation():
         mesh = build_mesh(parallel_cfg, gpus, gpus_per_node or min(8, gpus), "cpu")  # outside fake mode
         with FakeTensorMode():
             net = _build(_model_file(model, Path(tmp)), parallel_cfg, mesh)
             optimizer = build_optimizer(net, optim_cfg, parallel_cfg, mesh.get_group() if mesh.ndim == 1 else None)
-            if target == "cuda":
+            if target == "cuda" and optimizer_impl == "auto":
                 use_foreach_adamw(optimizer)
             scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)
             vocab = getattr(net, "module", net).config.vocab_size
@@ -344,6 +345,7 @@ def attach_simulation(result, options: dict, console=None) -> None:
                     spec, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
                     ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
                     grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
+                    optimizer_impl=inp.get("optimizer_impl", "auto"),
                     hsdp_shard_size=sp.shard_degree if sp.name == "hsdp" else None)
                 sp.simulated = {"status": "traced", **sim}
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan

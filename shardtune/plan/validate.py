@@ -12,6 +12,7 @@ from shardtune.strategies import (
     normalize_ac,
     normalize_offload,
     normalize_optimizer,
+    normalize_optimizer_impl,
     normalize_precision,
     normalize_strategy,
 )
@@ -37,6 +38,7 @@ class Inputs:
     grad_accum: int = 1
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
+    optimizer_impl: str = "auto"  # torch AdamW's kernel; auto plans foreach (torch's CUDA default)
     ac: str = "none"
     ac_every: int = 2  # selective AC: every k-th decoder layer
     offload: str = "none"
@@ -87,6 +89,7 @@ def validate_inputs(**kw) -> Inputs:
     _layout(inp)
     inp.precision = normalize_precision(inp.precision)
     inp.optimizer = normalize_optimizer(inp.optimizer)
+    inp.optimizer_impl = normalize_optimizer_impl(inp.optimizer_impl)
     inp.ac = normalize_ac(inp.ac)
     inp.offload = normalize_offload(inp.offload)
     if inp.accounting not in ACCOUNTINGS:

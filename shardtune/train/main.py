@@ -79,14 +79,8 @@ def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
     try:
         from shardtune.plan import plan
 
-        p = plan(cfg.model.name, gpus=world_size, gpu=cfg.train.gpu, seq_len=cfg.train.seq_len,
-                 micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
-                 precision=cfg.parallel.precision, optimizer="adamw",
-                 ac=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every,
-                 offload=cfg.parallel.offload, hsdp_shard_size=cfg.parallel.hsdp_shard_size,
-                 lora_rank=cfg.lora.rank,
-                 gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-                 strategies=[cfg.parallel.strategy])
+        p = plan(gpus=world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                 strategies=[cfg.parallel.strategy], **cfg.plan_inputs())
         d = p.to_dict()
     except Exception as e:  # the run goes on without a prediction, and says why
         d = {"error": f"{type(e).__name__}: {e}"}

@@ -187,7 +187,7 @@ def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: 
     fill. ddp/zero1 are wrapped after the fill because DDP broadcasts materialised parameters when
     it is built (parallel/apply.py). Adapters go in before fully_shard so that each decoder
     layer's adapters are sharded with it (train/lora.py)."""
-    from shardtune.parallel.apply import apply_parallelism
+    from shardtune.parallel.apply import apply_parallelism, apply_precision
 
     model = build_meta_model(model_cfg)
     if lora_cfg is not None and lora_cfg.rank > 0:
@@ -198,8 +198,7 @@ def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: 
         model.to_empty(device="cpu" if parallel_cfg.offload == "all" else device)
         init_model_weights(model, model_cfg, seed)
         return model
-    if parallel_cfg.precision == "bf16":
-        model.to(torch.bfloat16)
+    apply_precision(model, parallel_cfg)  # before the fill, so it rounds as FSDP's path does
     model.to_empty(device=device)
     init_model_weights(model, model_cfg, seed)
     return apply_parallelism(model, parallel_cfg, mesh)

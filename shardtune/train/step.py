@@ -76,18 +76,31 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
+# torch AdamW's kernel per `optim.implementation` (plan/memory.py: each one's temporaries)
+_IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
+                "for-loop": {"foreach": False}}
+
+
 def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "ParallelConfig",
                     dp_group=None) -> torch.optim.Optimizer:
-    """AdamW (torch's default fused/foreach choice); zero1 shards its state across `dp_group`."""
+    """AdamW over the trainable params: torch's (kernel per `optim.implementation`) or
+    bitsandbytes' AdamW8bit (`optim.name` adamw-8bit; config.py allows it under ddp/zero1 only);
+    zero1 shards its state across `dp_group`."""
     kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
                   weight_decay=optim_cfg.weight_decay)
+    if optim_cfg.name == "adamw-8bit":
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.AdamW8bit
+    else:
+        cls = torch.optim.AdamW
+        kwargs.update(_IMPL_KWARGS[optim_cfg.implementation])
     params = [p for p in model.parameters() if p.requires_grad]
     if parallel_cfg.strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
-                                       process_group=dp_group, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=dp_group, **kwargs)
+    return cls(params, **kwargs)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: "OptimConfig", total_steps: int):

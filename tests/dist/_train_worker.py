@@ -2,7 +2,7 @@
 cost ~7 s per process, so cases share them) and writes rank<r>.json with what each case measured.
 
 argv: cases.json out_dir. A case: {name, parallel: {...ParallelConfig}, steps, rows, seq_len,
-grad_accum, lr, model: {...ModelConfig}, logits: bool, crash: bool, lora: {...LoraConfig}
+grad_accum, lr, model: {...ModelConfig}, optim: {...OptimConfig}, logits: bool, crash: bool, lora: {...LoraConfig}
 (LoRA cases also measure frozen weights, grads and logits after training: _lora_checks.py),
 save_dir: a LoRA case saves a checkpoint there}; a case with `overrides` runs the real
 trainer instead (_ckpt_worker.run_case).
@@ -67,7 +67,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         with torch.no_grad():
             out["logits"] = model(input_ids=ids).logits.float().tolist()
     ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
-                       weight_decay=0.0)
+                       weight_decay=0.0, **case.get("optim", {}))
     dp_group = mesh.get_group() if mesh.ndim == 1 else None
     opt = build_optimizer(model, ocfg, pcfg, dp_group)
     sched = build_scheduler(opt, ocfg, case["steps"])

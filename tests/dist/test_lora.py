@@ -177,6 +177,9 @@ def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, p
             assert s.optimizer_host == 4 * 2 * len(TARGETS) * 4
         if strategy == "zero3":  # and by hand: fp32 grads of half the adapters
             assert got["grads_bytes"] == 4 * _lora_trainable_numel() // 2
+        if name == "ddp_bf16":  # by hand: under bf16-mixed the frozen base is bf16, adapters fp32
+            base = sum(p.numel() for p in _plain_model().parameters())
+            assert got["params_bytes"] == 2 * base + 4 * _lora_trainable_numel()
 
 
 @pytest.mark.timeout(300)

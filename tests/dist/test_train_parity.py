@@ -44,11 +44,11 @@ def _plain_model(folder: Path | None = None):
     return model
 
 
-def reference(steps=STEPS, lr=LR, same_batch=False) -> tuple[list[float], list[float]]:
+def reference(steps=STEPS, lr=LR, same_batch=False, optimizer_class=torch.optim.AdamW) -> tuple[list[float], list[float]]:
     """Losses and pre-clip grad norms of a plain one-process run on the whole global batch."""
     torch.manual_seed(0)
     model = _plain_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    opt = optimizer_class(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     losses, norms = [], []
     for step in range(steps):
         b = global_batch(0 if same_batch else step, ROWS, SEQ)
@@ -98,6 +98,11 @@ def world2(tmp_path_factory, pretrained_dir):
         _case("zero3_bf16", "zero3", "bf16", **BF16),
         _case("zero1_bf16mixed", "zero1", "bf16-mixed", **BF16),
         {**_case("zero3_pretrained", "zero3", logits=True, model={"name": str(pretrained_dir)}), "steps": 1},
+        _case("zero3_fused", "zero3", optim={"implementation": "fused"}),
+        _case("zero2_foreach", "zero2", optim={"implementation": "foreach"}),
+        _case("ddp_for-loop", "ddp", optim={"implementation": "for-loop"}),
+        _case("ddp_8bit", "ddp", optim={"name": "adamw-8bit"}),
+        _case("zero1_8bit", "zero1", optim={"name": "adamw-8bit"}),
     ]
     return _run(tmp_path_factory.mktemp("w2"), 2, cases)
 
@@ -116,7 +121,8 @@ def ref():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "zero3_ac_full", "zero2_ac_selective",
-                                  "ddp_ac_full", "zero3_accum", "ddp_accum", "zero3_offload"])
+                                  "ddp_ac_full", "zero3_accum", "ddp_accum", "zero3_offload",
+                                  "zero3_fused", "zero2_foreach", "ddp_for-loop"])
 def test_loss_parity_two_ranks(world2, ref, name):
     for rank_result in world2:
         got = rank_result[name]
@@ -203,25 +209,56 @@ def test_a_crashing_rank_fails_fast(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def _planned(strategy: str, world: int, shard_degree: int, rank: int) -> dict:
-    """The planner's per-rank states for tiny-llama in fp32 AdamW. On a CPU run AdamW's `step`
+def _planned(strategy: str, world: int, shard_degree: int, rank: int, optimizer: str = "adamw") -> dict:
+    """The planner's per-rank states for tiny-llama in fp32. On a CPU run AdamW's `step`
     counters (host memory on a GPU, `optimizer_host`) share RAM with the states."""
     from shardtune.catalog.models import resolve_model_config
     from shardtune.plan.memory import shardtune_states
     from shardtune.plan.params import architecture_from_config, model_shapes
 
     shapes = model_shapes(architecture_from_config(resolve_model_config("tiny-llama")))
-    s = shardtune_states(shapes, strategy, world, shard_degree, "fp32", "adamw", rank)
+    s = shardtune_states(shapes, strategy, world, shard_degree, "fp32", optimizer, rank)
     return {"params_bytes": s.params, "grads_bytes": s.grads, "optimizer_bytes": s.optimizer + s.optimizer_host}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, world, shard", [("ddp", 2, 1), ("zero1", 2, 1), ("zero2", 2, 2),
-                                                ("zero3", 2, 2), ("hsdp", 4, 2), ("zero3", 4, 4)])
+                                                ("zero3", 2, 2), ("hsdp", 4, 2), ("zero3", 4, 4),
+                                                ("zero3_fused", 2, 2), ("ddp_8bit", 2, 1), ("zero1_8bit", 2, 1)])
 def test_bytes_per_rank_equal_planner(world2, world4, name, world, shard):
     results = world2 if world == 2 else world4
+    strategy, _, variant = name.partition("_")
+    optimizer = "adamw-8bit" if variant == "8bit" else "adamw"
     for rank, rank_result in enumerate(results):
-        assert rank_result[name]["bytes"] == _planned(name, world, shard, rank), (name, rank)
+        assert rank_result[name]["bytes"] == _planned(strategy, world, shard, rank, optimizer), (name, rank)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["ddp_8bit", "zero1_8bit"])
+def test_adamw_8bit_two_ranks_vs_one_process_bitsandbytes(world2, name):
+    """bitsandbytes' AdamW8bit under ddp (every rank steps every tensor) and zero1 (each rank its
+    own tensors, then a broadcast) against one process stepping the same AdamW8bit on the whole
+    batch: the same per-tensor 8-bit update, so the same losses up to the all-reduce's rounding."""
+    import bitsandbytes as bnb
+
+    want_losses, want_norms = reference(optimizer_class=bnb.optim.AdamW8bit)
+    for rank_result in world2:
+        assert rank_result[name]["losses"] == pytest.approx(want_losses, abs=1e-5), name
+        assert rank_result[name]["grad_norms"] == pytest.approx(want_norms, rel=1e-4), name
+
+
+@pytest.mark.timeout(300)
+def test_adamw_8bit_state_bytes_by_hand(world2):
+    """AdamW8bit's states under ddp, by hand from tiny-llama's tensors: a tensor of n ≥ 4,096
+    elements keeps two uint8 states (2n) and two fp32 absmax per 256-block (8·⌈n/256⌉); smaller
+    ones (the norms) two fp32 states (8n); the optimizer two 256-entry fp32 maps that every tensor
+    shares (2,048 B once); no step tensors."""
+    from math import ceil
+
+    sizes = [p.numel() for p in _plain_model().parameters()]
+    want = sum(2 * n + 8 * ceil(n / 256) if n >= 4096 else 8 * n for n in sizes) + 2 * 256 * 4
+    for rank_result in world2:
+        assert rank_result["ddp_8bit"]["bytes"]["optimizer_bytes"] == want
 
 
 @pytest.mark.timeout(300)

@@ -66,6 +66,10 @@ def test_recipe_file_name_and_override_order(tmp_path):
     (["train.micro_batch=two"], "valid integer"),
     (["parallel.strategy=ddp", "parallel.offload=all"], "needs an FSDP strategy"),
     (["nodots"], "is not key.path=value"),
+    (["optim.implementation=fuse"], "unknown optimizer implementation 'fuse'"),
+    (["optim.name=adamw-8bit"], "runs under ddp or zero1 only"),  # default strategy zero3
+    (["optim.name=adamw-8bit", "parallel.strategy=ddp", "optim.implementation=fused"], "leave it 'auto'"),
+    (["optim.name=sgd"], "'optim.name' = 'sgd'"),
 ])
 def test_bad_values_are_one_line_errors(overrides, expected):
     assert expected in _err(overrides)
@@ -148,3 +152,11 @@ def test_shipped_recipes_load_and_fit_their_world(recipe):
     world = {"tiny-cpu": (2, 2)}.get(recipe.stem, (8, 8))
     validate_for_world(cfg, *world)
     check_model(cfg.model, cfg.train.seq_len)
+
+
+def test_adamw_8bit_without_bitsandbytes_is_a_one_line_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert "needs bitsandbytes (pip install bitsandbytes)" in _err(["optim.name=adamw-8bit", "parallel.strategy=ddp"])

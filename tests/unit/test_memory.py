@@ -109,6 +109,11 @@ def test_lora_frozen_weights_carry_no_grads_or_states():
     ddp = r.strategy("ddp").memory
     assert (ddp.grads, ddp.optimizer) == (4 * adapters, 8 * adapters)
     assert ddp.params == 4 * r.model["params"]
+    # bf16-mixed: the frozen base is stored in bf16 (2 B), the adapters keep fp32 masters (4 B)
+    mixed = plan("tiny-llama", 1, precision="bf16-mixed", lora_rank=8, seq_len=16).strategy("ddp").memory
+    base = r.model["params"] - adapters
+    assert mixed.params == 2 * base + 4 * adapters
+    assert (mixed.grads, mixed.optimizer) == (4 * adapters, 8 * adapters)
 
 
 def test_hsdp_shards_over_the_group_and_offload_reports_cpu_ram():
@@ -285,3 +290,37 @@ def test_fsdp_end_of_backward_peak_by_hand(grad_accum):
     states = m.params + m.grads + m.optimizer
     expected = states + (2 + 4) * root - (4 * root_shard if grad_accum == 1 else 0)
     assert m.total == expected
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused", "for-loop"])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_adamw_step_temporaries_match_torchs_memtracker(impl, dtype_name):
+    """The planner's AdamW-step temporaries for each kernel against PyTorch's own measurement:
+    MemTracker's peak during `step()` minus what is live after it (real tensors, a second step,
+    so the states exist before it starts)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from shardtune.config import OptimConfig, ParallelConfig
+    from shardtune.plan.memory import optimizer_temp_bytes
+    from shardtune.train.step import build_optimizer
+
+    dtype = getattr(torch, dtype_name)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 128, bias=False),
+                                torch.nn.Linear(128, 64, bias=False)).to(dtype)
+    opt = build_optimizer(model, OptimConfig(implementation=impl, weight_decay=0.1), ParallelConfig(strategy="ddp"))
+    for step in range(2):
+        model(torch.randn(4, 256, dtype=dtype)).sum().backward()
+        if step == 0:
+            opt.step()
+            continue
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            opt.step()
+        device = next(iter(tracker.get_tracker_snapshot("peak")))
+        measured = (tracker.get_tracker_snapshot("peak")[device]["Total"]
+                    - tracker.get_tracker_snapshot("current")[device]["Total"])
+    numels = [256 * 256, 256 * 128, 128 * 64]
+    elem = 4 if dtype == torch.float32 else 2
+    assert optimizer_temp_bytes(sum(numels), max(numels), "adamw", elem, impl) == measured
