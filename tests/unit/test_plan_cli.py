@@ -129,7 +129,8 @@ def test_recipe_is_planned_with_its_own_settings_and_flags_override(capsys):
     assert next(s for s in got["strategies"] if s["name"] == r["parallel"]["strategy"])["fits"]
 
 
-@pytest.mark.parametrize("path", ["recipes/llama-3-8b-8xh100.yaml", "recipes/llama-3-70b-8xh100.yaml"])
+@pytest.mark.parametrize("path", ["recipes/llama-3-8b-8xh100.yaml", "recipes/llama-3-70b-8xh100.yaml",
+                                  "recipes/llama-3-70b-lora-8xh100.yaml", "recipes/llama-3-70b-bf16-8xh100.yaml"])
 def test_shipped_big_recipes_fit_on_8_h100(path, capsys):
     import yaml
 
@@ -137,3 +138,17 @@ def test_shipped_big_recipes_fit_on_8_h100(path, capsys):
     rc, out, _ = _run(["plan", path, "--gpus", "8", "--gpu", "h100-80gb", "--json"], capsys)
     assert rc == 0
     assert next(s for s in json.loads(out)["strategies"] if s["name"] == strategy)["fits"]
+
+
+def test_pure_bf16_70b_recipe_states_are_8_bytes_per_param(capsys):
+    """Pure bf16 AdamW: params 2 + grads 2 + m, v 2 + 2 bytes per parameter, sharded over 8
+    (Ψ = 70,553,706,496 from Meta's config: 80 × 855,654,400 + 2 × 128,256 × 8,192 + 8,192);
+    fused AdamW makes no step temporary."""
+    rc, out, _ = _run(["plan", "recipes/llama-3-70b-bf16-8xh100.yaml", "--gpus", "8", "--strategy", "zero3",
+                       "--json"], capsys)
+    assert rc == 0
+    mem = json.loads(out)["strategies"][0]["memory"]
+    psi = 80 * 855_654_400 + 2 * 128_256 * 8_192 + 8_192
+    states = mem["params"] + mem["grads"] + mem["optimizer"]
+    assert states == pytest.approx(8 * psi / 8, rel=1e-4)  # FSDP2 pads dim 0: a few rows more
+    assert mem["optimizer_step_temp"] == 0
