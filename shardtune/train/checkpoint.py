@@ -6,6 +6,7 @@ Layout of `<run_dir>/checkpoints/step_<N>/`:
                                  in torch's FQN-keyed form (`get_state_dict`), so a checkpoint
                                  written under one strategy / world size loads under another:
                                  DCP reads each rank's slice of each saved tensor (resharding).
+                                 LoRA: frozen params are not saved (`_options`).
   trainer.json                   step, tokens seen, data position, LR scheduler (rank 0)
   rng_rank<r>.json               each rank's torch CPU (and CUDA) generator state
   hf/                            config.json and tokenizer files, for `shardtune export`
@@ -141,14 +142,24 @@ def _load_zero1_optim(model, optimizer, optim_sd: dict) -> None:
             optimizer.optim.state[p] = optim_sd["state"][fqn[id(p)]]
 
 
+def _options(model):
+    """Frozen parameters (LoRA's base) are not saved: the base is rebuilt from the run's model
+    settings (the pointer in hf/config.json, train/lora.py `base_pointer`), so a 70B LoRA
+    checkpoint holds the adapters and their optimizer state, not 141 GB of unchanged weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def model_optim_state(model, optimizer, *, for_load: bool = False) -> dict:
     """{"model": ..., "optim": ...} in FQN form for DCP (DTensors under FSDP2, tensors under DDP)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if _is_zero1(optimizer):
-        return {"model": get_model_state_dict(model),
+        return {"model": get_model_state_dict(model, options=_options(model)),
                 "optim": zero1_optim_state(model, optimizer, for_load=for_load)}
-    model_sd, optim_sd = get_state_dict(model, optimizers=optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizers=optimizer, options=_options(model))
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -156,10 +167,11 @@ def set_model_optim_state(model, optimizer, sd: dict) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     if _is_zero1(optimizer):
-        set_model_state_dict(model, sd["model"])
+        set_model_state_dict(model, sd["model"], options=_options(model))
         _load_zero1_optim(model, optimizer, sd["optim"])
         return
-    set_state_dict(model, optimizers=optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(model, optimizers=optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                   options=_options(model))
 
 
 # ---------------------------------------------------------------- small JSON parts
@@ -234,7 +246,14 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
 # ---------------------------------------------------------------- load
 def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *, rank: int) -> None:
     """Load `info` into the model, optimizer, scheduler and train state, resharding as needed.
-    Collective: every rank calls it."""
+    Collective: every rank calls it. A LoRA checkpoint holds no base weights: the model's base
+    must be the one it was trained on (train/lora.py `check_same_base`)."""
+    from shardtune.train.lora import check_same_base
+    from shardtune.train.model import unwrap
+
+    hf_config = info.path / HF_DIR / "config.json"
+    if hf_config.is_file():
+        check_same_base(json.loads(hf_config.read_text()), unwrap(model))
     sd = model_optim_state(model, optimizer, for_load=True)
     dcp.load(sd, storage_reader=SafeFileSystemReader(info.path), planner=SafeLoadPlanner())
     set_model_optim_state(model, optimizer, sd)

@@ -114,6 +114,12 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     if adapter_only and not lora:
         raise UserError(f"{ckpt} was not trained with LoRA (lora.rank > 0); drop --adapter-only")
     entries, adapters = lora_mod.split_adapters(entries) if lora else (entries, {})
+    # a LoRA checkpoint holds no base weights (train/checkpoint.py): a merged export rebuilds them
+    # from its pointer, one tensor at a time (key "base:<name>", never a DCP key)
+    base = {} if adapter_only or not lora or entries else {
+        f"base:{name}": (shape, dt, read)
+        for name, (shape, dt, read) in lora_mod.base_tensors(lora, ckpt / HF_DIR).items()}
+    entries += [(k, k.removeprefix("base:"), shape, dt) for k, (shape, dt, _) in base.items()]
     if adapter_only:
         entries = [a for pair in adapters.values() for a in pair.values()]
         entries = [(k, lora_mod.peft_saved_name(name), shape, dt) for k, name, shape, dt in entries]
@@ -143,10 +149,12 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
             fname = "adapter_model.safetensors"
         # a LoRA target weight is read with its A and B (r × (in + out) more elements) and merged
         extra = [e[0] for k in keys for e in merge.get(meta[k][0], {}).values()]
-        want = {k: torch.empty(meta[k][1], dtype=meta[k][2]) for k in [*keys, *extra]}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        want = {k: torch.empty(meta[k][1], dtype=meta[k][2]) for k in [*keys, *extra] if k not in base}
+        if want:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        want.update({k: base[k][2]() for k in keys if k in base})
         for k in keys:
             if meta[k][0] in merge:
                 pair = merge[meta[k][0]]

@@ -10,7 +10,9 @@ plan/params.py `lora_shapes` counts them). Every base weight is frozen (requires
 no grads, no optimizer state, exactly what plan/memory.py assumes.
 
 The adapter config travels in the HF config.json of each checkpoint (`config.shardtune_lora`),
-so export needs nothing but the checkpoint folder.
+with a pointer to the base (`base_pointer`): checkpoints hold the adapters and their optimizer
+state only (train/checkpoint.py), and resume and export rebuild the frozen base from the pointer
+(the folder's safetensors, or the seeded init), which `check_same_base` guards.
 """
 from __future__ import annotations
 
@@ -124,3 +126,49 @@ def peft_saved_name(name: str) -> str:
     """Our adapter name → the key PEFT saves in adapter_model.safetensors ('base_model.model.'
     prefix, no adapter name: peft.utils.get_peft_model_state_dict)."""
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
+
+
+def base_pointer(model_cfg, seed: int, precision: str) -> dict:
+    """Where the frozen base comes from: a model folder's safetensors (absolute path) or the
+    seeded init of a catalogue architecture, and the dtype it was stored in while training
+    (parallel/apply.py `apply_precision`: bf16 unless fp32)."""
+    from pathlib import Path
+
+    from shardtune.train.model import uses_pretrained
+
+    pretrained = uses_pretrained(model_cfg)
+    folder = Path(model_cfg.name).expanduser()
+    return {"model": str(folder.resolve()) if folder.exists() else model_cfg.name,
+            "init": "pretrained" if pretrained else "random", "seed": None if pretrained else seed,
+            "dtype": "float32" if precision == "fp32" else "bfloat16"}
+
+
+def check_same_base(saved_hf_config: dict, model: nn.Module) -> None:
+    """A LoRA checkpoint's adapters only make sense on the base they were trained on."""
+    saved = (saved_hf_config.get(CONFIG_KEY) or {}).get("base")
+    now = (getattr(model.config, CONFIG_KEY, None) or {}).get("base")
+    if saved is not None and saved != now:
+        raise UserError(f"this LoRA checkpoint was trained on base {saved}, but the run builds {now}; "
+                        "resume with the same model.name, model.init and train.seed")
+
+
+def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
+    """HF name → (shape, dtype, read) of every frozen base tensor, rebuilt from the checkpoint's
+    pointer (`base_pointer`) for a merged export: read one tensor at a time from the folder's
+    safetensors, or regenerate it from the seeded init of the architecture in `ckpt_hf_dir`."""
+    from shardtune.config import ModelConfig
+    from shardtune.train.model import (build_meta_model, pretrained_full_tensors, random_full_tensors,
+                                       safetensors_files)
+
+    base = lora["base"]
+    dtype = getattr(torch, base["dtype"])
+    if base["init"] == "pretrained":
+        source_cfg = ModelConfig(name=base["model"], init="pretrained")
+        files = safetensors_files(source_cfg)
+        meta = build_meta_model(source_cfg)
+        made = pretrained_full_tensors(meta, files)
+    else:
+        meta = build_meta_model(ModelConfig(name=str(ckpt_hf_dir), init="random"))
+        made = random_full_tensors(meta, int(base["seed"]))
+    shapes = {n: p.shape for n, p in meta.named_parameters()}
+    return {name: (shapes[name], dtype, lambda make=make: make().to(dtype)) for name, make in made}

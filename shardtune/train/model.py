@@ -19,7 +19,7 @@ from torch import nn
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
 from shardtune.strategies import FSDP_STRATEGIES
-from shardtune.train.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
+from shardtune.train.lora import adapter_full_tensors, apply_lora, base_name, base_pointer, is_adapter
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -192,6 +192,7 @@ def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: 
     model = build_meta_model(model_cfg)
     if lora_cfg is not None and lora_cfg.rank > 0:
         apply_lora(model, lora_cfg)
+        model.config.shardtune_lora["base"] = base_pointer(model_cfg, seed, parallel_cfg.precision)
     if parallel_cfg.strategy in FSDP_STRATEGIES:
         model = apply_parallelism(model, parallel_cfg, mesh)
         # with CPUOffloadPolicy the sharded parameters live on the CPU (torchtitan does the same)

@@ -208,6 +208,45 @@ def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.timeout(300)
+def test_checkpoint_holds_adapters_not_the_base(world2):
+    """The saved model tensors are the adapters alone (2 per target per layer); the base is a
+    pointer in hf/config.json that names the seeded catalogue init and the training dtype."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from shardtune.train.checkpoint import SafeFileSystemReader
+    from shardtune.train.export import model_tensors
+
+    d, _ = world2
+    ckpt = d / "zero3_run" / "checkpoints" / f"step_{STEPS}"
+    names = [name for _, name, _, _ in model_tensors(ckpt)]
+    assert len(names) == 2 * len(TARGETS) * 4 and all(".lora_A." in n or ".lora_B." in n for n in names)
+    md = SafeFileSystemReader(ckpt).read_metadata().state_dict_metadata
+    nbytes = {sec: sum(v.size.numel() * v.properties.dtype.itemsize for k, v in md.items()
+                       if k.startswith(sec + ".") and isinstance(v, TensorStorageMetadata)) for sec in ("model", "optim")}
+    # by hand, fp32: the adapters (4 B), their m and v (8 B) and one 4-byte `step` per adapter tensor
+    assert nbytes == {"model": 4 * _lora_trainable_numel(), "optim": 8 * _lora_trainable_numel() + 4 * len(names)}
+    base = json.loads((ckpt / "hf" / "config.json").read_text())["shardtune_lora"]["base"]
+    assert base == {"model": "tiny-llama", "init": "random", "seed": 0, "dtype": "float32"}
+
+
+@pytest.mark.timeout(60)
+def test_resume_on_another_base_is_a_user_error():
+    from types import SimpleNamespace
+
+    from shardtune.errors import UserError
+    from shardtune.train.lora import check_same_base
+
+    saved = {"shardtune_lora": {"rank": 4, "base": {"model": "tiny-llama", "init": "random", "seed": 0}}}
+    model = SimpleNamespace(config=SimpleNamespace(shardtune_lora={"rank": 4, "base": {
+        "model": "tiny-llama", "init": "random", "seed": 1}}))
+    with pytest.raises(UserError, match="same model.name, model.init and train.seed") as e:
+        check_same_base(saved, model)
+    assert "\n" not in str(e.value)
+    model.config.shardtune_lora["base"]["seed"] = 0
+    check_same_base(saved, model)  # the same base: no error
+
+
 def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
