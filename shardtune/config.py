@@ -73,7 +73,7 @@ class ParallelConfig(_Section):
 
 class OptimConfig(_Section):
     name: Literal["adamw", "adamw-8bit"] = Field("adamw", description="adamw: torch.optim.AdamW | adamw-8bit: bitsandbytes' AdamW8bit (m and v in 8 bits, blockwise: 2 B/param instead of 8; needs bitsandbytes; ddp and zero1 only, it does not take FSDP2's DTensor parameters).")
-    implementation: str = Field("auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | foreach (a temporary the size of the rank's states) | fused (no temporary) | for-loop (temporaries of the largest tensor only). See docs/planner.md.")
+    implementation: str = Field("auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | foreach (a temporary the size of the rank's states) | fused (no temporary) | for-loop (temporaries of the largest tensor only) | bf16-stochastic (pure bf16 only: the update in fp32, weights rounded stochastically, train/optim.py). See docs/planner.md.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.95))
@@ -151,6 +151,9 @@ class RunConfig(_Section):
             # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
             raise ValueError(f"optim.name 'adamw-8bit' runs under ddp or zero1 only: bitsandbytes does "
                              f"not take FSDP2's DTensor parameters (strategy {self.parallel.strategy!r})")
+        if self.optim.implementation == "bf16-stochastic" and self.parallel.precision != "bf16":
+            raise ValueError("optim.implementation 'bf16-stochastic' rounds bf16 weights: it needs "
+                             f"parallel.precision bf16, not {self.parallel.precision!r}")
         return self
 
     @property

@@ -22,7 +22,7 @@ AC_MODES = ("none", "full", "selective")
 OFFLOAD_MODES = ("none", "optimizer", "all")
 OPTIMIZERS = ("adamw", "sgd", "adamw-8bit")
 # torch AdamW's kernels; "auto" is torch's own choice (foreach on CUDA, for-loop on CPU)
-OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop", "bf16-stochastic")
 
 
 def _pick(kind: str, value: str, choices, aliases: dict | None = None) -> str:

@@ -51,7 +51,9 @@ measured with torch's MemTracker on real tensors (peak during `step()` minus the
     _foreach_sqrt(exp_avg_sqs)`, one copy of the local states' size in their dtype (measured 1.00 ×);
   - fused (`_fused_adamw_`): none (measured 0); its `step` counters live on the device;
   - for-loop (`_single_tensor_adamw`, torch's CPU default): `exp_avg_sq.sqrt() / bias_correction2_sqrt`
-    holds two temporaries of one tensor's state at a time: 2 × the largest local tensor (measured 2.00 ×).
+    holds two temporaries of one tensor's state at a time: 2 × the largest local tensor (measured 2.00 ×);
+  - bf16-stochastic (train/optim.py, pure bf16): the fp32 new weight and the fp32 denominator,
+    then the new weight and the int32 rounding noise: 8 B × the largest local tensor (measured).
 SGD (no weight decay) and 8-bit Adam are modelled without temporaries. The activations are freed
 by then, so the step's peak is states + temporaries, compared with the forward/backward peak by
 `peak_bytes`.
@@ -156,6 +158,8 @@ def optimizer_temp_bytes(state_numel: int, largest_numel: int, optimizer: str, s
     tensor `largest_numel` of them, under kernel `impl` (module doc; `auto` plans foreach)."""
     if optimizer != "adamw" or impl == "fused":
         return 0
+    if impl == "bf16-stochastic":
+        return 8 * largest_numel
     if impl == "for-loop":
         return 2 * state_bytes * largest_numel
     return state_bytes * state_numel

@@ -78,7 +78,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 # torch AdamW's kernel per `optim.implementation` (plan/memory.py: each one's temporaries)
 _IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
-                "for-loop": {"foreach": False}}
+                "for-loop": {"foreach": False}}  # bf16-stochastic: train/optim.py
 
 
 def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "ParallelConfig",
@@ -92,6 +92,10 @@ def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "P
         import bitsandbytes as bnb
 
         cls = bnb.optim.AdamW8bit
+    elif optim_cfg.implementation == "bf16-stochastic":
+        from shardtune.train.optim import AdamWStochasticBF16
+
+        cls = AdamWStochasticBF16
     else:
         cls = torch.optim.AdamW
         kwargs.update(_IMPL_KWARGS[optim_cfg.implementation])

@@ -70,6 +70,7 @@ def test_recipe_file_name_and_override_order(tmp_path):
     (["optim.name=adamw-8bit"], "runs under ddp or zero1 only"),  # default strategy zero3
     (["optim.name=adamw-8bit", "parallel.strategy=ddp", "optim.implementation=fused"], "leave it 'auto'"),
     (["optim.name=sgd"], "'optim.name' = 'sgd'"),
+    (["optim.implementation=bf16-stochastic"], "needs parallel.precision bf16, not 'bf16-mixed'"),
 ])
 def test_bad_values_are_one_line_errors(overrides, expected):
     assert expected in _err(overrides)

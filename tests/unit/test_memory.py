@@ -292,7 +292,7 @@ def test_fsdp_end_of_backward_peak_by_hand(grad_accum):
     assert m.total == expected
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused", "for-loop"])
+@pytest.mark.parametrize("impl", ["foreach", "fused", "for-loop", "bf16-stochastic"])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_adamw_step_temporaries_match_torchs_memtracker(impl, dtype_name):
     """The planner's AdamW-step temporaries for each kernel against PyTorch's own measurement:

@@ -1,0 +1,73 @@
+"""AdamW for pure-bf16 weights with stochastic rounding (`optim.implementation: bf16-stochastic`).
+
+Why: a bf16 weight has 8 significant bits, so an update smaller than half its spacing rounds
+away. One AdamW step (|update| = lr) on N(0, 0.02) weights stored in bf16 leaves 84 % of them
+unchanged at lr 1e-5 (measured, README "70B on one node"): pure-bf16 training at fine-tuning
+learning rates mostly does not train. Rounding the new weight up or down at random, with the
+probability of each given by the distance to it, makes the stored weight right on average
+(Gupta et al. 2015, "Deep learning with limited numerical precision"; Zamirai et al. 2020,
+"Revisiting BFloat16 Training"), with no extra state (Kahan summation would need 2 B/param more).
+
+torch has no such optimizer (torchao's `_AdamW(bf16_stochastic_round=True)` does it, a dependency
+we do not otherwise need), so this is hand-written: the update is torch.optim.AdamW's
+(`_single_tensor_adamw`: decoupled weight decay, bias-corrected moments, eps outside the sqrt),
+computed in fp32 per tensor; m and v stay in the parameter's dtype as torch keeps them. On fp32
+parameters nothing is rounded and the step equals torch's AdamW (tests/unit/test_optim.py).
+Works on FSDP2's DTensor parameters (the states are DTensors like the params, for DCP; the
+arithmetic runs on the local shards) and under ddp / zero1 (plain tensors).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def stochastic_round_to_bf16_(x: torch.Tensor) -> torch.Tensor:
+    """fp32 → bf16, rounding to one of the two neighbouring bf16 values with probability
+    proportional to closeness: add 16 random low bits, then truncate (the low 16 bits of an fp32
+    are what bf16 drops). E[result] = x for finite x. Overwrites `x` (contiguous fp32): one
+    int32 temporary, the noise."""
+    bits = x.view(torch.int32)
+    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device))
+    return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # -65536 = 0xFFFF0000
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class AdamWStochasticBF16(torch.optim.Optimizer):
+    """torch.optim.AdamW's update in fp32, bf16 parameters written back by stochastic rounding."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # as torch AdamW: a CPU fp32 step counter, moments in the param dtype
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = state["step"].item()
+                param, grad = _local(p), _local(p.grad)
+                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+                # copy=True: on fp32 tensors .float() would alias the state and the parameter
+                denom = exp_avg_sq.to(torch.float32, copy=True).sqrt_().div_(bias_correction2_sqrt).add_(eps)
+                new = param.to(torch.float32, copy=True).mul_(1 - lr * wd)
+                new.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))  # fp32 += bf16/fp32
+                del denom
+                param.copy_(stochastic_round_to_bf16_(new) if param.dtype == torch.bfloat16 else new)
+        return loss
