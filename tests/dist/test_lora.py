@@ -114,12 +114,32 @@ def world2(tmp_path_factory):
     return d, [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora4")
+    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}),
+             _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
+    (d / "cases.json").write_text(json.dumps(cases))
+    launch(WORKER, 4, [str(d / "cases.json"), str(d)], timeout_s=240, log_dir=d / "logs")
+    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(4)]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero2", "zero3_offload"])
 def test_lora_loss_parity_two_ranks_vs_one_process(world2, ref, name):
     for rank_result in world2[1]:
         assert rank_result[name]["losses"] == pytest.approx(ref[0], abs=1e-5), name
         assert rank_result[name]["grad_norms"] == pytest.approx(ref[1], rel=1e-4), name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["hsdp", "hsdp_accum"])
+def test_lora_hsdp_2x2_vs_one_process(world4, ref, name):
+    """hsdp: 2 replicas × 2 shards, with and without accumulation; the base stays frozen."""
+    for rank_result in world4:
+        assert rank_result[name]["losses"] == pytest.approx(ref[0], abs=1e-5), name
+        assert rank_result[name]["grad_norms"] == pytest.approx(ref[1], rel=1e-4), name
+        assert rank_result[name]["frozen_max_change"] == 0.0
 
 
 @pytest.mark.timeout(300)
