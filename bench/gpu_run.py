@@ -155,7 +155,8 @@ def recipe(out: Path, mode: str, ac: str) -> dict:
         "model": {"name": str(out / "model"), "init": "random"},
         "data": {"path": str(out / "data.jsonl"), "tokenizer": "byte", "packing": True},
         "parallel": {"strategy": "zero3", "precision": "bf16-mixed", "activation_checkpointing": ac},
-        "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
+        # foreach named: auto would be for-loop in the CPU dry run (torch's CPU default), foreach on the GPU
+        "optim": {"implementation": "foreach", "lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
         "train": {"micro_batch": 1, "grad_accum": 1, "seq_len": shape["seq_len"],
                   "max_steps": shape["steps"], "seed": 0, "log_every": 1,
                   "backend": shape["backend"], "gpu": "h200-141gb", "timeout_s": 120},

@@ -134,8 +134,12 @@ def _states(m: _Model, strategy: str, inp: Inputs, shard_degree: int) -> memory.
 
 
 def _impl(inp: Inputs) -> str:
-    """The AdamW kernel planned: `auto` is torch's CUDA default, foreach (a GPU is planned)."""
-    return "foreach" if inp.optimizer_impl == "auto" else inp.optimizer_impl
+    """The AdamW kernel planned for `auto`, torch's own choice (torch/optim/optimizer.py
+    `_default_to_fused_or_foreach`): foreach for CUDA tensors, so for a GPU; for-loop when
+    `offload all` keeps the parameters on the CPU."""
+    if inp.optimizer_impl != "auto":
+        return inp.optimizer_impl
+    return "for-loop" if inp.offload == "all" else "foreach"
 
 
 def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:

@@ -79,8 +79,11 @@ def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
     try:
         from shardtune.plan import plan
 
+        inputs = cfg.plan_inputs()
+        if inputs["optimizer_impl"] == "auto" and not torch.cuda.is_available():
+            inputs["optimizer_impl"] = "for-loop"  # torch's choice for CPU tensors (plan/api.py `_impl`)
         p = plan(gpus=world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-                 strategies=[cfg.parallel.strategy], **cfg.plan_inputs())
+                 strategies=[cfg.parallel.strategy], **inputs)
         d = p.to_dict()
     except Exception as e:  # the run goes on without a prediction, and says why
         d = {"error": f"{type(e).__name__}: {e}"}
