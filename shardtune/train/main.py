@@ -127,7 +127,7 @@ def _progress(enabled: bool):
 
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                    disable=not enabled)
+                    disable=not enabled, refresh_per_second=2)  # its thread shares rank 0's core
 
 
 def _peak_bytes(ctx: DistContext, model, optimizer, activations) -> tuple[int, dict]:
@@ -209,8 +209,10 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
             peak, rank_bytes = _peak_bytes(ctx, model, optimizer, activations)
             if tracked:
                 rank_bytes["tracked"] = {k: v for k, v in tracked.items() if k != "breakdown_at_peak"}
+            log = state.step % cfg.train.log_every == 0 or state.step == total_steps
             peak_t = torch.tensor([peak], dtype=torch.long, device=ctx.device)
-            dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
+            if log:  # the ranks' max, only for the lines written (a collective fewer per step)
+                dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
             tokens_per_s = rows_per_step * cfg.train.seq_len / dt
             tflops = flops_tok * tokens_per_s / ctx.world_size / 1e12  # achieved, per rank
             record = {"step": state.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
@@ -219,7 +221,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
                       "peak_mem_bytes": int(peak_t.item()), "step_time_s": dt,
                       "target_tokens": r.num_tokens}
             record.update(keeper.record_extra(state.step, r))
-            if writer and (state.step % cfg.train.log_every == 0 or state.step == total_steps):
+            if writer and log:
                 writer.write(record)
             bar.update(task, advance=1, info=f"loss {r.loss:.4f}  lr {r.lr:.2e}  {tokens_per_s:,.0f} tok/s")
             if keeper.after_step(state.step, r, total_steps):

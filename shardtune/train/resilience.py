@@ -37,14 +37,6 @@ def agree_any(flags: list[bool], device: torch.device, group=None) -> list[bool]
     return [bool(v) for v in t.tolist()]
 
 
-def all_finite(values: list[torch.Tensor], group=None) -> bool:
-    """True when every value is finite on every rank (all-reduced, so all ranks agree)."""
-    bad = torch.stack([(~torch.isfinite(v.detach().float())).any() for v in values]).any()
-    bad = bad.to(torch.int32).reshape(1)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    return not bool(bad.item())
-
-
 @dataclass
 class BadStepCounter:
     """Counts consecutive skipped steps; `update` raises NonFiniteError past `max_bad_steps`."""

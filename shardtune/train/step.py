@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from shardtune.train.resilience import all_finite
 
 if TYPE_CHECKING:
     from shardtune.config import OptimConfig, ParallelConfig
@@ -153,8 +152,10 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
     lr = scheduler.get_last_lr()[0]
-    # a non-finite loss or grad norm on ANY rank skips the update on every rank (flag all-reduced)
-    skipped = skip_non_finite and not all_finite([loss_sum, norm], group=dp_group)
+    # a non-finite loss or grad norm on ANY rank skips the update on every rank. No extra
+    # collective: both are already global (loss_sum all-reduced above; the norm of all-reduced
+    # DDP grads, or FSDP's all-reduced DTensor norm), and a NaN or inf anywhere reaches them.
+    skipped = skip_non_finite and not bool(torch.isfinite(torch.stack([loss_sum, norm.float()])).all())
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:

@@ -123,7 +123,8 @@ def test_recipe_is_planned_with_its_own_settings_and_flags_override(capsys):
     assert got["inputs"]["micro_batch"] == 1 != r["train"]["micro_batch"]
     by_hand = plan(r["model"]["name"], 8, seq_len=r["train"]["seq_len"], micro_batch=1,
                    grad_accum=r["train"]["grad_accum"], ac=r["parallel"]["activation_checkpointing"],
-                   ac_every=r["parallel"]["ac_every"], precision=r["parallel"]["precision"])
+                   ac_every=r["parallel"]["ac_every"], precision=r["parallel"]["precision"],
+                   optimizer_impl=r["optim"]["implementation"])
     want = {s.name: s.memory.total for s in by_hand.strategies}
     assert {s["name"]: s["memory"]["total"] for s in got["strategies"]} == want
     assert next(s for s in got["strategies"] if s["name"] == r["parallel"]["strategy"])["fits"]
