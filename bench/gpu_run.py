@@ -224,6 +224,8 @@ def collect_run(out: Path, ac: str) -> dict:
         # peak_mem_bytes is reset after every step; the max over steps is the whole run's
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
         "memory_method": memory["method"], "states_bytes": states,
+        # the last step's max_memory_reserved (CUDA only): the allocator's cache beside the peak
+        "last_step_peak_reserved_bytes": rank0.get("peak_reserved_bytes"),
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
         "per_step": [{k: r.get(k) for k in ("step", "tokens_per_s", "mfu", "peak_mem_bytes", "step_time_s")}
                      for r in records],

@@ -138,6 +138,8 @@ def _peak_bytes(ctx: DistContext, model, optimizer, activations) -> tuple[int, d
     states["activations_bytes"] = activations.peak_bytes if activations else 0
     if ctx.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(ctx.device)
+        # what the caching allocator held: reserved - allocated is its fragmentation and cache
+        states["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
     else:
         peak = sum(states.values())
