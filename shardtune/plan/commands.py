@@ -45,7 +45,7 @@ def plan_cmd(
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | bf16 | fp32."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | sgd | adamw-8bit."),
-    optimizer_impl: str = typer.Option("auto", "--optimizer-impl", help="AdamW kernel: auto (= foreach, torch's CUDA default) | foreach | fused | for-loop: the step's temporaries."),
+    optimizer_impl: str = typer.Option("auto", "--optimizer-impl", help="AdamW kernel: auto (torch's choice: foreach on GPUs, for-loop with --offload all) | foreach | fused | for-loop | bf16-stochastic; sets the step's temporaries."),
     ac: str = typer.Option("none", "--ac", help="Activation checkpointing: none | full | selective."),
     ac_every: int = typer.Option(2, "--ac-every", help="selective AC: checkpoint every k-th layer."),
     offload: str = typer.Option("none", "--offload", help="none | optimizer | all (CPU RAM per node is reported)."),

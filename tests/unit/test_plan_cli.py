@@ -65,6 +65,7 @@ def test_offload_reports_cpu_ram(capsys):
     (["plan", "llama-3-8b", "--lora-rank", "100000"], "--lora-rank"),
     (["plan", "llama-3-8b", "--reserve-gib", "500"], "reserve"),
     (["plan", "llama-3-8b", "--gpus", "abc"], "--gpus"),
+    (["plan", "llama-3-8b", "--optimizer-impl", "fussed"], "did you mean 'fused'"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, fragment, capsys):
     rc, out, err = _run(argv, capsys)
