@@ -91,15 +91,25 @@ def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
     return d if "error" not in d else None
 
 
+TEARDOWN_LIMIT_S = 60.0  # a healthy destroy_process_group takes well under a second
+
+
 def run(cfg: "RunConfig") -> dict:
     """Train with `cfg` on this process's rank; returns the final metrics record (rank 0)."""
+    from shardtune.train.resilience import exit_if_stuck
+
     ctx = setup_distributed(cfg)
+    guard = None
     try:
-        return train(cfg, ctx)
+        record = train(cfg, ctx)
+        guard = exit_if_stuck(TEARDOWN_LIMIT_S, "the process-group teardown")
+        return record
     finally:
         gc.collect()  # drop DDP's reducer before the group goes (gloo exit hang, PYTORCH-NOTES)
         if dist.is_initialized():
             dist.destroy_process_group()
+        if guard is not None:
+            guard.cancel()
 
 
 def prepare_run_dir(cfg: "RunConfig", ctx: DistContext) -> tuple[Path, dict | None]:

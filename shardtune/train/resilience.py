@@ -1,13 +1,16 @@
 """Keeping a long run alive and honest: skipped non-finite steps, preemption, quiet peer failures.
 
 - Bad numerics: `train_step` skips the optimizer step when the loss or gradient norm is non-finite
-  (the flag is all-reduced, so every rank skips the same step); `BadStepCounter` stops the run
+  (both are global values, so every rank skips the same step); `BadStepCounter` stops the run
   after `train.max_bad_steps` skips in a row, with the last good checkpoint untouched.
 - Preemption: SLURM and Kubernetes send SIGTERM (torchrun forwards it to its workers and waits
   30 s before SIGKILL). `PreemptionSignal` only records it; the loop agrees on it across ranks at
   the next step boundary (`agree_any`), saves a checkpoint and stops cleanly.
 - Peer failures: when one rank raises, its peers see a broken collective. `is_peer_failure` lets
   them exit with one line instead of a second traceback, so the first error is the one shown.
+- A stuck exit: gloo's teardown can hang after the work is done (PYTORCH-NOTES); after a
+  completed run `exit_if_stuck` ends the process if the teardown takes over a minute, so torchrun
+  and the job's nodes are not held with everything already saved.
 - Test hooks (`DebugHooks`): environment variables `SHARDTUNE_TEST_*`, read once per run, that
   inject a NaN loss, an exception, a SIGKILL or a SIGTERM at a given step. Only tests set them.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +39,21 @@ def agree_any(flags: list[bool], device: torch.device, group=None) -> list[bool]
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [bool(v) for v in t.tolist()]
+
+
+def exit_if_stuck(after_s: float, what: str) -> threading.Timer:
+    """Start a daemon timer that ends this process with exit code 0 if `what` (the caller's
+    remaining work, all of it after the run's results are written) is still going after
+    `after_s` seconds; `cancel()` it when `what` is done."""
+    def fire() -> None:
+        print(f"shardtune: {what} still running {after_s:g} s after the run completed; exiting "
+              "(everything is saved)", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    timer = threading.Timer(after_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 @dataclass
