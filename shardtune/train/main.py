@@ -91,7 +91,7 @@ def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
     return d if "error" not in d else None
 
 
-TEARDOWN_LIMIT_S = 60.0  # a healthy destroy_process_group takes well under a second
+TEARDOWN_LIMIT_S = 30.0  # a healthy destroy_process_group takes well under a second
 
 
 def run(cfg: "RunConfig") -> dict:

@@ -9,7 +9,7 @@
 - Peer failures: when one rank raises, its peers see a broken collective. `is_peer_failure` lets
   them exit with one line instead of a second traceback, so the first error is the one shown.
 - A stuck exit: gloo's teardown can hang after the work is done (PYTORCH-NOTES); after a
-  completed run `exit_if_stuck` ends the process if the teardown takes over a minute, so torchrun
+  completed run `exit_if_stuck` ends the process if the teardown takes over 30 s, so torchrun
   and the job's nodes are not held with everything already saved.
 - Test hooks (`DebugHooks`): environment variables `SHARDTUNE_TEST_*`, read once per run, that
   inject a NaN loss, an exception, a SIGKILL or a SIGTERM at a given step. Only tests set them.
