@@ -61,3 +61,12 @@ def normalize_optimizer(name: str) -> str:
 
 def normalize_optimizer_impl(name: str) -> str:
     return _pick("optimizer implementation", name, OPTIMIZER_IMPLS)
+
+
+def resolve_optimizer_impl(impl: str, offload: str, cuda: bool = True) -> str:
+    """The kernel `auto` gets: torch's own choice (torch/optim/optimizer.py
+    `_default_to_fused_or_foreach`), foreach for CUDA tensors, for-loop for CPU ones (a CPU run,
+    or the params that `offload all` keeps on the CPU). Other names stand as given."""
+    if impl != "auto":
+        return impl
+    return "foreach" if cuda and offload != "all" else "for-loop"

@@ -19,7 +19,7 @@ from shardtune.plan.params import (
     model_shapes,
 )
 from shardtune.plan.validate import Inputs, validate_inputs
-from shardtune.strategies import STRATEGIES
+from shardtune.strategies import STRATEGIES, resolve_optimizer_impl
 
 GIB = 2**30
 
@@ -134,12 +134,8 @@ def _states(m: _Model, strategy: str, inp: Inputs, shard_degree: int) -> memory.
 
 
 def _impl(inp: Inputs) -> str:
-    """The AdamW kernel planned for `auto`, torch's own choice (torch/optim/optimizer.py
-    `_default_to_fused_or_foreach`): foreach for CUDA tensors, so for a GPU; for-loop when
-    `offload all` keeps the parameters on the CPU."""
-    if inp.optimizer_impl != "auto":
-        return inp.optimizer_impl
-    return "for-loop" if inp.offload == "all" else "foreach"
+    """The AdamW kernel planned: for `auto`, torch's choice on a GPU (strategies.py)."""
+    return resolve_optimizer_impl(inp.optimizer_impl, inp.offload)
 
 
 def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:

@@ -345,7 +345,7 @@ def attach_simulation(result, options: dict, console=None) -> None:
                     spec, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
                     ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
                     grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
-                    optimizer_impl=inp.get("optimizer_impl", "auto"),
+                    optimizer_impl=inp["optimizer_impl"],
                     hsdp_shard_size=sp.shard_degree if sp.name == "hsdp" else None)
                 sp.simulated = {"status": "traced", **sim}
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan

@@ -128,10 +128,9 @@ def peft_saved_name(name: str) -> str:
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
-def base_pointer(model_cfg, seed: int, precision: str) -> dict:
+def base_pointer(model_cfg, seed: int, dtype: torch.dtype) -> dict:
     """Where the frozen base comes from: a model folder's safetensors (absolute path) or the
-    seeded init of a catalogue architecture, and the dtype it was stored in while training
-    (parallel/apply.py `apply_precision`: bf16 unless fp32)."""
+    seeded init of a catalogue architecture, and the `dtype` it is stored in while training."""
     from pathlib import Path
 
     from shardtune.train.model import uses_pretrained
@@ -140,7 +139,7 @@ def base_pointer(model_cfg, seed: int, precision: str) -> dict:
     folder = Path(model_cfg.name).expanduser()
     return {"model": str(folder.resolve()) if folder.exists() else model_cfg.name,
             "init": "pretrained" if pretrained else "random", "seed": None if pretrained else seed,
-            "dtype": "float32" if precision == "fp32" else "bfloat16"}
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def check_same_base(saved_hf_config: dict, model: nn.Module) -> None:

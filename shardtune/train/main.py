@@ -79,9 +79,11 @@ def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
     try:
         from shardtune.plan import plan
 
-        inputs = cfg.plan_inputs()
-        if inputs["optimizer_impl"] == "auto" and not torch.cuda.is_available():
-            inputs["optimizer_impl"] = "for-loop"  # torch's choice for CPU tensors (plan/api.py `_impl`)
+        from shardtune.strategies import resolve_optimizer_impl
+
+        inputs = cfg.plan_inputs()  # `auto`: the kernel torch picks on this run's device
+        inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"], inputs["offload"],
+                                                          cuda=torch.cuda.is_available())
         p = plan(gpus=world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                  strategies=[cfg.parallel.strategy], **inputs)
         d = p.to_dict()

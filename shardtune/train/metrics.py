@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -32,7 +33,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        s = _local(t).untyped_storage()
+        s = local_tensor(t).untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
@@ -62,7 +63,7 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # a parameter, or a view of one (F.linear saves weight.t()), is not an activation
         if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter) and t.device.type != "meta":
-            s = _local(t).untyped_storage()
+            s = local_tensor(t).untyped_storage()
             self._seen[s.data_ptr()] = s.nbytes()
         return t
 

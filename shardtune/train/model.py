@@ -190,16 +190,19 @@ def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: 
     from shardtune.parallel.apply import apply_parallelism, apply_precision
 
     model = build_meta_model(model_cfg)
-    if lora_cfg is not None and lora_cfg.rank > 0:
+    lora = lora_cfg is not None and lora_cfg.rank > 0
+    if lora:
         apply_lora(model, lora_cfg)
-        model.config.shardtune_lora["base"] = base_pointer(model_cfg, seed, parallel_cfg.precision)
+    apply_precision(model, parallel_cfg)  # stored dtypes before the fill (apply_parallelism: no-op again)
+    if lora:
+        frozen = next(p.dtype for p in model.parameters() if not p.requires_grad)
+        model.config.shardtune_lora["base"] = base_pointer(model_cfg, seed, frozen)
     if parallel_cfg.strategy in FSDP_STRATEGIES:
         model = apply_parallelism(model, parallel_cfg, mesh)
         # with CPUOffloadPolicy the sharded parameters live on the CPU (torchtitan does the same)
         model.to_empty(device="cpu" if parallel_cfg.offload == "all" else device)
         init_model_weights(model, model_cfg, seed)
         return model
-    apply_precision(model, parallel_cfg)  # before the fill, so it rounds as FSDP's path does
     model.to_empty(device=device)
     init_model_weights(model, model_cfg, seed)
     return apply_parallelism(model, parallel_cfg, mesh)

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from shardtune.train.metrics import local_tensor
+
 
 def stochastic_round_to_bf16_(x: torch.Tensor) -> torch.Tensor:
     """fp32 → bf16, rounding to one of the two neighbouring bf16 values with probability
@@ -31,10 +33,6 @@ def stochastic_round_to_bf16_(x: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int32)
     bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device))
     return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # -65536 = 0xFFFF0000
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class AdamWStochasticBF16(torch.optim.Optimizer):
@@ -59,8 +57,8 @@ class AdamWStochasticBF16(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = state["step"].item()
-                param, grad = _local(p), _local(p.grad)
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                param, grad = local_tensor(p), local_tensor(p.grad)
+                exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
