@@ -56,8 +56,9 @@ def worker(a: argparse.Namespace) -> int:
 
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
     from shardtune.parallel.apply import build_mesh
-    from shardtune.train.model import build_hf_config, build_model
-    from shardtune.train.step import build_optimizer, build_scheduler, train_step
+    from shardtune.train.core.model import build_hf_config, build_model
+    from shardtune.train.core.optim import build_optimizer, build_scheduler
+    from shardtune.train.core.step import train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -21,7 +21,7 @@ What each number is (bytes per rank; MiB = 2^20 bytes):
             driver every 0.2 s while it runs: everything the process ever held at once, the
             Python, torch and transformers libraries (~0.4–0.5 GiB before any tensor) included.
   tracked   shardtune only: the peak of torch's FSDPMemTracker / MemTracker over its 3rd step
-            (report/tracker.py), tensors only, against the planner's peak ("total").
+            (train/core/memtrack.py), tensors only, against the planner's peak ("total").
 """
 from __future__ import annotations
 

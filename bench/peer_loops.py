@@ -20,7 +20,7 @@ to the shardtune recipe of the same comparison, and `out` (a folder). Each worke
 shardtune's trainer writes for the same thing: rank 0 a metrics.jsonl line per step
 ({"step", "step_time_s", "tokens_per_s"}), flushed, so the driver can stamp its arrival the same
 way for every contender; every rank its model-state bytes into memory.json.
-The batches are shardtune's own loader's rows for each rank (train/data.py): the same tokens,
+The batches are shardtune's own loader's rows for each rank (train/data/dataset.py): the same tokens,
 documents and position ids in every contender, so the packed attention masks cost the same.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ IGNORE_INDEX = -100
 
 def storage_bytes(tensors) -> int:
     """Distinct storages behind `tensors` (DTensors by their local shard). Written here, not taken
-    from shardtune.train.metrics, so that shardtune's own count is checked against another one."""
+    from shardtune.train.core.metrics, so that shardtune's own count is checked against another one."""
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -61,7 +61,7 @@ def state_bytes(params, optimizer) -> dict:
 def rank_batches(spec: dict, rank: int, world: int, steps: int) -> list[list[dict]]:
     """batches[r][s]: the micro-batch shardtune's loader gives rank r at step s."""
     from shardtune.config import DataConfig, TrainConfig
-    from shardtune.train.data import PackedLoader, build_dataset, build_tokenizer
+    from shardtune.train.data.dataset import PackedLoader, build_dataset, build_tokenizer
 
     dcfg = DataConfig(**spec["data"])
     tcfg = TrainConfig(micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], seed=spec["seed"])

@@ -38,7 +38,7 @@ def build_hand_written():
     from transformers import AutoModelForCausalLM
 
     from shardtune.config import ModelConfig
-    from shardtune.train.model import build_hf_config
+    from shardtune.train.core.model import build_hf_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()), attn_implementation="sdpa")
@@ -63,8 +63,9 @@ def build_hand_written():
 
 def build_shardtune(mesh, world: int, steps: int):
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-    from shardtune.train.model import build_model
-    from shardtune.train.step import build_optimizer, build_scheduler, train_step
+    from shardtune.train.core.model import build_model
+    from shardtune.train.core.optim import build_optimizer, build_scheduler
+    from shardtune.train.core.step import train_step
 
     pcfg = ParallelConfig(strategy="zero3", precision="fp32")
     ocfg = OptimConfig(lr=1e-4, grad_clip=1.0)

@@ -16,8 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shardtune.errors import UserError
-from shardtune.plan.params import LORA_TARGETS  # the planner's adapters are the trainer's default
 from shardtune.strategies import (
+    LORA_TARGETS,
     normalize_ac,
     normalize_offload,
     normalize_optimizer_impl,
@@ -40,11 +40,11 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: Optional[str] = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None or 'generated': the built-in generated dataset (shardtune/train/datagen.py).")
+    path: Optional[str] = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None or 'generated': the built-in generated dataset (shardtune/train/data/datagen.py).")
     format: Literal["auto", "text", "prompt_response", "chat"] = Field("auto", description="auto: each line's keys decide (messages → chat, prompt+response → prompt_response, text → text); otherwise every line must have that format.")
     tokenizer: Literal["auto", "byte", "hf"] = Field("auto", description="auto: the model folder's tokenizer if it has one, else the built-in byte-level tokenizer; byte: always bytes; hf: the folder's tokenizer or an error.")
     template: Literal["auto", "chat", "plain"] = Field("auto", description="How prompt/response and chat examples become text. auto: the tokenizer's chat template if it has one, else plain; plain: bos+prompt+response+eos, chat turns as '<|role|>\\n' + content.")
-    packing: bool = Field(True, description="Pack several examples into each seq_len row (position ids restart per example; no attention across examples, see train/data.py). False: one example per row, padded.")
+    packing: bool = Field(True, description="Pack several examples into each seq_len row (position ids restart per example; no attention across examples, see train/data/dataset.py). False: one example per row, padded.")
     shuffle: bool = Field(True, description="Shuffle the rows each epoch (seeded by train.seed).")
     generated_examples: int = Field(4000, ge=1, description="Size of the built-in generated dataset.")
     generated_seed: int = Field(1234, description="Seed of the built-in generated dataset (independent of train.seed, so runs with different seeds see the same data).")
@@ -73,7 +73,7 @@ class ParallelConfig(_Section):
 
 class OptimConfig(_Section):
     name: Literal["adamw", "adamw-8bit"] = Field("adamw", description="adamw: torch.optim.AdamW | adamw-8bit: bitsandbytes' AdamW8bit (m and v in 8 bits, blockwise: 2 B/param instead of 8; needs bitsandbytes; ddp and zero1 only, it does not take FSDP2's DTensor parameters).")
-    implementation: str = Field("auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | foreach (a temporary the size of the rank's states) | fused (no temporary) | for-loop (temporaries of the largest tensor only) | bf16-stochastic (pure bf16 only: the update in fp32, weights rounded stochastically, train/optim.py). See docs/planner.md.")
+    implementation: str = Field("auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | foreach (a temporary the size of the rank's states) | fused (no temporary) | for-loop (temporaries of the largest tensor only) | bf16-stochastic (pure bf16 only: the update in fp32, weights rounded stochastically, train/core/optim.py). See docs/planner.md.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.95))
@@ -339,7 +339,7 @@ def preflight(cfg: RunConfig, world_size: int, gpus_per_node: int) -> WorldLayou
 
     Cheap: no torch import, no tokenizer (the dataset's lines are parsed and validated).
     """
-    from shardtune.train.data import check_dataset
+    from shardtune.train.data.dataset import check_dataset
 
     layout = validate_for_world(cfg, world_size, gpus_per_node)
     check_model(cfg.model, cfg.train.seq_len)

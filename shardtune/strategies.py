@@ -1,12 +1,50 @@
-"""The shared vocabulary of planner and trainer: strategy, precision, AC and offload names.
+"""The shared vocabulary of planner and trainer: what each strategy is, and how a run is laid out.
 
-One name, one meaning (docs/DESIGN.md, "Strategies"). Imports no torch.
+One name, one meaning (docs/DESIGN.md, "Strategies"): `STRATEGY[name]` says what a strategy shards,
+how torch applies it and on which mesh; `Layout` is a strategy on a world of ranks (torchtitan's
+`ParallelDims`), built and validated once. Planner, config, launch checks, parallel/ and the
+trainer all read these two. Imports no torch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shardtune.errors import UserError, suggest
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+
+@dataclass(frozen=True)
+class Strategy:
+    """What one strategy holds sharded at rest and how the trainer applies it."""
+
+    name: str
+    zero_stage: int  # the ZeRO paper's stage (1: optimizer, 2: + grads, 3: + params; hsdp: 3)
+    shards_optimizer: bool  # optimizer states split over the shard group
+    shards_grads: bool  # grads at rest split over the shard group
+    shards_params: bool  # params at rest split (FSDP2 zero2 too: gathered only forward → backward)
+    fsdp: bool  # FSDP2 `fully_shard` per decoder layer and root (else DDP around the model)
+    reshard_after_forward: bool  # FSDP2: free the gathered params after forward (zero3, hsdp)
+    materialise_before_wrap: bool  # DDP broadcasts rank 0's params when built: fill them first
+    mesh_axes: tuple[str, ...]  # ("dp",) or HSDP's ("replicate", "shard")
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded inside a group, replicated across groups (a 2-D mesh)."""
+        return len(self.mesh_axes) == 2
+
+
+_DDP_LIKE = dict(fsdp=False, reshard_after_forward=False, materialise_before_wrap=True, mesh_axes=("dp",))
+_FSDP = dict(shards_optimizer=True, shards_grads=True, shards_params=True, fsdp=True,
+             materialise_before_wrap=False)
+STRATEGY: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("ddp", 0, shards_optimizer=False, shards_grads=False, shards_params=False, **_DDP_LIKE),
+    # torch.distributed.optim.ZeroRedundancyOptimizer around the optimizer, DDP around the model
+    Strategy("zero1", 1, shards_optimizer=True, shards_grads=False, shards_params=False, **_DDP_LIKE),
+    Strategy("zero2", 2, reshard_after_forward=False, mesh_axes=("dp",), **_FSDP),
+    Strategy("zero3", 3, reshard_after_forward=True, mesh_axes=("dp",), **_FSDP),
+    Strategy("hsdp", 3, reshard_after_forward=True, mesh_axes=("replicate", "shard"), **_FSDP),
+)}
+STRATEGIES = tuple(STRATEGY)
+FSDP_STRATEGIES = tuple(s.name for s in STRATEGY.values() if s.fsdp)  # applied with FSDP2 fully_shard
 # The seed's FSDP1 spellings (torch.distributed.fsdp.ShardingStrategy) and common ZeRO spellings.
 STRATEGY_ALIASES = {
     "FULL_SHARD": "zero3",
@@ -15,7 +53,6 @@ STRATEGY_ALIASES = {
     "HYBRID_SHARD": "hsdp",
     "fsdp": "zero3",
 }
-FSDP_STRATEGIES = ("zero2", "zero3", "hsdp")  # applied with FSDP2 fully_shard
 
 PRECISIONS = ("bf16-mixed", "bf16", "fp32")
 AC_MODES = ("none", "full", "selective")
@@ -23,6 +60,9 @@ OFFLOAD_MODES = ("none", "optimizer", "all")
 OPTIMIZERS = ("adamw", "sgd", "adamw-8bit")
 # torch AdamW's kernels; "auto" is torch's own choice (foreach on CUDA, for-loop on CPU)
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop", "bf16-stochastic")
+# The nn.Linear modules of a Llama-style layer that get LoRA adapters by default (PEFT names):
+# the planner's model_shapes and the trainer's lora.target_modules share this list.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _pick(kind: str, value: str, choices, aliases: dict | None = None) -> str:
@@ -40,6 +80,11 @@ def _pick(kind: str, value: str, choices, aliases: dict | None = None) -> str:
 def normalize_strategy(name: str) -> str:
     """Canonical strategy name; accepts the FSDP1 aliases (FULL_SHARD → zero3, ...)."""
     return _pick("strategy", name, STRATEGIES, STRATEGY_ALIASES)
+
+
+def strategy(name: str) -> Strategy:
+    """The record of a strategy name (aliases accepted)."""
+    return STRATEGY[normalize_strategy(name)]
 
 
 def normalize_precision(name: str) -> str:
@@ -70,3 +115,51 @@ def resolve_optimizer_impl(impl: str, offload: str, cuda: bool = True) -> str:
     if impl != "auto":
         return impl
     return "foreach" if cuda and offload != "all" else "for-loop"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A strategy on `world_size` ranks, `gpus_per_node` per node: the one place the degrees are
+    derived and the hsdp divisibility is checked (planner, config, launch and trainer alike).
+
+    shard_degree: ranks one sharded state is split over (ddp 1; zero1/2/3 the world; hsdp the
+    shard group). replicate_degree: copies of each parameter (ddp/zero1 the world; zero2/3 1;
+    hsdp world / shard). hsdp's shard group defaults to one node's ranks, so reduce-scatter and
+    all-gather stay on the fast intra-node links (FSDP2 HSDP, DeviceMesh (replicate, shard))."""
+
+    strategy: Strategy
+    world_size: int
+    gpus_per_node: int
+    shard_degree: int
+    replicate_degree: int
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.gpus_per_node)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape along `strategy.mesh_axes`."""
+        if self.strategy.hybrid:
+            return (self.replicate_degree, self.shard_degree)
+        return (self.world_size,)
+
+    @classmethod
+    def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,
+              hsdp_shard_size: int | None = None) -> "Layout":
+        """Validated layout; a bad world or an hsdp shard size that does not divide it is a UserError."""
+        s = strategy_name if isinstance(strategy_name, Strategy) else strategy(strategy_name)
+        if not isinstance(world_size, int) or world_size < 1:
+            raise UserError(f"world size {world_size!r} is not positive; start at least one process")
+        per_node = world_size if gpus_per_node is None else gpus_per_node
+        if not isinstance(per_node, int) or per_node < 1:
+            raise UserError(f"processes per node {per_node!r} is not positive")
+        if s.hybrid:
+            shard = hsdp_shard_size if hsdp_shard_size is not None else min(per_node, world_size)
+            if shard < 1 or shard > world_size or world_size % shard:
+                raise UserError(f"hsdp shard size {shard} does not divide the world size {world_size}; "
+                                f"set parallel.hsdp_shard_size (--hsdp-shard-size) to a divisor of {world_size}")
+            return cls(s, world_size, per_node, shard, world_size // shard)
+        if not s.shards_optimizer:
+            return cls(s, world_size, per_node, 1, world_size)
+        return cls(s, world_size, per_node, world_size, 1 if s.shards_params else world_size)

@@ -136,7 +136,7 @@ def _apply_ddp(model: nn.Module, mesh: "DeviceMesh") -> nn.Module:
     first = next(model.parameters())
     device_ids = [first.device.index] if first.device.type == "cuda" else None
     # init_sync checks shapes and broadcasts rank 0's values: real data that fake tensors (the
-    # simulator) lack; our init is identical on every rank anyway (train/model.py).
+    # simulator) lack; our init is identical on every rank anyway (train/core/model.py).
     return DDP(model, process_group=mesh.get_group(), device_ids=device_ids,
                gradient_as_bucket_view=True, init_sync=not isinstance(first, FakeTensor))
 

@@ -24,7 +24,7 @@ What our trainer sends (docs/DESIGN.md; Ψ = parameters, bf16-mixed):
          2Ψ — the "+50 %" — counted in elements. In bytes with bf16 gathers and fp32 reductions
          it is (2 + 2 + 4)Ψ against DDP's 2·4Ψ: the same bytes as DDP.
   hsdp   zero3 inside a shard group of G ranks + all-reduce of the fp32 grad shards (4Ψ/G)
-         across the N/G replicas, once per step: train/step.py sets FSDP2's
+         across the N/G replicas, once per step: train/core/step.py sets FSDP2's
          set_requires_all_reduce(False) on all but the last micro-batch (FSDP2's default
          all-reduces every micro-batch); the reduce-scatter stays per micro-batch.
 FSDP2 collectives move padded shards: S = n · Σ ceil(dim0/n)·rest (memory.fsdp2_shard_numel).

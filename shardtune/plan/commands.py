@@ -84,8 +84,8 @@ def plan_cmd(
         _fit(options, as_json)
         return
     result = plan(**options)
-    if simulate:  # torch is imported only here (plan/simulate.py)
-        from shardtune.plan.simulate import attach_simulation
+    if simulate:  # torch is imported only here (verify/simulate.py)
+        from shardtune.verify.simulate import attach_simulation
 
         attach_simulation(result, options)
     if as_json:
@@ -96,7 +96,7 @@ def plan_cmd(
 
     render_text(result)
     if simulate:
-        from shardtune.report.compare import render_simulated
+        from shardtune.verify.compare import render_simulated
 
         render_simulated(result)
 

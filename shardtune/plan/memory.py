@@ -26,7 +26,7 @@ Two accountings, named in every result:
   AdamW's per-tensor `step` counter: a 0-dim fp32 tensor per tensor the rank holds state for
   (each FSDP2 local shard, every tensor under ddp, the rank's own tensors under zero1's
   partition). torch/optim/adam.py `_init_group` puts it on device="cpu" unless capturable or
-  fused — our trainer uses neither (train/step.py `build_optimizer`) — so it is host memory on a
+  fused — our trainer uses neither (train/core/step.py `build_optimizer`) — so it is host memory on a
   GPU run: counted exactly, but apart, in `States.optimizer_host` (4 B × owned tensors), not in
   the GPU's `optimizer`. On a CPU run both live in the same RAM: optimizer + optimizer_host is
   what summing every tensor in `optimizer.state` gives. SGD keeps no counter; bitsandbytes keeps
@@ -52,7 +52,7 @@ measured with torch's MemTracker on real tensors (peak during `step()` minus the
   - fused (`_fused_adamw_`): none (measured 0); its `step` counters live on the device;
   - for-loop (`_single_tensor_adamw`, torch's CPU default): `exp_avg_sq.sqrt() / bias_correction2_sqrt`
     holds two temporaries of one tensor's state at a time: 2 × the largest local tensor (measured 2.00 ×);
-  - bf16-stochastic (train/optim.py, pure bf16): the fp32 new weight and the fp32 denominator,
+  - bf16-stochastic (train/core/optim.py, pure bf16): the fp32 new weight and the fp32 denominator,
     then the new weight and the int32 rounding noise: 8 B × the largest local tensor (measured).
 SGD (no weight decay) and 8-bit Adam are modelled without temporaries. The activations are freed
 by then, so the step's peak is states + temporaries, compared with the forward/backward peak by

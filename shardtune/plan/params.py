@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from math import prod
 
 from shardtune.errors import UserError
+from shardtune.strategies import LORA_TARGETS
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

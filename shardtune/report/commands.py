@@ -1,6 +1,6 @@
 """`shardtune report RUN_DIR`: predicted vs simulated vs measured memory, loss and tokens/s.
 
-Reads the run folder the trainer writes (train/main.py): plan.json (the planner's prediction),
+Reads the run folder the trainer writes (train/core/main.py): plan.json (the planner's prediction),
 memory.json (measured bytes per rank), metrics.jsonl (per step), and simulated.json when present
 (`shardtune plan ... --simulate --json > RUN_DIR/simulated.json`). Writes RUN_DIR/plots/*.png
 and prints the differences. Imports no torch.
@@ -47,7 +47,7 @@ def load_run(run_dir: Path) -> dict:
     """Everything `report` needs from a run folder, as plain data."""
     if not run_dir.is_dir():
         raise UserError(f"run folder {str(run_dir)!r} does not exist; give the folder `shardtune train` wrote (runs/<name>)")
-    from shardtune.report.compare import measured_memory
+    from shardtune.verify.compare import measured_memory
 
     strategy = _run_strategy(run_dir)
     plan_json = _read_json(run_dir / "plan.json", "plan")
@@ -68,7 +68,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
     """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
     from rich.console import Console
 
-    from shardtune.report.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
+    from shardtune.verify.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
     from shardtune.report.plots import plot_memory, plot_series
 
     console = console or Console(highlight=False, width=140)

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                              lora_rank=args.lora_rank)
         world = int(os.environ.get("WORLD_SIZE", 1))
         validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        from shardtune.train.main import run
+        from shardtune.train.core.main import run
 
         run(cfg)
     except UserError as e:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from shardtune.train.resilience import is_peer_failure
+        from shardtune.train.durable.resilience import is_peer_failure
 
         if not is_peer_failure(e):
             raise

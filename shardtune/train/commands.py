@@ -51,7 +51,7 @@ def _check_writable(run_dir: Path) -> None:
 def validate_for_launch(cfg, world_size: int, local_world_size: int) -> None:
     """Checks that need more than the config's own fields: model, data, hsdp size, output dir."""
     from shardtune.catalog.models import resolve_model_config
-    from shardtune.train.data import check_dataset
+    from shardtune.train.data.dataset import check_dataset
 
     resolve_model_config(cfg.model.name)
     folder = Path(cfg.model.name).expanduser()
@@ -65,7 +65,7 @@ def validate_for_launch(cfg, world_size: int, local_world_size: int) -> None:
                             f"{world_size}; choose a divisor of {world_size}")
     check_dataset(cfg.data)
     _check_writable(cfg.run_dir)
-    from shardtune.train.ckpt_files import resolve_resume
+    from shardtune.train.durable.ckpt_files import resolve_resume
 
     resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
 

@@ -1,5 +1,5 @@
 """`shardtune export CHECKPOINT_DIR OUT_DIR [--max-shard-size 5GB] [--dtype bf16]`: a shardtune
-checkpoint → Hugging Face folder, streamed (train/export.py). Imports no torch at module level."""
+checkpoint → Hugging Face folder, streamed (train/durable/export.py). Imports no torch at module level."""
 from __future__ import annotations
 
 from typing import Optional
@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
         adapter_only: bool = typer.Option(False, "--adapter-only", help="LoRA runs: write the PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of the merged model."),
     ) -> int:
         """Write a Hugging Face folder (config, safetensors shards, tokenizer) from a checkpoint."""
-        from shardtune.train.export import export_checkpoint, parse_size_bytes
+        from shardtune.train.durable.export import export_checkpoint, parse_size_bytes
 
         out = export_checkpoint(checkpoint_dir, out_dir, parse_size_bytes(max_shard_size), dtype,
                                 adapter_only=adapter_only)

@@ -1,4 +1,4 @@
-"""Synthetic global batches that follow train/data.py's contract (labels already shifted, -100
+"""Synthetic global batches that follow train/data/dataset.py's contract (labels already shifted, -100
 where no loss, position ids restarting at each packed example). Learnable: each example is an
 arithmetic progression of byte tokens."""
 from __future__ import annotations

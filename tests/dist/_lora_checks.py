@@ -15,20 +15,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class LoraProbe:
     def __init__(self, model: torch.nn.Module) -> None:
-        from shardtune.train.model import unwrap
+        from shardtune.train.core.model import unwrap
 
         self.frozen = {n: _local(p).detach().clone() for n, p in unwrap(model).named_parameters()
                        if not p.requires_grad}
 
     def after_first_step(self, model) -> dict:
-        from shardtune.train.model import unwrap
+        from shardtune.train.core.model import unwrap
 
         # train_step zeroes grads at its start, so the first step's grads are still here
         return {"grad_params": sorted(n for n, p in unwrap(model).named_parameters() if p.grad is not None),
                 "trainable_params": sorted(n for n, p in unwrap(model).named_parameters() if p.requires_grad)}
 
     def finish(self, model, opt, sched, case: dict, rank: int, world: int) -> dict:
-        from shardtune.train.model import unwrap
+        from shardtune.train.core.model import unwrap
 
         params = dict(unwrap(model).named_parameters())
         change = max(float((_local(params[n]).detach() - v).abs().max()) for n, v in self.frozen.items())
@@ -37,8 +37,8 @@ class LoraProbe:
         with torch.no_grad():
             out["logits_after"] = model(input_ids=ids).logits.float().tolist()
         if case.get("save_dir"):
-            from shardtune.train.checkpoint import save_checkpoint
-            from shardtune.train.step import TrainState
+            from shardtune.train.durable.checkpoint import save_checkpoint
+            from shardtune.train.core.step import TrainState
 
             save_checkpoint(Path(case["save_dir"]), case["steps"], model, opt, sched, TrainState(),
                             rank=rank, world_size=world, strategy=case["parallel"]["strategy"],

@@ -26,9 +26,10 @@ from _lora_checks import LoraProbe  # noqa: E402
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
-from shardtune.train.metrics import SavedActivations, model_state_bytes  # noqa: E402
-from shardtune.train.model import build_model  # noqa: E402
-from shardtune.train.step import build_optimizer, build_scheduler, train_step  # noqa: E402
+from shardtune.train.core.metrics import SavedActivations, model_state_bytes  # noqa: E402
+from shardtune.train.core.model import build_model  # noqa: E402
+from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
+from shardtune.train.core.step import train_step  # noqa: E402
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -78,8 +79,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         mbs = rank_micro_batches(batch, rank, world, case.get("grad_accum", 1))
         r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
                        autocast_dtype=autocast_dtype(pcfg), activations=saved if step == 0 else None)
-        out["losses"].append(r.loss)
-        out["grad_norms"].append(r.grad_norm)
+        out["losses"].append(float(r.loss))
+        out["grad_norms"].append(float(r.grad_norm))
         if step == 0:
             out["bytes"] = model_state_bytes(model, opt)
             out["activations_bytes"] = saved.peak_bytes

@@ -1,7 +1,7 @@
-"""LoRA in the trainer (train/lora.py) on gloo ranks, in ONE 2-rank launch of _train_worker.py
+"""LoRA in the trainer (train/core/lora.py) on gloo ranks, in ONE 2-rank launch of _train_worker.py
 (its LoRA cases, and real-trainer cases for resume).
 
-The reference is written here independently of train/lora.py: a plain transformers model (the
+The reference is written here independently of train/core/lora.py: a plain transformers model (the
 trainer's seeded base init), wrapped by PEFT's own `get_peft_model`, its A matrices set by hand
 to U(-1/√in, 1/√in) from the per-tensor generator (= PEFT's kaiming_uniform_(a=√5), microsoft/LoRA
 loralib), B zeros; one forward over the whole global batch, torch AdamW and clip_grad_norm_ on the
@@ -44,7 +44,7 @@ def _plain_model():
     from transformers import AutoModelForCausalLM
 
     from shardtune.config import ModelConfig
-    from shardtune.train.model import build_hf_config, init_model_weights
+    from shardtune.train.core.model import build_hf_config, init_model_weights
 
     model = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()), attn_implementation="sdpa")
     init_model_weights(model, ModelConfig(name="tiny-llama"), seed=0)
@@ -55,7 +55,7 @@ def _reference_model():
     """PEFT's own wrapper on the plain model; A by hand (module doc), B zeros."""
     from peft import LoraConfig, get_peft_model
 
-    from shardtune.train.model import _tensor_seed
+    from shardtune.train.core.model import _tensor_seed
 
     model = get_peft_model(_plain_model(), LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                                       target_modules=TARGETS))
@@ -209,7 +209,7 @@ def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from shardtune.train.export import export_checkpoint
+    from shardtune.train.durable.export import export_checkpoint
 
     d, results = world2
     want = torch.tensor(results[0]["zero3"]["logits_after"])
@@ -234,8 +234,8 @@ def test_checkpoint_holds_adapters_not_the_base(world2):
     pointer in hf/config.json that names the seeded catalogue init and the training dtype."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardtune.train.checkpoint import SafeFileSystemReader
-    from shardtune.train.export import model_tensors
+    from shardtune.train.durable.checkpoint import SafeFileSystemReader
+    from shardtune.train.durable.export import model_tensors
 
     d, _ = world2
     ckpt = d / "zero3_run" / "checkpoints" / f"step_{STEPS}"
@@ -255,7 +255,7 @@ def test_resume_on_another_base_is_a_user_error():
     from types import SimpleNamespace
 
     from shardtune.errors import UserError
-    from shardtune.train.lora import check_same_base
+    from shardtune.train.core.lora import check_same_base
 
     saved = {"shardtune_lora": {"rank": 4, "base": {"model": "tiny-llama", "init": "random", "seed": 0}}}
     model = SimpleNamespace(config=SimpleNamespace(shardtune_lora={"rank": 4, "base": {
@@ -301,8 +301,8 @@ def test_bad_lora_settings_are_one_line_user_errors(override, needle):
 def test_unknown_target_module_is_a_user_error():
     from shardtune.config import LoraConfig, ModelConfig
     from shardtune.errors import UserError
-    from shardtune.train.lora import apply_lora
-    from shardtune.train.model import build_meta_model
+    from shardtune.train.core.lora import apply_lora
+    from shardtune.train.core.model import build_meta_model
 
     with pytest.raises(UserError, match="foo_proj") as e:
         apply_lora(build_meta_model(ModelConfig()), LoraConfig(rank=4, target_modules=["foo_proj"]))

@@ -31,11 +31,11 @@ def _worker(out_path: str) -> None:
 
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
     from shardtune.parallel.apply import autocast_dtype, build_mesh
-    from shardtune.plan.simulate import make_step, module_stats_per_micro_batch, use_foreach_adamw
-    from shardtune.report.tracker import track_step
+    from shardtune.verify.simulate import make_step, module_stats_per_micro_batch, use_foreach_adamw
+    from shardtune.train.core.memtrack import track_step
     from shardtune.strategies import FSDP_STRATEGIES
-    from shardtune.train.model import build_model, unwrap
-    from shardtune.train.step import build_optimizer, build_scheduler
+    from shardtune.train.core.model import build_model, unwrap
+    from shardtune.train.core.optim import build_optimizer, build_scheduler
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -82,7 +82,7 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from _harness import launch
 
-    from shardtune.plan.simulate import simulate_strategy
+    from shardtune.verify.simulate import simulate_strategy
 
     out = tmp_path / "real"
     launch(Path(__file__), 2, [str(out)], timeout_s=170, log_dir=tmp_path / "logs")

@@ -1,7 +1,7 @@
 """Trainer vs a plain single-process run on the same global batch (gloo, 2 and 4 ranks).
 
 Two launches run every case (2 ranks: ddp, zero1, zero2, zero3, AC, grad accumulation, bf16-mixed,
-model build; 4 ranks: hsdp 2 × 2 with and without grad accumulation, zero3). The reference is written here independently of train/step.py:
+model build; 4 ranks: hsdp 2 × 2 with and without grad accumulation, zero3). The reference is written here independently of train/core/step.py:
 a plain transformers model, one forward over the whole global batch, the token mean from
 torch's cross_entropy, torch AdamW and clip_grad_norm_.
 """
@@ -36,7 +36,7 @@ def _plain_model(folder: Path | None = None):
     from transformers import AutoModelForCausalLM
 
     from shardtune.config import ModelConfig
-    from shardtune.train.model import build_hf_config, init_model_weights
+    from shardtune.train.core.model import build_hf_config, init_model_weights
 
     if folder is not None:
         return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
@@ -69,7 +69,7 @@ def pretrained_dir(tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM
 
     from shardtune.config import ModelConfig
-    from shardtune.train.model import build_hf_config
+    from shardtune.train.core.model import build_hf_config
 
     torch.manual_seed(123)
     d = tmp_path_factory.mktemp("hf")
@@ -312,7 +312,7 @@ def test_hsdp_accumulation_all_reduces_across_replicas_once_per_step(world4):
 def test_stochastic_rounding_keeps_small_lr_training_in_pure_bf16(world2):
     """lr 1e-5, 6 steps on one batch: the fp32 one-process run's loss falls by ~0.042 (measured);
     pure bf16 with torch's AdamW (nearest rounding) loses most of its updates and falls ~5× less;
-    train/optim.py's stochastic rounding falls as fp32 does."""
+    train/core/optim.py's stochastic rounding falls as fp32 does."""
     ref_losses, _ = reference(**{k: SMALL_LR[k] for k in ("steps", "lr", "same_batch")})
     drop = lambda losses: losses[0] - losses[-1]  # noqa: E731
     nearest, sr = world2[0]["zero3_bf16_small_lr"]["losses"], world2[0]["zero3_bf16_sr_small_lr"]["losses"]

@@ -7,7 +7,7 @@
 - a rank raising at step 3 → the job ends promptly, that error shown once, no hang.
 (SIGTERM → checkpoint → clean stop is tested in tests/dist/test_checkpoint.py.)
 
-Faults are injected with the trainer's SHARDTUNE_TEST_* hooks (train/resilience.py).
+Faults are injected with the trainer's SHARDTUNE_TEST_* hooks (train/durable/resilience.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.train.ckpt_files import complete_checkpoints
+from shardtune.train.durable.ckpt_files import complete_checkpoints
 from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]

@@ -48,7 +48,7 @@ def run(tmp_path_factory) -> Path:
 def _step5_batch(run: Path) -> dict:
     """The batch step 5 trained on: the loader restored from step_4's data position."""
     from shardtune.config import load_recipe
-    from shardtune.train.data import build_dataloader, build_tokenizer
+    from shardtune.train.data.dataset import build_dataloader, build_tokenizer
 
     cfg = load_recipe(run / "config.yaml")
     loader = build_dataloader(cfg.data, cfg.train, build_tokenizer(cfg.data, cfg.model.name), 0, 1, cfg.train.seed)
@@ -98,7 +98,7 @@ def test_export_cli_sharded_folder_loads_with_the_trained_logits(run, tmp_path, 
 def test_export_at_the_end_of_training_and_tokenizer(run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.train.tokenizer import ByteTokenizer
+    from shardtune.train.data.tokenizer import ByteTokenizer
 
     out = run / "hf_export"
     assert (out / "model.safetensors").is_file()  # 3.2 MB < 5 GB: one file, HF's unsharded name
@@ -117,7 +117,7 @@ def test_export_memory_bound_is_one_shard(run, tmp_path, monkeypatch):
     limit (here 300 kB, every tensor smaller)."""
     import torch.distributed.checkpoint as dcp
 
-    from shardtune.train.export import export_checkpoint
+    from shardtune.train.durable.export import export_checkpoint
 
     requested = []
     real_load = dcp.load

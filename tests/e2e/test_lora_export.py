@@ -60,7 +60,7 @@ def test_merged_export_gives_the_logged_loss_and_the_adapter_folder_loads_in_pef
     from transformers import AutoModelForCausalLM
 
     from shardtune.config import ModelConfig, load_recipe
-    from shardtune.train.model import build_hf_config, init_model_weights
+    from shardtune.train.core.model import build_hf_config, init_model_weights
 
     assert load_recipe(run / "config.yaml").lora.rank == 4  # the --lora-rank flag reached the run
     assert json.loads((run / "plan.json").read_text())["inputs"]["lora_rank"] == 4

@@ -11,7 +11,7 @@ import torch
 
 from shardtune.config import DataConfig, TrainConfig
 from shardtune.errors import UserError
-from shardtune.train.data import (
+from shardtune.train.data.dataset import (
     IGNORE_INDEX,
     build_dataloader,
     build_row,
@@ -21,7 +21,7 @@ from shardtune.train.data import (
     pack_examples,
     steps_for_epochs,
 )
-from shardtune.train.tokenizer import ByteTokenizer
+from shardtune.train.data.tokenizer import ByteTokenizer
 
 X = IGNORE_INDEX
 BOS, EOS, PAD = 256, 257, 258
@@ -241,7 +241,7 @@ def test_packed_rows_do_not_attend_across_examples():
 
 
 def test_generated_dataset_is_seeded_and_correct(tmp_path):
-    from shardtune.train.datagen import generate_examples, main
+    from shardtune.train.data.datagen import generate_examples, main
 
     a, b, c = generate_examples(200, 7), generate_examples(200, 7), generate_examples(200, 8)
     assert a == b and a != c
@@ -254,7 +254,7 @@ def test_generated_dataset_is_seeded_and_correct(tmp_path):
     main([str(tmp_path / "g.jsonl"), "--examples", "25", "--seed", "7"])
     written = DataConfig(path=str(tmp_path / "g.jsonl"), format="prompt_response")
     assert check_dataset(written) == 25
-    from shardtune.train.data import read_records
+    from shardtune.train.data.dataset import read_records
 
     assert read_records(written) == a[:25]
 
@@ -262,7 +262,7 @@ def test_generated_dataset_is_seeded_and_correct(tmp_path):
 def test_chat_template_that_rewrites_earlier_turns_is_refused(tmp_path):
     from transformers import AutoTokenizer
 
-    from shardtune.train.tokenizer import HFTokenizer
+    from shardtune.train.data.tokenizer import HFTokenizer
 
     ByteTokenizer().save_pretrained(tmp_path)
     hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
@@ -277,7 +277,7 @@ def test_chat_template_that_rewrites_earlier_turns_is_refused(tmp_path):
 
 def test_completion_is_an_alias_of_response(tmp_path):
     path = _write(tmp_path, [{"prompt": "a", "completion": "b"}])
-    from shardtune.train.data import read_records
+    from shardtune.train.data.dataset import read_records
 
     assert read_records(DataConfig(path=path)) == [{"prompt": "a", "response": "b"}]
 
@@ -297,7 +297,7 @@ LLAMA3 = ("{% for m in messages %}{% set c = '<|start_header_id|>' + m['role'] +
 def test_real_chat_templates_mark_exactly_the_assistant_turns(tmp_path, template, targets):
     from transformers import AutoTokenizer
 
-    from shardtune.train.tokenizer import HFTokenizer
+    from shardtune.train.data.tokenizer import HFTokenizer
 
     ByteTokenizer().save_pretrained(tmp_path)
     hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)

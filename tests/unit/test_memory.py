@@ -303,7 +303,7 @@ def test_adamw_step_temporaries_match_torchs_memtracker(impl, dtype_name):
 
     from shardtune.config import OptimConfig, ParallelConfig
     from shardtune.plan.memory import optimizer_temp_bytes
-    from shardtune.train.step import build_optimizer
+    from shardtune.train.core.optim import build_optimizer
 
     dtype = getattr(torch, dtype_name)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256, bias=False), torch.nn.Linear(256, 128, bias=False),

@@ -1,8 +1,8 @@
-"""train/optim.py: AdamW with stochastic rounding to bf16, against torch's AdamW and by hand."""
+"""train/core/optim.py: AdamW with stochastic rounding to bf16, against torch's AdamW and by hand."""
 import pytest
 import torch
 
-from shardtune.train.optim import AdamWStochasticBF16, stochastic_round_to_bf16_
+from shardtune.train.core.optim import AdamWStochasticBF16, stochastic_round_to_bf16_
 
 
 def test_on_fp32_params_it_is_torchs_adamw():

@@ -1,4 +1,4 @@
-"""train/resilience.py `exit_if_stuck`: a completed run whose teardown hangs still ends."""
+"""train/durable/resilience.py `exit_if_stuck`: a completed run whose teardown hangs still ends."""
 import subprocess
 import sys
 import time
@@ -7,7 +7,7 @@ import pytest
 
 SCRIPT = """
 import threading, time
-from shardtune.train.resilience import exit_if_stuck
+from shardtune.train.durable.resilience import exit_if_stuck
 exit_if_stuck(0.5, "the teardown")
 threading.Event().wait()  # a teardown that never returns
 """

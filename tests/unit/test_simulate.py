@@ -27,7 +27,7 @@ def _reduced_8b() -> dict:
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_analytic_within_tolerance_of_simulated_reduced_llama3_8b(ac):
     from shardtune.plan import plan
-    from shardtune.plan.simulate import simulate_strategy
+    from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
     sim = simulate_strategy(cfg, "zero3", N, seq_len=512, ac=ac)
@@ -52,7 +52,7 @@ def test_analytic_within_tolerance_of_simulated_other_strategies(strategy):
     # ddp/zero1 train an fp32 model under torch.autocast (fp32 residual stream and norms), zero2
     # keeps every layer unsharded from forward to backward: different paths from zero3's
     from shardtune.plan import plan
-    from shardtune.plan.simulate import simulate_strategy
+    from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
     sim = simulate_strategy(cfg, strategy, N, seq_len=512)
@@ -67,7 +67,7 @@ def test_analytic_within_tolerance_of_simulated_other_strategies(strategy):
 def test_fake_process_group_is_torn_down_and_strategies_trace_in_one_process():
     import torch.distributed as dist
 
-    from shardtune.plan.simulate import simulate_strategy
+    from shardtune.verify.simulate import simulate_strategy
 
     a = simulate_strategy("tiny-llama", "zero3", 4, seq_len=32)
     b = simulate_strategy("tiny-llama", "ddp", 4, seq_len=32)
@@ -118,7 +118,7 @@ def test_grad_accum_2_traces_with_grads_kept_across_micro_batches():
     # torch's trackers refused ("multiple iterative calls"). FSDP2 accumulates into the sharded
     # grads, so the first micro-batch's grads are alive through the second one.
     from shardtune.plan import plan
-    from shardtune.plan.simulate import simulate_strategy
+    from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
     one = simulate_strategy(cfg, "zero3", N, seq_len=512, grad_accum=1)
@@ -154,7 +154,7 @@ def test_ddp_grad_accum_2_holds_a_second_copy_of_the_grads():
     # the no_sync micro-batch accumulates into fresh grads; the last backward copies them into the
     # buckets, which stay allocated: by hand, two copies of the fp32 grads at the peak.
     from shardtune.plan import plan
-    from shardtune.plan.simulate import simulate_strategy
+    from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
     sim = simulate_strategy(cfg, "ddp", N, seq_len=512, grad_accum=2)

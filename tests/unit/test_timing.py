@@ -176,7 +176,7 @@ def test_hsdp_replica_all_reduce_once_per_step():
     # hsdp, 4 ranks = 2 replicas × shard 2, fp32, P = 1e6 (even: no padding), grad_accum 2.
     # Per micro-batch in the shard group (n = 2): all-gather fwd + bwd and reduce-scatter of 4P
     # bytes, each (1/2)·4P = 2P sent → 6P; two micro-batches 12P. The replica all-reduce of the
-    # 2P-byte grad shard over 2 replicas sends 2·(1/2)·2P = 2P, once (train/step.py
+    # 2P-byte grad shard over 2 replicas sends 2·(1/2)·2P = 2P, once (train/core/step.py
     # set_requires_all_reduce): 14P in all (FSDP2's default, per micro-batch, would be 16P).
     from shardtune.plan.comm import bytes_per_step, collectives
 

@@ -1,10 +1,10 @@
-"""The lr schedule of train/step.py against values worked out by hand (linear warmup, then
+"""The lr schedule of train/core/step.py against values worked out by hand (linear warmup, then
 cosine (Loshchilov & Hutter 2017, no restarts) or linear decay to min_lr_ratio)."""
 import math
 
 import pytest
 
-from shardtune.train.step import lr_factor
+from shardtune.train.core.optim import lr_factor
 
 
 @pytest.mark.parametrize("step, schedule, want", [
@@ -27,7 +27,7 @@ def test_lr_factor_matches_torch_lambdalr():
     import torch
 
     from shardtune.config import OptimConfig
-    from shardtune.train.step import build_scheduler
+    from shardtune.train.core.optim import build_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
     sched = build_scheduler(opt, OptimConfig(lr=2.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.1), 10)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from shardtune.train import ckpt_files
-from shardtune.train.resilience import BadStepCounter, DebugHooks, PreemptionSignal, agree_any
+from shardtune.train.durable import ckpt_files
+from shardtune.train.durable.resilience import BadStepCounter, DebugHooks, PreemptionSignal, agree_any
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
@@ -40,7 +40,7 @@ class RunKeeper:
     def resume(self) -> int | None:
         """Load the checkpoint `checkpoint.resume` names (rank 0 decides, all load); truncate
         metrics.jsonl after its step (or start it afresh). Returns the step resumed from."""
-        from shardtune.train.checkpoint import load_checkpoint
+        from shardtune.train.durable.checkpoint import load_checkpoint
 
         choice: list = [None]
         if self.ctx.rank == 0:
@@ -111,7 +111,7 @@ class RunKeeper:
         return preempt
 
     def save(self, step: int) -> Path:
-        from shardtune.train.checkpoint import save_checkpoint
+        from shardtune.train.durable.checkpoint import save_checkpoint
 
         hf_files = self._write_hf_files if self.ctx.rank == 0 else None
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.state,
@@ -125,7 +125,7 @@ class RunKeeper:
         return path
 
     def _write_hf_files(self, folder: Path) -> None:
-        from shardtune.train.model import unwrap
+        from shardtune.train.core.model import unwrap
 
         unwrap(self.model).config.save_pretrained(folder)
         if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
@@ -146,7 +146,7 @@ class RunKeeper:
             return None
         out = self.run_dir / "hf_export"
         if self.ctx.rank == 0:
-            from shardtune.train.export import export_checkpoint
+            from shardtune.train.durable.export import export_checkpoint
 
             export_checkpoint(self.last_saved, out, overwrite=True)
             print(f"shardtune: exported a Hugging Face model to {out}", flush=True)

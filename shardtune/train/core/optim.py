@@ -19,10 +19,15 @@ arithmetic runs on the local shards) and under ddp / zero1 (plain tensors).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch import nn
 
-from shardtune.train.metrics import local_tensor
+from shardtune.train.core.metrics import local_tensor
+
+if TYPE_CHECKING:
+    from shardtune.config import OptimConfig, ParallelConfig
 
 
 def stochastic_round_to_bf16_(x: torch.Tensor) -> torch.Tensor:
@@ -69,3 +74,51 @@ class AdamWStochasticBF16(torch.optim.Optimizer):
                 del denom
                 param.copy_(stochastic_round_to_bf16_(new) if param.dtype == torch.bfloat16 else new)
         return loss
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at 0-based `step`: linear warmup over `warmup_steps`, then cosine
+    (SGDR, Loshchilov & Hutter 2017, without restarts) or linear decay to `min_lr_ratio`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+# torch AdamW's kernel per `optim.implementation` (plan/memory.py: each one's temporaries)
+_IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
+                "for-loop": {"foreach": False}}  # bf16-stochastic: train/core/optim.py
+
+
+def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "ParallelConfig",
+                    dp_group=None) -> torch.optim.Optimizer:
+    """AdamW over the trainable params: torch's (kernel per `optim.implementation`) or
+    bitsandbytes' AdamW8bit (`optim.name` adamw-8bit; config.py allows it under ddp/zero1 only);
+    zero1 shards its state across `dp_group`."""
+    kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
+                  weight_decay=optim_cfg.weight_decay)
+    if optim_cfg.name == "adamw-8bit":
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.AdamW8bit
+    elif optim_cfg.implementation == "bf16-stochastic":
+        cls = AdamWStochasticBF16
+    else:
+        cls = torch.optim.AdamW
+        kwargs.update(_IMPL_KWARGS[optim_cfg.implementation])
+    params = [p for p in model.parameters() if p.requires_grad]
+    if parallel_cfg.strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=dp_group, **kwargs)
+    return cls(params, **kwargs)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: "OptimConfig", total_steps: int):
+    """torch LambdaLR over `lr_factor`."""
+    fn: Callable[[int], float] = lambda s: lr_factor(s, optim_cfg.warmup_steps, total_steps,
+                                                     optim_cfg.schedule, optim_cfg.min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from shardtune.errors import UserError
-from shardtune.train import lora as lora_mod
-from shardtune.train.ckpt_files import HF_DIR, read_info
+from shardtune.train.core import lora as lora_mod
+from shardtune.train.durable.ckpt_files import HF_DIR, read_info
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -59,7 +59,7 @@ def model_tensors(ckpt: Path) -> list[tuple[str, str, torch.Size, torch.dtype]]:
     """(DCP key, HF name, shape, dtype) of every model tensor in the checkpoint, in saved order."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from shardtune.train.checkpoint import SafeFileSystemReader
+    from shardtune.train.durable.checkpoint import SafeFileSystemReader
 
     md = SafeFileSystemReader(ckpt).read_metadata()
     return [(k, hf_name(k), v.size, v.properties.dtype) for k, v in md.state_dict_metadata.items()
@@ -89,13 +89,13 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the saved one.
     The folder appears complete or not at all (written under a temporary name, then renamed);
     `overwrite` replaces an existing export (training's end-of-run export after a resume).
-    LoRA checkpoints (train/lora.py): each target weight is merged, W + (alpha/r)·B A, as its shard
+    LoRA checkpoints (train/core/lora.py): each target weight is merged, W + (alpha/r)·B A, as its shard
     streams (its A and B are read with it); `adapter_only` writes a PEFT adapter folder instead
     (adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained`)."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from shardtune.train.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+    from shardtune.train.durable.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 
     ckpt, out_dir = Path(ckpt).expanduser(), Path(out_dir).expanduser()
     if read_info(ckpt) is None:
@@ -114,7 +114,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     if adapter_only and not lora:
         raise UserError(f"{ckpt} was not trained with LoRA (lora.rank > 0); drop --adapter-only")
     entries, adapters = lora_mod.split_adapters(entries) if lora else (entries, {})
-    # a LoRA checkpoint holds no base weights (train/checkpoint.py): a merged export rebuilds them
+    # a LoRA checkpoint holds no base weights (train/durable/checkpoint.py): a merged export rebuilds them
     # from its pointer, one tensor at a time (key "base:<name>", never a DCP key)
     base = {} if adapter_only or not lora or entries else {
         f"base:{name}": (shape, dt, read)

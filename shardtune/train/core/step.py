@@ -1,5 +1,7 @@
-"""The one training step every path uses (torchtune #2307: copied loops drift apart), plus the
-optimizer, the lr schedule and the loop state that a checkpoint saves.
+"""The one training step every path uses (torchtune #2307: copied loops drift apart), and the
+loop state that a checkpoint saves. It returns device tensors: the loop converts them to Python
+numbers on logging steps only (torchtitan does the same), so a step adds no host sync of its own
+beyond the non-finite skip decision.
 
 Loss normalisation: each micro-batch contributes (sum of its token losses) / N, N = number of
 target tokens over ALL micro-batches of the step and ALL data-parallel ranks (one all-reduce per
@@ -25,19 +27,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 
-if TYPE_CHECKING:
-    from shardtune.config import OptimConfig, ParallelConfig
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch cross_entropy convention)
 
 
 @dataclass
 class StepResult:
-    loss: float  # global token-mean loss of the step
-    grad_norm: float  # global L2 norm before clipping
-    lr: float  # learning rate used by this step
-    num_tokens: int  # target tokens over all micro-batches and ranks
-    skipped: bool = False  # non-finite loss or grad norm on some rank: no update (train/resilience.py)
+    loss: torch.Tensor  # 0-dim: global token-mean loss of the step
+    grad_norm: torch.Tensor  # 0-dim: global L2 norm before clipping
+    lr: float  # learning rate used by this step (the scheduler's, already on the host)
+    num_tokens: torch.Tensor  # 0-dim int: target tokens over all micro-batches and ranks
+    skipped: bool = False  # non-finite loss or grad norm on some rank: no update (train/durable/resilience.py)
 
 
 @dataclass
@@ -63,56 +63,6 @@ class TrainState:
             torch.cuda.set_rng_state(sd["rng_cuda"])
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at 0-based `step`: linear warmup over `warmup_steps`, then cosine
-    (SGDR, Loshchilov & Hutter 2017, without restarts) or linear decay to `min_lr_ratio`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
-
-
-# torch AdamW's kernel per `optim.implementation` (plan/memory.py: each one's temporaries)
-_IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
-                "for-loop": {"foreach": False}}  # bf16-stochastic: train/optim.py
-
-
-def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "ParallelConfig",
-                    dp_group=None) -> torch.optim.Optimizer:
-    """AdamW over the trainable params: torch's (kernel per `optim.implementation`) or
-    bitsandbytes' AdamW8bit (`optim.name` adamw-8bit; config.py allows it under ddp/zero1 only);
-    zero1 shards its state across `dp_group`."""
-    kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-                  weight_decay=optim_cfg.weight_decay)
-    if optim_cfg.name == "adamw-8bit":
-        import bitsandbytes as bnb
-
-        cls = bnb.optim.AdamW8bit
-    elif optim_cfg.implementation == "bf16-stochastic":
-        from shardtune.train.optim import AdamWStochasticBF16
-
-        cls = AdamWStochasticBF16
-    else:
-        cls = torch.optim.AdamW
-        kwargs.update(_IMPL_KWARGS[optim_cfg.implementation])
-    params = [p for p in model.parameters() if p.requires_grad]
-    if parallel_cfg.strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=dp_group, **kwargs)
-    return cls(params, **kwargs)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: "OptimConfig", total_steps: int):
-    """torch LambdaLR over `lr_factor`."""
-    fn: Callable[[int], float] = lambda s: lr_factor(s, optim_cfg.warmup_steps, total_steps,
-                                                     optim_cfg.schedule, optim_cfg.min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
-
-
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], *, dp_group,
                dp_size: int, grad_clip: float, autocast_dtype: torch.dtype | None,
                activations=None, skip_non_finite: bool = True) -> StepResult:
@@ -120,7 +70,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given."""
     optimizer.zero_grad(set_to_none=True)  # here, not after the step: grads stay measurable at rest
     device = micro_batches[0]["input_ids"].device
-    targets = [mb["labels"] for mb in micro_batches]  # already shifted: labels[t] follows input[t] (train/data.py)
+    targets = [mb["labels"] for mb in micro_batches]  # already shifted: labels[t] follows input[t] (train/data/dataset.py)
     num_tokens = torch.stack([(t != IGNORE_INDEX).sum() for t in targets]).sum()
     dist.all_reduce(num_tokens, group=dp_group)  # ONE all-reduce per step
     denom = num_tokens.clamp(min=1).to(torch.float32)
@@ -161,5 +111,5 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     else:
         optimizer.step()
         scheduler.step()
-    return StepResult(loss=(loss_sum / denom).item(), grad_norm=float(norm), lr=float(lr),
-                      num_tokens=int(num_tokens), skipped=skipped)
+    return StepResult(loss=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
+                      num_tokens=num_tokens, skipped=skipped)

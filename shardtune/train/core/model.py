@@ -19,7 +19,7 @@ from torch import nn
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
 from shardtune.strategies import FSDP_STRATEGIES
-from shardtune.train.lora import adapter_full_tensors, apply_lora, base_name, base_pointer, is_adapter
+from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, base_pointer, is_adapter
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,7 +79,7 @@ def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Call
               for pn, _ in m.named_parameters(recurse=False)}
     for model_name, p in model.named_parameters():
         if is_adapter(model_name):
-            continue  # train/lora.py makes the adapters
+            continue  # train/core/lora.py makes the adapters
         owner = owners[model_name]
         name = base_name(model_name)  # a LoRA-wrapped weight gets the same values as the plain one
 
@@ -107,7 +107,7 @@ def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tup
             where.update({k: f for k in h.keys()})
     for model_name, _ in model.named_parameters():
         if is_adapter(model_name):
-            continue  # adapters are not in a base checkpoint: train/lora.py makes them
+            continue  # adapters are not in a base checkpoint: train/core/lora.py makes them
         name = base_name(model_name)
         if name not in where:
             raise UserError(f"weights {files[0].parent} lack tensor {name!r}; give a checkpoint of "
@@ -186,7 +186,7 @@ def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: 
     """Meta build → LoRA adapters (if lora_cfg.rank) → parallelise → materialise on `device` →
     fill. ddp/zero1 are wrapped after the fill because DDP broadcasts materialised parameters when
     it is built (parallel/apply.py). Adapters go in before fully_shard so that each decoder
-    layer's adapters are sharded with it (train/lora.py)."""
+    layer's adapters are sharded with it (train/core/lora.py)."""
     from shardtune.parallel.apply import apply_parallelism, apply_precision
 
     model = build_meta_model(model_cfg)

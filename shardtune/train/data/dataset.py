@@ -1,6 +1,6 @@
 """Instruction data → packed, sharded micro-batches with a resumable position.
 
-Micro-batch contract (what `train/step.py` consumes), each a (B, T) torch.long tensor,
+Micro-batch contract (what `train/core/step.py` consumes), each a (B, T) torch.long tensor,
 B = train.micro_batch, T = train.seq_len:
   input_ids     token ids; padding is `tokenizer.pad_id`.
   labels        ALREADY SHIFTED: labels[b, t] is the token to predict at position t (the next
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Iterator
 
 from shardtune.errors import UserError
-from shardtune.train.tokenizer import load_tokenizer
+from shardtune.train.data.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
 GENERATED = "generated"
@@ -94,7 +94,7 @@ def read_records(data_cfg) -> list[dict]:
     file, a line that is not a JSON object of a known format, names the file and line number.
     """
     if data_cfg.path in (None, GENERATED):
-        from shardtune.train.datagen import generate_examples
+        from shardtune.train.data.datagen import generate_examples
 
         return generate_examples(data_cfg.generated_examples, data_cfg.generated_seed)
     path = Path(data_cfg.path).expanduser()
@@ -173,7 +173,7 @@ def encode_example(record: dict, tokenizer, template: str = "auto") -> tuple[lis
 
 
 def _plain_chat(tokenizer, msgs):
-    from shardtune.train.tokenizer import render_plain_chat
+    from shardtune.train.data.tokenizer import render_plain_chat
 
     return render_plain_chat(tokenizer, msgs)
 

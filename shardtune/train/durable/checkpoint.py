@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from shardtune.errors import UserError
-from shardtune.train.ckpt_files import (FORMAT_VERSION, HF_DIR, META_FILE, TRAINER_FILE, CheckpointInfo,
+from shardtune.train.durable.ckpt_files import (FORMAT_VERSION, HF_DIR, META_FILE, TRAINER_FILE, CheckpointInfo,
                                         checkpoints_dir, prune)
 
 
@@ -113,7 +113,7 @@ def _is_zero1(optimizer) -> bool:
 
 
 def _fqns(model: torch.nn.Module) -> dict[int, str]:
-    from shardtune.train.model import unwrap
+    from shardtune.train.core.model import unwrap
 
     return {id(p): name for name, p in unwrap(model).named_parameters()}
 
@@ -144,7 +144,7 @@ def _load_zero1_optim(model, optimizer, optim_sd: dict) -> None:
 
 def _options(model):
     """Frozen parameters (LoRA's base) are not saved: the base is rebuilt from the run's model
-    settings (the pointer in hf/config.json, train/lora.py `base_pointer`), so a 70B LoRA
+    settings (the pointer in hf/config.json, train/core/lora.py `base_pointer`), so a 70B LoRA
     checkpoint holds the adapters and their optimizer state, not 141 GB of unchanged weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -247,9 +247,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
 def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *, rank: int) -> None:
     """Load `info` into the model, optimizer, scheduler and train state, resharding as needed.
     Collective: every rank calls it. A LoRA checkpoint holds no base weights: the model's base
-    must be the one it was trained on (train/lora.py `check_same_base`)."""
-    from shardtune.train.lora import check_same_base
-    from shardtune.train.model import unwrap
+    must be the one it was trained on (train/core/lora.py `check_same_base`)."""
+    from shardtune.train.core.lora import check_same_base
+    from shardtune.train.core.model import unwrap
 
     hf_config = info.path / HF_DIR / "config.json"
     if hf_config.is_file():

@@ -1,7 +1,7 @@
 """Plan by simulation: the trainer's real setup and train step traced on fake tensors at world size N.
 
 `shardtune plan MODEL --gpus N --simulate` builds the model as `shardtune train` does — the meta
-build of train/model.py, `parallel.apply.apply_parallelism` with the same `ParallelConfig`,
+build of train/core/model.py, `parallel.apply.apply_parallelism` with the same `ParallelConfig`,
 the trainer's `build_optimizer` / `build_scheduler` and `train.step.train_step` — under
 `FakeTensorMode` (no memory, no compute) with the "fake" process-group backend
 (`torch.testing._internal.distributed.fake_pg`, rank 0 of N), on the fake CPU device. The
@@ -9,7 +9,7 @@ optimizer states (and DDP's gradient buckets) exist only after a first step: FSD
 their states from one optimizer step on zero grads (`make_optimizer_states`), ddp/zero1 run a
 warm-up step. Then one tracked step (forward, backward, clip, optimizer step) runs under torch's
 memory trackers (`FSDPMemTracker` for zero2/zero3/hsdp, `MemTracker` for ddp/zero1); their
-categories map to the planner's `Memory` keys (report/tracker.py `track_step`). With
+categories map to the planner's `Memory` keys (train/core/memtrack.py `track_step`). With
 `grad_accum` > 1 every micro-batch of the step runs under that one tracker
 (`module_stats_per_micro_batch`), so the grads of earlier micro-batches stay counted, as they stay
 allocated in a real run. The same `track_step` measures a
@@ -23,8 +23,8 @@ Where a fake trace differs from the trainer, and why (the rest is the trainer's 
     (skipped); its C++ all-reduce hook needs a result the fake backend does not give (a comm hook
     returns the bucket itself, in place, as all-reduce does); its one-time bucket rebuild reads
     the broadcast bucket order (kept as built: the same buckets, the same bytes).
-  - `train_step` ends with `.item()` on the loss, which fake tensors cannot answer; the trace
-    stops there, after the optimizer and lr scheduler have stepped (checked).
+  - `train_step`'s non-finite skip reads a value, which fake tensors cannot answer: the trace
+    runs with `skip_non_finite=False` (the update is always taken).
   - CPU, not CUDA: a CPU-only torch build cannot fake CUDA tensors. Same dtypes; SDPA takes the
     same transformers path (no mask → `enable_gqa`, is_causal) and the CPU flash kernel saves
     the same tensors as CUDA flash (output + fp32 log-sum-exp); the CUDA caching allocator's
@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from shardtune.report.tracker import track_step
+from shardtune.train.core.memtrack import track_step
 from shardtune.strategies import FSDP_STRATEGIES
 
 def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0,
@@ -138,7 +138,7 @@ def _build(model_name: str, parallel_cfg, mesh):
 
     from shardtune.config import ModelConfig
     from shardtune.parallel.apply import apply_parallelism, apply_precision
-    from shardtune.train.model import build_hf_config, build_meta_model
+    from shardtune.train.core.model import build_hf_config, build_meta_model
 
     model_cfg = ModelConfig(name=model_name)
     if parallel_cfg.strategy in FSDP_STRATEGIES:
@@ -164,20 +164,14 @@ def _build(model_name: str, parallel_cfg, mesh):
 def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, micro_batch: int,
               grad_accum: int, world_size: int, autocast_dtype, grad_clip: float = 1.0) -> Callable[[], None]:
     """One `train_step` on random token ids, two documents packed per row (position ids
-    0..S/2-1, 0..S/2-1) as the trainer's packed data has them (train/data.py). Packed position
+    0..S/2-1, 0..S/2-1) as the trainer's packed data has them (train/data/dataset.py). Packed position
     ids make transformers build a block-diagonal mask (masking_utils.find_packed_sequence_indices;
     on fake tensors it always does, as it cannot look at the ids), so a real run and the trace
     take the same attention path: a mask, K/V repeated to every query head (repeat_kv) and
     SDPA's additive mask in the compute dtype, saved for backward."""
-    import inspect
-
     import torch
 
-    from shardtune.train.step import train_step
-
-    kwargs = {}
-    if "skip_non_finite" in inspect.signature(train_step).parameters:
-        kwargs["skip_non_finite"] = False  # its .item() check cannot run on fake tensors
+    from shardtune.train.core.step import train_step
 
     def step() -> None:
         batches = []
@@ -186,19 +180,10 @@ def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, mic
             half = seq_len // 2
             pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(micro_batch, seq_len)
             batches.append({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
-        stepped = []
-        original = scheduler.step
-        scheduler.step = lambda *a, **k: (stepped.append(True), original(*a, **k))
-        try:
-            train_step(model, optimizer, scheduler, batches, dp_group=None, dp_size=world_size,
-                       grad_clip=grad_clip, autocast_dtype=autocast_dtype, **kwargs)
-        except Exception as e:  # the loss's .item() after the step: fine on fake tensors only
-            from torch._subclasses.fake_tensor import DataDependentOutputException
-
-            if not (isinstance(e, DataDependentOutputException) and stepped):
-                raise
-        finally:
-            del scheduler.step
+        # the step returns tensors; only its non-finite check reads a value, which fake tensors
+        # cannot answer: the trace always takes the update
+        train_step(model, optimizer, scheduler, batches, dp_group=None, dp_size=world_size,
+                   grad_clip=grad_clip, autocast_dtype=autocast_dtype, skip_non_finite=False)
     return step
 
 
@@ -273,7 +258,7 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
 
     from shardtune.config import OptimConfig, ParallelConfig
     from shardtune.parallel.apply import autocast_dtype, build_mesh
-    from shardtune.train.step import build_optimizer, build_scheduler
+    from shardtune.train.core.optim import build_optimizer, build_scheduler
 
     t0 = time.perf_counter()
     parallel_cfg = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,

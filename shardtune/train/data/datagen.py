@@ -11,7 +11,7 @@ A byte-level model first learns the format and the task words (the loss falls fr
 to about 2 within a few dozen steps), then the per-character mappings (upper, reverse).
 
 Write the dataset as JSONL to look at it or to edit it:
-    python -m shardtune.train.datagen data.jsonl [--examples 4000] [--seed 1234]
+    python -m shardtune.train.data.datagen data.jsonl [--examples 4000] [--seed 1234]
 """
 from __future__ import annotations
 

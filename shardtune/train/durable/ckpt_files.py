@@ -1,6 +1,6 @@
 """The files of a run's checkpoints, without torch (the CLI checks `--resume` before any process
 starts): discovery of complete checkpoints, resume resolution, pruning, metrics truncation.
-Layout and atomicity rules: train/checkpoint.py.
+Layout and atomicity rules: train/durable/checkpoint.py.
 """
 from __future__ import annotations
 

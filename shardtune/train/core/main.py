@@ -66,7 +66,7 @@ def setup_distributed(cfg: "RunConfig") -> DistContext:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    from shardtune.train.resilience import restart_safe_store_kwargs
+    from shardtune.train.durable.resilience import restart_safe_store_kwargs
 
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s),
                             **restart_safe_store_kwargs(cfg.train.timeout_s))
@@ -98,7 +98,7 @@ TEARDOWN_LIMIT_S = 30.0  # a healthy destroy_process_group takes well under a se
 
 def run(cfg: "RunConfig") -> dict:
     """Train with `cfg` on this process's rank; returns the final metrics record (rank 0)."""
-    from shardtune.train.resilience import exit_if_stuck
+    from shardtune.train.durable.resilience import exit_if_stuck
 
     ctx = setup_distributed(cfg)
     guard = None
@@ -143,8 +143,8 @@ def _progress(enabled: bool):
 
 
 def _peak_bytes(ctx: DistContext, model, optimizer, activations) -> tuple[int, dict]:
-    """(peak bytes of this step on this rank, per-category bytes); see train/metrics.py."""
-    from shardtune.train.metrics import model_state_bytes
+    """(peak bytes of this step on this rank, per-category bytes); see train/core/metrics.py."""
+    from shardtune.train.core.metrics import model_state_bytes
 
     states = model_state_bytes(model, optimizer)
     states["activations_bytes"] = activations.peak_bytes if activations else 0
@@ -162,11 +162,12 @@ def _peak_bytes(ctx: DistContext, model, optimizer, activations) -> tuple[int, d
 def train(cfg: "RunConfig", ctx: DistContext) -> dict:
     """Build everything, run the loop, write metrics and the summary."""
     from shardtune.parallel.apply import autocast_dtype
-    from shardtune.train.data import build_dataloader, build_tokenizer, steps_for_epochs
-    from shardtune.train.keeper import RunKeeper
-    from shardtune.train.metrics import MetricsWriter, SavedActivations, flops_per_token, gpu_peak_flops
-    from shardtune.train.model import build_model, unwrap
-    from shardtune.train.step import TrainState, build_optimizer, build_scheduler, train_step
+    from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
+    from shardtune.train.durable.keeper import RunKeeper
+    from shardtune.train.core.metrics import MetricsWriter, SavedActivations, flops_per_token, gpu_peak_flops
+    from shardtune.train.core.model import build_model, unwrap
+    from shardtune.train.core.optim import build_optimizer, build_scheduler
+    from shardtune.train.core.step import TrainState, train_step
 
     torch.manual_seed(cfg.train.seed)
     run_dir, planned = prepare_run_dir(cfg, ctx)
@@ -197,7 +198,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
               f"{total_steps} steps -> {run_dir}", flush=True)
     record: dict = {}
     rank_bytes: dict = {}
-    tracked: dict | None = None  # one CPU step's tracker bytes by category (report/tracker.py)
+    tracked: dict | None = None  # one CPU step's tracker bytes by category (train/core/memtrack.py)
     with _progress(ctx.rank == 0) as bar:
         task = bar.add_task("train", total=total_steps, completed=state.step, info="")
         while state.step < total_steps:
@@ -211,7 +212,7 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
             if ctx.device.type == "cpu" and state.step + 1 == min(3, total_steps) and not cfg.lora.rank:
                 # CPU has no allocator statistics: track this step's tensors by category (the
                 # third: optimizer states exist and DDP has rebuilt its buckets) for `report`
-                from shardtune.report.tracker import tracked_call
+                from shardtune.train.core.memtrack import tracked_call
                 from shardtune.strategies import FSDP_STRATEGIES
 
                 r, tracked = tracked_call(unwrap(model), optimizer, step_fn, cfg.parallel.strategy in FSDP_STRATEGIES)
@@ -219,7 +220,8 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
                 r = step_fn()
             dt = now_s(ctx.device) - t0
             state.step += 1
-            state.tokens_seen += r.num_tokens
+            num_tokens, loss, grad_norm = int(r.num_tokens), float(r.loss), float(r.grad_norm)
+            state.tokens_seen += num_tokens
             peak, rank_bytes = _peak_bytes(ctx, model, optimizer, activations)
             if tracked:
                 rank_bytes["tracked"] = {k: v for k, v in tracked.items() if k != "breakdown_at_peak"}
@@ -229,27 +231,27 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
                 dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)
             tokens_per_s = rows_per_step * cfg.train.seq_len / dt
             tflops = flops_tok * tokens_per_s / ctx.world_size / 1e12  # achieved, per rank
-            record = {"step": state.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+            record = {"step": state.step, "loss": loss, "lr": r.lr, "grad_norm": grad_norm,
                       "tokens_per_s": tokens_per_s, "tflops": tflops,
                       "mfu": tflops * 1e12 / peak_flops if peak_flops else None,
                       "peak_mem_bytes": int(peak_t.item()), "step_time_s": dt,
-                      "target_tokens": r.num_tokens}
+                      "target_tokens": num_tokens}
             record.update(keeper.record_extra(state.step, r))
             if writer and log:
                 writer.write(record)
-            bar.update(task, advance=1, info=f"loss {r.loss:.4f}  lr {r.lr:.2e}  {tokens_per_s:,.0f} tok/s")
+            bar.update(task, advance=1, info=f"loss {loss:.4f}  lr {r.lr:.2e}  {tokens_per_s:,.0f} tok/s")
             if keeper.after_step(state.step, r, total_steps):
                 break  # preempted: checkpoint saved, stop cleanly
     keeper.finish(state.step)  # final checkpoint (checkpoint.save_final), collective
     all_bytes = [None] * ctx.world_size
     dist.all_gather_object(all_bytes, rank_bytes)
     if ctx.rank == 0:
-        from shardtune.train.metrics import print_summary
+        from shardtune.train.core.metrics import print_summary
 
         writer.close()
         (run_dir / "memory.json").write_text(json.dumps(
             {"method": "cuda max_memory_allocated" if ctx.device.type == "cuda" else
-             "exact storage count (train/metrics.py)", "per_rank": all_bytes}, indent=1))
+             "exact storage count (train/core/metrics.py)", "per_rank": all_bytes}, indent=1))
         print_summary(run_dir, all_bytes, planned, cfg.parallel.strategy)
     keeper.export_hf()  # rank 0 alone, after the last collective (checkpoint.export_hf)
     del model, optimizer, scheduler, keeper  # before destroy_process_group (gloo exit hang)

@@ -11,7 +11,7 @@ no grads, no optimizer state, exactly what plan/memory.py assumes.
 
 The adapter config travels in the HF config.json of each checkpoint (`config.shardtune_lora`),
 with a pointer to the base (`base_pointer`): checkpoints hold the adapters and their optimizer
-state only (train/checkpoint.py), and resume and export rebuild the frozen base from the pointer
+state only (train/durable/checkpoint.py), and resume and export rebuild the frozen base from the pointer
 (the folder's safetensors, or the seeded init), which `check_same_base` guards.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def apply_lora(model: nn.Module, lora_cfg: "LoraConfig") -> nn.Module:
 
 def adapter_full_tensors(model: nn.Module, seed: int, tensor_seed: Callable[[int, str], int]
                          ) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
-    """(name, make) per adapter parameter, like train/model.py's `random_full_tensors`: A as PEFT
+    """(name, make) per adapter parameter, like train/core/model.py's `random_full_tensors`: A as PEFT
     inits it (kaiming_uniform_(a=√5) = U(-1/√in, 1/√in), microsoft/LoRA loralib), from one
     generator seeded by (seed, name), so every layout gets the same values; B zeros."""
     for name, p in model.named_parameters():
@@ -133,7 +133,7 @@ def base_pointer(model_cfg, seed: int, dtype: torch.dtype) -> dict:
     seeded init of a catalogue architecture, and the `dtype` it is stored in while training."""
     from pathlib import Path
 
-    from shardtune.train.model import uses_pretrained
+    from shardtune.train.core.model import uses_pretrained
 
     pretrained = uses_pretrained(model_cfg)
     folder = Path(model_cfg.name).expanduser()
@@ -156,7 +156,7 @@ def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
     pointer (`base_pointer`) for a merged export: read one tensor at a time from the folder's
     safetensors, or regenerate it from the seeded init of the architecture in `ckpt_hf_dir`."""
     from shardtune.config import ModelConfig
-    from shardtune.train.model import (build_meta_model, pretrained_full_tensors, random_full_tensors,
+    from shardtune.train.core.model import (build_meta_model, pretrained_full_tensors, random_full_tensors,
                                        safetensors_files)
 
     base = lora["base"]

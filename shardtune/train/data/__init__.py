@@ -1,0 +1,1 @@
+"""Data: records → token rows (dataset), tokenizers (tokenizer), the built-in dataset (datagen)."""

@@ -1,0 +1,2 @@
+"""Verification: the trainer's step traced on fake tensors (simulate) and predicted vs measured
+memory (compare)."""
