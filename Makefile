@@ -27,6 +27,7 @@ demo: $(STAMP)
 	$(BIN)/shardtune report runs/demo
 
 test: $(STAMP)
+	$(BIN)/ruff check shardtune tests bench
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -10,7 +10,7 @@ import difflib
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -40,7 +40,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: Optional[str] = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None or 'generated': the built-in generated dataset (shardtune/train/data/datagen.py).")
+    path: str | None = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None or 'generated': the built-in generated dataset (shardtune/train/data/datagen.py).")
     format: Literal["auto", "text", "prompt_response", "chat"] = Field("auto", description="auto: each line's keys decide (messages → chat, prompt+response → prompt_response, text → text); otherwise every line must have that format.")
     tokenizer: Literal["auto", "byte", "hf"] = Field("auto", description="auto: the model folder's tokenizer if it has one, else the built-in byte-level tokenizer; byte: always bytes; hf: the folder's tokenizer or an error.")
     template: Literal["auto", "chat", "plain"] = Field("auto", description="How prompt/response and chat examples become text. auto: the tokenizer's chat template if it has one, else plain; plain: bos+prompt+response+eos, chat turns as '<|role|>\\n' + content.")
@@ -51,7 +51,7 @@ class DataConfig(_Section):
 
 class ParallelConfig(_Section):
     strategy: str = Field("zero3", description="ddp | zero1 | zero2 | zero3 | hsdp (FSDP1 names FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD accepted).")
-    hsdp_shard_size: Optional[int] = Field(None, ge=1, description="hsdp: ranks per shard group (must divide the world size). None: processes per node.")
+    hsdp_shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (must divide the world size). None: processes per node.")
     precision: str = Field("bf16-mixed", description="bf16-mixed (bf16 compute, fp32 master weights and gradient reduction) | bf16 | fp32.")
     activation_checkpointing: str = Field("none", description="none | full (every decoder layer) | selective (every `ac_every`-th layer).")
     ac_every: int = Field(2, ge=1, description="selective AC: checkpoint every k-th decoder layer.")
@@ -99,7 +99,7 @@ class TrainConfig(_Section):
     micro_batch: int = Field(4, ge=1, description="Sequences per rank per forward/backward.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step. Global batch = micro_batch × grad_accum × data-parallel ranks.")
     seq_len: int = Field(128, ge=2, description="Tokens per sequence.")
-    max_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; None: derived from `epochs`.")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; None: derived from `epochs`.")
     epochs: float = Field(1.0, gt=0, description="Used when max_steps is None.")
     seed: int = Field(0, description="Seeds init, data order and dropout.")
     log_every: int = Field(1, ge=1, description="Write metrics every k optimizer steps.")
@@ -135,7 +135,7 @@ class LoraConfig(_Section):
 
 class RunConfig(_Section):
     name: str = Field("run", description="Run name; the run folder defaults to runs/<name>.")
-    output_dir: Optional[str] = Field(None, description="Run folder (default runs/<name>).")
+    output_dir: str | None = Field(None, description="Run folder (default runs/<name>).")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()

@@ -146,7 +146,7 @@ class Layout:
 
     @classmethod
     def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,
-              hsdp_shard_size: int | None = None) -> "Layout":
+              hsdp_shard_size: int | None = None) -> Layout:
         """Validated layout; a bad world or an hsdp shard size that does not divide it is a UserError."""
         s = strategy_name if isinstance(strategy_name, Strategy) else strategy(strategy_name)
         if not isinstance(world_size, int) or world_size < 1:

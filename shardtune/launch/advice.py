@@ -13,7 +13,6 @@ step's compute, so no amount of overlap can hide them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from shardtune.config import RunConfig
 from shardtune.errors import UserError
@@ -26,7 +25,7 @@ DEFAULT_LINK = {"ib": "ib-ndr-400", "roce": "roce-400", "efa": "efa", "eth": "et
 @dataclass(frozen=True)
 class Estimate:
     strategy: str
-    shard_size: Optional[int]
+    shard_size: int | None
     step_s: float
     compute_s: float
     comm_s: float
@@ -36,8 +35,8 @@ class Estimate:
         return self.comm_s > self.compute_s
 
 
-def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, link: Optional[str] = None,
-             strategy: Optional[str] = None, shard_size: Optional[int] = None) -> Estimate:
+def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, link: str | None = None,
+             strategy: str | None = None, shard_size: int | None = None) -> Estimate:
     """The planner's predicted step (`shardtune.plan.plan`) for the recipe, or for `strategy`,
     on nodes × gpus_per_node GPUs joined by `link` (default: the preset's catalogue link)."""
     strategy = strategy or cfg.parallel.strategy
@@ -55,7 +54,7 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
 
 
 def comm_bound_warning(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str,
-                       link: Optional[str] = None) -> Optional[str]:
+                       link: str | None = None) -> str | None:
     """A plain-words warning when the recipe is communication-bound across nodes, else None."""
     if nodes <= 1 or cfg.train.backend == "gloo":  # the model prices GPUs and their links, not CPU runs
         return None

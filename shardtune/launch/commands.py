@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -27,7 +26,7 @@ _RESTARTS = typer.Option(0, "--max-restarts", help="torchrun restarts of the wor
 _GRACE = typer.Option(300, "--checkpoint-grace-s", help="Seconds between SIGTERM and SIGKILL (SLURM: signal this long before --time).")
 
 
-def _build(recipe: str, overrides: Optional[list[str]], **kw):
+def _build(recipe: str, overrides: list[str] | None, **kw):
     """Validate the recipe (as the trainer will see it) and the launch options."""
     from shardtune.config import load_recipe
     from shardtune.launch.spec import LaunchSpec, validate
@@ -38,7 +37,7 @@ def _build(recipe: str, overrides: Optional[list[str]], **kw):
     return cfg, spec
 
 
-def _emit(text: str, output: Optional[str], cfg, spec, link: Optional[str], executable: bool) -> None:
+def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable: bool) -> None:
     from shardtune.catalog.interconnects import get_interconnect
     from shardtune.launch.advice import comm_bound_warning
 
@@ -62,14 +61,14 @@ def _emit(text: str, output: Optional[str], cfg, spec, link: Optional[str], exec
 
 @launch_app.command("torchrun")
 def torchrun_cmd(
-    recipe: str = _RECIPE, overrides: Optional[list[str]] = _OVERRIDES,
-    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: Optional[str] = _IFNAME,
-    ib_hca: Optional[str] = _HCA, link: Optional[str] = _LINK, job_name: str = _JOB, output: Optional[str] = _OUT,
+    recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
+    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
+    ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
-    rdzv_host: Optional[str] = typer.Option(None, "--rdzv-host", help="Address of the node hosting the c10d rendezvous (needed for >1 node)."),
+    rdzv_host: str | None = typer.Option(None, "--rdzv-host", help="Address of the node hosting the c10d rendezvous (needed for >1 node)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port."),
-    run_id: Optional[str] = typer.Option(None, "--run-id", help="Rendezvous id (default: the job name); unique per concurrent job."),
-    venv: Optional[str] = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Rendezvous id (default: the job name); unique per concurrent job."),
+    venv: str | None = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
 ) -> None:
     """A script to run unchanged on every node: one torchrun agent, c10d rendezvous."""
     from shardtune.launch.torchrun import render_torchrun
@@ -83,17 +82,17 @@ def torchrun_cmd(
 
 @launch_app.command("slurm")
 def slurm_cmd(
-    recipe: str = _RECIPE, overrides: Optional[list[str]] = _OVERRIDES,
-    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: Optional[str] = _IFNAME,
-    ib_hca: Optional[str] = _HCA, link: Optional[str] = _LINK, job_name: str = _JOB, output: Optional[str] = _OUT,
+    recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
+    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
+    ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
-    partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition."),
-    account: Optional[str] = typer.Option(None, "--account", help="SLURM account."),
-    time: Optional[str] = typer.Option(None, "--time", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
-    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs for each node's torchrun agent and its workers."),
-    log: Optional[str] = typer.Option(None, "--log", help="sbatch --output pattern (default %x-%j.out)."),
+    partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
+    account: str | None = typer.Option(None, "--account", help="SLURM account."),
+    time: str | None = typer.Option(None, "--time", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
+    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs for each node's torchrun agent and its workers."),
+    log: str | None = typer.Option(None, "--log", help="sbatch --output pattern (default %x-%j.out)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port on the first node."),
-    venv: Optional[str] = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
+    venv: str | None = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
 ) -> None:
     """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
     from shardtune.launch.slurm import render_slurm
@@ -105,7 +104,7 @@ def slurm_cmd(
     _emit(render_slurm(spec), output, cfg, spec, link, executable=False)
 
 
-def _parse_elastic(value: Optional[str]) -> Optional[tuple[int, int]]:
+def _parse_elastic(value: str | None) -> tuple[int, int] | None:
     if not value:
         return None
     lo, sep, hi = value.partition(":")
@@ -116,15 +115,15 @@ def _parse_elastic(value: Optional[str]) -> Optional[tuple[int, int]]:
 
 @launch_app.command("k8s")
 def k8s_cmd(
-    recipe: str = _RECIPE, overrides: Optional[list[str]] = _OVERRIDES,
-    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: Optional[str] = _IFNAME,
-    ib_hca: Optional[str] = _HCA, link: Optional[str] = _LINK, job_name: str = _JOB, output: Optional[str] = _OUT,
+    recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
+    nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
+    ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
-    image: Optional[str] = typer.Option(None, "--image", help="Container image with shardtune installed."),
-    pvc: Optional[str] = typer.Option(None, "--pvc", help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints (default JOB-checkpoints)."),
+    image: str | None = typer.Option(None, "--image", help="Container image with shardtune installed."),
+    pvc: str | None = typer.Option(None, "--pvc", help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints (default JOB-checkpoints)."),
     checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", help="Where the claim is mounted; the run folder goes under it."),
-    elastic: Optional[str] = typer.Option(None, "--elastic", help="MIN:MAX nodes: an elastic job (c10d rendezvous, workers only)."),
-    efa_devices: Optional[int] = typer.Option(None, "--efa-devices", help="With --interconnect efa: EFA interfaces per pod (p5 32, p4d 4)."),
+    elastic: str | None = typer.Option(None, "--elastic", help="MIN:MAX nodes: an elastic job (c10d rendezvous, workers only)."),
+    efa_devices: int | None = typer.Option(None, "--efa-devices", help="With --interconnect efa: EFA interfaces per pod (p5 32, p4d 4)."),
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
     from shardtune.launch.k8s import render_k8s
@@ -139,8 +138,8 @@ def k8s_cmd(
 
 
 def doctor(
-    rdzv: Optional[str] = typer.Option(None, "--rdzv", help="HOST:PORT of the rendezvous to check."),
-    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Folder checkpoints will be written to."),
+    rdzv: str | None = typer.Option(None, "--rdzv", help="HOST:PORT of the rendezvous to check."),
+    checkpoint_dir: str | None = typer.Option(None, "--checkpoint-dir", help="Folder checkpoints will be written to."),
 ) -> None:
     """Check this node: torch / CUDA / NCCL, GPUs, network variables, rendezvous, checkpoint folder."""
     from shardtune.launch.doctor import format_checks, run_doctor

@@ -13,7 +13,6 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from shardtune.errors import UserError
 
@@ -60,7 +59,7 @@ def check_torch() -> list[Check]:
     return out
 
 
-def check_interfaces(env: Optional[dict] = None) -> list[Check]:
+def check_interfaces(env: dict | None = None) -> list[Check]:
     """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name interfaces this node has."""
     env = os.environ if env is None else env
     have = {name for _, name in socket.if_nameindex()}
@@ -119,7 +118,7 @@ def check_rendezvous(endpoint: str, timeout_s: float = 3.0) -> list[Check]:
         else:
             out.append(Check("info", "rendezvous port", f"{host}:{port} is reachable but nothing listens yet "
                              "(fine before the first node starts torchrun)"))
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         out.append(Check("fail", "rendezvous port", f"{host}:{port} did not answer in {timeout_s:.0f} s: "
                          "a firewall or route drops the traffic; open the port between the nodes"))
     except OSError as e:
@@ -188,7 +187,7 @@ def check_checkpoint_dir(directory: str) -> list[Check]:
     return out
 
 
-def run_doctor(rdzv: Optional[str] = None, checkpoint_dir: Optional[str] = None) -> list[Check]:
+def run_doctor(rdzv: str | None = None, checkpoint_dir: str | None = None) -> list[Check]:
     checks = check_torch() + check_interfaces()
     if rdzv:
         checks += check_rendezvous(rdzv)

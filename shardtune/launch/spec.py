@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
 
 from shardtune.errors import UserError, suggest
 
@@ -38,25 +37,25 @@ class LaunchSpec:
     nodes: int = 1
     gpus_per_node: int = 8
     interconnect: str = "ib"
-    ifname: Optional[str] = None  # the training network's interface on every node (eth0, ens5)
-    ib_hca: Optional[str] = None  # NCCL_IB_HCA value (mlx5_0,mlx5_1 or a prefix)
+    ifname: str | None = None  # the training network's interface on every node (eth0, ens5)
+    ib_hca: str | None = None  # NCCL_IB_HCA value (mlx5_0,mlx5_1 or a prefix)
     job_name: str = "shardtune"
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    time: Optional[str] = None
-    image: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    image: str | None = None
     max_restarts: int = 0
-    rdzv_host: Optional[str] = None
+    rdzv_host: str | None = None
     rdzv_port: int = 29500
-    run_id: Optional[str] = None
-    venv: Optional[str] = None  # activated on each node before torchrun
-    cpus_per_task: Optional[int] = None
-    log: Optional[str] = None  # sbatch --output pattern (stdout+stderr of the job)
+    run_id: str | None = None
+    venv: str | None = None  # activated on each node before torchrun
+    cpus_per_task: int | None = None
+    log: str | None = None  # sbatch --output pattern (stdout+stderr of the job)
     checkpoint_grace_s: int = 300  # SLURM: signal this long before the time limit
-    pvc: Optional[str] = None  # k8s: shared ReadWriteMany claim for checkpoints
+    pvc: str | None = None  # k8s: shared ReadWriteMany claim for checkpoints
     checkpoint_mount: str = "/checkpoints"
-    elastic: Optional[tuple[int, int]] = None  # k8s: (min, max) nodes
-    efa_devices: Optional[int] = None  # k8s + efa: vpc.amazonaws.com/efa per pod
+    elastic: tuple[int, int] | None = None  # k8s: (min, max) nodes
+    efa_devices: int | None = None  # k8s + efa: vpc.amazonaws.com/efa per pod
 
 
 def normalize_interconnect(name: str) -> str:

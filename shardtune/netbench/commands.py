@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import tempfile
-from typing import Optional
 
 import typer
 
@@ -41,11 +40,11 @@ def print_table(prof: dict, file=None) -> None:
 
 def comm(
     nproc: int = typer.Option(2, "--nproc", help="Processes (ranks) to start on this machine."),
-    sizes: Optional[str] = typer.Option(None, "--sizes", help="Message sizes, binary units: e.g. 4K,1M,64M,256M (default KiB to 64 MiB on CPU, 512 MiB on GPU)."),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="Write the profile JSON here (for `shardtune plan --network-profile`)."),
+    sizes: str | None = typer.Option(None, "--sizes", help="Message sizes, binary units: e.g. 4K,1M,64M,256M (default KiB to 64 MiB on CPU, 512 MiB on GPU)."),
+    output: str | None = typer.Option(None, "-o", "--output", help="Write the profile JSON here (for `shardtune plan --network-profile`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile JSON instead of the table."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl with CUDA, else gloo) | gloo | nccl."),
-    scope: Optional[str] = typer.Option(None, "--scope", help="intra | inter: which link of a plan the profile replaces (default: inter if the ranks ran on several hosts)."),
+    scope: str | None = typer.Option(None, "--scope", help="intra | inter: which link of a plan the profile replaces (default: inter if the ranks ran on several hosts)."),
     timeout: float = typer.Option(600, "--timeout", help="Seconds before every rank is stopped."),
 ) -> None:
     """Time all-gather, reduce-scatter and all-reduce; algbw and busbw as nccl-tests defines them."""

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from shardtune.config import ParallelConfig
 
 
-def hsdp_shard_degree(parallel_cfg: "ParallelConfig", world_size: int, local_world_size: int) -> int:
+def hsdp_shard_degree(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int) -> int:
     """Ranks per hsdp shard group (default: the processes of one node); must divide the world."""
     shard = parallel_cfg.hsdp_shard_size or local_world_size
     if shard < 1 or world_size % shard:
@@ -45,8 +45,8 @@ def hsdp_shard_degree(parallel_cfg: "ParallelConfig", world_size: int, local_wor
     return shard
 
 
-def build_mesh(parallel_cfg: "ParallelConfig", world_size: int, local_world_size: int,
-               device_type: str) -> "DeviceMesh":
+def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int,
+               device_type: str) -> DeviceMesh:
     """1-D mesh ("dp",) for ddp/zero1/zero2/zero3; 2-D ("replicate", "shard") for hsdp.
 
     Needs an initialised default process group (real or fake)."""
@@ -91,7 +91,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
         checkpoint(layers[i])
 
 
-def autocast_dtype(parallel_cfg: "ParallelConfig") -> torch.dtype | None:
+def autocast_dtype(parallel_cfg: ParallelConfig) -> torch.dtype | None:
     """The dtype the step autocasts to: bf16 for bf16-mixed under ddp/zero1 (FSDP strategies cast
     inside fully_shard instead), else None."""
     if parallel_cfg.precision == "bf16-mixed" and parallel_cfg.strategy not in FSDP_STRATEGIES:
@@ -99,7 +99,7 @@ def autocast_dtype(parallel_cfg: "ParallelConfig") -> torch.dtype | None:
     return None
 
 
-def apply_precision(model: nn.Module, parallel_cfg: "ParallelConfig") -> None:
+def apply_precision(model: nn.Module, parallel_cfg: ParallelConfig) -> None:
     """Cast parameters to their stored dtype (module doc, step 1); on meta or real tensors alike."""
     if parallel_cfg.precision == "bf16":
         model.to(torch.bfloat16)
@@ -109,7 +109,7 @@ def apply_precision(model: nn.Module, parallel_cfg: "ParallelConfig") -> None:
                 p.data = p.data.to(torch.bfloat16)
 
 
-def _apply_fsdp(model: nn.Module, parallel_cfg: "ParallelConfig", mesh: "DeviceMesh") -> None:
+def _apply_fsdp(model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -125,7 +125,7 @@ def _apply_fsdp(model: nn.Module, parallel_cfg: "ParallelConfig", mesh: "DeviceM
     fully_shard(model, **kwargs)
 
 
-def _apply_ddp(model: nn.Module, mesh: "DeviceMesh") -> nn.Module:
+def _apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if any(p.is_meta for p in model.parameters()):
@@ -141,7 +141,7 @@ def _apply_ddp(model: nn.Module, mesh: "DeviceMesh") -> nn.Module:
                gradient_as_bucket_view=True, init_sync=not isinstance(first, FakeTensor))
 
 
-def apply_parallelism(model: nn.Module, parallel_cfg: "ParallelConfig", mesh: "DeviceMesh") -> nn.Module:
+def apply_parallelism(model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh) -> nn.Module:
     """Apply precision, AC and the strategy (order in the module docstring); returns the model to
     train (the same object for FSDP strategies, a DDP wrapper for ddp/zero1; zero1's optimizer
     sharding is built with the optimizer, `train.step.build_optimizer`)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
 
 import typer
 
@@ -35,10 +34,10 @@ def _given_on_command_line(ctx: typer.Context) -> set[str]:
 
 def plan_cmd(
     ctx: typer.Context,
-    model: Optional[str] = typer.Argument(None, help="Catalogue name (shardtune plan --list), HF config.json, model folder, or a training recipe (YAML: its model and settings)."),
+    model: str | None = typer.Argument(None, help="Catalogue name (shardtune plan --list), HF config.json, model folder, or a training recipe (YAML: its model and settings)."),
     gpus: int = typer.Option(8, "--gpus", help="Total GPUs (world size)."),
-    nodes: Optional[int] = typer.Option(None, "--nodes", help="Nodes (default: gpus / gpus-per-node)."),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(8, gpus))."),
+    nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default: gpus / gpus-per-node)."),
+    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(8, gpus))."),
     gpu: str = typer.Option("h100-80gb", "--gpu", help="GPU catalogue name."),
     seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sequence."),
     micro_batch: int = typer.Option(1, "--micro-batch", help="Sequences per GPU per forward/backward."),
@@ -51,19 +50,19 @@ def plan_cmd(
     offload: str = typer.Option("none", "--offload", help="none | optimizer | all (CPU RAM per node is reported)."),
     lora_rank: int = typer.Option(0, "--lora-rank", help="LoRA rank on all attention and MLP projections (0: full fine-tune)."),
     accounting: str = typer.Option("shardtune", "--accounting", help="shardtune (what the trainer holds) | paper (ZeRO §5)."),
-    hsdp_shard_size: Optional[int] = typer.Option(None, "--hsdp-shard-size", help="hsdp: ranks per shard group (default gpus per node)."),
-    params: Optional[float] = typer.Option(None, "--params", help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states only."),
-    reserve_gib: Optional[float] = typer.Option(None, "--reserve-gib", help="GiB kept free per GPU (default 1 GiB + 5 % of the GPU)."),
-    strategy: Optional[list[str]] = typer.Option(None, "--strategy", help="Only these strategies (repeatable)."),
+    hsdp_shard_size: int | None = typer.Option(None, "--hsdp-shard-size", help="hsdp: ranks per shard group (default gpus per node)."),
+    params: float | None = typer.Option(None, "--params", help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states only."),
+    reserve_gib: float | None = typer.Option(None, "--reserve-gib", help="GiB kept free per GPU (default 1 GiB + 5 % of the GPU)."),
+    strategy: list[str] | None = typer.Option(None, "--strategy", help="Only these strategies (repeatable)."),
     list_models: bool = typer.Option(False, "--list", help="List the catalogue's models and GPUs, then exit."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the plan.json format)."),
     simulate: bool = typer.Option(False, "--simulate", help="Also trace the trainer's real step on fake tensors at world size --gpus (needs torch) and show it beside the analytic numbers."),
-    interconnect: Optional[str] = typer.Option(None, "--interconnect", help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, eth-100g, eth-25g, eth-10g (default ib-ndr-400)."),
-    intra_node: Optional[str] = typer.Option(None, "--intra-node", help="Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu)."),
-    nics_per_node: Optional[int] = typer.Option(None, "--nics-per-node", help="NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet)."),
-    network_profile: Optional[str] = typer.Option(None, "--network-profile", help="Measured profile from `shardtune bench comm -o FILE`, used instead of catalogue bandwidths."),
-    mfu: Optional[float] = typer.Option(None, "--mfu", help="Achievable MFU of the compute (default per GPU, e.g. 0.40 for H100)."),
-    tokens: Optional[float] = typer.Option(None, "--tokens", help="Tokens to train on: report wall-clock days and GPU-hours."),
+    interconnect: str | None = typer.Option(None, "--interconnect", help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, eth-100g, eth-25g, eth-10g (default ib-ndr-400)."),
+    intra_node: str | None = typer.Option(None, "--intra-node", help="Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu)."),
+    nics_per_node: int | None = typer.Option(None, "--nics-per-node", help="NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet)."),
+    network_profile: str | None = typer.Option(None, "--network-profile", help="Measured profile from `shardtune bench comm -o FILE`, used instead of catalogue bandwidths."),
+    mfu: float | None = typer.Option(None, "--mfu", help="Achievable MFU of the compute (default per GPU, e.g. 0.40 for H100)."),
+    tokens: float | None = typer.Option(None, "--tokens", help="Tokens to train on: report wall-clock days and GPU-hours."),
     fit: bool = typer.Option(False, "--fit", help="Search strategy × AC × offload × micro-batch × shard size × precision for the fastest config that fits."),
 ) -> None:
     """Per-GPU memory (params, grads, optimizer, activations, buffers), fit and communication of

@@ -68,8 +68,8 @@ def report(run_dir: Path, console=None) -> list[Path]:
     """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
     from rich.console import Console
 
-    from shardtune.verify.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
     from shardtune.report.plots import plot_memory, plot_series
+    from shardtune.verify.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
 
     console = console or Console(highlight=False, width=140)
     run = load_run(run_dir)

@@ -32,14 +32,14 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 _NS_PREFIX = "shardtune-"
 _counter = itertools.count()
 
 
-def _tool(name: str) -> Optional[str]:
+def _tool(name: str) -> str | None:
     for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"):
         p = os.path.join(d, name)
         if os.access(p, os.X_OK):
@@ -54,7 +54,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([ip, *args], capture_output=True, text=True, timeout=30, check=check)
 
 
-def netns_unavailable_reason() -> Optional[str]:
+def netns_unavailable_reason() -> str | None:
     """None when two namespaces and a veth pair can be made here, else why not (for pytest.skip)."""
     if _tool("ip") is None:
         return "iproute2 `ip` is not installed"
@@ -93,8 +93,8 @@ class TwoHosts:
             so that concurrent users do not collide.
     """
 
-    def __init__(self, ifname: str = "stv0", rate_mbit: Optional[float] = None,
-                 delay_ms: Optional[float] = None, subnet_octet: Optional[int] = None):
+    def __init__(self, ifname: str = "stv0", rate_mbit: float | None = None,
+                 delay_ms: float | None = None, subnet_octet: int | None = None):
         n = next(_counter)
         self.ifname = ifname
         self.rate_mbit = rate_mbit
@@ -107,7 +107,7 @@ class TwoHosts:
         self._up = False
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> TwoHosts:
         self.setup()
         return self
 

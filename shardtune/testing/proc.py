@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 import subprocess
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:

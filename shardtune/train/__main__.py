@@ -30,7 +30,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from shardtune.train.commands import resolve_config, validate_for_launch
+    from shardtune.train.commands import resolve_config
+    from shardtune.train.preflight import validate_for_launch
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:

@@ -10,13 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
-from typing import Optional
 
 import typer
 
 from shardtune.errors import UserError
+from shardtune.train.preflight import validate_for_launch
 
 FLAGS = ("strategy", "precision", "max_steps", "seed", "output_dir", "checkpoint_every", "keep", "resume",
          "lora_rank")
@@ -36,38 +34,6 @@ def resolve_config(recipe: str, overrides: list[str], **flags):
     from shardtune.config import load_recipe
 
     return load_recipe(recipe, list(overrides or []) + flag_overrides(**flags))
-
-
-def _check_writable(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=run_dir):
-            pass
-    except OSError as e:
-        raise UserError(f"output dir {str(run_dir)!r} cannot be written ({e.strerror}); "
-                        "give a writable --output-dir") from None
-
-
-def validate_for_launch(cfg, world_size: int, local_world_size: int) -> None:
-    """Checks that need more than the config's own fields: model, data, hsdp size, output dir."""
-    from shardtune.catalog.models import resolve_model_config
-    from shardtune.train.data.dataset import check_dataset
-
-    resolve_model_config(cfg.model.name)
-    folder = Path(cfg.model.name).expanduser()
-    if cfg.model.init == "pretrained" and not (folder.is_dir() and any(folder.glob("*.safetensors"))):
-        raise UserError(f"model.init is 'pretrained' but {cfg.model.name!r} has no *.safetensors; "
-                        "give an HF model folder with weights or set model.init=random")
-    if cfg.parallel.strategy == "hsdp":
-        shard = cfg.parallel.hsdp_shard_size or local_world_size
-        if world_size % shard:
-            raise UserError(f"parallel.hsdp_shard_size {shard} does not divide the world size "
-                            f"{world_size}; choose a divisor of {world_size}")
-    check_dataset(cfg.data)
-    _check_writable(cfg.run_dir)
-    from shardtune.train.durable.ckpt_files import resolve_resume
-
-    resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
 
 
 def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
@@ -126,18 +92,18 @@ def register(app: typer.Typer) -> None:
     @app.command("train", context_settings={"allow_interspersed_args": True})
     def train(
         recipe: str = typer.Argument(..., help="YAML recipe, e.g. recipes/tiny-cpu.yaml"),
-        overrides: Optional[list[str]] = typer.Argument(None, help="key.path=value overrides, e.g. optim.lr=1e-4"),
+        overrides: list[str] | None = typer.Argument(None, help="key.path=value overrides, e.g. optim.lr=1e-4"),
         nproc: int = typer.Option(1, "--nproc", help="Processes on this machine (torchrun --nproc-per-node)."),
-        strategy: Optional[str] = typer.Option(None, "--strategy", help="ddp | zero1 | zero2 | zero3 | hsdp"),
-        precision: Optional[str] = typer.Option(None, "--precision", help="bf16-mixed | bf16 | fp32"),
-        max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Optimizer steps."),
-        seed: Optional[int] = typer.Option(None, "--seed"),
-        output_dir: Optional[str] = typer.Option(None, "--output-dir", help="Run folder (default runs/<recipe name>)."),
-        checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Save a checkpoint every N steps (checkpoint.every)."),
-        keep: Optional[int] = typer.Option(None, "--keep", help="Keep the newest K checkpoints (checkpoint.keep)."),
-        resume: Optional[str] = typer.Option(None, "--resume", help="auto (newest complete checkpoint) | never | a checkpoints/step_N path."),
+        strategy: str | None = typer.Option(None, "--strategy", help="ddp | zero1 | zero2 | zero3 | hsdp"),
+        precision: str | None = typer.Option(None, "--precision", help="bf16-mixed | bf16 | fp32"),
+        max_steps: int | None = typer.Option(None, "--max-steps", help="Optimizer steps."),
+        seed: int | None = typer.Option(None, "--seed"),
+        output_dir: str | None = typer.Option(None, "--output-dir", help="Run folder (default runs/<recipe name>)."),
+        checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Save a checkpoint every N steps (checkpoint.every)."),
+        keep: int | None = typer.Option(None, "--keep", help="Keep the newest K checkpoints (checkpoint.keep)."),
+        resume: str | None = typer.Option(None, "--resume", help="auto (newest complete checkpoint) | never | a checkpoints/step_N path."),
         max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts of the whole group after a failure; each resumes from the last checkpoint."),
-        lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`."),
+        lora_rank: int | None = typer.Option(None, "--lora-rank", help="LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`."),
     ) -> int:
         """Fine-tune with a recipe on this machine (torchrun under the hood)."""
         return train_command(recipe, overrides or [], nproc, strategy=strategy, precision=precision,

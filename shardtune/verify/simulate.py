@@ -42,12 +42,14 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from shardtune.train.core.memtrack import track_step
 from shardtune.strategies import FSDP_STRATEGIES
+from shardtune.train.core.memtrack import track_step
+
 
 def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0,
                        optimizer: str = "adamw", has_model: bool = True) -> str | None:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.train.durable.ckpt_files import complete_checkpoints
 from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]

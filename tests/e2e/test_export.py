@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]

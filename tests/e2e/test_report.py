@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from shardtune.testing.proc import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]

@@ -2,8 +2,13 @@
 import pytest
 
 from shardtune.plan.compute import (
-    achievable_mfu, compute_time_s, matmul_params, mfu, model_flops_per_token,
-    optimizer_step_time_s, recompute_flops_per_token,
+    achievable_mfu,
+    compute_time_s,
+    matmul_params,
+    mfu,
+    model_flops_per_token,
+    optimizer_step_time_s,
+    recompute_flops_per_token,
 )
 
 

@@ -4,8 +4,17 @@ import math
 import pytest
 
 from shardtune.plan.timing import (
-    Cluster, CommOp, Link, bus_factor, collective_time_s, exposed_time_s, group_time_s,
-    mesh_groups, ring_bytes_per_rank, step_time, time_for_tokens,
+    Cluster,
+    CommOp,
+    Link,
+    bus_factor,
+    collective_time_s,
+    exposed_time_s,
+    group_time_s,
+    mesh_groups,
+    ring_bytes_per_rank,
+    step_time,
+    time_for_tokens,
 )
 
 GB = 1e9

@@ -17,7 +17,8 @@ state only (train/durable/checkpoint.py), and resume and export rebuild the froz
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ def scaling(lora: dict) -> float:
     return float(lora["alpha"]) / int(lora["rank"])
 
 
-def peft_config(lora_cfg: "LoraConfig"):
+def peft_config(lora_cfg: LoraConfig):
     """The peft.LoraConfig of our settings (no bias, no rslora, PEFT's default init)."""
     from peft import LoraConfig as PeftLoraConfig
 
@@ -54,7 +55,7 @@ def peft_config(lora_cfg: "LoraConfig"):
                           target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
-def apply_lora(model: nn.Module, lora_cfg: "LoraConfig") -> nn.Module:
+def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
     """Inject adapters in place (call on the meta model, before apply_parallelism) and freeze every
     other parameter. Returns the same model. Unknown target names are a one-line UserError."""
     from peft import inject_adapter_in_model
@@ -156,8 +157,12 @@ def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
     pointer (`base_pointer`) for a merged export: read one tensor at a time from the folder's
     safetensors, or regenerate it from the seeded init of the architecture in `ckpt_hf_dir`."""
     from shardtune.config import ModelConfig
-    from shardtune.train.core.model import (build_meta_model, pretrained_full_tensors, random_full_tensors,
-                                       safetensors_files)
+    from shardtune.train.core.model import (
+        build_meta_model,
+        pretrained_full_tensors,
+        random_full_tensors,
+        safetensors_files,
+    )
 
     base = lora["base"]
     dtype = getattr(torch, base["dtype"])

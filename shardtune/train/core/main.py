@@ -35,7 +35,7 @@ class DistContext:
     local_rank: int
     local_world_size: int
     device: torch.device
-    mesh: "DeviceMesh"
+    mesh: DeviceMesh
 
     @property
     def dp_group(self):
@@ -43,7 +43,7 @@ class DistContext:
         return self.mesh.get_group() if self.mesh.ndim == 1 else None
 
 
-def setup_distributed(cfg: "RunConfig") -> DistContext:
+def setup_distributed(cfg: RunConfig) -> DistContext:
     """init_process_group (nccl on CUDA, gloo on CPU, timeout train.timeout_s) and the mesh."""
     from shardtune.parallel.apply import build_mesh
 
@@ -74,11 +74,10 @@ def setup_distributed(cfg: "RunConfig") -> DistContext:
     return DistContext(rank, world, local_rank, local_world, device, mesh)
 
 
-def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
+def write_plan(cfg: RunConfig, world_size: int, run_dir: Path) -> dict | None:
     """The planner's prediction for this exact run → plan.json (None if it cannot plan it)."""
     try:
         from shardtune.plan import plan
-
         from shardtune.strategies import resolve_optimizer_impl
 
         inputs = cfg.plan_inputs()  # `auto`: the kernel torch picks on this run's device
@@ -96,7 +95,7 @@ def write_plan(cfg: "RunConfig", world_size: int, run_dir: Path) -> dict | None:
 TEARDOWN_LIMIT_S = 30.0  # a healthy destroy_process_group takes well under a second
 
 
-def run(cfg: "RunConfig") -> dict:
+def run(cfg: RunConfig) -> dict:
     """Train with `cfg` on this process's rank; returns the final metrics record (rank 0)."""
     from shardtune.train.durable.resilience import exit_if_stuck
 
@@ -114,7 +113,7 @@ def run(cfg: "RunConfig") -> dict:
             guard.cancel()
 
 
-def prepare_run_dir(cfg: "RunConfig", ctx: DistContext) -> tuple[Path, dict | None]:
+def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None]:
     """Rank 0 writes config.yaml and plan.json; every rank gets the planner's prediction."""
     run_dir = cfg.run_dir
     planned = None
@@ -134,8 +133,14 @@ def now_s(device: torch.device) -> float:
 
 
 def _progress(enabled: bool):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
@@ -159,15 +164,15 @@ def _peak_bytes(ctx: DistContext, model, optimizer, activations) -> tuple[int, d
     return peak, states
 
 
-def train(cfg: "RunConfig", ctx: DistContext) -> dict:
+def train(cfg: RunConfig, ctx: DistContext) -> dict:
     """Build everything, run the loop, write metrics and the summary."""
     from shardtune.parallel.apply import autocast_dtype
-    from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
-    from shardtune.train.durable.keeper import RunKeeper
     from shardtune.train.core.metrics import MetricsWriter, SavedActivations, flops_per_token, gpu_peak_flops
     from shardtune.train.core.model import build_model, unwrap
     from shardtune.train.core.optim import build_optimizer, build_scheduler
     from shardtune.train.core.step import TrainState, train_step
+    from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
+    from shardtune.train.durable.keeper import RunKeeper
 
     torch.manual_seed(cfg.train.seed)
     run_dir, planned = prepare_run_dir(cfg, ctx)
@@ -212,8 +217,8 @@ def train(cfg: "RunConfig", ctx: DistContext) -> dict:
             if ctx.device.type == "cpu" and state.step + 1 == min(3, total_steps) and not cfg.lora.rank:
                 # CPU has no allocator statistics: track this step's tensors by category (the
                 # third: optimizer states exist and DDP has rebuilt its buckets) for `report`
-                from shardtune.train.core.memtrack import tracked_call
                 from shardtune.strategies import FSDP_STRATEGIES
+                from shardtune.train.core.memtrack import tracked_call
 
                 r, tracked = tracked_call(unwrap(model), optimizer, step_fn, cfg.parallel.strategy in FSDP_STRATEGIES)
             else:

@@ -9,7 +9,8 @@ the functions only.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Tracker categories (torch/distributed/_tools: _FSDPRefType / _MemRefType values) → planner keys.
 # "buffers" is what the planner calls buffers: the unsharded bf16 params and grads in flight

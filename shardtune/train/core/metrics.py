@@ -14,9 +14,9 @@ On CUDA, `peak_mem_bytes` is torch.cuda.max_memory_allocated (allocator truth).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn

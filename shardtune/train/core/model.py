@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import json
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
     from shardtune.config import LoraConfig, ModelConfig, ParallelConfig
 
 
-def build_hf_config(model_cfg: "ModelConfig"):
+def build_hf_config(model_cfg: ModelConfig):
     """The transformers config for a catalogue name, config.json or model folder."""
     from transformers import AutoConfig
 
@@ -39,7 +40,7 @@ def build_hf_config(model_cfg: "ModelConfig"):
     return AutoConfig.for_model(model_type, **cfg)
 
 
-def build_meta_model(model_cfg: "ModelConfig") -> nn.Module:
+def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
     """The causal LM with every parameter on the meta device (no memory), SDPA attention."""
     from transformers import AutoModelForCausalLM
 
@@ -51,13 +52,13 @@ def build_meta_model(model_cfg: "ModelConfig") -> nn.Module:
     return model
 
 
-def safetensors_files(model_cfg: "ModelConfig") -> list[Path]:
+def safetensors_files(model_cfg: ModelConfig) -> list[Path]:
     """The folder's *.safetensors files ([] when `name` is no folder or has none)."""
     folder = Path(model_cfg.name).expanduser()
     return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
 
 
-def uses_pretrained(model_cfg: "ModelConfig") -> bool:
+def uses_pretrained(model_cfg: ModelConfig) -> bool:
     """auto: load when the model folder has safetensors; pretrained: must; random: never."""
     files = safetensors_files(model_cfg)
     if model_cfg.init == "pretrained" and not files:
@@ -160,7 +161,7 @@ def reset_rotary_buffers(model: nn.Module) -> None:
                 getattr(module, name).copy_(buf)
 
 
-def init_model_weights(model: nn.Module, model_cfg: "ModelConfig", seed: int) -> None:
+def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> None:
     """Fill every parameter (random with `seed`, or from the folder's safetensors) and the rotary
     buffers, one tensor at a time. Works on a plain, DDP-to-be or FSDP-sharded model alike."""
     files = safetensors_files(model_cfg)
@@ -181,8 +182,8 @@ def init_model_weights(model: nn.Module, model_cfg: "ModelConfig", seed: int) ->
     reset_rotary_buffers(model)
 
 
-def build_model(model_cfg: "ModelConfig", parallel_cfg: "ParallelConfig", mesh: "DeviceMesh",
-                device: torch.device, seed: int, lora_cfg: "LoraConfig | None" = None) -> nn.Module:
+def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: DeviceMesh,
+                device: torch.device, seed: int, lora_cfg: LoraConfig | None = None) -> nn.Module:
     """Meta build → LoRA adapters (if lora_cfg.rank) → parallelise → materialise on `device` →
     fill. ddp/zero1 are wrapped after the fill because DDP broadcasts materialised parameters when
     it is built (parallel/apply.py). Adapters go in before fully_shard so that each decoder

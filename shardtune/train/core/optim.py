@@ -19,7 +19,8 @@ arithmetic runs on the local shards) and under ddp / zero1 (plain tensors).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -93,7 +94,7 @@ _IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": Tru
                 "for-loop": {"foreach": False}}  # bf16-stochastic: train/core/optim.py
 
 
-def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "ParallelConfig",
+def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
                     dp_group=None) -> torch.optim.Optimizer:
     """AdamW over the trainable params: torch's (kernel per `optim.implementation`) or
     bitsandbytes' AdamW8bit (`optim.name` adamw-8bit; config.py allows it under ddp/zero1 only);
@@ -117,7 +118,7 @@ def build_optimizer(model: nn.Module, optim_cfg: "OptimConfig", parallel_cfg: "P
     return cls(params, **kwargs)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: "OptimConfig", total_steps: int):
+def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, total_steps: int):
     """torch LambdaLR over `lr_factor`."""
     fn: Callable[[int], float] = lambda s: lr_factor(s, optim_cfg.warmup_steps, total_steps,
                                                      optim_cfg.schedule, optim_cfg.min_lr_ratio)

@@ -18,15 +18,13 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-
-
 
 IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch cross_entropy convention)
 

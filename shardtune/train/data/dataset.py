@@ -35,9 +35,9 @@ any process starts.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from shardtune.errors import UserError
 from shardtune.train.data.tokenizer import load_tokenizer

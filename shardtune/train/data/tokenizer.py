@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 from shardtune.errors import UserError
 
@@ -33,11 +32,11 @@ class ByteTokenizer:
     """UTF-8 bytes as ids, plus bos/eos/pad. No chat template (the plain one is used)."""
 
     name = "byte"
-    bos_id: Optional[int] = 256
+    bos_id: int | None = 256
     eos_id: int = 257
     pad_id: int = 258
     vocab_size: int = 259
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

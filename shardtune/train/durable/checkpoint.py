@@ -42,8 +42,15 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from shardtune.errors import UserError
-from shardtune.train.durable.ckpt_files import (FORMAT_VERSION, HF_DIR, META_FILE, TRAINER_FILE, CheckpointInfo,
-                                        checkpoints_dir, prune)
+from shardtune.train.durable.ckpt_files import (
+    FORMAT_VERSION,
+    HF_DIR,
+    META_FILE,
+    TRAINER_FILE,
+    CheckpointInfo,
+    checkpoints_dir,
+    prune,
+)
 
 
 # ---------------------------------------------------------------- safe reading of DCP files

@@ -59,7 +59,7 @@ def complete_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
     return sorted(found, key=lambda i: i.step)
 
 
-def resolve_resume(ckpt_cfg: "CheckpointConfig", run_dir: Path) -> CheckpointInfo | None:
+def resolve_resume(ckpt_cfg: CheckpointConfig, run_dir: Path) -> CheckpointInfo | None:
     """`checkpoint.resume`: never → None; auto → the newest complete checkpoint (or None);
     a path → that checkpoint, which must be complete."""
     how = ckpt_cfg.resume
@@ -75,7 +75,7 @@ def resolve_resume(ckpt_cfg: "CheckpointConfig", run_dir: Path) -> CheckpointInf
     return info
 
 
-def config_hash(cfg: "RunConfig") -> str:
+def config_hash(cfg: RunConfig) -> str:
     """Hash of what defines the training trajectory (model, data, optim, train): a resume under a
     different value is allowed (e.g. another strategy) but reported."""
     keys = ("model", "data", "optim")

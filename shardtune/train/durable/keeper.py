@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class RunKeeper:
-    def __init__(self, cfg: "RunConfig", ctx, run_dir: Path, model, optimizer, scheduler, state,
+    def __init__(self, cfg: RunConfig, ctx, run_dir: Path, model, optimizer, scheduler, state,
                  tokenizer=None) -> None:
         self.cfg, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
         self.model, self.optimizer, self.scheduler, self.state = model, optimizer, scheduler, state

@@ -93,7 +93,7 @@ class PreemptionSignal:
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
         self.requested = True
 
-    def install(self) -> "PreemptionSignal":
+    def install(self) -> PreemptionSignal:
         for s in self.SIGNALS:
             self._previous[s] = signal.signal(s, self._handler)
         return self
@@ -152,7 +152,7 @@ class DebugHooks:
     step: int = 0  # the step being run (the NaN hook reads it)
 
     @classmethod
-    def from_env(cls, env=os.environ) -> "DebugHooks":
+    def from_env(cls, env=os.environ) -> DebugHooks:
         attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         nan = {int(s) for s in env.get("SHARDTUNE_TEST_NAN_STEPS", "").split(",") if s.strip()}
         at = lambda var: _step_rank(env.get(var), attempt)  # noqa: E731
