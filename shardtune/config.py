@@ -1,7 +1,9 @@
 """Typed run config: YAML recipe + `key.path=value` overrides → validated `RunConfig`.
 
 Each section is a small pydantic model; functions take the narrowest section they need
-(`apply_parallelism(model, cfg.parallel, mesh)`), never the whole config. Imports no torch, so
+(`apply_parallelism(model, cfg.parallel, mesh)`), never the whole config. Checks that need more
+than the config's own fields (model folder, dataset, world size, run folder) are
+train/preflight.py `validate_for_launch`. Imports no torch (and nothing from plan/ or train/), so
 `shardtune train` validates a recipe before any process starts.
 """
 from __future__ import annotations
@@ -17,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from shardtune.errors import UserError
 from shardtune.strategies import (
+    FSDP_STRATEGIES,
     LORA_TARGETS,
+    STRATEGY,
     normalize_ac,
     normalize_offload,
     normalize_optimizer_impl,
@@ -31,31 +35,51 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = Field("tiny-llama", description="Catalogue name (e.g. llama-3-8b, tiny-llama) or a local HF model folder.")
+    name: str = Field("tiny-llama", description="Catalogue name (e.g. llama-3-8b, tiny-llama) or a local HF "
+                                                "model folder.")
     init: Literal["auto", "random", "pretrained"] = Field(
-        "auto",
-        description="auto: load safetensors weights when `name` is a folder that has them, else seeded random init.",
-    )
-    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model folder. Off unless you ask.")
+        "auto", description="auto: load safetensors weights when `name` is a folder that has them, else seeded "
+                            "random init.")
+    trust_remote_code: bool = Field(False, description="Allow custom modelling code from the model folder. Off "
+                                                       "unless you ask.")
 
 
 class DataConfig(_Section):
-    path: str | None = Field(None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None or 'generated': the built-in generated dataset (shardtune/train/data/datagen.py).")
-    format: Literal["auto", "text", "prompt_response", "chat"] = Field("auto", description="auto: each line's keys decide (messages → chat, prompt+response → prompt_response, text → text); otherwise every line must have that format.")
-    tokenizer: Literal["auto", "byte", "hf"] = Field("auto", description="auto: the model folder's tokenizer if it has one, else the built-in byte-level tokenizer; byte: always bytes; hf: the folder's tokenizer or an error.")
-    template: Literal["auto", "chat", "plain"] = Field("auto", description="How prompt/response and chat examples become text. auto: the tokenizer's chat template if it has one, else plain; plain: bos+prompt+response+eos, chat turns as '<|role|>\\n' + content.")
-    packing: bool = Field(True, description="Pack several examples into each seq_len row (position ids restart per example; no attention across examples, see train/data/dataset.py). False: one example per row, padded.")
+    path: str | None = Field(
+        None, description="JSONL file: `text`, or `prompt`+`response`, or chat `messages` per line. None or "
+                          "'generated': the built-in generated dataset (shardtune/train/data/datagen.py).")
+    format: Literal["auto", "text", "prompt_response", "chat"] = Field(
+        "auto", description="auto: each line's keys decide (messages → chat, prompt+response → prompt_response, "
+                            "text → text); otherwise every line must have that format.")
+    tokenizer: Literal["auto", "byte", "hf"] = Field(
+        "auto", description="auto: the model folder's tokenizer if it has one, else the built-in byte-level "
+                            "tokenizer; byte: always bytes; hf: the folder's tokenizer or an error.")
+    template: Literal["auto", "chat", "plain"] = Field(
+        "auto", description="How prompt/response and chat examples become text. auto: the tokenizer's chat "
+                            "template if it has one, else plain; plain: bos+prompt+response+eos, chat turns "
+                            "as '<|role|>\\n' + content.")
+    packing: bool = Field(
+        True, description="Pack several examples into each seq_len row (position ids restart per example; no "
+                          "attention across examples, see train/data/dataset.py). False: one example per row, "
+                          "padded.")
     shuffle: bool = Field(True, description="Shuffle the rows each epoch (seeded by train.seed).")
     generated_examples: int = Field(4000, ge=1, description="Size of the built-in generated dataset.")
-    generated_seed: int = Field(1234, description="Seed of the built-in generated dataset (independent of train.seed, so runs with different seeds see the same data).")
+    generated_seed: int = Field(1234, description="Seed of the built-in generated dataset (independent of "
+                                                  "train.seed, so runs with different seeds see the same data).")
+
 
 class ParallelConfig(_Section):
-    strategy: str = Field("zero3", description="ddp | zero1 | zero2 | zero3 | hsdp (FSDP1 names FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD accepted).")
-    hsdp_shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (must divide the world size). None: processes per node.")
-    precision: str = Field("bf16-mixed", description="bf16-mixed (bf16 compute, fp32 master weights and gradient reduction) | bf16 | fp32.")
-    activation_checkpointing: str = Field("none", description="none | full (every decoder layer) | selective (every `ac_every`-th layer).")
+    strategy: str = Field("zero3", description="ddp | zero1 | zero2 | zero3 | hsdp (FSDP1 names FULL_SHARD, "
+                                               "SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD accepted).")
+    hsdp_shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (must divide the "
+                                                                "world size). None: processes per node.")
+    precision: str = Field("bf16-mixed", description="bf16-mixed (bf16 compute, fp32 master weights and "
+                                                     "gradient reduction) | bf16 | fp32.")
+    activation_checkpointing: str = Field("none", description="none | full (every decoder layer) | selective "
+                                                              "(every `ac_every`-th layer).")
     ac_every: int = Field(2, ge=1, description="selective AC: checkpoint every k-th decoder layer.")
-    offload: str = Field("none", description="none | all (FSDP2 CPUOffloadPolicy: params, grads and optimizer on CPU; FSDP strategies only).")
+    offload: str = Field("none", description="none | all (FSDP2 CPUOffloadPolicy: params, grads and optimizer "
+                                             "on CPU; FSDP strategies only).")
 
     _norm = field_validator("strategy")(lambda v: normalize_strategy(v))
     _prec = field_validator("precision")(lambda v: normalize_precision(v))
@@ -65,15 +89,25 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _check(self):
         if self.offload == "optimizer":
-            raise ValueError("offload 'optimizer' is a planner-only mode (DeepSpeed's); the trainer offers offload 'all' (FSDP2 CPUOffloadPolicy)")
-        if self.offload == "all" and self.strategy not in ("zero2", "zero3", "hsdp"):
-            raise ValueError(f"offload 'all' needs an FSDP strategy (zero2, zero3, hsdp), not {self.strategy!r}")
+            raise ValueError("offload 'optimizer' is a planner-only mode (DeepSpeed's); the trainer offers "
+                             "offload 'all' (FSDP2 CPUOffloadPolicy)")
+        if self.offload == "all" and not STRATEGY[self.strategy].fsdp:
+            raise ValueError(f"offload 'all' needs an FSDP strategy ({', '.join(FSDP_STRATEGIES)}), "
+                             f"not {self.strategy!r}")
         return self
 
 
 class OptimConfig(_Section):
-    name: Literal["adamw", "adamw-8bit"] = Field("adamw", description="adamw: torch.optim.AdamW | adamw-8bit: bitsandbytes' AdamW8bit (m and v in 8 bits, blockwise: 2 B/param instead of 8; needs bitsandbytes; ddp and zero1 only, it does not take FSDP2's DTensor parameters).")
-    implementation: str = Field("auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | foreach (a temporary the size of the rank's states) | fused (no temporary) | for-loop (temporaries of the largest tensor only) | bf16-stochastic (pure bf16 only: the update in fp32, weights rounded stochastically, train/core/optim.py). See docs/planner.md.")
+    name: Literal["adamw", "adamw-8bit"] = Field(
+        "adamw", description="adamw: torch.optim.AdamW | adamw-8bit: bitsandbytes' AdamW8bit (m and v in 8 bits, "
+                             "blockwise: 2 B/param instead of 8; needs bitsandbytes; ddp and zero1 only, it does "
+                             "not take FSDP2's DTensor parameters).")
+    implementation: str = Field(
+        "auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | "
+                            "foreach (a temporary the size of the rank's states) | fused (no temporary) | "
+                            "for-loop (temporaries of the largest tensor only) | bf16-stochastic (pure bf16 "
+                            "only: the update in fp32, weights rounded stochastically, train/core/optim.py). "
+                            "See docs/planner.md.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.95))
@@ -91,28 +125,34 @@ class OptimConfig(_Section):
             if self.implementation != "auto":
                 raise ValueError("optim.implementation applies to torch's AdamW; leave it 'auto' with adamw-8bit")
             if importlib.util.find_spec("bitsandbytes") is None:
-                raise ValueError("optim.name 'adamw-8bit' needs bitsandbytes (pip install bitsandbytes); it is not installed")
+                raise ValueError("optim.name 'adamw-8bit' needs bitsandbytes (pip install bitsandbytes); "
+                                 "it is not installed")
         return self
 
 
 class TrainConfig(_Section):
     micro_batch: int = Field(4, ge=1, description="Sequences per rank per forward/backward.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step. Global batch = micro_batch × grad_accum × data-parallel ranks.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step. Global batch = micro_batch "
+                                                 "× grad_accum × data-parallel ranks.")
     seq_len: int = Field(128, ge=2, description="Tokens per sequence.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; None: derived from `epochs`.")
     epochs: float = Field(1.0, gt=0, description="Used when max_steps is None.")
     seed: int = Field(0, description="Seeds init, data order and dropout.")
     log_every: int = Field(1, ge=1, description="Write metrics every k optimizer steps.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with CUDA, else gloo.")
-    timeout_s: float = Field(600.0, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails instead of hanging.")
-    gpu: str = Field("h100-80gb", description="GPU catalogue name for MFU and the plan (ignored for the device itself).")
-    max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite loss or gradient norm (each is skipped: no optimizer step).")
+    timeout_s: float = Field(600.0, gt=0, description="Process-group timeout: a rank that waits longer on a "
+                                                      "collective fails instead of hanging.")
+    gpu: str = Field("h100-80gb", description="GPU catalogue name for MFU and the plan (ignored for the device "
+                                              "itself).")
+    max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite "
+                                                    "loss or gradient norm (each is skipped: no optimizer step).")
 
 
 class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="Save every N optimizer steps (0: only at the end).")
     keep: int = Field(2, ge=1, description="Keep the newest K complete checkpoints.")
-    resume: str = Field("auto", description="auto (newest complete checkpoint in the run folder) | never | a checkpoint path.")
+    resume: str = Field("auto", description="auto (newest complete checkpoint in the run folder) | never | a "
+                                            "checkpoint path.")
     export_hf: bool = Field(False, description="Export a Hugging Face folder at the end of training.")
     save_final: bool = Field(True, description="Save a checkpoint after the last step.")
 
@@ -122,8 +162,10 @@ class LoraConfig(_Section):
     weights are frozen (no grads, no optimizer state), as plan/params.py `model_shapes` assumes."""
     rank: int = Field(0, ge=0, le=65_536, description="LoRA rank r (0: off, full fine-tuning).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input (0: none; the run is then the same on any layout).")
-    target_modules: list[str] = Field(list(LORA_TARGETS), description="Names of the nn.Linear modules that get adapters (default: attention and MLP projections).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input (0: none; the run is then "
+                                                        "the same on any layout).")
+    target_modules: list[str] = Field(list(LORA_TARGETS), description="Names of the nn.Linear modules that get "
+                                      "adapters (default: attention and MLP projections).")
 
     @field_validator("target_modules")
     @classmethod
@@ -146,10 +188,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.optim.name == "adamw-8bit" and self.parallel.strategy not in ("ddp", "zero1"):
+        if self.optim.name == "adamw-8bit" and STRATEGY[self.parallel.strategy].fsdp:
             # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
             # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
-            raise ValueError(f"optim.name 'adamw-8bit' runs under ddp or zero1 only: bitsandbytes does "
+            ddp_like = " or ".join(s.name for s in STRATEGY.values() if not s.fsdp)
+            raise ValueError(f"optim.name 'adamw-8bit' runs under {ddp_like} only: bitsandbytes does "
                              f"not take FSDP2's DTensor parameters (strategy {self.parallel.strategy!r})")
         if self.optim.implementation == "bf16-stochastic" and self.parallel.precision != "bf16":
             raise ValueError("optim.implementation 'bf16-stochastic' rounds bf16 weights: it needs "
@@ -259,90 +302,3 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML (written to the run folder)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-# ---------------------------------------------------------------- checks before processes start
-class WorldLayout(BaseModel):
-    """How a run spreads over `world_size` processes (every strategy is data-parallel over all)."""
-
-    world_size: int
-    dp_size: int = Field(description="Data-parallel ranks: every rank reads its own rows (all strategies).")
-    shard_degree: int = Field(description="Ranks one parameter is sharded over: 1 (ddp, zero1's params), world (zero2/3), shard size (hsdp).")
-    replicate_degree: int = Field(description="Copies of each shard: world / shard_degree.")
-    global_batch: int = Field(description="Sequences per optimizer step = micro_batch × grad_accum × dp_size.")
-    tokens_per_step: int = Field(description="global_batch × seq_len (padding included).")
-
-
-def validate_for_world(cfg: RunConfig, world_size: int, gpus_per_node: int) -> WorldLayout:
-    """Cross-field checks that need the process count; raises a one-line UserError.
-
-    hsdp's shard group defaults to the processes of one node (`gpus_per_node`), the usual choice:
-    reduce-scatter/all-gather stay on the fast intra-node links, only the all-reduce of gradient
-    shards crosses nodes (PyTorch FSDP2 HSDP, DeviceMesh of (replicate, shard)).
-    """
-    if world_size < 1:
-        raise UserError(f"world size {world_size} is not positive; start at least one process (--nproc 1)")
-    if gpus_per_node < 1:
-        raise UserError(f"processes per node {gpus_per_node} is not positive")
-    strategy = cfg.parallel.strategy
-    if strategy == "hsdp":
-        shard = cfg.parallel.hsdp_shard_size or min(gpus_per_node, world_size)
-        if shard > world_size or world_size % shard:
-            raise UserError(f"hsdp shard size {shard} does not divide the world size {world_size}; set parallel.hsdp_shard_size to a divisor of {world_size}")
-    elif cfg.parallel.hsdp_shard_size is not None:
-        raise UserError(f"parallel.hsdp_shard_size is only used by strategy hsdp, not {strategy!r}; remove it or set parallel.strategy=hsdp")
-    else:
-        shard = 1 if strategy in ("ddp", "zero1") else world_size
-    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * world_size
-    return WorldLayout(world_size=world_size, dp_size=world_size, shard_degree=shard,
-                       replicate_degree=world_size // shard, global_batch=global_batch,
-                       tokens_per_step=global_batch * cfg.train.seq_len)
-
-
-def check_output_dir(path: str | os.PathLike) -> Path:
-    """Create the run folder if needed and prove it writable (a probe file); UserError if not."""
-    p = Path(path).expanduser()
-    hint = "choose another with --output-dir or output_dir=DIR"
-    if p.exists() and not p.is_dir():
-        raise UserError(f"output dir {str(path)!r} is a file, not a folder; {hint}")
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".shardtune-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"output dir {str(path)!r} cannot be written ({e.strerror or e}); {hint}") from None
-    return p
-
-
-def check_model(model_cfg: ModelConfig, seq_len: int) -> dict:
-    """The model's HF config (catalogue name or folder); the folder and seq_len are checked."""
-    from shardtune.catalog.models import MODELS, resolve_model_config
-
-    name = model_cfg.name
-    looks_like_path = name not in MODELS and (os.sep in name or name.startswith((".", "~")))
-    if looks_like_path and not Path(name).expanduser().exists():
-        raise UserError(f"model path {name!r} does not exist; give an HF model folder (config.json + safetensors) or a catalogue name")
-    hf = resolve_model_config(name)
-    if model_cfg.init == "pretrained":
-        folder = Path(name).expanduser()
-        if not (folder.is_dir() and any(folder.glob("*.safetensors"))):
-            raise UserError(f"model.init=pretrained but {name!r} is not a folder with *.safetensors weights; give one or set model.init=auto")
-    max_pos = hf.get("max_position_embeddings")
-    if max_pos and seq_len > max_pos:
-        raise UserError(f"train.seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower train.seq_len")
-    return hf
-
-
-def preflight(cfg: RunConfig, world_size: int, gpus_per_node: int) -> WorldLayout:
-    """Every check that can run before processes start: world, model, dataset, run folder.
-
-    Cheap: no torch import, no tokenizer (the dataset's lines are parsed and validated).
-    """
-    from shardtune.train.data.dataset import check_dataset
-
-    layout = validate_for_world(cfg, world_size, gpus_per_node)
-    check_model(cfg.model, cfg.train.seq_len)
-    check_dataset(cfg.data)
-    check_output_dir(cfg.run_dir)
-    return layout

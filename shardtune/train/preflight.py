@@ -1,41 +1,55 @@
 """Every check that needs more than the config's own fields, before any process starts: the
-model, the data, the layout on this world, the run folder, the checkpoint to resume. Imports no
+layout on this world, the model, the data, the run folder, the checkpoint to resume. Imports no
 torch (a bad input is one line and exit 2, not a rank's traceback)."""
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
+from shardtune.catalog.models import MODELS, resolve_model_config
+from shardtune.config import ModelConfig, RunConfig
 from shardtune.errors import UserError
+from shardtune.strategies import Layout
+from shardtune.train.data.dataset import check_dataset
+from shardtune.train.durable.ckpt_files import resolve_resume
+
+_DIR_HINT = "give another with --output-dir or output_dir=DIR"
 
 
 def _check_writable(run_dir: Path) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"output dir {str(run_dir)!r} is a file, not a folder; {_DIR_HINT}")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=run_dir):
             pass
     except OSError as e:
-        raise UserError(f"output dir {str(run_dir)!r} cannot be written ({e.strerror}); "
-                        "give a writable --output-dir") from None
+        raise UserError(f"output dir {str(run_dir)!r} cannot be written ({e.strerror or e}); {_DIR_HINT}") from None
 
 
-def validate_for_launch(cfg, world_size: int, local_world_size: int) -> None:
-    """Checks that need more than the config's own fields: model, data, hsdp size, output dir."""
-    from shardtune.catalog.models import resolve_model_config
-    from shardtune.train.data.dataset import check_dataset
-
-    resolve_model_config(cfg.model.name)
-    folder = Path(cfg.model.name).expanduser()
-    if cfg.model.init == "pretrained" and not (folder.is_dir() and any(folder.glob("*.safetensors"))):
-        raise UserError(f"model.init is 'pretrained' but {cfg.model.name!r} has no *.safetensors; "
+def _check_model(model: ModelConfig, seq_len: int) -> None:
+    name = model.name
+    looks_like_path = name not in MODELS and ("/" in name or name.startswith((".", "~")))
+    if looks_like_path and not Path(name).expanduser().exists():
+        raise UserError(f"model path {name!r} does not exist; give an HF model folder (config.json + "
+                        "safetensors) or a catalogue name")
+    hf = resolve_model_config(name)
+    folder = Path(name).expanduser()
+    if model.init == "pretrained" and not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+        raise UserError(f"model.init is 'pretrained' but {name!r} has no *.safetensors; "
                         "give an HF model folder with weights or set model.init=random")
-    if cfg.parallel.strategy == "hsdp":
-        shard = cfg.parallel.hsdp_shard_size or local_world_size
-        if world_size % shard:
-            raise UserError(f"parallel.hsdp_shard_size {shard} does not divide the world size "
-                            f"{world_size}; choose a divisor of {world_size}")
+    max_pos = hf.get("max_position_embeddings")
+    if max_pos and seq_len > max_pos:
+        raise UserError(f"train.seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; "
+                        "lower train.seq_len")
+
+
+def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) -> Layout:
+    """The run's layout on `world_size` ranks (`local_world_size` per node), once every check has
+    passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
+    layout = Layout.build(cfg.parallel.strategy, world_size, local_world_size, cfg.parallel.hsdp_shard_size)
+    _check_model(cfg.model, cfg.train.seq_len)
     check_dataset(cfg.data)
     _check_writable(cfg.run_dir)
-    from shardtune.train.durable.ckpt_files import resolve_resume
-
     resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
+    return layout

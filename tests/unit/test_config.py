@@ -1,22 +1,18 @@
-"""Recipe loading and validation: aliases, overrides, one-line errors, world-size checks, recipes."""
+"""Recipe loading and validation: aliases, overrides, one-line errors, the launch checks
+(train/preflight.py: world size, model, data, run folder), the shipped recipes."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from shardtune.config import (
-    RunConfig,
-    check_model,
-    check_output_dir,
-    dump_config,
-    load_recipe,
-    preflight,
-    validate_for_world,
-)
+from shardtune.catalog.models import resolve_model_config
+from shardtune.config import RunConfig, dump_config, load_recipe
 from shardtune.errors import UserError
+from shardtune.train.preflight import validate_for_launch
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -87,77 +83,94 @@ def test_bad_recipe_files(tmp_path):
     assert "unknown recipe key 'parallelism' (did you mean 'parallel'?)" in _err([], bad)
 
 
-def test_validate_for_world_layout_and_global_batch():
-    cfg = load_recipe(None, ["parallel.strategy=hsdp", "train.micro_batch=2", "train.grad_accum=3"])
-    lay = validate_for_world(cfg, world_size=16, gpus_per_node=8)
-    # hand: shard group = one node (8), 16 / 8 = 2 replicas; batch 2 × 3 × 16 = 96 sequences
-    assert (lay.shard_degree, lay.replicate_degree, lay.global_batch) == (8, 2, 96)
-    assert lay.tokens_per_step == 96 * cfg.train.seq_len
-    z3 = validate_for_world(load_recipe(None), world_size=4, gpus_per_node=4)
+def _launch(tmp_path, overrides=(), world=2, per_node=2):
+    """validate_for_launch on a small generated dataset in a fresh run folder (unless overridden)."""
+    base = [f"output_dir={tmp_path}/run", "data.generated_examples=10"]
+    return validate_for_launch(load_recipe(None, base + list(overrides)), world, per_node)
+
+
+def _launch_err(tmp_path, overrides=(), world=2, per_node=2) -> str:
+    with pytest.raises(UserError) as e:
+        _launch(tmp_path, overrides, world, per_node)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_launch_layout_and_global_batch(tmp_path):
+    cfg = load_recipe(None, ["parallel.strategy=hsdp", "train.micro_batch=2", "train.grad_accum=3",
+                             f"output_dir={tmp_path}/run", "data.generated_examples=10"])
+    lay = validate_for_launch(cfg, world_size=16, local_world_size=8)
+    # hand: shard group = one node (8), 16 / 8 = 2 replicas; every strategy is data-parallel over
+    # all 16 ranks, so batch 2 × 3 × 16 = 96 sequences
+    assert (lay.shard_degree, lay.replicate_degree) == (8, 2)
+    assert cfg.train.micro_batch * cfg.train.grad_accum * lay.world_size == 96
+    z3 = _launch(tmp_path, [], 4, 4)
     assert (z3.shard_degree, z3.replicate_degree) == (4, 1)
-    assert validate_for_world(load_recipe(None, ["parallel.strategy=ddp"]), 4, 4).shard_degree == 1
+    assert _launch(tmp_path, ["parallel.strategy=ddp"], 4, 4).shard_degree == 1
 
 
 @pytest.mark.parametrize("overrides,world,per_node,expected", [
-    (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=3"], 8, 8, "hsdp shard size 3 does not divide the world size 8"),
+    (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=3"], 8, 8,
+     "hsdp shard size 3 does not divide the world size 8"),
     (["parallel.strategy=hsdp"], 12, 8, "hsdp shard size 8 does not divide the world size 12"),
     (["parallel.strategy=hsdp", "parallel.hsdp_shard_size=16"], 8, 8, "does not divide"),
-    (["parallel.hsdp_shard_size=2"], 4, 4, "only used by strategy hsdp"),
     ([], 0, 1, "world size 0 is not positive"),
 ])
-def test_world_errors(overrides, world, per_node, expected):
-    with pytest.raises(UserError, match=expected):
-        validate_for_world(load_recipe(None, overrides), world, per_node)
+def test_world_errors(tmp_path, overrides, world, per_node, expected):
+    assert expected in _launch_err(tmp_path, overrides, world, per_node)
+
+
+def test_hsdp_shard_size_is_ignored_by_other_strategies(tmp_path):
+    # a recipe that sets it may be run with --strategy zero3: the live launch path never refused it
+    assert _launch(tmp_path, ["parallel.hsdp_shard_size=2"], 4, 4).shard_degree == 4
 
 
 def test_output_dir_checks(tmp_path):
-    assert check_output_dir(tmp_path / "a" / "b").is_dir()
+    _launch(tmp_path, [f"output_dir={tmp_path}/a/b"])
+    assert (tmp_path / "a" / "b").is_dir()
     (tmp_path / "f").write_text("x")
-    with pytest.raises(UserError, match="is a file"):
-        check_output_dir(tmp_path / "f")
-    with pytest.raises(UserError, match="cannot be written"):
-        check_output_dir(tmp_path / "f" / "sub")  # a folder inside a file cannot be created
+    assert "is a file" in _launch_err(tmp_path, [f"output_dir={tmp_path}/f"])
+    # a folder inside a file cannot be created
+    assert "cannot be written" in _launch_err(tmp_path, [f"output_dir={tmp_path}/f/sub"])
 
 
 def test_model_checks(tmp_path):
-    cfg = load_recipe(None)
-    assert check_model(cfg.model, 128)["vocab_size"] == 264
-    with pytest.raises(UserError, match="model path .* does not exist"):
-        check_model(load_recipe(None, [f"model.name={tmp_path}/nope"]).model, 128)
-    with pytest.raises(UserError, match="has no config.json"):
-        check_model(load_recipe(None, [f"model.name={tmp_path}"]).model, 128)
-    with pytest.raises(UserError, match="exceeds the model's max_position_embeddings 512"):
-        check_model(cfg.model, 1024)
+    _launch(tmp_path, ["train.seq_len=128"])
+    assert resolve_model_config(load_recipe(None).model.name)["vocab_size"] == 264
+    assert re.search("model path .* does not exist", _launch_err(tmp_path, [f"model.name={tmp_path}/nope"]))
+    assert "has no config.json" in _launch_err(tmp_path, [f"model.name={tmp_path}"])
+    assert "exceeds the model's max_position_embeddings 512" in _launch_err(tmp_path, ["train.seq_len=1024"])
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(UserError, match="not a folder with \\*.safetensors"):
-        check_model(load_recipe(None, [f"model.name={tmp_path}", "model.init=pretrained"]).model, 128)
+    assert "has no *.safetensors" in _launch_err(tmp_path, [f"model.name={tmp_path}", "model.init=pretrained"])
 
 
-def test_preflight_runs_every_check_without_torch(tmp_path):
-    cfg = load_recipe(None, [f"output_dir={tmp_path}/run", "data.generated_examples=10"])
-    assert preflight(cfg, 2, 2).global_batch == 2 * cfg.train.micro_batch
-    bad = load_recipe(None, [f"output_dir={tmp_path}/run", f"data.path={tmp_path}/none.jsonl"])
-    with pytest.raises(UserError, match="dataset .* does not exist"):
-        preflight(bad, 2, 2)
+def test_launch_checks_run_without_torch(tmp_path):
+    assert _launch(tmp_path).world_size == 2
+    assert re.search("dataset .* does not exist", _launch_err(tmp_path, [f"data.path={tmp_path}/none.jsonl"]))
     # in a fresh interpreter: the CLI validates before starting processes, without importing torch
-    code = ("import sys; from shardtune.config import load_recipe, preflight; "
-            f"preflight(load_recipe(None, ['output_dir={tmp_path}/run2']), 2, 2); "
+    code = ("import sys; from shardtune.config import load_recipe; "
+            "from shardtune.train.preflight import validate_for_launch; "
+            f"validate_for_launch(load_recipe(None, ['output_dir={tmp_path}/run2']), 2, 2); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_recipes_load_and_fit_their_world(recipe):
+def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path):
     cfg = load_recipe(recipe)
     assert isinstance(cfg, RunConfig)
     world = {"tiny-cpu": (2, 2)}.get(recipe.stem, (8, 8))
-    validate_for_world(cfg, *world)
-    check_model(cfg.model, cfg.train.seq_len)
+    # the big recipes name data/train.jsonl, the user's file: the layout and the model are checked
+    # here, on the generated data, in a temporary run folder
+    launchable = load_recipe(recipe, [f"output_dir={tmp_path}/run", "data.path=null"])
+    validate_for_launch(launchable, *world)
 
 
 def test_adamw_8bit_without_bitsandbytes_is_a_one_line_error(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     assert "needs bitsandbytes (pip install bitsandbytes)" in _err(["optim.name=adamw-8bit", "parallel.strategy=ddp"])
