@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from shardtune.errors import UserError
+from shardtune.strategies import Layout
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write what a cluster needs to run a recipe on several nodes.")
 
@@ -17,13 +18,16 @@ _OVERRIDES = typer.Argument(None, help="Recipe overrides key.path=value, passed 
 _NODES = typer.Option(1, "--nodes", help="Number of nodes.")
 _GPUS = typer.Option(8, "--gpus-per-node", help="GPUs (trainer processes) per node.")
 _IC = typer.Option("ib", "--interconnect", help="Network between nodes: ib, roce, efa, eth, or nvlink (one node).")
-_IFNAME = typer.Option(None, "--ifname", help="Interface of the training network on every node (eth0, ens5): pins NCCL and gloo sockets.")
+_IFNAME = typer.Option(None, "--ifname", help="Interface of the training network on every node (eth0, ens5): pins "
+                                              "NCCL and gloo sockets.")
 _HCA = typer.Option(None, "--ib-hca", help="NCCL_IB_HCA: IB/RoCE devices NCCL may use (e.g. mlx5_0,mlx5_1).")
-_LINK = typer.Option(None, "--link", help="Catalogue link for the communication estimate (e.g. eth-100g, ib-hdr-200); default from --interconnect.")
+_LINK = typer.Option(None, "--link", help="Catalogue link for the communication estimate (e.g. eth-100g, "
+                                          "ib-hdr-200); default from --interconnect.")
 _JOB = typer.Option("shardtune", "--job-name", help="Job name (SLURM job, Kubernetes object, rendezvous id).")
 _OUT = typer.Option(None, "-o", "--output", help="Write here instead of printing to stdout.")
 _RESTARTS = typer.Option(0, "--max-restarts", help="torchrun restarts of the worker group after a failure.")
-_GRACE = typer.Option(300, "--checkpoint-grace-s", help="Seconds between SIGTERM and SIGKILL (SLURM: signal this long before --time).")
+_GRACE = typer.Option(300, "--checkpoint-grace-s", help="Seconds between SIGTERM and SIGKILL (SLURM: signal this "
+                                                        "long before --time).")
 
 
 def _build(recipe: str, overrides: list[str] | None, **kw):
@@ -34,6 +38,12 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     cfg = load_recipe(recipe, tuple(overrides or ()))
     # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
     spec = validate(LaunchSpec(recipe=os.path.abspath(recipe), overrides=tuple(overrides or ()), **kw))
+    # the trainer checks its layout on every node; a bad hsdp shard size is refused here, before a
+    # script is written (an elastic job may run at any node count from MIN to MAX)
+    lo, hi = spec.elastic or (spec.nodes, spec.nodes)
+    for nodes in range(max(lo, 1), hi + 1):
+        Layout.build(cfg.parallel.strategy, nodes * spec.gpus_per_node, spec.gpus_per_node,
+                     cfg.parallel.hsdp_shard_size)
     return cfg, spec
 
 
@@ -65,9 +75,11 @@ def torchrun_cmd(
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
-    rdzv_host: str | None = typer.Option(None, "--rdzv-host", help="Address of the node hosting the c10d rendezvous (needed for >1 node)."),
+    rdzv_host: str | None = typer.Option(None, "--rdzv-host", help="Address of the node hosting the c10d rendezvous "
+                                                                   "(needed for >1 node)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port."),
-    run_id: str | None = typer.Option(None, "--run-id", help="Rendezvous id (default: the job name); unique per concurrent job."),
+    run_id: str | None = typer.Option(None, "--run-id", help="Rendezvous id (default: the job name); unique per "
+                                                             "concurrent job."),
     venv: str | None = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
 ) -> None:
     """A script to run unchanged on every node: one torchrun agent, c10d rendezvous."""
@@ -89,7 +101,8 @@ def slurm_cmd(
     partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
     account: str | None = typer.Option(None, "--account", help="SLURM account."),
     time: str | None = typer.Option(None, "--time", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
-    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs for each node's torchrun agent and its workers."),
+    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs for each node's torchrun agent and "
+                                                                           "its workers."),
     log: str | None = typer.Option(None, "--log", help="sbatch --output pattern (default %x-%j.out)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port on the first node."),
     venv: str | None = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
@@ -120,10 +133,14 @@ def k8s_cmd(
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
     image: str | None = typer.Option(None, "--image", help="Container image with shardtune installed."),
-    pvc: str | None = typer.Option(None, "--pvc", help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints (default JOB-checkpoints)."),
-    checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", help="Where the claim is mounted; the run folder goes under it."),
-    elastic: str | None = typer.Option(None, "--elastic", help="MIN:MAX nodes: an elastic job (c10d rendezvous, workers only)."),
-    efa_devices: int | None = typer.Option(None, "--efa-devices", help="With --interconnect efa: EFA interfaces per pod (p5 32, p4d 4)."),
+    pvc: str | None = typer.Option(None, "--pvc", help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints "
+                                                       "(default JOB-checkpoints)."),
+    checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", help="Where the claim is mounted; "
+                                                                                    "the run folder goes under it."),
+    elastic: str | None = typer.Option(None, "--elastic", help="MIN:MAX nodes: an elastic job (c10d rendezvous, "
+                                                               "workers only)."),
+    efa_devices: int | None = typer.Option(None, "--efa-devices", help="With --interconnect efa: EFA interfaces per "
+                                                                       "pod (p5 32, p4d 4)."),
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
     from shardtune.launch.k8s import render_k8s

@@ -106,12 +106,14 @@ def check_rendezvous(endpoint: str, timeout_s: float = 3.0) -> list[Check]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        return [Check("fail", "rendezvous", f"{host!r} does not resolve ({e.strerror}); use a name or address every node can resolve")]
+        return [Check("fail", "rendezvous", f"{host!r} does not resolve ({e.strerror}); use a name or address every "
+                                            "node can resolve")]
     addr = infos[0][4][0]
     out = [Check("ok", "rendezvous host", f"{host} -> {addr}")]
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
-            out.append(Check("ok", "rendezvous port", f"{host}:{port} accepts connections (a rendezvous is running there)"))
+            out.append(Check("ok", "rendezvous port", f"{host}:{port} accepts connections (a rendezvous is running "
+                                                      "there)"))
     except ConnectionRefusedError:
         if host in _local_addresses() or addr in _local_addresses():
             out.append(_check_bindable(port))
@@ -132,7 +134,8 @@ def _check_bindable(port: int) -> Check:
             s.bind(("", port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                return Check("fail", "rendezvous port", f"this node is the rendezvous host and port {port} is in use; choose another --rdzv-port")
+                return Check("fail", "rendezvous port", f"this node is the rendezvous host and port {port} is in "
+                                                        "use; choose another --rdzv-port")
             return Check("fail", "rendezvous port", f"cannot bind port {port}: {e.strerror}")
     return Check("ok", "rendezvous port", f"this node is the rendezvous host; port {port} is free")
 

@@ -35,7 +35,8 @@ def _limits(spec: LaunchSpec) -> dict:
     if spec.interconnect == "efa":
         # EKS hands EFA interfaces to pods through the aws-efa-k8s-device-plugin resource.
         if not spec.efa_devices:
-            raise UserError("--interconnect efa on Kubernetes needs --efa-devices N (EFA interfaces per node: p5 32, p4d 4)")
+            raise UserError("--interconnect efa on Kubernetes needs --efa-devices N (EFA interfaces per node: p5 "
+                            "32, p4d 4)")
         limits["vpc.amazonaws.com/efa"] = spec.efa_devices
     return limits
 
@@ -103,7 +104,8 @@ def build_manifests(spec: LaunchSpec, cfg: RunConfig) -> list[dict]:
         job_spec["pytorchReplicaSpecs"]["Worker"] = {"replicas": spec.nodes, "restartPolicy": "OnFailure",
                                                      "template": copy.deepcopy(template)}
     else:
-        job_spec["pytorchReplicaSpecs"]["Master"] = {"replicas": 1, "restartPolicy": "OnFailure", "template": copy.deepcopy(template)}
+        job_spec["pytorchReplicaSpecs"]["Master"] = {"replicas": 1, "restartPolicy": "OnFailure",
+                                                     "template": copy.deepcopy(template)}
         if spec.nodes > 1:
             job_spec["pytorchReplicaSpecs"]["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "OnFailure",
                                                          "template": copy.deepcopy(template)}

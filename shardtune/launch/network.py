@@ -44,7 +44,8 @@ def _ifname_settings(ifname: str | None, fabric_note: str) -> list[EnvSetting]:
                    f"pin NCCL's sockets to the training network ({fabric_note}); '=' matches the name exactly",
                    NCCL_ENV_URL + "#nccl-socket-ifname", hint="=eth0"),
         EnvSetting("GLOO_SOCKET_IFNAME", ifname,
-                   "gloo (CPU collectives, object broadcasts) otherwise binds to the interface the hostname resolves to",
+                   "gloo (CPU collectives, object broadcasts) otherwise binds to the interface the hostname "
+                   "resolves to",
                    TORCH_ENV_URL, hint="eth0"),
     ]
 
@@ -54,7 +55,8 @@ def preset(interconnect: str, ifname: str | None = None, ib_hca: str | None = No
     if interconnect == "nvlink":
         # One node: NCCL uses NVLink P2P (and NVLS on NVSwitch systems) by itself.
         return [EnvSetting("NCCL_P2P_LEVEL", None,
-                           "nothing to set on one NVLink node; pin P2P to NVLink only if NCCL_DEBUG=INFO shows PCIe paths",
+                           "nothing to set on one NVLink node; pin P2P to NVLink only if NCCL_DEBUG=INFO shows PCIe "
+                           "paths",
                            NCCL_ENV_URL + "#nccl-p2p-level", hint="NVL")]
     if interconnect == "ib":
         return _ifname_settings(ifname, "bootstrap only; data goes over IB verbs") + [
@@ -81,7 +83,8 @@ def preset(interconnect: str, ifname: str | None = None, ib_hca: str | None = No
             EnvSetting("FI_EFA_USE_DEVICE_RDMA", "1",
                        "use EFA RDMA read for GPUDirect on instances that support it (p4d, p5)", FI_EFA_URL),
             EnvSetting("NCCL_NET", "AWS Libfabric",
-                       "fail instead of silently falling back to NCCL's TCP sockets when the aws-ofi-nccl plugin is missing",
+                       "fail instead of silently falling back to NCCL's TCP sockets when the aws-ofi-nccl plugin is "
+                       "missing",
                        NCCL_ENV_URL + "#nccl-net"),
         ]
     if interconnect == "eth":

@@ -73,7 +73,8 @@ def render_slurm(spec: LaunchSpec) -> str:
         "# The first node of the allocation hosts the c10d rendezvous store.",
         'RDZV_HOST="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         f"RDZV_PORT={int(spec.rdzv_port)}",
-        'echo "shardtune: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES nodes, rendezvous $RDZV_HOST:$RDZV_PORT"',
+        'echo "shardtune: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES nodes, rendezvous '
+        '$RDZV_HOST:$RDZV_PORT"',
         "",
         "requeue=0",
         "on_time_limit() {",

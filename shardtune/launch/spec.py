@@ -64,7 +64,8 @@ def normalize_interconnect(name: str) -> str:
                "eth-10g": "eth", "eth-100g": "eth", "nvl": "nvlink"}
     v = aliases.get(v, v)
     if v not in INTERCONNECTS:
-        raise UserError(f"unknown interconnect {name!r}{suggest(v, INTERCONNECTS)}; choose one of {', '.join(INTERCONNECTS)}")
+        raise UserError(f"unknown interconnect {name!r}{suggest(v, INTERCONNECTS)}; choose one of "
+                        f"{', '.join(INTERCONNECTS)}")
     return v
 
 
@@ -100,7 +101,8 @@ def check_sbatch_path(option: str, value: str) -> str:
 
 def check_k8s_name(option: str, value: str) -> str:
     if len(value) > 63 or not _K8S_NAME.match(value):
-        raise UserError(f"{option} {value!r} is not a Kubernetes name; use lowercase letters, digits and '-' (at most 63)")
+        raise UserError(f"{option} {value!r} is not a Kubernetes name; use lowercase letters, digits and '-' (at "
+                        "most 63)")
     return value
 
 

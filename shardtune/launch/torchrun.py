@@ -67,7 +67,8 @@ def environment_lines(spec: LaunchSpec) -> list[str]:
 def render_torchrun(spec: LaunchSpec) -> str:
     """A bash script to run unchanged on each node (see the module docstring)."""
     if spec.nodes > 1 and not spec.rdzv_host:
-        raise UserError("--rdzv-host is needed for more than one node: the address of the node that hosts the rendezvous")
+        raise UserError("--rdzv-host is needed for more than one node: the address of the node that hosts the "
+                        "rendezvous")
     host = spec.rdzv_host or "127.0.0.1"
     endpoint = f"{host}:{spec.rdzv_port}"
     run_id = spec.run_id or spec.job_name
@@ -83,7 +84,8 @@ def render_torchrun(spec: LaunchSpec) -> str:
         *environment_lines(spec),
         "extra=()",
         'if [[ -n "${NODE_RANK:-}" ]]; then',
-        '  if [[ "$NODE_RANK" == 0 ]]; then extra+=(--rdzv-conf is_host=true); else extra+=(--rdzv-conf is_host=false); fi',
+        '  if [[ "$NODE_RANK" == 0 ]]; then extra+=(--rdzv-conf is_host=true); else extra+=(--rdzv-conf '
+        'is_host=false); fi',
         "fi",
         'if [[ -n "${LOCAL_ADDR:-}" ]]; then extra+=(--local-addr "$LOCAL_ADDR"); fi',
         "",

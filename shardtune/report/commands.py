@@ -46,7 +46,8 @@ def _run_strategy(run_dir: Path) -> str | None:
 def load_run(run_dir: Path) -> dict:
     """Everything `report` needs from a run folder, as plain data."""
     if not run_dir.is_dir():
-        raise UserError(f"run folder {str(run_dir)!r} does not exist; give the folder `shardtune train` wrote (runs/<name>)")
+        raise UserError(f"run folder {str(run_dir)!r} does not exist; give the folder `shardtune train` wrote "
+                        "(runs/<name>)")
     from shardtune.verify.compare import measured_memory
 
     strategy = _run_strategy(run_dir)
@@ -55,7 +56,8 @@ def load_run(run_dir: Path) -> dict:
     _, simulated = _strategy_memory(_read_json(run_dir / "simulated.json", "simulation"), strategy)
     memory_json = _read_json(run_dir / "memory.json", "memory record")
     metrics = run_dir / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    records = [json.loads(line) for line in lines if line.strip()]
     if predicted is None and memory_json is None and not records:
         raise UserError(f"{str(run_dir)!r} has no plan.json, memory.json or metrics.jsonl; "
                         "give a run folder written by `shardtune train`")
@@ -98,9 +100,11 @@ def report(run_dir: Path, console=None) -> list[Path]:
     if rows:
         peak = max(r[2].get("total") or 0 for r in rows if not r[1].startswith("Δ"))
         unit, unit_name = (2**30, "GiB (2^30 bytes)") if peak >= 2**30 else (2**20, "MiB (2^20 bytes)")
-        console.print(memory_table(f"Per-GPU memory of the largest rank, {unit_name}; Δ = relative difference", rows, unit))
+        title = f"Per-GPU memory of the largest rank, {unit_name}; Δ = relative difference"
+        console.print(memory_table(title, rows, unit))
     if run["measured_method"]:
-        how = "; categories from torch's memory tracker over one step's real tensors" if "buffers" in (run["measured"] or {}) else ""
+        tracked = "buffers" in (run["measured"] or {})
+        how = "; categories from torch's memory tracker over one step's real tensors" if tracked else ""
         console.print(f"measured: {run['measured_method']}{how}")
     if run["simulated"] and run["measured"] and "cuda" not in (run["measured_method"] or ""):
         console.print("note: the simulation follows a CUDA run (foreach AdamW); a CPU run's AdamW loops over "
@@ -109,13 +113,16 @@ def report(run_dir: Path, console=None) -> list[Path]:
     if recs:
         tps = sum(r.get("tokens_per_s", 0) for r in recs) / len(recs)
         console.print(f"loss {recs[0].get('loss', float('nan')):.4f} (step {recs[0].get('step')}) → "
-                      f"{recs[-1].get('loss', float('nan')):.4f} (step {recs[-1].get('step')}); {tps:,.0f} tokens/s mean")
+                      f"{recs[-1].get('loss', float('nan')):.4f} (step {recs[-1].get('step')}); "
+                      f"{tps:,.0f} tokens/s mean")
     for p in written:
         console.print(f"wrote {p}")
     return written
 
 
-def report_cmd(run_dir: Path = typer.Argument(..., help="Run folder written by `shardtune train` (runs/<name>).")) -> None:
+def report_cmd(
+        run_dir: Path = typer.Argument(..., help="Run folder written by `shardtune train` (runs/<name>)."),
+) -> None:
     """Plots (memory by category: predicted / simulated / measured; loss; tokens/s) into
     RUN_DIR/plots/ and the differences, printed."""
     report(Path(run_dir))

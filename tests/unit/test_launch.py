@@ -321,6 +321,22 @@ def test_zero3_on_10gbe_is_comm_bound_and_hsdp_named():
     assert comm_bound_warning(cpu, 2, 8, "eth") is None  # GPU step-time model: silent for CPU runs
 
 
+@pytest.mark.timeout(120)
+def test_cli_refuses_a_layout_the_trainer_would_refuse(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("parallel:\n  strategy: hsdp\n  hsdp_shard_size: 3\n")
+    # hand: 2 nodes x 8 GPUs = 16 ranks, 16 % 3 != 0; the trainer's own check (strategies.Layout)
+    r = _cli("launch", "torchrun", str(recipe), "--nodes", "2", "--gpus-per-node", "8", "--rdzv-host", "h0")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "hsdp shard size 3 does not divide the world size 16" in r.stderr
+    # an elastic k8s job of 2..3 nodes x 2 GPUs: shard size 3 fails at 2 nodes (4 ranks), fits 3 (6)
+    r = _cli("launch", "k8s", str(recipe), "--nodes", "3", "--gpus-per-node", "2", "--image", "img",
+             "--elastic", "2:3")
+    assert r.returncode == 2 and "does not divide the world size 4" in r.stderr, r.stderr
+    r = _cli("launch", "k8s", str(recipe), "--nodes", "3", "--gpus-per-node", "2", "--image", "img")
+    assert r.returncode == 0, r.stderr
+
+
 def _cli(*args, cwd=None):
     return subprocess.run([*SHARDTUNE, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
