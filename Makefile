@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/shardtune train recipes/tiny-cpu.yaml --nproc 2 --output-dir runs/demo
 	$(BIN)/shardtune report runs/demo
 
+# Lint first (ruff, pyproject.toml), then every tier of tests; either failing fails `make test`.
 test: $(STAMP)
 	$(BIN)/ruff check shardtune tests bench
 	$(BIN)/python -m pytest -q

@@ -1,0 +1,178 @@
+"""The import layers of docs/DESIGN.md ("Layers"), enforced: every import of every module under
+shardtune/, parsed with `ast` at any depth (inside functions and `if TYPE_CHECKING:` blocks too: a
+lazy import is still a dependency), checked against the table in DESIGN.md, the one copy of it.
+Each test lists every offender in one message, so one run says all that is left to fix."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "shardtune"
+DESIGN = ROOT / "docs" / "DESIGN.md"
+MAX_LINES = 400
+# What a torch-free row may not import (top-level names), as DESIGN.md "Layers" lists them.
+HEAVY = {"torch", "transformers", "peft", "safetensors", "bitsandbytes", "accelerate", "numpy", "matplotlib"}
+GLUE_ROW = "cli"  # cli.py, commands.py, *_commands.py, __main__.py sit here wherever they live
+
+
+def _layer_table() -> dict[str, tuple[int, str, bool]]:
+    """Row prefix (relative to shardtune, dotted) → (layer, row name, torch-free)."""
+    text = DESIGN.read_text()
+    start = text.index("<!-- layer table")
+    rows: dict[str, tuple[int, str, bool]] = {}
+    for line in text[start:].splitlines()[1:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not cells[0].isdigit():
+            continue  # the header and its rule
+        names = re.findall(r"`([^`]+)`", cells[1])
+        for name in names:
+            rows[name] = (int(cells[0]), names[0], cells[3].lower() == "yes")
+    assert rows, "no layer table found in docs/DESIGN.md"
+    return rows
+
+
+def _module_name(path: Path) -> str:
+    """Dotted name relative to shardtune/; shardtune/__init__.py itself is `__init__`."""
+    parts = list(path.relative_to(PKG).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_glue(path: Path) -> bool:
+    return path == PKG / "cli.py" or path.name in ("commands.py", "__main__.py") or path.name.endswith(
+        "_commands.py")
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(path: Path, modules: dict[str, Path]):
+    """(line, target) for each import: target is 'shardtune.<module>' resolved to a module that
+    exists (`from a import b` names a.b when b is a module), or a third-party top-level name."""
+    name = _module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package of this module
+                base = ".".join(["shardtune", *package[: len(package) - node.level + 1]])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}".removeprefix("shardtune.") in modules else mod
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t == "shardtune":
+                yield node.lineno, "__init__"
+            elif t.startswith("shardtune."):
+                parts = t.removeprefix("shardtune.").split(".")
+                while len(parts) > 1 and ".".join(parts) not in modules:
+                    parts.pop()
+                yield node.lineno, ".".join(parts)
+            else:
+                yield node.lineno, "!" + t.split(".")[0]  # third party / stdlib
+
+
+def _row(module: str, path: Path | None, table) -> tuple[int, str, bool] | None:
+    if path is not None and _is_glue(path):
+        return table[GLUE_ROW]
+    parts = module.split(".")
+    for k in range(len(parts), 0, -1):
+        if ".".join(parts[:k]) in table:
+            return table[".".join(parts[:k])]
+    return None
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one row (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_follow_the_layer_table():
+    table, modules = _layer_table(), _modules()
+    problems: list[str] = []
+    row_edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        src = _row(module, path, table)
+        where = path.relative_to(ROOT)
+        if src is None:
+            problems.append(f"unlisted: {where} matches no row of the layer table")
+            continue
+        layer, row, torch_free = src
+        for line, target in sorted(set(_imports(path, modules))):
+            if target.startswith("!"):
+                if torch_free and target[1:] in HEAVY:
+                    problems.append(f"heavy:    {where}:{line} imports {target[1:]} ({row} is torch-free)")
+                continue
+            dst = _row(target, modules.get(target), table)
+            if dst is None:
+                problems.append(f"unlisted: {where}:{line} imports shardtune.{target}, which matches no row")
+                continue
+            t_layer, t_row, _ = dst
+            if t_row == row:
+                continue
+            row_edges.setdefault(row, set()).add(t_row)
+            if t_layer > layer:
+                problems.append(f"upward:   {where}:{line} imports shardtune.{target} "
+                                f"({row}, layer {layer} -> {t_row}, layer {t_layer})")
+            elif t_layer == layer:
+                problems.append(f"sideways: {where}:{line} imports shardtune.{target} "
+                                f"({row} and {t_row} share layer {layer})")
+    problems += [f"cycle:    {' <-> '.join(c)}" for c in _cycles(row_edges)]
+    if problems:
+        pytest.fail("import layers broken (docs/DESIGN.md, Layers):\n  " + "\n  ".join(problems), pytrace=False)
+
+
+def test_layer_table_names_rows_that_exist():
+    table, modules = _layer_table(), _modules()
+    missing = [name for name in table if name != GLUE_ROW and not any(
+        m == name or m.startswith(name + ".") for m in modules)]
+    assert not missing, f"layer table rows with no module under shardtune/: {missing}"
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted(PKG.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    if long:
+        pytest.fail(f"modules over {MAX_LINES} lines (docs/STYLE.md): " + ", ".join(
+            f"{p} ({n})" for p, n in long.items()), pytrace=False)
