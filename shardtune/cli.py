@@ -5,10 +5,12 @@ Heavy imports (torch, transformers) happen inside the commands that need them, s
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
 
+from shardtune import __version__
 from shardtune.errors import UserError
 
 app = typer.Typer(
@@ -28,8 +30,6 @@ def _root() -> None:
 @app.command()
 def version() -> None:
     """Print shardtune's version."""
-    from shardtune import __version__
-
     print(__version__)
 
 
@@ -46,8 +46,6 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def _register_commands() -> None:
-    import importlib
-
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(app)
 

@@ -1,4 +1,9 @@
 """The one exception type a user sees as a one-line message (exit code 2, no traceback)."""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
 
 
 class UserError(ValueError):
@@ -7,8 +12,6 @@ class UserError(ValueError):
 
 def suggest(name: str, choices) -> str:
     """' (did you mean X?)' for the closest of `choices`, or '' when none is close."""
-    import difflib
-
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -16,9 +19,6 @@ def suggest(name: str, choices) -> str:
 def read_json_object(path, what: str, fix: str) -> dict:
     """The JSON object in `path`; a missing, unreadable, malformed or non-object file is a
     one-line UserError naming `what` and the `fix`."""
-    import json
-    from pathlib import Path
-
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{what} {str(p)!r} does not exist; {fix}")

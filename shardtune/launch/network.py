@@ -16,6 +16,7 @@ Sources (checked for the exact variable names):
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 NCCL_ENV_URL = "https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html"
@@ -110,8 +111,6 @@ def env_dict(settings: list[EnvSetting]) -> dict[str, str]:
 
 def shell_lines(settings: list[EnvSetting]) -> list[str]:
     """`export` lines (quoted) with a comment above each; hints as commented exports."""
-    import shlex
-
     lines = []
     for s in settings:
         lines.append(f"# {s.why}. Docs: {s.doc}")

@@ -8,7 +8,7 @@ what those parsers accept, and anything else is a one-line `UserError`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardtune.errors import UserError, suggest
 
@@ -120,8 +120,6 @@ def check_host(option: str, value: str) -> str:
 
 def validate(spec: LaunchSpec) -> LaunchSpec:
     """Checks every launcher shares; returns the spec with the interconnect name normalised."""
-    from dataclasses import replace
-
     if spec.nodes < 1:
         raise UserError(f"--nodes {spec.nodes}: need at least 1 node")
     if spec.gpus_per_node < 1:

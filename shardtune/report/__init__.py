@@ -1,1 +1,1 @@
-"""Predicted (plan), simulated (plan --simulate) and measured (run folder) memory side by side."""
+"""`shardtune report RUN_DIR`: plots and tables of a run folder (the comparison itself: verify/compare.py)."""

@@ -3,7 +3,8 @@
 Reads the run folder the trainer writes (train/core/main.py): plan.json (the planner's prediction),
 memory.json (measured bytes per rank), metrics.jsonl (per step), and simulated.json when present
 (`shardtune plan ... --simulate --json > RUN_DIR/simulated.json`). Writes RUN_DIR/plots/*.png
-and prints the differences. Imports no torch.
+and prints the differences. Imports no torch; rich, matplotlib and verify/ are imported inside the
+command (CLI start-up stays light).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 import typer
+import yaml
 
 from shardtune.errors import UserError, read_json_object
 
@@ -37,8 +39,6 @@ def _run_strategy(run_dir: Path) -> str | None:
     cfg = run_dir / "config.yaml"
     if not cfg.is_file():
         return None
-    import yaml
-
     data = yaml.safe_load(cfg.read_text()) or {}
     return (data.get("parallel") or {}).get("strategy")
 

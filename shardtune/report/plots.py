@@ -10,24 +10,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
+matplotlib.use("Agg")  # files only, no display (report/commands.py imports this module lazily)
+
 STACK = ("params", "grads", "optimizer", "activations", "buffers")
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
           "buffers": "#8172b3"}
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_memory(sources: dict[str, dict], path: Path, title: str) -> Path:
     """Stacked bars of `sources` (name → memory dict with the planner's keys; missing keys are 0)
     and a black marker at each source's `total` (its peak)."""
-    plt = _pyplot()
     peak = max((m.get("total") or sum(m.get(k) or 0 for k in STACK) for m in sources.values()), default=0)
     unit, unit_name = (2**30, "GiB (2^30 B)") if peak >= 2**30 else (2**20, "MiB (2^20 B)")
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -57,7 +52,6 @@ def plot_series(records: list[dict], key: str, path: Path, ylabel: str, title: s
     points = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
     if not points:
         return None
-    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.5)
     ax.set_xlabel("optimizer step")
