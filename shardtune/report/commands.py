@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import typer
-import yaml
 
 from shardtune.errors import UserError, read_json_object
 
@@ -39,6 +38,8 @@ def _run_strategy(run_dir: Path) -> str | None:
     cfg = run_dir / "config.yaml"
     if not cfg.is_file():
         return None
+    import yaml  # inside: CLI start-up imports no yaml
+
     data = yaml.safe_load(cfg.read_text()) or {}
     return (data.get("parallel") or {}).get("strategy")
 

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import MODELS, resolve_model_config
-from shardtune.config import ModelConfig, RunConfig
 from shardtune.errors import UserError
 from shardtune.strategies import Layout
 from shardtune.train.data.dataset import check_dataset
 from shardtune.train.durable.ckpt_files import resolve_resume
+
+if TYPE_CHECKING:  # pydantic stays out of CLI start-up: train/commands.py imports this module
+    from shardtune.config import ModelConfig, RunConfig
 
 _DIR_HINT = "give another with --output-dir or output_dir=DIR"
 
