@@ -1,27 +1,18 @@
 """Two emulated hosts on one Linux machine: network namespaces joined by a veth pair.
 
 Each "host" is a network namespace with its own loopback and one interface of the same name
-(`ifname`, like `eth0` on every node of a cluster), addressed 10.231.S.1/24 and 10.231.S.2/24.
-Processes started in a namespace see only that namespace's interfaces, so torch.distributed
-traffic between them really crosses the veth link, optionally capped with a `tc` token bucket
-(`tbf`, on both ends: each end shapes what it sends) and delayed with `netem` where the kernel
-has sch_netem (when it does not, `setup` raises RuntimeError naming tc's error, after cleaning up).
+(`ifname`, like `eth0` on every node of a cluster), addressed 10.231.S.1/24 and 10.231.S.2/24, so
+torch.distributed traffic between them really crosses the veth link, optionally capped with a `tc`
+token bucket (`tbf`, each end shapes what it sends) and delayed with `netem` where the kernel has
+sch_netem (if not, `setup` cleans up and raises RuntimeError naming tc's error). Needs root (or
+CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2; `netns_unavailable_reason()` says why not, else None.
+Usage: `with TwoHosts(rate_mbit=1000) as net: net.popen(0, cmd); net.run(1, cmd, timeout=10)`;
+a worked example is in docs/multinode.md, section 3.
 
-Usage (needs root, or CAP_NET_ADMIN + CAP_SYS_ADMIN, and iproute2's `ip`/`tc`)::
-
-    from shardtune.testing.netns import TwoHosts, netns_unavailable_reason
-
-    reason = netns_unavailable_reason()          # None when namespaces can be created here
-    with TwoHosts(rate_mbit=1000) as hosts:      # 1 Gbit/s per direction
-        a, b = hosts.hosts                       # Host(ns=..., addr="10.231.S.1", ifname="stv0")
-        srv = hosts.popen(0, ["python", "-m", "http.server", "8000"])
-        out = hosts.run(1, ["curl", f"http://{a.addr}:8000"], timeout=10)
-
-Cleanup is guaranteed on every exit path (`with` block, `close()`, interpreter exit through
-atexit, or `cleanup_stale()` for namespaces whose creating process died): every process started
-through `popen`/`run` is in its own session and its process group is killed (SIGTERM, then
-SIGKILL), any process still inside a namespace is killed, and the namespaces are deleted, which
-also deletes the veth pair.
+Cleanup on every exit path (`with`, `close()`, atexit, `cleanup_stale()` for namespaces whose
+creator died): each process started through `popen`/`run` has its own session and its group is
+killed (SIGTERM, then SIGKILL), any process left in a namespace is killed, the namespaces (and so
+the veth pair) are deleted.
 """
 from __future__ import annotations
 
