@@ -1,39 +1,14 @@
-"""Plan by simulation: the trainer's real setup and train step traced on fake tensors at world size N.
+"""Plan by simulation: the trainer's build and train step traced on fake tensors at world size N.
 
-`shardtune plan MODEL --gpus N --simulate` builds the model as `shardtune train` does — the meta
-build of train/core/model.py, `parallel.apply.apply_parallelism` with the same `ParallelConfig`,
-the trainer's `build_optimizer` / `build_scheduler` and `train.step.train_step` — under
-`FakeTensorMode` (no memory, no compute) with the "fake" process-group backend
-(`torch.testing._internal.distributed.fake_pg`, rank 0 of N), on the fake CPU device. The
-optimizer states (and DDP's gradient buckets) exist only after a first step: FSDP strategies get
-their states from one optimizer step on zero grads (`make_optimizer_states`), ddp/zero1 run a
-warm-up step. Then one tracked step (forward, backward, clip, optimizer step) runs under torch's
-memory trackers (`FSDPMemTracker` for zero2/zero3/hsdp, `MemTracker` for ddp/zero1); their
-categories map to the planner's `Memory` keys (train/core/memtrack.py `track_step`). With
-`grad_accum` > 1 every micro-batch of the step runs under that one tracker
-(`module_stats_per_micro_batch`), so the grads of earlier micro-batches stay counted, as they stay
-allocated in a real run. The same `track_step` measures a
-real run (real tensors, gloo): that is how tests/dist/test_simulate_vs_real.py checks the trace.
-
-Where a fake trace differs from the trainer, and why (the rest is the trainer's code unchanged):
-  - weights are not filled (values do not change memory): FSDP: meta → shard → `to_empty`;
-    ddp/zero1: the model is built directly on the fake CPU device (`to_empty` of a meta model
-    fails under FakeTensorMode: "Cannot swap t1 because it has weakref associated with it").
-  - ddp/zero1: DDP's constructor check `_verify_param_shape_across_processes` reads tensor data
-    (skipped); its C++ all-reduce hook needs a result the fake backend does not give (a comm hook
-    returns the bucket itself, in place, as all-reduce does); its one-time bucket rebuild reads
-    the broadcast bucket order (kept as built: the same buckets, the same bytes).
-  - `train_step`'s non-finite skip reads a value, which fake tensors cannot answer: the trace
-    runs with `skip_non_finite=False` (the update is always taken).
-  - CPU, not CUDA: a CPU-only torch build cannot fake CUDA tensors. Same dtypes; SDPA takes the
-    same transformers path (no mask → `enable_gqa`, is_causal) and the CPU flash kernel saves
-    the same tensors as CUDA flash (output + fp32 log-sum-exp); the CUDA caching allocator's
-    512-byte rounding and fragmentation are not modelled (docs/calibration.md).
-Untraceable here (the analytic plan is shown, marked as such): offload (the trainer's
-CPUOffloadPolicy moves shards between devices; one fake device cannot show it), LoRA (torch's
-memory trackers hook every parameter's gradient and fail on frozen ones), optimizers other than
-AdamW (the trainer builds none), and --params (no architecture).
-torch is imported only inside the functions that trace.
+`shardtune plan MODEL --gpus N --simulate` builds the model with the trainer's own code (the meta
+build of train/core/model.py, then parallel/build.py `build_parallel_model` with the same
+`ParallelConfig`, no fill: values do not change memory), its `build_optimizer`, `build_scheduler`
+and `train_step`, under `FakeTensorMode` (no memory, no compute) with torch's "fake" process-group
+backend (rank 0 of N) on the CPU. One step runs under torch's memory trackers
+(train/core/memtrack.py `track_step`), whose categories map to the planner's `Memory` keys; the
+same `track_step` on a real gloo run is how tests/dist/test_simulate_vs_real.py checks the trace.
+Where a fake trace differs from the trainer, and why, and what it cannot trace:
+docs/verification.md.
 """
 from __future__ import annotations
 
@@ -47,8 +22,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shardtune.strategies import FSDP_STRATEGIES
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import _sharding_prop
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
+from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.build import build_parallel_model
+from shardtune.strategies import STRATEGY
 from shardtune.train.core.memtrack import track_step
+from shardtune.train.core.model import build_meta_model
+from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.step import train_step
 
 
 def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0,
@@ -77,9 +69,6 @@ def _model_file(spec: Any, tmp: Path) -> str:
 @contextmanager
 def fake_world(world_size: int):
     """The "fake" default process group at `world_size` (this process is rank 0), torn down after."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; simulate in a fresh process")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -98,8 +87,6 @@ def separate_dtensor_propagation():
     In a real run that is a private mode the trackers skip; under our FakeTensorMode it is ours,
     so the trackers counted full-size (unsharded) tensors for every DTensor op: clip_grad_norm_'s
     foreach norm and the foreach AdamW step over-reported by ~N× (PYTORCH-NOTES: 13.5 × 8P/N)."""
-    from torch.distributed.tensor import _sharding_prop
-
     detect = _sharding_prop.detect_fake_mode
     _sharding_prop.detect_fake_mode = lambda *a, **k: None
     try:
@@ -109,15 +96,14 @@ def separate_dtensor_propagation():
 
 
 def _ddp_fake_patches(model) -> None:
-    """Let DDP's C++ reducer run on the fake backend (module doc): the all-reduce is in place on
-    the bucket, so returning the bucket is the same memory; the buckets stay as first built."""
-    import torch
-
+    """Let DDP's C++ reducer run on the fake backend. The two patches that must stay:"""
     def in_place_all_reduce(_state, bucket):
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
 
+    # the fake backend's all-reduce gives the reducer no tensor back; all-reduce is in place, so
+    # returning the bucket itself is the same memory
     model.register_comm_hook(None, in_place_all_reduce)
 
     class _KeepBuckets:
@@ -130,37 +116,9 @@ def _ddp_fake_patches(model) -> None:
         def _rebuild_buckets(self) -> bool:
             return False
 
+    # the one-time bucket rebuild reads the bucket order rank 0 broadcasts (data the fake backend
+    # does not send): keep the buckets as built, the same buckets and bytes
     model.reducer = _KeepBuckets(model.reducer)
-
-
-def _build(model_name: str, parallel_cfg, mesh):
-    """The trainer's model, on fake tensors (module doc: weights unfilled)."""
-    import torch
-    import torch.nn.parallel.distributed as ddp_module
-
-    from shardtune.config import ModelConfig
-    from shardtune.parallel.apply import apply_parallelism, apply_precision
-    from shardtune.train.core.model import build_hf_config, build_meta_model
-
-    model_cfg = ModelConfig(name=model_name)
-    if parallel_cfg.strategy in FSDP_STRATEGIES:
-        model = apply_parallelism(build_meta_model(model_cfg), parallel_cfg, mesh)
-        model.to_empty(device="cpu")
-        return model
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(build_hf_config(model_cfg), attn_implementation="sdpa")
-    model.config.use_cache = False
-    apply_precision(model, parallel_cfg)
-    verify = ddp_module._verify_param_shape_across_processes
-    ddp_module._verify_param_shape_across_processes = lambda *a, **k: None  # reads tensor data
-    try:
-        model = apply_parallelism(model, parallel_cfg, mesh)
-    finally:
-        ddp_module._verify_param_shape_across_processes = verify
-    _ddp_fake_patches(model)
-    return model
 
 
 def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, micro_batch: int,
@@ -171,10 +129,6 @@ def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, mic
     on fake tensors it always does, as it cannot look at the ids), so a real run and the trace
     take the same attention path: a mask, K/V repeated to every query head (repeat_kv) and
     SDPA's additive mask in the compute dtype, saved for backward."""
-    import torch
-
-    from shardtune.train.core.step import train_step
-
     def step() -> None:
         batches = []
         for _ in range(grad_accum):
@@ -203,10 +157,6 @@ def module_stats_per_micro_batch(model):
     another micro-batch's forward. Only the module statistics go: the tensor tags (params, grads,
     optimizer states, activations) and the running totals `track_step` reads stay, so FSDP's
     sharded grads from earlier micro-batches stay counted, as they stay allocated in a real run."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.nn.modules.module import register_module_forward_pre_hook
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     def reset(module, _args) -> None:
         if module is not model:
             return
@@ -226,8 +176,6 @@ def make_optimizer_states(model, optimizer) -> None:
     forward and backward (the states' bytes do not depend on the values). The tracked step then
     starts where a real second step starts (tests/dist/test_simulate_vs_real.py compares it with a
     real run that warms up with a full step)."""
-    import torch
-
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -256,21 +204,22 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
     `target`: the device whose defaults the trace takes — "cuda" (what a GPU run does: torch's
     AdamW defaults to foreach there) or "cpu" (single-tensor AdamW, as a CPU run does), for
     `optimizer_impl` auto; another kernel is traced as given."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from shardtune.config import OptimConfig, ParallelConfig
-    from shardtune.parallel.apply import autocast_dtype, build_mesh
-    from shardtune.train.core.optim import build_optimizer, build_scheduler
-
     t0 = time.perf_counter()
     parallel_cfg = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,
                                   ac_every=ac_every, hsdp_shard_size=hsdp_shard_size)
+    s = STRATEGY[parallel_cfg.strategy]
     optim_cfg = OptimConfig(implementation=optimizer_impl)
     with tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation():
         mesh = build_mesh(parallel_cfg, gpus, gpus_per_node or min(8, gpus), "cpu")  # outside fake mode
-        with FakeTensorMode():
-            net = _build(_model_file(model, Path(tmp)), parallel_cfg, mesh)
-            optimizer = build_optimizer(net, optim_cfg, parallel_cfg, mesh.get_group() if mesh.ndim == 1 else None)
+        # the meta model is built outside the fake mode: `to_empty` of a fake meta parameter must
+        # swap tensors, which fake tensors refuse (weakrefs); inputs may be real only for the build
+        meta = build_meta_model(ModelConfig(name=_model_file(model, Path(tmp))))
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            net = build_parallel_model(meta, parallel_cfg, mesh, "cpu")
+            fake.allow_non_fake_inputs = False
+            if not s.fsdp:
+                _ddp_fake_patches(net)
+            optimizer = build_optimizer(net, optim_cfg, parallel_cfg, None if s.hybrid else mesh.get_group())
             if target == "cuda" and optimizer_impl == "auto":
                 use_foreach_adamw(optimizer)
             scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)
@@ -278,39 +227,34 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             step = make_step(net, optimizer, scheduler, vocab_size=vocab, seq_len=seq_len,
                              micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus,
                              autocast_dtype=autocast_dtype(parallel_cfg))
-            fsdp = strategy in FSDP_STRATEGIES
-            if fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
+            if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
             with module_stats_per_micro_batch(net):
-                result = track_step(net, optimizer, step, fsdp=fsdp, warmup_steps=0 if fsdp else 1)
-        del net, optimizer, scheduler, step
+                result = track_step(net, optimizer, step, fsdp=s.fsdp, warmup_steps=0 if s.fsdp else 1)
+        del meta, net, optimizer, scheduler, step
         gc.collect()  # drop DDP's reducer before the fake group goes (PYTORCH-NOTES: gloo exit hang)
-    result["tracker"] = "FSDPMemTracker" if strategy in FSDP_STRATEGIES else "MemTracker"
+    result["tracker"] = "FSDPMemTracker" if s.fsdp else "MemTracker"
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     return result
 
 
 def _progress_console():
-    from rich.console import Console
-
     return Console(stderr=True, highlight=False)  # stdout stays clean for --json
 
 
-def attach_simulation(result, options: dict, console=None) -> None:
+def attach_simulation(result, model: Any, console=None) -> None:
     """Trace every strategy of a `PlanResult` (`simulate_strategy`) and store the outcome in each
     `StrategyPlan.simulated`: the `memory` keys plus "status": "traced", or, where the trace
-    cannot run, {"status": "analytic fallback", "reason": ...} after one line on stderr."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+    cannot run, {"status": "analytic fallback", "reason": ...} after one line on stderr.
+    `model`: the plan's model spec (as `simulate_strategy`; None when the plan had --params)."""
     console = console or _progress_console()
     inp = result.inputs
-    spec = options.get("model")
     reasons: dict[str, list[str]] = {}
     todo = []
     for sp in result.strategies:
         reason = untraceable_reason(sp.name, offload=inp["offload"], lora_rank=inp["lora_rank"],
-                                    optimizer=inp["optimizer"], has_model=spec is not None and inp["params"] is None)
+                                    optimizer=inp["optimizer"], has_model=model is not None and inp["params"] is None)
         if reason:
             sp.simulated = {"status": "analytic fallback", "reason": reason}
             reasons.setdefault(reason, []).append(sp.name)
@@ -329,11 +273,11 @@ def attach_simulation(result, options: dict, console=None) -> None:
             bar.update(task, info=f"{sp.name} on fake tensors, world {inp['gpus']}")
             try:
                 sim = simulate_strategy(
-                    spec, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
+                    model, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
                     ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
                     grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
                     optimizer_impl=inp["optimizer_impl"],
-                    hsdp_shard_size=sp.shard_degree if sp.name == "hsdp" else None)
+                    hsdp_shard_size=sp.shard_degree if STRATEGY[sp.name].hybrid else None)
                 sp.simulated = {"status": "traced", **sim}
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan
                 reason = f"the trace failed ({type(e).__name__}: {' '.join(str(e).split())[:160]})"

@@ -140,8 +140,9 @@ def track_step(model, optimizer, step: Callable[[], Any], fsdp: bool, warmup_ste
     step's zero_grad); activations: the largest activation bytes alive at any moment;
     buffers: the largest bytes in flight in forward/backward (unsharded params and grads,
     collective buffers, backward temporaries, autocast's weight cache); optimizer_step_temp: the
-    optimizer step's peak above the states at rest; total: the step's peak. Works on real and fake tensors alike. A real DDP model rebuilds its
-    buckets once, in the second step's forward: measure it after `warmup_steps=2`.
+    optimizer step's peak above the states at rest; total: the step's peak. Works on real and fake
+    tensors alike. A real DDP model rebuilds its buckets once, in the second step's forward:
+    measure it after `warmup_steps=2`.
     """
     for _ in range(warmup_steps):  # untracked: the trackers tag params, grads and optimizer states on entry
         step()

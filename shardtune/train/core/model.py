@@ -1,14 +1,14 @@
 """Build a transformers causal LM on the meta device, shard it, then materialise and fill it.
 
-Fixed skeleton (torchtitan, torchtune, nanochat): meta build → `apply_parallelism` → `to_empty` →
-load or init weights, one tensor at a time. No rank ever holds the whole model: each rank makes
-(random init) or reads (safetensors) one full tensor, keeps its own slice and drops the rest.
-Model code stays free of distributed code: sharding is applied from outside (parallel/apply.py).
+Fixed skeleton (torchtitan, torchtune, nanochat): meta build → shard → `to_empty` → load or init
+weights, one tensor at a time (the order: parallel/build.py `build_parallel_model`). No rank ever
+holds the whole model: each rank makes (random init) or reads (safetensors) one full tensor, keeps
+its own slice and drops the rest.
+Model code stays free of distributed code: sharding is applied from outside (parallel/).
 """
 from __future__ import annotations
 
 import itertools
-import json
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +19,7 @@ from torch import nn
 
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
-from shardtune.strategies import FSDP_STRATEGIES
+from shardtune.parallel.build import build_parallel_model
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, base_pointer, is_adapter
 
 if TYPE_CHECKING:
@@ -176,7 +176,8 @@ def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> N
         local = param.to_local()
         part = make(rows)
         if tuple(part.shape) != tuple(local.shape):
-            raise UserError(f"tensor {name!r}: rows {tuple(part.shape)} do not match the model's shard {tuple(local.shape)}")
+            raise UserError(f"tensor {name!r}: rows {tuple(part.shape)} do not match the model's shard "
+                            f"{tuple(local.shape)}")
         with torch.no_grad():
             local.copy_(part.to(device=local.device, dtype=local.dtype))
     reset_rotary_buffers(model)
@@ -184,36 +185,22 @@ def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> N
 
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: DeviceMesh,
                 device: torch.device, seed: int, lora_cfg: LoraConfig | None = None) -> nn.Module:
-    """Meta build → LoRA adapters (if lora_cfg.rank) → parallelise → materialise on `device` →
-    fill. ddp/zero1 are wrapped after the fill because DDP broadcasts materialised parameters when
-    it is built (parallel/apply.py). Adapters go in before fully_shard so that each decoder
-    layer's adapters are sharded with it (train/core/lora.py)."""
-    from shardtune.parallel.apply import apply_parallelism, apply_precision
-
+    """The model to train: meta build → LoRA adapters (if lora_cfg.rank; before sharding, so each
+    decoder layer's adapters shard with it, train/core/lora.py) → `build_parallel_model` (precision,
+    AC, shard, materialise on `device`, fill with `init_model_weights`; DDP after the fill)."""
     model = build_meta_model(model_cfg)
     lora = lora_cfg is not None and lora_cfg.rank > 0
     if lora:
         apply_lora(model, lora_cfg)
-    apply_precision(model, parallel_cfg)  # stored dtypes before the fill (apply_parallelism: no-op again)
-    if lora:
-        frozen = next(p.dtype for p in model.parameters() if not p.requires_grad)
-        model.config.shardtune_lora["base"] = base_pointer(model_cfg, seed, frozen)
-    if parallel_cfg.strategy in FSDP_STRATEGIES:
-        model = apply_parallelism(model, parallel_cfg, mesh)
-        # with CPUOffloadPolicy the sharded parameters live on the CPU (torchtitan does the same)
-        model.to_empty(device="cpu" if parallel_cfg.offload == "all" else device)
-        init_model_weights(model, model_cfg, seed)
-        return model
-    model.to_empty(device=device)
-    init_model_weights(model, model_cfg, seed)
-    return apply_parallelism(model, parallel_cfg, mesh)
+    model = build_parallel_model(model, parallel_cfg, mesh, device,
+                                 fill=lambda m: init_model_weights(m, model_cfg, seed))
+    if lora:  # the frozen params' dtype as stored (apply_precision), which a resume must match
+        hf = unwrap(model)
+        frozen = next(p.dtype for p in hf.parameters() if not p.requires_grad)
+        hf.config.shardtune_lora["base"] = base_pointer(model_cfg, seed, frozen)
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The HF model under a DDP wrapper (or the model itself)."""
     return getattr(model, "module", model)
-
-
-def model_config_json(model: nn.Module) -> dict:
-    """The HF config of a (possibly wrapped) model as a plain dict."""
-    return json.loads(unwrap(model).config.to_json_string())

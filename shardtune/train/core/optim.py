@@ -19,12 +19,12 @@ arithmetic runs on the local shards) and under ddp / zero1 (plain tensors).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from shardtune.parallel.build import build_strategy_optimizer
 from shardtune.train.core.metrics import local_tensor
 
 if TYPE_CHECKING:
@@ -91,14 +91,14 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 # torch AdamW's kernel per `optim.implementation` (plan/memory.py: each one's temporaries)
 _IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
-                "for-loop": {"foreach": False}}  # bf16-stochastic: train/core/optim.py
+                "for-loop": {"foreach": False}}  # bf16-stochastic: AdamWStochasticBF16
 
 
 def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
                     dp_group=None) -> torch.optim.Optimizer:
     """AdamW over the trainable params: torch's (kernel per `optim.implementation`) or
     bitsandbytes' AdamW8bit (`optim.name` adamw-8bit; config.py allows it under ddp/zero1 only);
-    zero1 shards its state across `dp_group`."""
+    the strategy holds its states (zero1: sharded across `dp_group`, `build_strategy_optimizer`)."""
     kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
                   weight_decay=optim_cfg.weight_decay)
     if optim_cfg.name == "adamw-8bit":
@@ -111,15 +111,12 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: Para
         cls = torch.optim.AdamW
         kwargs.update(_IMPL_KWARGS[optim_cfg.implementation])
     params = [p for p in model.parameters() if p.requires_grad]
-    if parallel_cfg.strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=dp_group, **kwargs)
-    return cls(params, **kwargs)
+    return build_strategy_optimizer(parallel_cfg, cls, params, dp_group, **kwargs)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, total_steps: int):
     """torch LambdaLR over `lr_factor`."""
-    fn: Callable[[int], float] = lambda s: lr_factor(s, optim_cfg.warmup_steps, total_steps,
-                                                     optim_cfg.schedule, optim_cfg.min_lr_ratio)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    def factor(step: int) -> float:
+        return lr_factor(step, optim_cfg.warmup_steps, total_steps, optim_cfg.schedule, optim_cfg.min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,61 @@
+"""The one build of a parallel model, for the trainer (train/core/model.py) and the simulator
+(verify/simulate.py), and the optimizer as the strategy holds it.
+
+The model comes in built on the meta device (LoRA adapters already injected, so each decoder
+layer's adapters shard with it), and `fill` writes its values: parallel/ needs no transformers,
+PEFT or checkpoint knowledge, and the simulator passes no fill (values do not change memory).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from shardtune.parallel.apply import apply_activation_checkpointing, apply_ddp, apply_fsdp, apply_precision
+from shardtune.strategies import STRATEGY
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardtune.config import ParallelConfig
+
+
+def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh,
+                         device: torch.device | str, fill: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The model to train: `meta_model` itself for FSDP strategies (sharded in place), a DDP wrapper
+    for ddp/zero1. `fill(model)` gets the materialised (sharded) model, before any DDP wrap."""
+    s = STRATEGY[parallel_cfg.strategy]
+    # Order, and why. 1. Precision once, first: FSDP then shards the stored (bf16) storage and DDP
+    # buckets bf16 grads. 2. Activation checkpointing before sharding: FSDP's pre/post-forward hooks
+    # then wrap the checkpointed region, so the recompute in backward re-gathers the parameters
+    # (torchtitan's order: TP → AC → compile → FSDP). 3. FSDP strategies shard on meta, then
+    # materialise (`to_empty`: each rank allocates its shard only; on the CPU under offload all,
+    # where CPUOffloadPolicy keeps the shards, as torchtitan does) and fill. ddp/zero1
+    # (`materialise_before_wrap`): DDP broadcasts rank 0's parameters when built, so materialise
+    # and fill first and wrap last.
+    apply_precision(meta_model, parallel_cfg)
+    apply_activation_checkpointing(meta_model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)
+    if s.materialise_before_wrap:
+        meta_model.to_empty(device=device)
+        if fill is not None:
+            fill(meta_model)
+        return apply_ddp(meta_model, mesh)
+    apply_fsdp(meta_model, parallel_cfg, mesh)
+    meta_model.to_empty(device="cpu" if parallel_cfg.offload == "all" else device)
+    if fill is not None:
+        fill(meta_model)
+    return meta_model
+
+
+def build_strategy_optimizer(parallel_cfg: ParallelConfig, optimizer_class: type[torch.optim.Optimizer],
+                             params: list[torch.Tensor], dp_group=None, **kwargs) -> torch.optim.Optimizer:
+    """`optimizer_class(params, **kwargs)` as the strategy holds its states: zero1 (states sharded,
+    params whole) wraps it in ZeroRedundancyOptimizer over `dp_group`; FSDP strategies' states
+    follow their sharded DTensor params already; ddp keeps them whole."""
+    s = STRATEGY[parallel_cfg.strategy]
+    if s.shards_optimizer and not s.fsdp:
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_group, **kwargs)
+    return optimizer_class(params, **kwargs)
