@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from _batches import global_batch
 
 
@@ -37,8 +36,8 @@ class LoraProbe:
         with torch.no_grad():
             out["logits_after"] = model(input_ids=ids).logits.float().tolist()
         if case.get("save_dir"):
-            from shardtune.train.durable.checkpoint import save_checkpoint
             from shardtune.train.core.step import TrainState
+            from shardtune.train.durable.checkpoint import save_checkpoint
 
             save_checkpoint(Path(case["save_dir"]), case["steps"], model, opt, sched, TrainState(),
                             rank=rank, world_size=world, strategy=case["parallel"]["strategy"],

@@ -243,7 +243,8 @@ def test_checkpoint_holds_adapters_not_the_base(world2):
     assert len(names) == 2 * len(TARGETS) * 4 and all(".lora_A." in n or ".lora_B." in n for n in names)
     md = SafeFileSystemReader(ckpt).read_metadata().state_dict_metadata
     nbytes = {sec: sum(v.size.numel() * v.properties.dtype.itemsize for k, v in md.items()
-                       if k.startswith(sec + ".") and isinstance(v, TensorStorageMetadata)) for sec in ("model", "optim")}
+                       if k.startswith(sec + ".") and isinstance(v, TensorStorageMetadata))
+              for sec in ("model", "optim")}
     # by hand, fp32: the adapters (4 B), their m and v (8 B) and one 4-byte `step` per adapter tensor
     assert nbytes == {"model": 4 * _lora_trainable_numel(), "optim": 8 * _lora_trainable_numel() + 4 * len(names)}
     base = json.loads((ckpt / "hf" / "config.json").read_text())["shardtune_lora"]["base"]

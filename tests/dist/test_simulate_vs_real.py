@@ -1,9 +1,9 @@
 """Simulated (fake tensors, fake process group) vs real (gloo, 2 CPU ranks) per-rank memory.
 
-One 2-process launch runs the trainer's real setup (train.model.build_model: meta build, shard,
+One 2-process launch runs the trainer's real setup (train.core.model.build_model: meta build, shard,
 materialise, random init) for zero3, zero2 and ddp, and zero3 and ddp with 2 micro-batches of
 gradient accumulation (the grads persist across them), one warm-up and one tracked train step each,
-and measures with torch's trackers over the real tensors (`report.tracker.track_step`). This test
+and measures with torch's trackers over the real tensors (train/core/memtrack.py `track_step`). This test
 process then traces the same configurations on fake tensors at world 2 (`simulate_strategy`).
 Both sides force foreach AdamW (what torch does on CUDA), so the fake optimizer-step temporaries
 are checked against real ones. Expected values come from the real run, not from the simulator.
@@ -31,11 +31,11 @@ def _worker(out_path: str) -> None:
 
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
     from shardtune.parallel.apply import autocast_dtype, build_mesh
-    from shardtune.verify.simulate import make_step, module_stats_per_micro_batch, use_foreach_adamw
+    from shardtune.strategies import STRATEGY
     from shardtune.train.core.memtrack import track_step
-    from shardtune.strategies import FSDP_STRATEGIES
     from shardtune.train.core.model import build_model, unwrap
     from shardtune.train.core.optim import build_optimizer, build_scheduler
+    from shardtune.verify.simulate import make_step, module_stats_per_micro_batch, use_foreach_adamw
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,8 +54,8 @@ def _worker(out_path: str) -> None:
         # real DDP rebuilds its buckets in the second step's forward (the trace keeps them as built)
         with module_stats_per_micro_batch(model):  # the trackers' per-module stats, per micro-batch
             results[f"{strategy} ga{grad_accum}"] = track_step(
-                model, opt, step, fsdp=strategy in FSDP_STRATEGIES,
-                warmup_steps=1 if strategy in FSDP_STRATEGIES else 2)
+                model, opt, step, fsdp=STRATEGY[strategy].fsdp,
+                warmup_steps=1 if STRATEGY[strategy].fsdp else 2)
         del model, opt, sched, step
         gc.collect()  # DDP's reducer before the next strategy / teardown (gloo exit hang)
         dist.barrier()
