@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from shardtune.config import ModelConfig
 from shardtune.errors import UserError
 
 if TYPE_CHECKING:
@@ -49,14 +51,14 @@ def scaling(lora: dict) -> float:
 
 def peft_config(lora_cfg: LoraConfig):
     """The peft.LoraConfig of our settings (no bias, no rslora, PEFT's default init)."""
-    from peft import LoraConfig as PeftLoraConfig
+    from peft import LoraConfig as PeftLoraConfig  # lazy here and below: peft is an optional extra
 
     return PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                           target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
 
 
 def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
-    """Inject adapters in place (call on the meta model, before apply_parallelism) and freeze every
+    """Inject adapters in place (call on the meta model, before build_parallel_model) and freeze every
     other parameter. Returns the same model. Unknown target names are a one-line UserError."""
     from peft import inject_adapter_in_model
 
@@ -132,9 +134,7 @@ def peft_saved_name(name: str) -> str:
 def base_pointer(model_cfg, seed: int, dtype: torch.dtype) -> dict:
     """Where the frozen base comes from: a model folder's safetensors (absolute path) or the
     seeded init of a catalogue architecture, and the `dtype` it is stored in while training."""
-    from pathlib import Path
-
-    from shardtune.train.core.model import uses_pretrained
+    from shardtune.train.core.model import uses_pretrained  # lazy: model.py imports this module
 
     pretrained = uses_pretrained(model_cfg)
     folder = Path(model_cfg.name).expanduser()
@@ -156,8 +156,7 @@ def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
     """HF name → (shape, dtype, read) of every frozen base tensor, rebuilt from the checkpoint's
     pointer (`base_pointer`) for a merged export: read one tensor at a time from the folder's
     safetensors, or regenerate it from the seeded init of the architecture in `ckpt_hf_dir`."""
-    from shardtune.config import ModelConfig
-    from shardtune.train.core.model import (
+    from shardtune.train.core.model import (  # lazy: model.py imports this module
         build_meta_model,
         pretrained_full_tensors,
         random_full_tensors,

@@ -4,13 +4,16 @@
 `MemTracker` (DDP, plain models) from torch.distributed._tools and map the trackers' categories
 to the planner's `Memory` keys (plan/api.py). The simulator (verify/simulate.py) uses them on fake
 tensors, the trainer (train/core/main.py, CPU runs) and tests/dist/test_simulate_vs_real.py on real
-ones: the same code on both sides, so their numbers compare directly. torch is imported inside
-the functions only.
+ones: the same code on both sides, so their numbers compare directly.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 # Tracker categories (torch/distributed/_tools: _FSDPRefType / _MemRefType values) → planner keys.
 # "buffers" is what the planner calls buffers: the unsharded bf16 params and grads in flight
@@ -50,10 +53,6 @@ def _make_tracker(fsdp: bool, model, optimizer):
     """FSDPMemTracker / MemTracker subclass that also records, after every op, the running
     maximum of the activations, of the buffers in forward/backward and of the optimizer step's
     total (the trackers themselves keep only the snapshot at the overall peak)."""
-    import torch
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
     base = FSDPMemTracker if fsdp else MemTracker
     _GATHER_STATES = (_FSDPState.PRE_FW, _FSDPState.PRE_BW)
     _KEY_OF = {ref: _CATEGORY.get(ref.value, "buffers") for ref in (*_FSDPRefType, *_MemRefType)}

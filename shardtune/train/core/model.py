@@ -15,7 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
@@ -30,8 +34,6 @@ if TYPE_CHECKING:
 
 def build_hf_config(model_cfg: ModelConfig):
     """The transformers config for a catalogue name, config.json or model folder."""
-    from transformers import AutoConfig
-
     cfg = resolve_model_config(model_cfg.name)
     model_type = cfg.pop("model_type", None)
     if model_type is None:
@@ -42,8 +44,6 @@ def build_hf_config(model_cfg: ModelConfig):
 
 def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
     """The causal LM with every parameter on the meta device (no memory), SDPA attention."""
-    from transformers import AutoModelForCausalLM
-
     config = build_hf_config(model_cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
@@ -100,8 +100,6 @@ def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Call
 def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
     """(name, make) per parameter, `make(rows=None)` reading that one tensor (only its dim-0
     `rows` when given: a rank reads its own shard) from the safetensors files."""
-    from safetensors import safe_open
-
     where: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
@@ -123,9 +121,6 @@ def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tup
 
 def _local_rows(param: torch.Tensor) -> slice | None:
     """The dim-0 rows this rank holds of a DTensor sharded on dim 0 only (FSDP2, hsdp), else None."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if not isinstance(param, DTensor) or param.ndim == 0 or not all(
             isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in param.placements):
         return None
@@ -136,8 +131,6 @@ def _local_rows(param: torch.Tensor) -> slice | None:
 @torch.no_grad()
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full tensor into a parameter, keeping only this rank's slice for a DTensor."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if tuple(full.shape) != tuple(param.shape):
         raise UserError(f"tensor shape {tuple(full.shape)} does not match the model's {tuple(param.shape)}")
     full = full.to(device=param.device, dtype=param.dtype)
