@@ -10,6 +10,7 @@ Memory on CPU (no allocator statistics there) is an exact count of live storages
                               non-reentrant checkpoint keeps in its closure (no saved-tensor
                               hook sees them), so this is a lower bound of the peak.
 On CUDA, `peak_mem_bytes` is torch.cuda.max_memory_allocated (allocator truth).
+One CPU step (the third) also runs under torch's MemTracker (train/core/memtrack.py) → memory.json.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from shardtune.strategies import STRATEGY
+from shardtune.train.core.memtrack import tracked_call
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -148,3 +152,37 @@ def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, str
         table.add_row(label, _fmt_mib(got), _fmt_mib(want), ratio)
     console.print(table)
     console.print(f"run folder: {run_dir} (metrics.jsonl, memory.json, config.yaml, plan.json)")
+
+
+def track_this_step(device: torch.device, step: int, total_steps: int, lora_rank: int) -> bool:
+    """CPU has no allocator statistics: the third step (optimizer states exist, DDP has rebuilt
+    its buckets) runs under the tracker for `report`. torch's MemTracker puts a grad hook on every
+    parameter and fails on frozen ones (LoRA's base weights): LoRA runs are not tracked."""
+    return device.type == "cpu" and step == min(3, total_steps) and not lora_rank
+
+
+def tracked_step(model: nn.Module, optimizer, step_fn, strategy: str):
+    """(step_fn()'s result, the tracker's bytes by category) for one step (train/core/memtrack.py)."""
+    result, tracked = tracked_call(model, optimizer, step_fn, STRATEGY[strategy].fsdp)
+    return result, {k: v for k, v in tracked.items() if k != "breakdown_at_peak"}
+
+
+def step_peak_bytes(device: torch.device, model: nn.Module, optimizer, activations) -> tuple[int, dict]:
+    """(peak bytes of this step on this rank, per-category bytes); CUDA resets its peak counter."""
+    states = model_state_bytes(model, optimizer)
+    states["activations_bytes"] = activations.peak_bytes if activations else 0
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        # what the caching allocator held: reserved - allocated is its fragmentation and cache
+        states["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        peak = sum(states.values())
+    states["peak_bytes"] = peak
+    return peak, states
+
+
+def write_memory_json(run_dir: Path, device: torch.device, per_rank: list[dict]) -> None:
+    """memory.json: every rank's bytes of its last step (and the tracked step's, on CPU)."""
+    method = "cuda max_memory_allocated" if device.type == "cuda" else "exact storage count (train/core/metrics.py)"
+    (Path(run_dir) / "memory.json").write_text(json.dumps({"method": method, "per_rank": per_rank}, indent=1))

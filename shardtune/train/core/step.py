@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,25 +40,11 @@ class StepResult:
 
 @dataclass
 class TrainState:
-    """Everything the loop advances, in one object (a checkpoint saves `state_dict()`)."""
+    """Everything the loop advances; train/durable/checkpoint.py saves step, tokens_seen and the
+    data position (with the scheduler and each rank's RNG) and restores them on resume."""
     step: int = 0  # optimizer steps done
-    tokens_seen: int = 0  # target tokens over all ranks
+    tokens_seen: int | torch.Tensor = 0  # target tokens over all ranks (a device tensor between logs)
     data: Any = None  # the dataloader: state_dict()/load_state_dict() give the data position
-    extra: dict = field(default_factory=dict)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "data": self.data.state_dict() if self.data is not None else None,
-                "rng_cpu": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        if self.data is not None and sd.get("data") is not None:
-            self.data.load_state_dict(sd["data"])
-        torch.set_rng_state(sd["rng_cpu"])
-        if sd.get("rng_cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(sd["rng_cuda"])
 
 
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], *, dp_group,
@@ -68,7 +54,8 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given."""
     optimizer.zero_grad(set_to_none=True)  # here, not after the step: grads stay measurable at rest
     device = micro_batches[0]["input_ids"].device
-    targets = [mb["labels"] for mb in micro_batches]  # already shifted: labels[t] follows input[t] (train/data/dataset.py)
+    # already shifted: labels[t] follows input[t] (train/data/dataset.py)
+    targets = [mb["labels"] for mb in micro_batches]
     num_tokens = torch.stack([(t != IGNORE_INDEX).sum() for t in targets]).sum()
     dist.all_reduce(num_tokens, group=dp_group)  # ONE all-reduce per step
     denom = num_tokens.clamp(min=1).to(torch.float32)

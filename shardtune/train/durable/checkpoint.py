@@ -225,7 +225,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     dcp.save(model_optim_state(model, optimizer), storage_writer=FileSystemWriter(tmp, sync_files=True))
     _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
     if rank == 0:
-        _write_json(tmp / TRAINER_FILE, {"step": step, "tokens_seen": state.tokens_seen,
+        _write_json(tmp / TRAINER_FILE, {"step": step, "tokens_seen": int(state.tokens_seen),
                                          "data": state.data.state_dict() if state.data is not None else None,
                                          "scheduler": scheduler.state_dict()})
         if hf_files is not None:

@@ -1,0 +1,189 @@
+"""`train()` as set-up → loop → finish: `set_up` builds a `Run`, `loop` advances it, `finish` saves
+the final checkpoint, memory.json and the summary.
+
+The step returns device tensors; the loop turns them into Python numbers on logging steps only
+(every `train.log_every` steps and the last), and adds no collective of its own to a step: the
+ranks' peak-memory MAX all-reduce runs on logged steps only. tokens_seen stays a device tensor
+between logs (a checkpoint converts it to an exact int).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from shardtune.errors import UserError
+from shardtune.parallel.apply import autocast_dtype
+from shardtune.train.core.metrics import (
+    MetricsWriter,
+    SavedActivations,
+    flops_per_token,
+    gpu_peak_flops,
+    print_summary,
+    step_peak_bytes,
+    track_this_step,
+    tracked_step,
+    write_memory_json,
+)
+from shardtune.train.core.model import build_model, unwrap
+from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.step import StepResult, TrainState, train_step
+from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
+from shardtune.train.durable.keeper import RunKeeper
+
+if TYPE_CHECKING:
+    from shardtune.config import RunConfig
+    from shardtune.train.core.main import DistContext
+
+
+@dataclass
+class Run:
+    """What set-up built, for the loop and the finish."""
+    cfg: RunConfig
+    ctx: DistContext
+    run_dir: Path
+    planned: dict | None
+    loader: Any
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any
+    state: TrainState
+    keeper: RunKeeper
+    total_steps: int
+    rows_per_step: int
+    num_params: int
+    flops_per_token: float
+    peak_flops: float | None
+    activations: SavedActivations | None
+    amp: torch.dtype | None
+    writer: MetricsWriter | None
+
+
+def now_s(device: torch.device) -> float:
+    """Wall time after the device finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _progress(enabled: bool):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    disable=not enabled, refresh_per_second=2)  # its thread shares rank 0's core
+
+
+def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None) -> Run:
+    """Tokenizer, data, model, optimizer, scheduler, resume; prints the start-up line (rank 0)."""
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
+    loader = build_dataloader(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, cfg.train.seed)
+    rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
+    total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
+    model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed, cfg.lora)
+    hf_config = unwrap(model).config
+    if tokenizer.vocab_size > hf_config.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                        f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer=auto)")
+    optimizer = build_optimizer(model, cfg.optim, cfg.parallel, ctx.dp_group)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    state = TrainState(data=loader)
+    keeper = RunKeeper(cfg, ctx, run_dir, model, optimizer, scheduler, state, tokenizer)
+    keeper.resume()  # newest complete checkpoint (checkpoint.resume), resharded to this layout
+    num_params = sum(p.numel() for p in unwrap(model).parameters())
+    on_cpu = ctx.device.type == "cpu"
+    run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
+              rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len),
+              None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
+              autocast_dtype(cfg.parallel), MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None)
+    if ctx.rank == 0:
+        print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s) ({ctx.device.type}), "
+              f"{num_params:,} params, global batch {rows_per_step} x {cfg.train.seq_len} tokens "
+              f"(micro {cfg.train.micro_batch} x accum {cfg.train.grad_accum} x ranks {ctx.world_size}), "
+              f"{total_steps} steps -> {run_dir}", flush=True)
+    return run
+
+
+def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]:
+    """One train_step; the tracked CPU step also returns the tracker's bytes."""
+    cfg, ctx = run.cfg, run.ctx
+
+    def step_fn() -> StepResult:
+        return train_step(run.model, run.optimizer, run.scheduler, micro_batches, dp_group=None,
+                          dp_size=ctx.world_size, grad_clip=cfg.optim.grad_clip, autocast_dtype=run.amp,
+                          activations=run.activations)
+
+    if track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank):
+        return tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
+    return step_fn(), None
+
+
+def _record(run: Run, r: StepResult, peak: int, dt: float) -> dict:
+    """The metrics line of a logged step: the only place the step's tensors reach the host."""
+    peak_t = torch.tensor([peak], dtype=torch.long, device=run.ctx.device)
+    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)  # the ranks' max, logged steps only
+    tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
+    tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
+    record = {"step": run.state.step, "loss": float(r.loss), "lr": r.lr, "grad_norm": float(r.grad_norm),
+              "tokens_per_s": tokens_per_s, "tflops": tflops,
+              "mfu": tflops * 1e12 / run.peak_flops if run.peak_flops else None,
+              "peak_mem_bytes": int(peak_t.item()), "step_time_s": dt, "target_tokens": int(r.num_tokens)}
+    record.update(run.keeper.record_extra(run.state.step, r))
+    return record
+
+
+def loop(run: Run) -> tuple[dict, dict]:
+    """Steps until total_steps or preemption; (the last logged record, this rank's last-step bytes)."""
+    cfg, ctx, state = run.cfg, run.ctx, run.state
+    record: dict = {}
+    rank_bytes: dict = {}
+    tracked: dict | None = None  # the tracked CPU step's bytes, kept in every later step's rank_bytes
+    with _progress(ctx.rank == 0) as bar:
+        task = bar.add_task("train", total=run.total_steps, completed=state.step, info="")
+        while state.step < run.total_steps:
+            run.keeper.before_step(state.step + 1)
+            mbs = [{k: v.to(ctx.device) for k, v in next(run.loader).items()} for _ in range(cfg.train.grad_accum)]
+            t0 = now_s(ctx.device)
+            r, tracked_now = _step(run, mbs)
+            tracked = tracked_now or tracked
+            dt = now_s(ctx.device) - t0
+            state.step += 1
+            state.tokens_seen = state.tokens_seen + r.num_tokens  # a device tensor until a checkpoint
+            peak, rank_bytes = step_peak_bytes(ctx.device, run.model, run.optimizer, run.activations)
+            if tracked:
+                rank_bytes["tracked"] = tracked
+            if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
+                record = _record(run, r, peak, dt)
+                if run.writer:
+                    run.writer.write(record)
+                info = f"loss {record['loss']:.4f}  lr {r.lr:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+                bar.update(task, info=info)
+            bar.update(task, advance=1)
+            if run.keeper.after_step(state.step, r, run.total_steps):
+                break  # preempted: checkpoint saved, stop cleanly
+    return record, rank_bytes
+
+
+def finish(run: Run, rank_bytes: dict) -> None:
+    """Final checkpoint, memory.json and the summary (rank 0), then the HF export."""
+    ctx = run.ctx
+    run.keeper.finish(run.state.step)  # final checkpoint (checkpoint.save_final), collective
+    all_bytes = [None] * ctx.world_size
+    dist.all_gather_object(all_bytes, rank_bytes)
+    if ctx.rank == 0:
+        run.writer.close()
+        write_memory_json(run.run_dir, ctx.device, all_bytes)
+        print_summary(run.run_dir, all_bytes, run.planned, run.cfg.parallel.strategy)
+    run.keeper.export_hf()  # rank 0 alone, after the last collective (checkpoint.export_hf)
