@@ -1,5 +1,5 @@
-"""`python -m shardtune.train RECIPE [--strategy S] [--precision P] [--max-steps K] [--seed X]
-[--output-dir DIR] [key.path=value ...]`, one process per rank under torchrun.
+"""`python -m shardtune.train RECIPE [flags] [key.path=value ...]`, one process per rank under
+torchrun; the flags are train/flags.py's table, as for `shardtune train`.
 
 Bad input: one line on stderr, exit code 2 (no traceback).
 """
@@ -9,21 +9,14 @@ import argparse
 import sys
 
 from shardtune.errors import UserError
+from shardtune.train.flags import TRAIN_FLAGS, add_argparse_flags
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m shardtune.train")
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*", help="key.path=value")
-    p.add_argument("--strategy")
-    p.add_argument("--precision")
-    p.add_argument("--max-steps", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--output-dir")
-    p.add_argument("--checkpoint-every", type=int)
-    p.add_argument("--keep", type=int)
-    p.add_argument("--resume", help="auto | never | a checkpoints/step_N path")
-    p.add_argument("--lora-rank", type=int, help="LoRA rank (lora.rank; 0: full fine-tune)")
+    add_argparse_flags(p)
     return p.parse_intermixed_args(argv)
 
 
@@ -35,10 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = resolve_config(args.recipe, args.overrides, strategy=args.strategy, precision=args.precision,
-                             max_steps=args.max_steps, seed=args.seed, output_dir=args.output_dir,
-                             checkpoint_every=args.checkpoint_every, keep=args.keep, resume=args.resume,
-                             lora_rank=args.lora_rank)
+        cfg = resolve_config(args.recipe, args.overrides, **{f.name: getattr(args, f.name) for f in TRAIN_FLAGS})
         world = int(os.environ.get("WORLD_SIZE", 1))
         validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         from shardtune.train.core.main import run

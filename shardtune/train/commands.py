@@ -5,7 +5,7 @@ line). Imports no torch at module level.
 """
 from __future__ import annotations
 
-import json
+import inspect
 import os
 import signal
 import subprocess
@@ -14,20 +14,10 @@ import sys
 import typer
 
 from shardtune.errors import UserError
+from shardtune.train.flags import flag_argv, flag_overrides, with_flags
 from shardtune.train.preflight import validate_for_launch
 
-FLAGS = ("strategy", "precision", "max_steps", "seed", "output_dir", "checkpoint_every", "keep", "resume",
-         "lora_rank")
-_FLAG_KEYS = {"strategy": "parallel.strategy", "precision": "parallel.precision",
-              "max_steps": "train.max_steps", "seed": "train.seed", "output_dir": "output_dir",
-              "checkpoint_every": "checkpoint.every", "keep": "checkpoint.keep",
-              "resume": "checkpoint.resume", "lora_rank": "lora.rank"}
-
-
-def flag_overrides(**flags) -> list[str]:
-    """`--strategy zero2` → `parallel.strategy="zero2"` (JSON is YAML: strings stay strings)."""
-    return [f"{_FLAG_KEYS[k]}={json.dumps(v)}" for k, v in flags.items() if v is not None]
-
+__all__ = ["flag_overrides", "resolve_config", "torchrun_command", "train_command", "register"]
 
 def resolve_config(recipe: str, overrides: list[str], **flags):
     """The validated RunConfig: recipe, then `key=value` overrides, then the flags."""
@@ -42,10 +32,7 @@ def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
     -m shardtune.train ...` (after a restart, checkpoint.resume=auto picks up the last checkpoint)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "shardtune.train", recipe]
-    for k, v in flags.items():
-        if v is not None:
-            cmd += [f"--{k.replace('_', '-')}", str(v)]
-    return cmd + list(overrides)
+    return cmd + flag_argv(flags) + list(overrides)
 
 
 def run_process_group(cmd: list[str]) -> int:
@@ -88,25 +75,23 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
     return rc
 
 
+def _train(recipe: str, overrides: list[str] | None, nproc: int, max_restarts: int, **flags) -> int:
+    """Fine-tune with a recipe on this machine (torchrun under the hood)."""
+    return train_command(recipe, overrides or [], nproc, max_restarts=max_restarts, **flags)
+
+
+def _param(name: str, annotation, default) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation, default=default)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("train", context_settings={"allow_interspersed_args": True})
-    def train(
-        recipe: str = typer.Argument(..., help="YAML recipe, e.g. recipes/tiny-cpu.yaml"),
-        overrides: list[str] | None = typer.Argument(None, help="key.path=value overrides, e.g. optim.lr=1e-4"),
-        nproc: int = typer.Option(1, "--nproc", help="Processes on this machine (torchrun --nproc-per-node)."),
-        strategy: str | None = typer.Option(None, "--strategy", help="ddp | zero1 | zero2 | zero3 | hsdp"),
-        precision: str | None = typer.Option(None, "--precision", help="bf16-mixed | bf16 | fp32"),
-        max_steps: int | None = typer.Option(None, "--max-steps", help="Optimizer steps."),
-        seed: int | None = typer.Option(None, "--seed"),
-        output_dir: str | None = typer.Option(None, "--output-dir", help="Run folder (default runs/<recipe name>)."),
-        checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Save a checkpoint every N steps (checkpoint.every)."),
-        keep: int | None = typer.Option(None, "--keep", help="Keep the newest K checkpoints (checkpoint.keep)."),
-        resume: str | None = typer.Option(None, "--resume", help="auto (newest complete checkpoint) | never | a checkpoints/step_N path."),
-        max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts of the whole group after a failure; each resumes from the last checkpoint."),
-        lora_rank: int | None = typer.Option(None, "--lora-rank", help="LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`."),
-    ) -> int:
-        """Fine-tune with a recipe on this machine (torchrun under the hood)."""
-        return train_command(recipe, overrides or [], nproc, strategy=strategy, precision=precision,
-                             max_steps=max_steps, seed=seed, output_dir=output_dir,
-                             checkpoint_every=checkpoint_every, keep=keep, resume=resume,
-                             max_restarts=max_restarts, lora_rank=lora_rank)
+    """`shardtune train`: the arguments below, then one option per row of train/flags.py."""
+    params = [
+        _param("recipe", str, typer.Argument(..., help="YAML recipe, e.g. recipes/tiny-cpu.yaml")),
+        _param("overrides", list[str] | None,
+               typer.Argument(None, help="key.path=value overrides, e.g. optim.lr=1e-4")),
+        _param("nproc", int, typer.Option(1, "--nproc", help="Processes on this machine (torchrun --nproc-per-node).")),
+        _param("max_restarts", int, typer.Option(0, "--max-restarts", help="torchrun restarts of the whole group "
+                                                 "after a failure; each resumes from the last checkpoint.")),
+    ]
+    app.command("train", context_settings={"allow_interspersed_args": True})(with_flags(_train, params))

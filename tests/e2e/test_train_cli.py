@@ -101,3 +101,41 @@ def test_ctrl_c_stops_torchrun_and_every_worker(tmp_path, sig):
             os.killpg(proc.pid, signal.SIGKILL)
         for pid in ours():
             os.kill(int(pid), signal.SIGKILL)
+
+
+# the flags each entry point must offer, written out here (not read from train/flags.py)
+EXPECTED_FLAGS = {"--strategy": "parallel.strategy", "--precision": "parallel.precision",
+                  "--max-steps": "train.max_steps", "--seed": "train.seed", "--output-dir": "output_dir",
+                  "--checkpoint-every": "checkpoint.every", "--keep": "checkpoint.keep",
+                  "--resume": "checkpoint.resume", "--lora-rank": "lora.rank"}
+
+
+def test_train_help_lists_every_flag_with_its_help():
+    from typer.testing import CliRunner
+
+    from shardtune.cli import app
+    from shardtune.train.flags import TRAIN_FLAGS
+
+    out = CliRunner().invoke(app, ["train", "--help"], terminal_width=400).output
+    for option in [*EXPECTED_FLAGS, "--nproc", "--max-restarts"]:
+        assert option in out, option
+    for f in TRAIN_FLAGS:
+        assert " ".join(f.help.split()[:3]) in " ".join(out.split()), f.name
+
+
+def test_flags_reach_the_same_keys_from_typer_argparse_and_torchrun():
+    from shardtune.train.__main__ import parse_args
+    from shardtune.train.commands import flag_overrides, torchrun_command
+
+    given = {"strategy": "zero2", "precision": "fp32", "max_steps": 5, "seed": 3, "output_dir": "/tmp/x",
+             "checkpoint_every": 2, "keep": 1, "resume": "never", "lora_rank": 4}
+    want = ['parallel.strategy="zero2"', 'parallel.precision="fp32"', "train.max_steps=5", "train.seed=3",
+            'output_dir="/tmp/x"', "checkpoint.every=2", "checkpoint.keep=1", 'checkpoint.resume="never"',
+            "lora.rank=4"]
+    assert flag_overrides(**given) == want
+    cmd = torchrun_command(2, "r.yaml", ["optim.lr=1"], given)
+    assert cmd[-1] == "optim.lr=1" and cmd[cmd.index("r.yaml") - 1] == "shardtune.train"
+    args = parse_args(cmd[cmd.index("r.yaml"):])  # what torchrun hands each rank parses back
+    assert args.recipe == "r.yaml" and args.overrides == ["optim.lr=1"]
+    assert {k: getattr(args, k) for k in given} == given
+    assert set(EXPECTED_FLAGS) == {a for a in cmd[cmd.index("r.yaml"):] if a.startswith("--")}

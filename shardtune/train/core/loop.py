@@ -168,7 +168,8 @@ def loop(run: Run) -> tuple[dict, dict]:
                 record = _record(run, r, peak, dt)
                 if run.writer:
                     run.writer.write(record)
-                info = f"loss {record['loss']:.4f}  lr {r.lr:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+                # the step's own loss (a skipped step's record carries None, the bar shows nan)
+                info = f"loss {float(r.loss):.4f}  lr {r.lr:.2e}  {record['tokens_per_s']:,.0f} tok/s"
                 bar.update(task, info=info)
             bar.update(task, advance=1)
             if run.keeper.after_step(state.step, r, run.total_steps):
