@@ -136,7 +136,10 @@ def worker(a: argparse.Namespace) -> int:
             "strategy": a.strategy, "step_times_s": times, "step_time_s": step_s,
             "compute_s_per_micro_batch": compute_s, "adamw_step_s": adam_s, "num_params": num_params,
             "optimizer_step_in_run_s": median(in_run[1:])}))
-    del model, optimizer, plain, plain_opt  # explicit teardown: DDP on gloo can hang at exit otherwise (PYTORCH-NOTES)
+    # explicit teardown: DDP on gloo can hang at exit otherwise (PYTORCH-NOTES); probe's closure
+    # holds plain and plain_opt, so they are dropped by rebinding rather than `del`
+    del model, optimizer
+    plain = plain_opt = None
     import gc
 
     gc.collect()

@@ -145,7 +145,7 @@ def run_limit(spec: dict) -> None:
     rec = Recorder(spec, rank)
     bare_loop(model, opt, batches, rec, backward=lambda loss: loss.backward(),
               clip=lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    del model, opt
+    model = opt = None  # dropped by rebinding: the clip lambda holds the name `model`
     dist.destroy_process_group()
 
 

@@ -279,8 +279,8 @@ def print_tables(rounds: list[dict], args) -> None:
     for n in names:
         tps = [rnd[n]["throughput"] for rnd in rounds if n in rnd and rnd[n]["throughput"]]
         err = next((rnd[n].get("error") for rnd in rounds if n in rnd and rnd[n].get("error")), "")
-        med = lambda k: f"{statistics.median(tp[k] for tp in tps):,.0f}" if tps else "—"  # noqa: E731
-        t.add_row(n, f"{len(tps)}/{sum(n in rnd for rnd in rounds)}", med("step"), med("loop"), err or "")
+        med = {k: f"{statistics.median(tp[k] for tp in tps):,.0f}" if tps else "—" for k in ("step", "loop")}
+        t.add_row(n, f"{len(tps)}/{sum(n in rnd for rnd in rounds)}", med["step"], med["loop"], err or "")
     show(console, t, args.markdown)
     bases = [n for n in names if n.startswith("shardtune")]
     r = Table(title="ratios shardtune / other, within a round (median, min–max over rounds; > 1: shardtune faster)")

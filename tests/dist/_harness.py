@@ -12,11 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
 from shardtune.testing.proc import free_port, kill_groups
 
+REPO = Path(__file__).resolve().parents[2]
 
 def launch(script: Path, nproc: int, args: list[str], timeout_s: float, log_dir: Path) -> None:
     """Run `python script *args` as ranks 0..nproc-1; raise AssertionError on failure or timeout."""

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
-
 from _lora_checks import LoraProbe  # noqa: E402
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402

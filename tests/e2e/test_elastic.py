@@ -31,9 +31,9 @@ model: {name: tiny-llama}
 data: {generated_examples: 200}
 parallel: {strategy: zero3, precision: fp32}
 optim: {lr: 0.002, warmup_steps: 2}
-train: {micro_batch: 2, seq_len: 64, max_steps: %d, timeout_s: 45}
+train: {micro_batch: 2, seq_len: 64, max_steps: @STEPS@, timeout_s: 45}
 checkpoint: {keep: 2}
-""" % STEPS
+""".replace("@STEPS@", str(STEPS))  # the YAML braces rule out an f-string
 
 
 def _train(tmp: Path, name: str, *args: str, env: dict | None = None, timeout_s: float = 120):

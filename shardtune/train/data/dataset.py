@@ -195,10 +195,6 @@ class PackedData:
     def num_rows(self) -> int:
         return len(self.rows)
 
-    @property
-    def num_target_tokens(self) -> int:
-        return sum(self.targets)  # upper bound: a target first in its example gets no label
-
 
 def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, packing: bool, seed: int) -> PackedData:
     """Truncate to seq_len, drop examples without a target, pack next-fit in a seeded order."""

@@ -94,14 +94,6 @@ def prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(info.path, ignore_errors=True)
 
 
-def remove_stale_temporaries(run_dir: Path) -> None:
-    """Leftovers of killed saves (`.tmp-*`, `.old-*`): never read, safe to delete (rank 0, at start)."""
-    d = checkpoints_dir(run_dir)
-    for p in list(d.glob(".tmp-step_*")) + list(d.glob(".old-step_*")) if d.is_dir() else []:
-        shutil.rmtree(p, ignore_errors=True)
-
-
-
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep the metrics lines of steps ≤ `last_step` (0: none), so a resumed run never logs a step
     twice; returns the number of lines kept."""
