@@ -51,7 +51,8 @@ ROLES = ("system", "user", "assistant", "tool")
 # ---------------------------------------------------------------- reading and validation
 def _line_format(obj, lineno: int, where: str, want: str) -> str:
     if not isinstance(obj, dict):
-        raise UserError(f"{where} line {lineno}: expected a JSON object, got {type(obj).__name__}; each line must be an object with 'text', 'prompt'+'response' or 'messages'")
+        raise UserError(f"{where} line {lineno}: expected a JSON object, got {type(obj).__name__}; each line must be "
+                        "an object with 'text', 'prompt'+'response' or 'messages'")
     if "messages" in obj:
         fmt = "chat"
     elif "prompt" in obj and ("response" in obj or "completion" in obj):
@@ -59,16 +60,19 @@ def _line_format(obj, lineno: int, where: str, want: str) -> str:
     elif "text" in obj:
         fmt = "text"
     else:
-        raise UserError(f"{where} line {lineno}: unknown format (keys {sorted(obj)[:5]}); give 'text', 'prompt'+'response' or 'messages'")
+        raise UserError(f"{where} line {lineno}: unknown format (keys {sorted(obj)[:5]}); give 'text', "
+                        "'prompt'+'response' or 'messages'")
     if want != "auto" and fmt != want:
-        raise UserError(f"{where} line {lineno}: is {fmt!r} but data.format={want}; fix the line or set data.format=auto")
+        raise UserError(f"{where} line {lineno}: is {fmt!r} but data.format={want}; fix the line or set "
+                        "data.format=auto")
     if fmt == "chat":
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f"{where} line {lineno}: 'messages' must be a non-empty list of {{role, content}}")
         for m in msgs:
             if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
-                raise UserError(f"{where} line {lineno}: each message needs a 'role' ({', '.join(ROLES)}) and a string 'content'")
+                raise UserError(f"{where} line {lineno}: each message needs a 'role' ({', '.join(ROLES)}) and a "
+                                "string 'content'")
         if not any(m["role"] == "assistant" for m in msgs):
             raise UserError(f"{where} line {lineno}: chat example has no assistant turn, so nothing to learn; add one")
     else:
@@ -100,11 +104,13 @@ def read_records(data_cfg) -> list[dict]:
     path = Path(data_cfg.path).expanduser()
     where = repr(str(data_cfg.path))
     if not path.exists():
-        raise UserError(f"dataset {where} does not exist; set data.path to a JSONL file (or leave it empty for the built-in generated dataset)")
+        raise UserError(f"dataset {where} does not exist; set data.path to a JSONL file (or leave it empty for the "
+                        "built-in generated dataset)")
     if path.is_dir():
         raise UserError(f"dataset {where} is a folder; set data.path to a JSONL file")
     if path.suffix.lower() not in (".jsonl", ".json", ".ndjson", ""):
-        raise UserError(f"dataset {where}: unsupported format {path.suffix!r}; give JSON Lines (.jsonl), one example per line")
+        raise UserError(f"dataset {where}: unsupported format {path.suffix!r}; give JSON Lines (.jsonl), one example "
+                        "per line")
     records = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -114,10 +120,12 @@ def read_records(data_cfg) -> list[dict]:
                 try:
                     obj = json.loads(line.rstrip("\r\n"))  # so the column is within the line
                 except json.JSONDecodeError as e:
-                    raise UserError(f"dataset {where} line {lineno}: malformed JSON ({e.msg} at column {e.colno}); fix or remove the line") from None
+                    raise UserError(f"dataset {where} line {lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+                                    "fix or remove the line") from None
                 records.append(_normalize(obj, _line_format(obj, lineno, f"dataset {where}", data_cfg.format)))
     except UnicodeDecodeError as e:
-        raise UserError(f"dataset {where} is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 JSONL file") from None
+        raise UserError(f"dataset {where} is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 JSONL "
+                        "file") from None
     except OSError as e:
         raise UserError(f"dataset {where} cannot be read: {e.strerror}") from None
     if not records:
@@ -141,7 +149,9 @@ def build_tokenizer(data_cfg, model_name: str, trust_remote_code: bool = False):
     tok = load_tokenizer(data_cfg.tokenizer, model_name, trust_remote_code)
     model_vocab = resolve_model_config(model_name).get("vocab_size")
     if model_vocab is not None and tok.vocab_size > model_vocab:
-        raise UserError(f"the {tok.name} tokenizer has {tok.vocab_size} ids but model {model_name!r} has vocab_size {model_vocab}; use the model's own tokenizer (data.tokenizer=auto) or a model with a larger vocabulary")
+        raise UserError(f"the {tok.name} tokenizer has {tok.vocab_size} ids but model {model_name!r} has vocab_size "
+                        f"{model_vocab}; use the model's own tokenizer (data.tokenizer=auto) or a model with a "
+                        "larger vocabulary")
     return tok
 
 
@@ -215,7 +225,8 @@ def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pac
         offsets.append(len(tokens))
         lengths.append(len(ids))
     if not lengths:
-        raise UserError(f"no example has a target token within seq_len={seq_len} (all {dropped} too long or without response); raise train.seq_len or check the data")
+        raise UserError(f"no example has a target token within seq_len={seq_len} (all {dropped} too long or without "
+                        "response); raise train.seq_len or check the data")
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
     rows: list[list[int]] = []
     fill = seq_len
@@ -295,7 +306,8 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("num_rows") != self.num_rows:
-            raise UserError(f"the checkpoint's data had {state.get('num_rows')} rows, this data has {self.num_rows}; resume with the same data, seq_len and tokenizer (or checkpoint.resume=never)")
+            raise UserError(f"the checkpoint's data had {state.get('num_rows')} rows, this data has {self.num_rows}; "
+                            "resume with the same data, seq_len and tokenizer (or checkpoint.resume=never)")
         self.position = int(state["epoch"]) * self.num_rows + int(state["index"])
 
 
@@ -308,7 +320,8 @@ def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
         except UserError:
             raise
         except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
-            raise UserError(f"example {k} (the {k}-th non-empty line) cannot be tokenized: {' '.join(str(e).split())[:200]}; fix it or set data.template=plain") from None
+            raise UserError(f"example {k} (the {k}-th non-empty line) cannot be tokenized: "
+                            f"{' '.join(str(e).split())[:200]}; fix it or set data.template=plain") from None
     return pack_examples(encoded, seq_len, data_cfg.packing, seed)
 
 
@@ -317,7 +330,9 @@ def build_dataloader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int,
     data = build_dataset(data_cfg, train_cfg.seq_len, tokenizer, seed)
     rows_per_step = train_cfg.micro_batch * train_cfg.grad_accum * dp_size
     if data.num_rows < rows_per_step:  # else one step would hold the same row twice
-        raise UserError(f"the dataset fills {data.num_rows} rows of seq_len {train_cfg.seq_len}, fewer than one global batch ({rows_per_step} = micro_batch × grad_accum × {dp_size} ranks); add data or lower train.micro_batch / grad_accum")
+        raise UserError(f"the dataset fills {data.num_rows} rows of seq_len {train_cfg.seq_len}, fewer than one "
+                        f"global batch ({rows_per_step} = micro_batch × grad_accum × {dp_size} ranks); add data or "
+                        "lower train.micro_batch / grad_accum")
     return PackedLoader(data, train_cfg.micro_batch, dp_rank, dp_size, seed, data_cfg.shuffle, tokenizer.pad_id)
 
 

@@ -79,7 +79,8 @@ class ByteTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         # like Llama's tokenizer, put bos before a text, so `tok(text)` matches what was trained on
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 256)])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 256)])
         hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                      pad_token="<pad>", model_max_length=10**9)
         # special tokens appended after the 256 bytes, in the order bos, eos, pad
@@ -116,7 +117,8 @@ class HFTokenizer:
         self.bos_id = tok.bos_token_id
         self.eos_id = tok.eos_token_id
         if self.eos_id is None:
-            raise UserError("the model folder's tokenizer has no eos token; set data.tokenizer=byte or add eos_token to tokenizer_config.json")
+            raise UserError("the model folder's tokenizer has no eos token; set data.tokenizer=byte or add eos_token "
+                            "to tokenizer_config.json")
         # Llama-3 and Qwen2 tokenizers have no pad token: pad with eos (padding never gets a label).
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(tok)
@@ -187,7 +189,8 @@ def _render_with_template(tok: HFTokenizer, messages: list[dict]) -> list[tuple[
 
 def _check_prefix(prefix: str, text: str) -> None:
     if not text.startswith(prefix):
-        raise UserError("the tokenizer's chat template rewrites earlier turns, so assistant tokens cannot be marked; set data.template=plain")
+        raise UserError("the tokenizer's chat template rewrites earlier turns, so assistant tokens cannot be marked; "
+                        "set data.template=plain")
 
 
 def load_tokenizer(kind: str, model_name: str, trust_remote_code: bool = False):
@@ -198,7 +201,8 @@ def load_tokenizer(kind: str, model_name: str, trust_remote_code: bool = False):
     has_files = folder.is_dir() and any((folder / f).is_file() for f in (
         "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
     if kind == "hf" and not has_files:
-        raise UserError(f"data.tokenizer=hf but {model_name!r} is not a model folder with tokenizer files; use data.tokenizer=auto or byte")
+        raise UserError(f"data.tokenizer=hf but {model_name!r} is not a model folder with tokenizer files; use "
+                        "data.tokenizer=auto or byte")
     if not has_files:
         return ByteTokenizer()
     from transformers import AutoTokenizer
@@ -206,5 +210,6 @@ def load_tokenizer(kind: str, model_name: str, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # a broken folder: one line naming it, not a transformers traceback
-        raise UserError(f"cannot load the tokenizer of {model_name!r}: {' '.join(str(e).split())[:200]}; fix the folder or set data.tokenizer=byte") from None
+        raise UserError(f"cannot load the tokenizer of {model_name!r}: {' '.join(str(e).split())[:200]}; fix the "
+                        "folder or set data.tokenizer=byte") from None
     return HFTokenizer(tok)
