@@ -305,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure_rate(rate, a, tmp, 0))
             print(f"[{rate:g} Mbit/s done in {time.monotonic() - t0:.0f} s]", file=sys.stderr, flush=True)
     lines, ok = check(rows, a.strategies, a.tol_step, a.tol_ratio)
-    print(f"model: Llama {BENCH_MODEL['num_hidden_layers']} layers × {BENCH_MODEL['hidden_size']} (3.3 M params), {a.micro_batch}×{a.seq_len} tokens per micro-batch, "
+    print(f"model: Llama {BENCH_MODEL['num_hidden_layers']} layers × {BENCH_MODEL['hidden_size']} (3.3 M params), "
+          f"{a.micro_batch}×{a.seq_len} tokens per micro-batch, "
           f"grad_accum {a.grad_accum}, fp32, gloo, 2 namespaces × 1 rank; overlap={a.overlap}")
     print("\n".join(lines))
     for r in rows:
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k} {v:.4f}" for k, v in r["busbw_gbps"].items()))
     print("PASS" if ok else "FAIL: see the rows marked FAIL")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "ok": ok, "args": {k: str(v) for k, v in vars(a).items()}}, indent=2))
+        given = {k: str(v) for k, v in vars(a).items()}
+        Path(a.json).write_text(json.dumps({"rows": rows, "ok": ok, "args": given}, indent=2))
     return 0 if ok else 1
 
 

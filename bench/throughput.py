@@ -288,7 +288,8 @@ def print_tables(rounds: list[dict], args) -> None:
         r.add_column(c)
     for base in bases:
         strategy = base.partition("-")[2].partition("+")[0]
-        for other, kind, med, lo, hi, n in ratio_table(rounds, base, [x for x in names if not x.startswith("shardtune")]):
+        others = [x for x in names if not x.startswith("shardtune")]
+        for other, kind, med, lo, hi, n in ratio_table(rounds, base, others):
             if other.startswith("limit") and other != f"limit-{strategy}":
                 continue
             if not other.startswith("limit") and strategy not in ("zero3", "ddp"):

@@ -154,7 +154,8 @@ def test_nan_step_is_skipped_and_the_run_continues(two):
     ref = _losses(d / "z3_straight")
     assert rec[1]["loss"] == pytest.approx(ref[1], abs=1e-6)  # same run up to the NaN
     events = [json.loads(line) for line in (d / "nan_once" / "events.jsonl").read_text().splitlines()]
-    assert {"event": "skipped_step", "step": 3}.items() <= next(e for e in events if e["event"] == "skipped_step").items()
+    skipped = next(e for e in events if e["event"] == "skipped_step")
+    assert {"event": "skipped_step", "step": 3}.items() <= skipped.items()
 
 
 @pytest.mark.timeout(240)

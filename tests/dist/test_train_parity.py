@@ -1,9 +1,9 @@
 """Trainer vs a plain single-process run on the same global batch (gloo, 2 and 4 ranks).
 
 Two launches run every case (2 ranks: ddp, zero1, zero2, zero3, AC, grad accumulation, bf16-mixed,
-model build; 4 ranks: hsdp 2 × 2 with and without grad accumulation, zero3). The reference is written here independently of train/core/step.py:
-a plain transformers model, one forward over the whole global batch, the token mean from
-torch's cross_entropy, torch AdamW and clip_grad_norm_.
+model build; 4 ranks: hsdp 2 × 2 with and without grad accumulation, zero3). The reference is
+written here independently of train/core/step.py: a plain transformers model, one forward over
+the whole global batch, the token mean from torch's cross_entropy, torch AdamW and clip_grad_norm_.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def _plain_model(folder: Path | None = None):
     return model
 
 
-def reference(steps=STEPS, lr=LR, same_batch=False, optimizer_class=torch.optim.AdamW) -> tuple[list[float], list[float]]:
+def reference(steps=STEPS, lr=LR, same_batch=False,
+              optimizer_class=torch.optim.AdamW) -> tuple[list[float], list[float]]:
     """Losses and pre-clip grad norms of a plain one-process run on the whole global batch."""
     torch.manual_seed(0)
     model = _plain_model()
