@@ -3,34 +3,15 @@
 Micro-batch contract (what `train/core/step.py` consumes), each a (B, T) torch.long tensor,
 B = train.micro_batch, T = train.seq_len:
   input_ids     token ids; padding is `tokenizer.pad_id`.
-  labels        ALREADY SHIFTED: labels[b, t] is the token to predict at position t (the next
-                token of the same example), or -100 where there is no loss (prompt / user turns,
-                padding, and the last token of every example, so that labels never cross
-                examples). Loss = cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                ignore_index=-100, reduction="sum") / (number of labels != -100 over all
-                micro-batches and ranks of the step). Do NOT pass these to an HF model as
-                `labels=` (it would shift them a second time); HF's `shift_labels=` takes them.
+  labels        ALREADY SHIFTED: labels[b, t] is the next token of the same example, or -100 (no
+                loss: prompt / user turns, padding, every example's last token). Loss = sum of
+                token cross-entropies / labels != -100 over the step's micro-batches and ranks. Do
+                NOT pass them to an HF model as `labels=` (shifted twice); `shift_labels=` takes them.
   position_ids  0, 1, 2, ... restarting at every example (and for the padding tail).
-
-Cross-example attention: call the model with `attention_mask=None`, `position_ids=` the above and
-`use_cache=False`. transformers 5.x then detects packing from the position-id restarts
-(`masking_utils.find_packed_sequence_indices`) and builds a block-diagonal causal mask for sdpa
-and eager attention, so an example never attends to the one packed before it. Checked in
-tests/unit/test_data.py: the loss of a packed row equals the losses of its examples run alone.
-Passing an `attention_mask` switches that detection off (and attention would leak).
-
-Sharding and order (world-size independent): the dataset is tokenized, then packed once into R
-rows (next-fit in a seeded example order; an example longer than T is truncated, one with no
-target token left is dropped). The loader reads an endless stream of rows: epoch e is the rows
-in a permutation seeded by (seed, e). Every micro-batch consumes the next B·D stream rows
-(D = data-parallel size); rank r takes rows [r·B, (r+1)·B) of them. So one optimizer step of
-A micro-batches covers the same A·B·D rows for any split of that product into ranks, micro-batch
-and accumulation (N ranks × b = 1 rank × N·b; 2 × b accumulated = 1 × 2b), which the loss-parity
-tests rely on. The position is the global row counter, kept as (epoch, index) by
-`state_dict()`; resuming, even at another world size, continues the same stream.
-
-Reading and validating a dataset (`check_dataset`) imports no torch, so the CLI can do it before
-any process starts.
+Call the model with `attention_mask=None` and these position_ids: transformers builds a
+block-diagonal causal mask from the restarts. Every micro-batch takes the next B·D rows of one
+seeded row stream (D = data-parallel size), the same at any world size (docs/checkpoints.md,
+"Data position"). `check_dataset` imports no torch, so the CLI can run it before any process.
 """
 from __future__ import annotations
 

@@ -1,28 +1,14 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): atomic step folders, keep-last-K, resume
-at any world size and under any strategy.
+at any world size and under any strategy (docs/checkpoints.md: layout, atomicity, resume rules).
 
-Layout of `<run_dir>/checkpoints/step_<N>/`:
-  .metadata, __<rank>_0.distcp   DCP: {"model": FQN → tensor, "optim": {"state", "param_groups"}}
-                                 in torch's FQN-keyed form (`get_state_dict`), so a checkpoint
-                                 written under one strategy / world size loads under another:
-                                 DCP reads each rank's slice of each saved tensor (resharding).
-                                 LoRA: frozen params are not saved (`_options`).
-  trainer.json                   step, tokens seen, data position, LR scheduler (rank 0)
-  rng_rank<r>.json               each rank's torch CPU (and CUDA) generator state
-  hf/                            config.json and tokenizer files, for `shardtune export`
-  shardtune_checkpoint.json      written last: step, world size, strategy, config hash, complete
-
-Atomicity: every rank writes into `.tmp-step_<N>`; after a barrier rank 0 writes the metadata file
-and renames the folder to `step_<N>` (one rename, atomic on POSIX). A folder named `step_<N>` with
-`complete: true` is the only thing resume ever reads, so a killed or failed save leaves at most a
-`.tmp-*` folder, and the previous checkpoint is never touched (pruning to K happens after the rename).
-
-zero1's `ZeroRedundancyOptimizer` has no FQN state dict (`get_state_dict` cannot read it); its
-local AdamW states are written under the same FQN keys (`zero1_optim_state`), each rank writing
-the parameters it owns, so a zero1 checkpoint reads like any other.
-
-Security: DCP's `.metadata` is a pickle; it is read with an allow-list unpickler
-(`SafeFileSystemReader`), and non-tensor values with `torch.load(weights_only=True)`.
+`checkpoints/step_<N>/` holds DCP's model and optimizer states in torch's FQN-keyed form
+(`get_state_dict`, so DCP reshards on load; LoRA: frozen params not saved), trainer.json (step,
+tokens seen, data position, LR scheduler), rng_rank<r>.json, hf/ (config and tokenizer files),
+and shardtune_checkpoint.json, written last. Every rank writes into `.tmp-step_<N>`; rank 0
+renames it (atomic on POSIX), so resume reads only complete folders. zero1's
+ZeroRedundancyOptimizer has no FQN state dict: its local AdamW states are written under the same
+keys (`zero1_optim_state`). DCP's `.metadata` pickle is read with an allow-list unpickler
+(`SafeFileSystemReader`), non-tensor values with `torch.load(weights_only=True)`.
 """
 from __future__ import annotations
 
