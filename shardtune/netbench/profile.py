@@ -6,10 +6,7 @@ reduce-scatter, × 1 for broadcast — the per-rank link bandwidth a ring achiev
 """
 from __future__ import annotations
 
-from pathlib import Path
-
-from shardtune.errors import UserError, read_json_object
-from shardtune.plan.timing import KINDS, Link, bus_factor, ring_steps
+from shardtune.plan.ring import KINDS, bus_factor, ring_steps
 
 PROFILE_FORMAT = 1
 
@@ -62,27 +59,3 @@ def build_profile(rows: list[dict], n: int, backend: str, hostnames: list[str], 
         "links": fit_links(rows, n),
         **(extra or {}),
     }
-
-
-def load_profile(path: str | Path) -> dict:
-    """Read and check a profile file; UserError with the fix when it is not one."""
-    p = Path(path)
-    prof = read_json_object(p, "network profile", f"write one with `shardtune bench comm -o {p}`")
-    if not isinstance(prof.get("links"), dict) or not prof["links"]:
-        raise UserError(f"{str(p)!r} is not a shardtune network profile (no 'links'); rerun `shardtune bench comm -o FILE`")
-    for kind, v in prof["links"].items():
-        if kind not in KINDS or not isinstance(v, dict) or not float(v.get("busbw_gbps", 0)) > 0:
-            raise UserError(f"network profile {str(p)!r}: bad entry for {kind!r}; rerun `shardtune bench comm -o FILE`")
-    if prof.get("scope") not in ("intra", "inter"):
-        raise UserError(f"network profile {str(p)!r}: 'scope' must be 'intra' or 'inter'")
-    return prof
-
-
-def profile_link(prof: dict) -> Link:
-    """A timing.Link from a profile: per-collective busbw and α; the default is all-reduce's."""
-    per_kind = {k: (float(v["busbw_gbps"]) * 1e9, float(v.get("alpha_s", 0.0))) for k, v in prof["links"].items()}
-    if "broadcast" not in per_kind and "all_gather" in per_kind:
-        per_kind["broadcast"] = per_kind["all_gather"]  # same ring pattern, bus factor 1 vs (n-1)/n
-    base = per_kind.get("all_reduce") or next(iter(per_kind.values()))
-    name = f"measured ({prof.get('backend', '?')}, {prof.get('world_size', '?')} ranks)"
-    return Link(busbw_bytes_per_s=base[0], alpha_s=base[1], name=name, per_kind=per_kind)

@@ -19,7 +19,7 @@ from shardtune.plan.params import (
     model_shapes,
 )
 from shardtune.plan.validate import Inputs, validate_inputs
-from shardtune.strategies import STRATEGIES, resolve_optimizer_impl
+from shardtune.strategies import STRATEGIES, STRATEGY, Layout, resolve_optimizer_impl
 
 GIB = 2**30
 
@@ -143,7 +143,7 @@ def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
         return 0
     key = (strategy, inp.precision)  # independent of the world size: computed once per plan
     if key not in m.buffer_cache:
-        if strategy in memory.FSDP_STRATEGIES:
+        if STRATEGY[strategy].fsdp:
             m.buffer_cache[key] = memory.fsdp_buffer_bytes(m.shapes, strategy, inp.precision)
         else:
             m.buffer_cache[key] = memory.ddp_buffer_bytes(m.shapes, inp.precision)
@@ -156,15 +156,16 @@ def _activations(m: _Model, inp: Inputs, strategy: str) -> int:
     # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py
     # autocast_dtype). Under LoRA the base (embedding and norms included) is stored in bf16, so
     # the residual stream is bf16 and only the adapters' weights are cast: bf16 activations.
-    autocast = (inp.precision == "bf16-mixed" and strategy not in memory.FSDP_STRATEGIES
+    autocast = (inp.precision == "bf16-mixed" and not STRATEGY[strategy].fsdp
                 and not inp.lora_rank)
     return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast)
 
 
 def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank: bool = True) -> StrategyPlan:
-    shard = inp.hsdp_shard_size if strategy == "hsdp" else (inp.gpus if strategy != "ddp" else 1)
-    st = _states(m, strategy, inp, shard if strategy != "zero1" else inp.gpus)
+    layout = Layout.build(strategy, inp.gpus, inp.gpus_per_node, inp.hsdp_shard_size)
+    shard, fsdp = layout.shard_degree, layout.strategy.fsdp
+    st = _states(m, strategy, inp, shard)
     cpu_per_rank = 0
     if inp.offload == "optimizer":
         cpu_per_rank = st.optimizer + st.optimizer_step_temp
@@ -173,16 +174,16 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
         cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
         st = memory.States(0, 0, 0, 0)
     act, buf = _activations(m, inp, strategy), _buffers(m, strategy, inp)
-    grads_in_forward = not (strategy in memory.FSDP_STRATEGIES and inp.grad_accum == 1
+    grads_in_forward = not (fsdp and inp.grad_accum == 1
                             and inp.accounting == "shardtune")
     reduce = 0
-    if m.shapes is not None and inp.accounting == "shardtune" and strategy in memory.FSDP_STRATEGIES:
+    if m.shapes is not None and inp.accounting == "shardtune" and fsdp:
         # the root's sharded grads are not there yet, unless a previous micro-batch made them
         # or they live on the host (offload all)
         net_of = shard if not grads_in_forward and inp.offload != "all" else 0
         reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision, net_of)
     unsynced = 0  # DDP's fresh grads beside its buckets under accumulation (memory.peak_bytes)
-    if strategy in ("ddp", "zero1") and inp.grad_accum > 1 and inp.accounting == "shardtune":
+    if not fsdp and inp.grad_accum > 1 and inp.accounting == "shardtune":
         unsynced = st.grads
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced)
     colls = comm.collectives(strategy, num_params=m.num_params,
@@ -190,8 +191,7 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
                              precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)
     return StrategyPlan(
         state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
-        name=strategy, shard_degree=shard, replicate_degree=inp.gpus // shard if strategy == "hsdp" else (
-            inp.gpus if strategy in ("ddp", "zero1") else 1),
+        name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total),
         fits=total <= usable, headroom_bytes=usable - total,
         cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
@@ -206,7 +206,7 @@ def _per_rank(m: _Model, strategy: str, inp: Inputs, shard: int) -> dict | None:
     allocation every FSDP2 rank makes."""
     if m.shapes is None or inp.accounting != "shardtune" or inp.gpus > 16:
         return None
-    ranks = [memory.shardtune_states(m.shapes, strategy, inp.gpus, shard if strategy != "zero1" else inp.gpus,
+    ranks = [memory.shardtune_states(m.shapes, strategy, inp.gpus, shard,
                                      inp.precision, inp.optimizer, r, padded=False, impl=_impl(inp))
              for r in range(inp.gpus)]
     return {k: [getattr(s, k) for s in ranks] for k in ("params", "grads", "optimizer")}
@@ -215,7 +215,7 @@ def _per_rank(m: _Model, strategy: str, inp: Inputs, shard: int) -> dict | None:
 def _applicable(inp: Inputs) -> list[str]:
     names = inp.strategies or list(STRATEGIES)
     if inp.offload == "all":  # FSDP2's CPUOffloadPolicy; DDP has no offload
-        names = [s for s in names if s in memory.FSDP_STRATEGIES]
+        names = [s for s in names if STRATEGY[s].fsdp]
     return names
 
 
@@ -224,7 +224,7 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: Inputs, usable: int) -> str:
     from dataclasses import replace
 
     def more_gpus(base: Inputs, label: str):
-        if sp.name == "hsdp":  # a larger shard group first; the world stays
+        if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
             g = base.hsdp_shard_size * 2
             while g <= base.gpus and base.gpus % g == 0:
                 yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
@@ -240,12 +240,12 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: Inputs, usable: int) -> str:
         scale_out.append(("--ac full", full))
     if inp.micro_batch > 1:
         scale_out.append(("--micro-batch 1", replace(inp, micro_batch=1)))
-    if sp.name != "ddp":
+    if STRATEGY[sp.name].shards_optimizer:  # more GPUs shrink nothing under ddp
         scale_out += list(more_gpus(inp, ""))
         if full:
             scale_out += list(more_gpus(full, "--ac full "))
     offload = []
-    if sp.name in memory.FSDP_STRATEGIES and inp.offload != "all" and inp.accounting == "shardtune":
+    if STRATEGY[sp.name].fsdp and inp.offload != "all" and inp.accounting == "shardtune":
         offload.append(("--offload all", replace(inp, offload="all")))
         if full:
             offload.append(("--ac full --offload all", replace(full, offload="all")))
@@ -260,7 +260,7 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: Inputs, usable: int) -> str:
                 break
     if found:
         return " or ".join(found)
-    if sp.name in ("ddp", "zero1", "zero2"):  # whole params (or zero2's unsharded bf16 copy) never fit
+    if not STRATEGY[sp.name].reshard_after_forward:  # whole params (or zero2's gathered copy) never fit
         return "zero3"
     return "LoRA, or a larger GPU"
 

@@ -36,9 +36,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from shardtune.plan.memory import FSDP_STRATEGIES, dtypes, fsdp2_shard_numel
+from shardtune.plan.memory import dtypes, fsdp2_shard_numel
 from shardtune.plan.params import ParamShape
-from shardtune.plan.timing import ring_bytes_per_rank
+from shardtune.plan.ring import ring_bytes_per_rank
+from shardtune.strategies import STRATEGY
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -81,36 +82,37 @@ def collectives(strategy: str, *, num_params: int, trainable_params: int, world_
                 accounting: str = "shardtune") -> list[Collective]:
     """The collectives `strategy` issues per step (module doc). `shapes` None: a bare count."""
     N, G = world_size, shard_degree
+    s = STRATEGY[strategy]
     if accounting == "paper":  # ZeRO §7: everything in fp16 (2 bytes), no padding
         P, T = 2 * num_params, 2 * trainable_params
-        if strategy in ("ddp", "zero1"):
+        if s.zero_stage < 2:
             return [Collective("all_reduce", "world", T, N, "step", "backward", "grads")]
-        if strategy == "zero2":
+        if s.zero_stage == 2:
             return [Collective("reduce_scatter", "world", T, N, "step", "backward", "grads"),
                     Collective("all_gather", "world", P, N, "step", "optimizer", "updated params")]
-        group, n = ("shard", G) if strategy == "hsdp" else ("world", N)
+        group, n = ("shard", G) if s.hybrid else ("world", N)
         out = [Collective("all_gather", group, P, n, "micro_batch", "forward", "params"),
                Collective("all_gather", group, P, n, "micro_batch", "backward", "params"),
                Collective("reduce_scatter", group, T, n, "micro_batch", "backward", "grads")]
-        if strategy == "hsdp" and N > G:
+        if s.hybrid and N > G:
             out.append(Collective("all_reduce", "replica", -(-T // G), N // G, "step", "backward", "grad shards"))
         return out
 
     dt = dtypes(precision)
-    if strategy not in FSDP_STRATEGIES:
+    if not s.fsdp:
         out = [Collective("all_reduce", "world", dt.reduce * trainable_params, N, "step", "backward", "grads")]
-        if strategy == "zero1":
+        if s.shards_optimizer:
             out.append(Collective("broadcast", "world", dt.param * trainable_params, N, "step",
                                   "optimizer", "updated params (each rank its partition)"))
         return out
-    group, n = ("shard", G) if strategy == "hsdp" else ("world", N)
+    group, n = ("shard", G) if s.hybrid else ("world", N)
     gathered = dt.compute * _padded_total(shapes, num_params, n, trainable_only=False)
     reduced = dt.reduce * _padded_total(shapes, trainable_params, n, trainable_only=True)
     out = [Collective("all_gather", group, gathered, n, "micro_batch", "forward", "params")]
-    if strategy != "zero2":  # zero2 keeps the forward's unsharded params for backward
+    if s.reshard_after_forward:  # zero2 keeps the forward's unsharded params for backward
         out.append(Collective("all_gather", group, gathered, n, "micro_batch", "backward", "params"))
     out.append(Collective("reduce_scatter", group, reduced, n, "micro_batch", "backward", "grads"))
-    if strategy == "hsdp" and N > G:
+    if s.hybrid and N > G:
         out.append(Collective("all_reduce", "replica", reduced // n, N // G, "step", "backward", "grad shards"))
     return out
 

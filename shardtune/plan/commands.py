@@ -86,7 +86,7 @@ def plan_cmd(
     if simulate:  # torch is imported only here (verify/simulate.py)
         from shardtune.verify.simulate import attach_simulation
 
-        attach_simulation(result, options)
+        attach_simulation(result, options["model"])
     if as_json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")

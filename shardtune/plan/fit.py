@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from shardtune.strategies import AC_MODES, PRECISIONS
+from shardtune.strategies import AC_MODES, PRECISIONS, STRATEGY
 
 GIB = 2**30
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -38,13 +38,13 @@ class Candidate:
         return self.timing["tokens_per_s"]
 
     def label(self) -> str:
-        shard = f" shard {self.hsdp_shard_size}" if self.strategy == "hsdp" else ""
+        shard = f" shard {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else ""
         return (f"{self.strategy}{shard}, AC {self.ac}, offload {self.offload}, micro-batch "
                 f"{self.micro_batch}, {self.precision}")
 
     def flags(self) -> str:
         f = f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} --micro-batch {self.micro_batch} --precision {self.precision}"
-        return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if self.strategy == "hsdp" else "")
+        return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else "")
 
 
 @dataclass
@@ -97,12 +97,12 @@ def search(model=None, gpus: int = 8, top: int = 5, **options) -> FitResult:
     micro_batches = MICRO_BATCHES if m.arch is not None else (base.micro_batch,)
     out: list[Candidate] = []
     for strategy in strategies:
-        shards = _shard_sizes(base.gpus, base.gpus_per_node) if strategy == "hsdp" else [None]
+        shards = _shard_sizes(base.gpus, base.gpus_per_node) if STRATEGY[strategy].hybrid else [None]
         for shard in shards:
             for precision in PRECISIONS:
                 for ac in acs:
                     for offload in OFFLOADS:
-                        if offload == "all" and strategy in ("ddp", "zero1"):
+                        if offload == "all" and not STRATEGY[strategy].fsdp:
                             continue  # FSDP2's CPUOffloadPolicy only
                         for mb in micro_batches:
                             inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,

@@ -67,8 +67,13 @@ from dataclasses import dataclass
 from math import ceil, prod
 
 from shardtune.plan.params import ParamShape
+from shardtune.strategies import STRATEGY
 
-FSDP_STRATEGIES = ("zero2", "zero3", "hsdp")
+
+def _partitions_optimizer(strategy: str) -> bool:
+    """zero1: whole grads, optimizer states partitioned tensor by tensor (ZeroRedundancyOptimizer)."""
+    s = STRATEGY[strategy]
+    return s.shards_optimizer and not s.shards_grads
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,7 @@ def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard
     params and grads as `to_local()` sizes them instead of the padded allocation.
     """
     kinds = Counter((p.shape, p.trainable) for p in shapes)
-    if strategy in FSDP_STRATEGIES:
+    if STRATEGY[strategy].fsdp:
         r = rank % shard_degree  # mesh (replicate, shard): the shard index is innermost
         params = grads = 0
         opt: Counter = Counter()
@@ -203,7 +208,7 @@ def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard
         if t:
             trainable[prod(shape)] += c
     grads = sum(n * c for n, c in trainable.items())
-    if strategy == "zero1":
+    if _partitions_optimizer(strategy):
         return params, grads, Counter(zero1_partition(list(trainable.elements()), world_size)[rank])
     return params, grads, trainable
 
@@ -236,7 +241,7 @@ def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, s
 def max_rank_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
                     precision: str, optimizer: str, impl: str = "foreach") -> States:
     """The largest rank's states: rank 0 for FSDP2 and DDP; the fullest zero1 partition."""
-    if strategy != "zero1":
+    if not _partitions_optimizer(strategy):
         return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, 0, impl=impl)
     trainable = [p.numel for p in shapes if p.trainable]
     owned = zero1_partition(trainable, world_size)
@@ -251,8 +256,8 @@ def flat_states(num_params: int, trainable: int, strategy: str, shard_degree: in
     planned as foreach's (one copy of the states: an upper bound)."""
     dt = dtypes(precision)
     shard = ceil(trainable / shard_degree)
-    sharded = strategy in FSDP_STRATEGIES
-    opt_numel = trainable if strategy == "ddp" else shard
+    sharded = STRATEGY[strategy].fsdp
+    opt_numel = shard if STRATEGY[strategy].shards_optimizer else trainable
     frozen = num_params - trainable
     return States(
         params=(ceil(trainable / shard_degree) * dt.param + ceil(frozen / shard_degree) * dt.frozen
@@ -278,7 +283,7 @@ def paper_states(num_params: int, trainable: int, strategy: str, shard_degree: i
     """ZeRO §5 model states per rank: stage 1 shards K, stage 2 also grads, stage 3 also params."""
     pb, gb, k = paper_bytes_per_param(precision, optimizer)
     n = shard_degree
-    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "hsdp": 3}[strategy]
+    stage = STRATEGY[strategy].zero_stage
     return States(
         params=ceil(pb * num_params / (n if stage >= 3 else 1)),
         grads=ceil(gb * trainable / (n if stage >= 2 else 1)),
@@ -297,7 +302,7 @@ def fsdp_buffer_bytes(shapes: list[ParamShape], strategy: str, precision: str) -
     root = [p for p in shapes if p.group == "root"]
     layer_numel = max((sum(p.numel for p in ps) for ps in layers.values()), default=0)
     layer_trainable = max((sum(p.numel for p in ps if p.trainable) for ps in layers.values()), default=0)
-    if strategy == "zero2":
+    if not STRATEGY[strategy].reshard_after_forward:  # zero2: gathered from forward to backward
         unsharded = sum(p.numel for p in shapes)
     else:
         unsharded = sum(p.numel for p in root) + 2 * layer_numel

@@ -1,163 +1,28 @@
-"""Communication and step time: ring costs, α-β model, hierarchical clusters, FSDP overlap.
+"""Step time from a plan: compute + exposed communication + optimizer, per strategy.
 
-Pure Python, imports no torch. Sizes follow nccl-tests (doc/PERFORMANCE.md): `size_bytes` is the
-whole buffer — the all-reduce buffer, the all-gather output, the reduce-scatter input. Per rank a
-ring moves (NVIDIA nccl-tests PERFORMANCE.md; Patarasuk & Yuan 2009):
-  all-reduce      2(n−1)/n · S in 2(n−1) steps
-  all-gather      (n−1)/n · S  in n−1 steps
-  reduce-scatter  (n−1)/n · S  in n−1 steps
-  broadcast       S            in n−1 pipelined steps (nccl-tests: busbw = algbw)
-and busbw = algbw × that factor, so time = steps·α + factor·S / busbw (the α-β model).
-
-The factor is the bytes of the busiest rank. For all-reduce, all-gather and reduce-scatter every
-rank sends that much; a broadcast is a pipelined chain root → … → last, in which n−1 ranks
-forward all S bytes and the last sends none: time S / busbw, but (n−1)/n · S sent per rank on
-average (`ring_bytes_per_rank`, what plan/comm.py counts). ZeroRedundancyOptimizer (zero1)
-broadcasts each rank's partition from its owner (torch: parameter by parameter), one after another
-on the communicator: Σ B_i = S in all, so S / busbw plus (n−1)α per call, and (n−1)/n · S sent per
-rank. We price n calls (one per partition, `num_calls`); torch's per-tensor calls add more α.
+Collectives are priced by plan/ring.py (α-β ring model, nccl-tests sizes); here they overlap with
+compute layer by layer (FSDP2 prefetch, DDP buckets: `exposed_time_s`), and `step_time` adds up a
+step of `grad_accum` micro-batches. Pure Python, imports no torch. Derivations: docs/planner.md.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-
-
-def bus_factor(kind: str, n: int) -> float:
-    """nccl-tests' busbw / algbw factor for a collective over n ranks (PERFORMANCE.md)."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    if kind == "broadcast":
-        return 1.0
-    raise ValueError(f"unknown collective {kind!r}; one of {', '.join(KINDS)}")
-
-
-def ring_steps(kind: str, n: int) -> int:
-    """Latency-bound steps of the ring algorithm (each costs α)."""
-    if n <= 1:
-        return 0
-    return 2 * (n - 1) if kind == "all_reduce" else n - 1
-
-
-def ring_bytes_per_rank(kind: str, size_bytes: float, n: int) -> float:
-    """Bytes each rank sends on average: bus_factor × S (e.g. 2(n−1)/n·S for all-reduce), except a
-    broadcast: (n−1)/n · S, as n−1 of the chain's n ranks forward S (module doc)."""
-    if kind == "broadcast":
-        return (n - 1) / n * size_bytes if n > 1 else 0.0
-    return bus_factor(kind, n) * size_bytes
-
-
-def collective_time_s(kind: str, size_bytes: float, n: int, busbw_bytes_per_s: float, alpha_s: float) -> float:
-    """α-β ring time: steps·α + factor·S / busbw; 0 for a group of one."""
-    if n <= 1 or size_bytes <= 0:
-        return 0.0
-    return ring_steps(kind, n) * alpha_s + bus_factor(kind, n) * size_bytes / busbw_bytes_per_s
-
-
-@dataclass(frozen=True)
-class Link:
-    """Achieved bus bandwidth and per-step latency of one path, per collective kind if measured."""
-
-    busbw_bytes_per_s: float
-    alpha_s: float
-    name: str = ""
-    per_kind: dict = field(default_factory=dict)  # kind → (busbw_bytes_per_s, alpha_s) from a profile
-
-    def for_kind(self, kind: str) -> tuple[float, float]:
-        return self.per_kind.get(kind, (self.busbw_bytes_per_s, self.alpha_s))
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """num_nodes × gpus_per_node GPUs; `intra` per GPU inside a node, `inter` the node's NICs together."""
-
-    num_nodes: int
-    gpus_per_node: int
-    intra: Link
-    inter: Link
-
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.gpus_per_node
-
-
-def group_time_s(kind: str, size_bytes: float, group_size: int, ranks_per_node: int,
-                 groups_per_node: int, cluster: Cluster, calls: int = 1) -> float:
-    """Time of one collective over a group laid out on a hierarchical cluster.
-
-    A group inside one node (`ranks_per_node == group_size`) uses the intra-node link. A group
-    spanning nodes runs one ring through all its ranks; each node's outbound inter-node traffic
-    per ring is the same factor·S as one rank's (NCCL spreads its rings over the NICs), so the
-    ring's busbw is min(intra busbw, the node's NIC bandwidth ÷ `groups_per_node`, the number of
-    such groups using those NICs at the same time — e.g. HSDP's replica groups, one per local
-    rank). The latency per step is the slower link's. `calls`: the bytes go in that many equal
-    collectives (FSDP2: one per wrapped module; DDP: one per bucket), each paying its own α.
-    """
-    if group_size <= 1:
-        return 0.0
-    if ranks_per_node >= group_size or cluster.num_nodes <= 1:
-        bw, alpha = cluster.intra.for_kind(kind)
-        return calls * collective_time_s(kind, size_bytes / calls, group_size, bw, alpha)
-    inter_bw, inter_alpha = cluster.inter.for_kind(kind)
-    bw = inter_bw / max(1, groups_per_node)
-    if ranks_per_node > 1:
-        intra_bw, intra_alpha = cluster.intra.for_kind(kind)
-        bw, inter_alpha = min(bw, intra_bw), max(inter_alpha, intra_alpha)
-    return calls * collective_time_s(kind, size_bytes / calls, group_size, bw, inter_alpha)
-
-
-@dataclass(frozen=True)
-class Group:
-    """A process group's shape on the cluster: size, its ranks per node, groups sharing a node."""
-
-    size: int
-    ranks_per_node: int
-    groups_per_node: int
-
-
-def mesh_groups(cluster: Cluster, shard_size: int | None = None) -> dict[str, Group]:
-    """The groups a strategy talks in: the whole world, and HSDP's shard and replica groups.
-
-    Ranks are numbered node by node (torchrun's order) and the HSDP mesh is (replicate, shard)
-    with the shard dimension innermost (FSDP2's `init_device_mesh(..., (r, s))`), so a shard
-    group holds consecutive ranks and a replica group takes one rank from each shard group.
-    """
-    n, g = cluster.world_size, cluster.gpus_per_node
-    s = shard_size or n
-    if n % s:
-        raise ValueError(f"shard size {s} does not divide world size {n}")
-    r = n // s
-    world = Group(n, min(n, g), 1)
-    shard = Group(s, min(s, g), max(1, g // s))
-    # A replica group: ranks {j, j+s, j+2s, ...}. On one node of g ranks it has max(1, g // s)
-    # members when s < g (several shard groups per node) and 1 when s ≥ g; each of the s
-    # (or g, if s ≥ g) local positions belongs to a different replica group.
-    replica = Group(r, max(1, g // s) if s < g else 1, min(s, g))
-    return {"world": world, "shard": shard, "replica": replica}
-
-
-@dataclass(frozen=True)
-class CommOp:
-    """One collective a strategy issues, for the whole model (spread evenly over its layers).
-
-    The fields are those of `shardtune.plan.comm.Collective`, which `step_time` also accepts.
-    `phase`: "forward" / "backward" collectives overlap with that phase's compute layer by layer
-    (FSDP2 prefetch, DDP's bucketed all-reduce); "optimizer" ones run exposed after backward.
-    `count_per`: "micro_batch" or "step" (DDP and HSDP's replica all-reduce sync grads only on
-    the last micro-batch).
-    """
-
-    op: str
-    payload_bytes: float
-    group: str  # "world" | "shard" | "replica"
-    phase: str  # "forward" | "backward" | "optimizer"
-    count_per: str = "micro_batch"
+from shardtune.catalog.interconnects import default_intra_node, get_interconnect
+from shardtune.errors import UserError
+from shardtune.plan import compute as C
+from shardtune.plan.compute import achievable_mfu
+from shardtune.plan.ring import (
+    Cluster,
+    Group,
+    Link,
+    fsdp_copy_bytes,
+    load_profile,
+    mesh_groups,
+    op_time_s,
+    profile_link,
+)
+from shardtune.strategies import STRATEGY
 
 
 def exposed_time_s(comm_s: float, compute_s: float, num_layers: int) -> float:
@@ -187,43 +52,6 @@ class StepTime:
     forward_comm_s: float
     backward_comm_s: float
     optimizer_comm_s: float
-
-
-DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25), torch's default
-
-
-def num_calls(op, num_layers: int, group_size: int) -> int:
-    """How many collectives carry `op`'s bytes: FSDP2 issues one per wrapped module (each decoder
-    layer and the root: L + 1), DDP one per 25 MiB gradient bucket, ZeroRedundancyOptimizer one
-    broadcast per rank's partition."""
-    if op.op in ("all_gather", "reduce_scatter") or op.group == "replica":
-        return num_layers + 1
-    if op.op == "broadcast":
-        return max(1, group_size)
-    return max(1, math.ceil(op.payload_bytes / DDP_BUCKET_BYTES))
-
-
-def op_time_s(op, groups: dict[str, Group], cluster: Cluster, num_layers: int = 0) -> float:
-    """Time of a CommOp / plan.comm.Collective on its group, split into `num_calls` collectives."""
-    g = groups[op.group]
-    return group_time_s(op.op, op.payload_bytes, g.size, g.ranks_per_node, g.groups_per_node, cluster,
-                        num_calls(op, num_layers, g.size))
-
-
-def fsdp_copy_bytes(op, n: int) -> float:
-    """Bytes FSDP2 copies in memory around one of its collectives (S = the whole buffer).
-
-    all-gather: copy-in of the local shard into the send buffer (read + write S/n) and copy-out of
-    the gathered buffer into the unsharded parameters (read + write S); reduce-scatter: copy-in of
-    the unsharded grads (read + write S) and accumulation of the S/n output into the sharded grad
-    (read 2·S/n, write S/n) — torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py. DDP
-    (gradient_as_bucket_view) and HSDP's in-place replica all-reduce copy nothing extra.
-    """
-    if op.op == "all_gather":
-        return 2.0 * op.payload_bytes + 2.0 * op.payload_bytes / n
-    if op.op == "reduce_scatter":
-        return 2.0 * op.payload_bytes + 3.0 * op.payload_bytes / n
-    return 0.0
 
 
 def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: float,
@@ -314,8 +142,6 @@ def build_cluster(nodes: int, gpus_per_node: int, gpu_name: str, interconnect: s
     per-collective busbw replaces the link of its scope (intra: inside a node; inter: between
     nodes — measured across nodes, a ring's busbw is already the node's NIC bandwidth).
     """
-    from shardtune.catalog.interconnects import default_intra_node, get_interconnect
-
     intra_c = get_interconnect(intra_node or default_intra_node(gpu_name), "intra")
     inter_c = get_interconnect(interconnect or "ib-ndr-400", "inter")
     nics = nics_per_node or inter_c.nics_per_node
@@ -326,8 +152,6 @@ def build_cluster(nodes: int, gpus_per_node: int, gpu_name: str, interconnect: s
             "inter_busbw_gbps_per_node": inter_c.achieved_busbw_gbps * nics if nodes > 1 else None,
             "interconnect_defaulted": nodes > 1 and interconnect is None, "network_profile": None}
     if network_profile:
-        from shardtune.netbench.profile import load_profile, profile_link
-
         prof = load_profile(network_profile)
         link = profile_link(prof)
         if prof["scope"] == "inter":
@@ -350,7 +174,6 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     compute kernels run at mfu × peak; recompute and exposed communication then lower the MFU
     reported here. `arch` None (a bare --params count): 6N FLOPs per token, no attention term.
     """
-    from shardtune.plan import compute as C
 
     if arch is not None:
         L, H, Q = arch.num_layers, arch.num_heads, arch.head_dim
@@ -373,14 +196,14 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     forward_s = tokens_mb * fwd_tok / rate
     backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate
 
-    owners = {"ddp": 1, "hsdp": shard_degree}.get(strategy, cluster.world_size)
+    owners = shard_degree  # ranks one optimizer state is split over (strategies.Layout)
     params_per_rank = trainable_params / owners
     if offload in ("optimizer", "all"):
         optimizer_s = (C.optimizer_step_time_s(params_per_rank, HOST_OPTIMIZER_BYTES_PER_S, optimizer)
                        + C.offload_transfer_time_s(params_per_rank, PCIE_BYTES_PER_S))
     else:
         optimizer_s = C.optimizer_step_time_s(params_per_rank, mem_bw_bytes_per_s, optimizer)
-    groups = mesh_groups(cluster, shard_degree if strategy == "hsdp" else None)
+    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None)
     st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap,
                    copy_bytes_per_s=mem_bw_bytes_per_s)
     tokens_step = tokens_mb * grad_accum
@@ -404,9 +227,6 @@ def timing_context(inp, gpu, *, interconnect: str | None = None, intra_node: str
                    nics_per_node: int | None = None, network_profile: str | None = None,
                    mfu: float | None = None, tokens: float | None = None) -> dict:
     """Checked timing options → {"cluster", "mfu", "tokens", "network" (a description)}."""
-    from shardtune.errors import UserError
-    from shardtune.plan.compute import achievable_mfu
-
     if mfu is not None and not (isinstance(mfu, (int, float)) and 0 < mfu <= 1):
         raise UserError(f"--mfu {mfu!r} must be a fraction in (0, 1], e.g. 0.4")
     if tokens is not None and not (isinstance(tokens, (int, float)) and tokens > 0):

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args.recipe, args.overrides, **{f.name: getattr(args, f.name) for f in TRAIN_FLAGS})
         world = int(os.environ.get("WORLD_SIZE", 1))
         validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        from shardtune.train.core.main import run
+        from shardtune.train.main import run
 
         run(cfg)
     except UserError as e:

@@ -1,7 +1,7 @@
 """Differences between predicted, simulated and measured memory, as numbers and as rich tables.
 
 Keys are the planner's `Memory` keys (plan/api.py); measured runs use the trainer's
-memory.json names (`params_bytes`, ..., `peak_bytes`: train/core/main.py). GiB = 2^30 bytes,
+memory.json names (`params_bytes`, ..., `peak_bytes`: train/main.py). GiB = 2^30 bytes,
 MiB = 2^20 bytes. Imports no torch.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
 LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ",
           "buffers": "buffers", "optimizer_step_temp": "opt tmp", "total": "peak"}
-# memory.json (train/core/main.py) name of each planner key; buffers and the optimizer temporary are
+# memory.json (train/main.py) name of each planner key; buffers and the optimizer temporary are
 # not measured separately by the trainer
 MEASURED_KEYS = {"params": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",
                  "activations": "activations_bytes", "total": "peak_bytes"}

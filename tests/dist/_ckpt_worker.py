@@ -1,4 +1,4 @@
-"""One rank of the checkpoint tests: runs the real trainer (`shardtune.train.core.main.train`) once per
+"""One rank of the checkpoint tests: runs the real trainer (`shardtune.train.main.train`) once per
 case in the same processes (imports cost ~7 s per process) and writes rank<r>.json with each
 case's outcome ("ok" or the error message).
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from shardtune.config import load_recipe
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh
-from shardtune.train.core.main import DistContext, train
+from shardtune.train.main import DistContext, train
 
 
 def run_case(case: dict, out_dir: Path, rank: int, world: int) -> dict:

@@ -6,7 +6,7 @@ import pytest
 
 from shardtune.errors import UserError
 from shardtune.netbench.comm_bench import parse_sizes
-from shardtune.netbench.profile import load_profile, profile_link
+from shardtune.plan.ring import load_profile, profile_link
 from shardtune.testing.proc import run_bounded
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,7 +88,7 @@ def test_plan_uses_the_measured_profile(profile, tmp_path):
 
 def test_alpha_beta_fit_reproduces_both_ends():
     from shardtune.netbench.profile import fit_links, result_row
-    from shardtune.plan.timing import collective_time_s
+    from shardtune.plan.ring import collective_time_s
 
     # Synthetic all-gather over 4 ranks: α = 100 µs per step, busbw 2 GB/s:
     # t(S) = 3·100e-6 + (3/4)·S / 2e9, at 64 KiB and 64 MiB (written out by hand).

@@ -3,19 +3,17 @@ import math
 
 import pytest
 
-from shardtune.plan.timing import (
+from shardtune.plan.ring import (
     Cluster,
     CommOp,
     Link,
     bus_factor,
     collective_time_s,
-    exposed_time_s,
     group_time_s,
     mesh_groups,
     ring_bytes_per_rank,
-    step_time,
-    time_for_tokens,
 )
+from shardtune.plan.timing import exposed_time_s, step_time, time_for_tokens
 
 GB = 1e9
 
@@ -127,7 +125,7 @@ def test_step_time_links_in_parallel_and_time_for_tokens():
 def test_each_call_pays_its_latency():
     # 2 ranks on 2 nodes, 1 GB/s, α = 1 ms. A zero3 all-gather of 8 MB over L = 3 layers is issued
     # per FSDP unit (3 layers + root = 4 calls): 4 × 1 step × 1 ms + (1/2)·8e6 / 1e9 = 8 ms.
-    from shardtune.plan.timing import op_time_s
+    from shardtune.plan.ring import op_time_s
 
     c = _cluster(2, 1, 1, 1, alpha=1e-3)
     op = CommOp("all_gather", 8e6, "world", "forward")
@@ -159,7 +157,7 @@ def test_zero1_broadcasts_one_model_for_bytes_and_time():
     # ZeroRedundancyOptimizer, n = 4, fp32, 1e6 trainable params: each rank broadcasts its
     # partition B = 1e6 bytes (S = 4e6 in all). By hand, a pipelined chain root → … → last:
     from shardtune.plan.comm import bytes_per_step, collectives
-    from shardtune.plan.timing import op_time_s
+    from shardtune.plan.ring import op_time_s
 
     n, S, alpha, bw = 4, 4e6, 1e-3, 1 * GB
     sent = [0.0] * n

@@ -125,8 +125,8 @@ def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None
 
 
 def train(cfg: RunConfig, ctx: DistContext) -> dict:
-    """set-up → loop → finish (train/core/loop.py); returns the last logged metrics record."""
-    from shardtune.train.core.loop import finish, loop, set_up  # the trainer's torch-heavy imports
+    """set-up → loop → finish (train/loop.py); returns the last logged metrics record."""
+    from shardtune.train.loop import finish, loop, set_up  # the trainer's torch-heavy imports
 
     run_dir, planned = prepare_run_dir(cfg, ctx)
     built = set_up(cfg, ctx, run_dir, planned)

@@ -37,7 +37,7 @@ from shardtune.train.durable.keeper import RunKeeper
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
-    from shardtune.train.core.main import DistContext
+    from shardtune.train.main import DistContext
 
 
 @dataclass
