@@ -49,7 +49,8 @@ def nominal_strategy(name: str) -> str:
 
 
 def planned(runs: dict, strategy: str) -> dict | None:
-    r = runs.get(f"shardtune-{strategy}") or next((v for k, v in runs.items() if k.startswith(f"shardtune-{strategy}+")), None)
+    r = runs.get(f"shardtune-{strategy}") or next(
+        (v for k, v in runs.items() if k.startswith(f"shardtune-{strategy}+")), None)
     plan = r and r.get("plan")
     if not plan or "strategies" not in plan:
         return None

@@ -42,7 +42,8 @@ def parse_sizes(spec: str) -> list[int]:
         try:
             value = float(num) * _UNITS[unit]
         except (ValueError, KeyError):
-            raise UserError(f"bad message size {item.strip()!r}; use numbers with K, M or G (binary), e.g. --sizes 64K,1M,64M") from None
+            raise UserError(f"bad message size {item.strip()!r}; use numbers with K, M or G (binary), e.g. --sizes "
+                            "64K,1M,64M") from None
         if value < 1:
             raise UserError(f"message size {item.strip()!r} must be at least 1 byte")
         out.append(int(value))

@@ -26,7 +26,8 @@ def print_table(prof: dict, file=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{prof['backend']} · {prof['world_size']} ranks · {prof['num_nodes']} host(s) · scope {prof['scope']}")
+    t = Table(title=f"{prof['backend']} · {prof['world_size']} ranks · {prof['num_nodes']} host(s) · scope "
+                    f"{prof['scope']}")
     for col in ("collective", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)"):
         t.add_column(col, justify="left" if col == "collective" else "right")
     for r in prof["results"]:
@@ -40,11 +41,15 @@ def print_table(prof: dict, file=None) -> None:
 
 def comm(
     nproc: int = typer.Option(2, "--nproc", help="Processes (ranks) to start on this machine."),
-    sizes: str | None = typer.Option(None, "--sizes", help="Message sizes, binary units: e.g. 4K,1M,64M,256M (default KiB to 64 MiB on CPU, 512 MiB on GPU)."),
-    output: str | None = typer.Option(None, "-o", "--output", help="Write the profile JSON here (for `shardtune plan --network-profile`)."),
+    sizes: str | None = typer.Option(None, "--sizes", help="Message sizes, binary units: e.g. 4K,1M,64M,256M "
+                                                           "(default KiB to 64 MiB on CPU, 512 MiB on GPU)."),
+    output: str | None = typer.Option(None, "-o", "--output", help="Write the profile JSON here (for `shardtune "
+                                                                   "plan --network-profile`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the profile JSON instead of the table."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl with CUDA, else gloo) | gloo | nccl."),
-    scope: str | None = typer.Option(None, "--scope", help="intra | inter: which link of a plan the profile replaces (default: inter if the ranks ran on several hosts)."),
+    scope: str | None = typer.Option(
+        None, "--scope", help="intra | inter: which link of a plan the profile replaces (default: inter if the "
+        "ranks ran on several hosts)."),
     timeout: float = typer.Option(600, "--timeout", help="Seconds before every rank is stopped."),
 ) -> None:
     """Time all-gather, reduce-scatter and all-reduce; algbw and busbw as nccl-tests defines them."""

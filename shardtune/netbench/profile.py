@@ -37,8 +37,8 @@ def fit_links(rows: list[dict], n: int) -> dict[str, dict]:
         if big["size_bytes"] > small["size_bytes"] and big["time_s"] > small["time_s"]:
             busbw = factor * (big["size_bytes"] - small["size_bytes"]) / (big["time_s"] - small["time_s"])
             alpha = max(0.0, small["time_s"] - factor * small["size_bytes"] / busbw) / steps
-        links[kind] = {"busbw_gbps": busbw / 1e9, "alpha_s": alpha,
-                       "busbw_at_largest_gbps": big["busbw_gbps"], "from_sizes_bytes": [small["size_bytes"], big["size_bytes"]]}
+        links[kind] = {"busbw_gbps": busbw / 1e9, "alpha_s": alpha, "busbw_at_largest_gbps": big["busbw_gbps"],
+                       "from_sizes_bytes": [small["size_bytes"], big["size_bytes"]]}
     return links
 
 

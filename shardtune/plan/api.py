@@ -18,7 +18,8 @@ from shardtune.plan.params import (
     count_active_params,
     model_shapes,
 )
-from shardtune.plan.validate import Inputs, validate_inputs
+from shardtune.plan.timing import add_timing
+from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.strategies import STRATEGIES, STRATEGY, Layout, resolve_optimizer_impl
 
 GIB = 2**30
@@ -123,7 +124,7 @@ def _load_model(model, params: float | None, lora_rank: int) -> _Model:
     return _Model(name, source, total, trainable, shapes, arch, count_active_params(arch))
 
 
-def _states(m: _Model, strategy: str, inp: Inputs, shard_degree: int) -> memory.States:
+def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
     if inp.accounting == "paper":
         return memory.paper_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision, inp.optimizer)
     if m.shapes is None:
@@ -133,12 +134,12 @@ def _states(m: _Model, strategy: str, inp: Inputs, shard_degree: int) -> memory.
                                   _impl(inp))
 
 
-def _impl(inp: Inputs) -> str:
+def _impl(inp: PlanInputs) -> str:
     """The AdamW kernel planned: for `auto`, torch's choice on a GPU (strategies.py)."""
     return resolve_optimizer_impl(inp.optimizer_impl, inp.offload)
 
 
-def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
+def _buffers(m: _Model, strategy: str, inp: PlanInputs) -> int:
     if inp.accounting == "paper" or m.shapes is None:
         return 0
     key = (strategy, inp.precision)  # independent of the world size: computed once per plan
@@ -150,7 +151,7 @@ def _buffers(m: _Model, strategy: str, inp: Inputs) -> int:
     return m.buffer_cache[key]
 
 
-def _activations(m: _Model, inp: Inputs, strategy: str) -> int:
+def _activations(m: _Model, inp: PlanInputs, strategy: str) -> int:
     if m.arch is None:
         return 0
     # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py
@@ -162,7 +163,7 @@ def _activations(m: _Model, inp: Inputs, strategy: str) -> int:
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast)
 
 
-def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank: bool = True) -> StrategyPlan:
+def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
     layout = Layout.build(strategy, inp.gpus, inp.gpus_per_node, inp.hsdp_shard_size)
     shard, fsdp = layout.shard_degree, layout.strategy.fsdp
     st = _states(m, strategy, inp, shard)
@@ -200,7 +201,7 @@ def _plan_strategy(m: _Model, strategy: str, inp: Inputs, usable: int, per_rank:
     )
 
 
-def _per_rank(m: _Model, strategy: str, inp: Inputs, shard: int) -> dict | None:
+def _per_rank(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> dict | None:
     """params/grads/optimizer bytes of each rank's local tensors (FSDP2 `to_local()`, unpadded),
     for comparing a real run rank by rank; `memory` holds rank 0's, which equals the padded
     allocation every FSDP2 rank makes."""
@@ -212,18 +213,18 @@ def _per_rank(m: _Model, strategy: str, inp: Inputs, shard: int) -> dict | None:
     return {k: [getattr(s, k) for s in ranks] for k in ("params", "grads", "optimizer")}
 
 
-def _applicable(inp: Inputs) -> list[str]:
+def _applicable(inp: PlanInputs) -> list[str]:
     names = inp.strategies or list(STRATEGIES)
     if inp.offload == "all":  # FSDP2's CPUOffloadPolicy; DDP has no offload
         names = [s for s in names if STRATEGY[s].fsdp]
     return names
 
 
-def _suggest(m: _Model, sp: StrategyPlan, inp: Inputs, usable: int) -> str:
+def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
     """The smallest change that makes a strategy fit: without offload, and with offload."""
     from dataclasses import replace
 
-    def more_gpus(base: Inputs, label: str):
+    def more_gpus(base: PlanInputs, label: str):
         if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
             g = base.hsdp_shard_size * 2
             while g <= base.gpus and base.gpus % g == 0:
@@ -282,16 +283,11 @@ def default_reserve_bytes(gpu: GPU) -> int:
     return GIB + gpu.memory_bytes // 20
 
 
-def plan(model=None, gpus: int = 8, **options) -> PlanResult:
-    """Plan every applicable strategy for `model` (catalogue name, config.json, model folder or an
-    HF config dict) on `gpus` GPUs. Options (all keyword): gpu, nodes, gpus_per_node, seq_len,
-    micro_batch, grad_accum, precision, optimizer, ac, ac_every, offload, lora_rank, accounting,
-    hsdp_shard_size, params, reserve_gib, strategies — see `validate.Inputs` for defaults; timing
-    (plan/timing.py): interconnect, intra_node, nics_per_node, network_profile, mfu, tokens."""
-    from shardtune.plan.timing import TIMING_OPTIONS, add_timing
-
-    timing_options = {k: options.pop(k) for k in list(options) if k in TIMING_OPTIONS}
-    inp = validate_inputs(model=model, gpus=gpus, **options)
+def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields) -> PlanResult:
+    """Plan every applicable strategy: `plan(PlanInputs(model=..., gpus=...))`. The keyword form
+    `plan(model, gpus, **fields)` (fields: PlanInputs names) builds the same PlanInputs. The model
+    is a catalogue name, config.json, model folder or an HF config dict."""
+    inp = resolve_inputs(inputs, gpus, fields)
     gpu = resolve_gpu(inp.gpu)
     reserve = default_reserve_bytes(gpu) if inp.reserve_gib is None else round(inp.reserve_gib * GIB)
     if reserve >= gpu.memory_bytes:
@@ -318,11 +314,11 @@ def plan(model=None, gpus: int = 8, **options) -> PlanResult:
         inputs=inp.to_dict(), accounting=inp.accounting, strategies=plans,
         verdict=_verdict(plans, usable), notes=notes,
     )
-    add_timing(result, m.arch, inp, gpu, **timing_options)  # step time, tokens/s, MFU (plan/timing.py)
+    add_timing(result, m.arch, inp, gpu, **inp.timing_options())  # step time, tokens/s, MFU (plan/timing.py)
     return result
 
 
-def _notes(m: _Model, inp: Inputs) -> list[str]:
+def _notes(m: _Model, inp: PlanInputs) -> list[str]:
     notes = []
     if m.shapes is None:
         notes.append("model states only (--params): no activations, buffers or FSDP padding")

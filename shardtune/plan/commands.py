@@ -1,7 +1,7 @@
 """`shardtune plan`: per-GPU memory, fit and communication of every strategy. Imports no torch.
 
-To add options (e.g. step time, --fit): add parameters to `plan_cmd`, leave the planner inputs to
-`planner_inputs`, and act on the `PlanResult` after `plan(...)` in `plan_cmd`.
+To add a planner input: add the field to `plan.validate.PlanInputs` (its default is the option's),
+a parameter to `plan_cmd` and its name to `values`.
 """
 from __future__ import annotations
 
@@ -10,13 +10,7 @@ import sys
 
 import typer
 
-
-def planner_inputs(**cli: object) -> dict:
-    """The CLI values that are planner inputs (`shardtune.plan.validate.Inputs`), by name."""
-    from shardtune.plan.validate import Inputs
-
-    names = set(Inputs.__dataclass_fields__)
-    return {k: v for k, v in cli.items() if k in names}
+from shardtune.plan.validate import PlanInputs
 
 
 def recipe_inputs(path: str, given: set[str]) -> dict:
@@ -32,38 +26,67 @@ def _given_on_command_line(ctx: typer.Context) -> set[str]:
             if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
 
 
+_D = PlanInputs()  # the defaults, in one place
+
+
 def plan_cmd(
     ctx: typer.Context,
-    model: str | None = typer.Argument(None, help="Catalogue name (shardtune plan --list), HF config.json, model folder, or a training recipe (YAML: its model and settings)."),
-    gpus: int = typer.Option(8, "--gpus", help="Total GPUs (world size)."),
-    nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default: gpus / gpus-per-node)."),
-    gpus_per_node: int | None = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(8, gpus))."),
-    gpu: str = typer.Option("h100-80gb", "--gpu", help="GPU catalogue name."),
-    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sequence."),
-    micro_batch: int = typer.Option(1, "--micro-batch", help="Sequences per GPU per forward/backward."),
-    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
-    precision: str = typer.Option("bf16-mixed", "--precision", help="bf16-mixed | bf16 | fp32."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw | sgd | adamw-8bit."),
-    optimizer_impl: str = typer.Option("auto", "--optimizer-impl", help="AdamW kernel: auto (torch's choice: foreach on GPUs, for-loop with --offload all) | foreach | fused | for-loop | bf16-stochastic; sets the step's temporaries."),
-    ac: str = typer.Option("none", "--ac", help="Activation checkpointing: none | full | selective."),
-    ac_every: int = typer.Option(2, "--ac-every", help="selective AC: checkpoint every k-th layer."),
-    offload: str = typer.Option("none", "--offload", help="none | optimizer | all (CPU RAM per node is reported)."),
-    lora_rank: int = typer.Option(0, "--lora-rank", help="LoRA rank on all attention and MLP projections (0: full fine-tune)."),
-    accounting: str = typer.Option("shardtune", "--accounting", help="shardtune (what the trainer holds) | paper (ZeRO §5)."),
-    hsdp_shard_size: int | None = typer.Option(None, "--hsdp-shard-size", help="hsdp: ranks per shard group (default gpus per node)."),
-    params: float | None = typer.Option(None, "--params", help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states only."),
-    reserve_gib: float | None = typer.Option(None, "--reserve-gib", help="GiB kept free per GPU (default 1 GiB + 5 % of the GPU)."),
+    model: str | None = typer.Argument(
+        None, help="Catalogue name (shardtune plan --list), HF config.json, model folder, or a training recipe "
+        "(YAML: its model and settings)."),
+    gpus: int = typer.Option(_D.gpus, "--gpus", help="Total GPUs (world size)."),
+    nodes: int | None = typer.Option(_D.nodes, "--nodes", help="Nodes (default: gpus / gpus-per-node)."),
+    gpus_per_node: int | None = typer.Option(_D.gpus_per_node, "--gpus-per-node",
+                                             help="GPUs per node (default min(8, gpus))."),
+    gpu: str = typer.Option(_D.gpu, "--gpu", help="GPU catalogue name."),
+    seq_len: int = typer.Option(_D.seq_len, "--seq-len", help="Tokens per sequence."),
+    micro_batch: int = typer.Option(_D.micro_batch, "--micro-batch", help="Sequences per GPU per forward/backward."),
+    grad_accum: int = typer.Option(_D.grad_accum, "--grad-accum", help="Micro-batches per optimizer step."),
+    precision: str = typer.Option(_D.precision, "--precision", help="bf16-mixed | bf16 | fp32."),
+    optimizer: str = typer.Option(_D.optimizer, "--optimizer", help="adamw | sgd | adamw-8bit."),
+    optimizer_impl: str = typer.Option(
+        _D.optimizer_impl, "--optimizer-impl",
+        help="AdamW kernel: auto (torch's choice: foreach on GPUs, for-loop with --offload all) | foreach | fused "
+        "| for-loop | bf16-stochastic; sets the step's temporaries."),
+    ac: str = typer.Option(_D.ac, "--ac", help="Activation checkpointing: none | full | selective."),
+    ac_every: int = typer.Option(_D.ac_every, "--ac-every", help="selective AC: checkpoint every k-th layer."),
+    offload: str = typer.Option(_D.offload, "--offload", help="none | optimizer | all (CPU RAM per node is reported)."),
+    lora_rank: int = typer.Option(_D.lora_rank, "--lora-rank",
+                                  help="LoRA rank on all attention and MLP projections (0: full fine-tune)."),
+    accounting: str = typer.Option(_D.accounting, "--accounting",
+                                   help="shardtune (what the trainer holds) | paper (ZeRO §5)."),
+    hsdp_shard_size: int | None = typer.Option(_D.hsdp_shard_size, "--hsdp-shard-size",
+                                               help="hsdp: ranks per shard group (default gpus per node)."),
+    params: float | None = typer.Option(_D.params, "--params",
+                                        help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states "
+                                             "only."),
+    reserve_gib: float | None = typer.Option(_D.reserve_gib, "--reserve-gib",
+                                             help="GiB kept free per GPU (default 1 GiB + 5 % of the GPU)."),
     strategy: list[str] | None = typer.Option(None, "--strategy", help="Only these strategies (repeatable)."),
     list_models: bool = typer.Option(False, "--list", help="List the catalogue's models and GPUs, then exit."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the plan.json format)."),
-    simulate: bool = typer.Option(False, "--simulate", help="Also trace the trainer's real step on fake tensors at world size --gpus (needs torch) and show it beside the analytic numbers."),
-    interconnect: str | None = typer.Option(None, "--interconnect", help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, eth-100g, eth-25g, eth-10g (default ib-ndr-400)."),
-    intra_node: str | None = typer.Option(None, "--intra-node", help="Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu)."),
-    nics_per_node: int | None = typer.Option(None, "--nics-per-node", help="NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet)."),
-    network_profile: str | None = typer.Option(None, "--network-profile", help="Measured profile from `shardtune bench comm -o FILE`, used instead of catalogue bandwidths."),
-    mfu: float | None = typer.Option(None, "--mfu", help="Achievable MFU of the compute (default per GPU, e.g. 0.40 for H100)."),
-    tokens: float | None = typer.Option(None, "--tokens", help="Tokens to train on: report wall-clock days and GPU-hours."),
-    fit: bool = typer.Option(False, "--fit", help="Search strategy × AC × offload × micro-batch × shard size × precision for the fastest config that fits."),
+    simulate: bool = typer.Option(
+        False, "--simulate", help="Also trace the trainer's real step on fake tensors at world size --gpus "
+        "(needs torch) and show it beside the analytic numbers."),
+    interconnect: str | None = typer.Option(
+        _D.interconnect, "--interconnect", help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, "
+        "eth-100g, eth-25g, eth-10g (default ib-ndr-400)."),
+    intra_node: str | None = typer.Option(
+        _D.intra_node, "--intra-node",
+        help="Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu)."),
+    nics_per_node: int | None = typer.Option(
+        _D.nics_per_node, "--nics-per-node",
+        help="NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet)."),
+    network_profile: str | None = typer.Option(
+        _D.network_profile, "--network-profile",
+        help="Measured profile from `shardtune bench comm -o FILE`, used instead of catalogue bandwidths."),
+    mfu: float | None = typer.Option(_D.mfu, "--mfu",
+                                     help="Achievable MFU of the compute (default per GPU, e.g. 0.40 for H100)."),
+    tokens: float | None = typer.Option(_D.tokens, "--tokens",
+                                        help="Tokens to train on: report wall-clock days and GPU-hours."),
+    fit: bool = typer.Option(
+        False, "--fit", help="Search strategy × AC × offload × micro-batch × shard size × precision for the fastest "
+        "config that fits."),
 ) -> None:
     """Per-GPU memory (params, grads, optimizer, activations, buffers), fit and communication of
     every strategy: ddp, zero1, zero2, zero3, hsdp."""
@@ -72,21 +95,24 @@ def plan_cmd(
         return
     from shardtune.plan import plan
 
-    cli_values = {k: v for k, v in locals().items() if k != "ctx"}
+    values = dict(
+        model=model, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, seq_len=seq_len,
+        micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
+        optimizer_impl=optimizer_impl, ac=ac, ac_every=ac_every, offload=offload, lora_rank=lora_rank,
+        accounting=accounting, hsdp_shard_size=hsdp_shard_size, params=params, reserve_gib=reserve_gib,
+        strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,
+        nics_per_node=nics_per_node, network_profile=network_profile, mfu=mfu, tokens=tokens)
     if model and model.endswith((".yaml", ".yml")):
-        cli_values.update(recipe_inputs(model, _given_on_command_line(ctx) - {"model"}))
-    options = planner_inputs(**cli_values)
-    options["strategies"] = strategy or None
-    options.update(interconnect=interconnect, intra_node=intra_node, nics_per_node=nics_per_node,
-                   network_profile=network_profile, mfu=mfu, tokens=tokens)  # plan/timing.py
+        values.update(recipe_inputs(model, _given_on_command_line(ctx) - {"model"}))
+    inputs = PlanInputs(**values)
     if fit:
-        _fit(options, as_json)
+        _fit(inputs, as_json)
         return
-    result = plan(**options)
+    result = plan(inputs)
     if simulate:  # torch is imported only here (verify/simulate.py)
         from shardtune.verify.simulate import attach_simulation
 
-        attach_simulation(result, options["model"])
+        attach_simulation(result, inputs.model)
     if as_json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -100,10 +126,10 @@ def plan_cmd(
         render_simulated(result)
 
 
-def _fit(options: dict, as_json: bool) -> None:
+def _fit(inputs: PlanInputs, as_json: bool) -> None:
     from shardtune.plan.fit import render_fit, search
 
-    result = search(**options)
+    result = search(inputs)
     if as_json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")

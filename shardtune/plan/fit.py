@@ -43,7 +43,8 @@ class Candidate:
                 f"{self.micro_batch}, {self.precision}")
 
     def flags(self) -> str:
-        f = f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} --micro-batch {self.micro_batch} --precision {self.precision}"
+        f = (f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} "
+             f"--micro-batch {self.micro_batch} --precision {self.precision}")
         return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else "")
 
 
@@ -75,22 +76,21 @@ def _shard_sizes(world: int, per_node: int) -> list[int]:
     return sorted(sizes)
 
 
-def search(model=None, gpus: int = 8, top: int = 5, **options) -> FitResult:
-    """Every configuration of the search space, ranked; options as `shardtune.plan.plan`."""
+def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> FitResult:
+    """Every configuration of the search space, ranked; inputs as `shardtune.plan.plan`."""
     from shardtune.catalog.gpus import resolve_gpu
     from shardtune.plan import api
-    from shardtune.plan.timing import TIMING_OPTIONS, time_strategy, timing_context
-    from shardtune.plan.validate import validate_inputs
+    from shardtune.plan.timing import time_strategy, timing_context
+    from shardtune.plan.validate import resolve_inputs
     from shardtune.strategies import STRATEGIES
 
-    timing_options = {k: options.pop(k) for k in list(options) if k in TIMING_OPTIONS}
-    base = validate_inputs(model=model, gpus=gpus, **options)
+    base = resolve_inputs(inputs, gpus, fields)
     gpu = resolve_gpu(base.gpu)
     reserve = api.default_reserve_bytes(gpu) if base.reserve_gib is None else round(base.reserve_gib * GIB)
     usable = gpu.memory_bytes - reserve
     m = api._load_model(base.model, base.params, base.lora_rank)
     info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
-    ctx = timing_context(base, gpu, **timing_options)
+    ctx = timing_context(base, gpu, **base.timing_options())
     strategies = base.strategies or list(STRATEGIES)
     # a bare --params count has no activations to model: AC and micro-batch cannot be searched
     acs = AC_MODES if m.arch is not None else ("none",)
@@ -108,8 +108,9 @@ def search(model=None, gpus: int = 8, top: int = 5, **options) -> FitResult:
                             inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,
                                           precision=precision, ac=ac, offload=offload, micro_batch=mb)
                             sp = api._plan_strategy(m, strategy, inp, usable)
+                            timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
-                                          sp.memory.total / GIB, usable / GIB, time_strategy(sp, m.arch, info, inp, gpu, ctx))
+                                          sp.memory.total / GIB, usable / GIB, timing)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)
                             out.append(c)
@@ -165,9 +166,10 @@ def _why_loses(c: Candidate, best: Candidate) -> str:
         "optimizer step": per_token(c, "optimizer_time_s") - per_token(best, "optimizer_time_s"),
     }
     worst = max(diffs, key=diffs.get)
-    changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in ("strategy", "hsdp_shard_size", "ac", "offload",
-                                                                      "micro_batch", "precision")
-               if getattr(best, k) != getattr(c, k) and not (k == "hsdp_shard_size" and None in (best.hsdp_shard_size, c.hsdp_shard_size))]
+    keys = ("strategy", "hsdp_shard_size", "ac", "offload", "micro_batch", "precision")
+    no_shard = None in (best.hsdp_shard_size, c.hsdp_shard_size)
+    changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in keys
+               if getattr(best, k) != getattr(c, k) and not (k == "hsdp_shard_size" and no_shard)]
     return f"{gap:.1%} slower than #1 ({', '.join(changed) or 'same'}): more {worst} per token"
 
 
@@ -181,7 +183,8 @@ def render_fit(fit: FitResult, console) -> None:
         console.print("nothing fits; the closest:")
     else:
         b = fit.best
-        console.print(f"best: {b.label()} → {b.tokens_per_s:,.0f} tokens/s per GPU, step {_secs(b.timing['step_time_s'])} s, "
+        console.print(f"best: {b.label()} → {b.tokens_per_s:,.0f} tokens/s per GPU, step "
+                      f"{_secs(b.timing['step_time_s'])} s, "
                       f"MFU {b.timing['mfu']:.1%}, peak {b.peak_gib:.1f} of {b.usable_gib:.1f} GiB")
         console.print(f"  use: {b.flags()}")
         for i, c in enumerate(fit.ranked[1:], 2):

@@ -76,7 +76,8 @@ def architecture_from_config(cfg: dict) -> Architecture:
     kv = _int(cfg, "num_key_value_heads", n)
     head_dim = cfg.get("head_dim") or (h // n if h % n == 0 else None)
     if head_dim is None:
-        raise UserError(f"config.json: hidden_size {h} is not divisible by num_attention_heads {n}; fix the model config")
+        raise UserError(f"config.json: hidden_size {h} is not divisible by num_attention_heads {n}; fix the model "
+                        "config")
     if n % kv:
         raise UserError(f"config.json: num_attention_heads {n} is not a multiple of num_key_value_heads {kv}")
     experts = _int(cfg, "num_local_experts") if mt == "mixtral" else 0

@@ -20,7 +20,8 @@ def render_text(result: PlanResult, console=None) -> None:
             console = Console(highlight=False, width=120)
     m, hw, inp = result.model, result.hardware, result.inputs
     trainable = "" if m["trainable_params"] == m["params"] else f", {m['trainable_params']:,} trainable"
-    active = "" if m["active_params"] == m["params"] or inp["lora_rank"] else f", {m['active_params']:,} active per token"
+    dense = m["active_params"] == m["params"] or inp["lora_rank"]
+    active = "" if dense else f", {m['active_params']:,} active per token"
     console.print(f"model {m['name']}: {m['params']:,} parameters{trainable}{active}")
     console.print(
         f"{hw['gpus']} × {hw['gpu']} ({hw['nodes']} node(s) × {hw['gpus_per_node']}): "
@@ -39,7 +40,8 @@ def render_text(result: PlanResult, console=None) -> None:
         console.print(timing_table(result))
     for s in result.strategies:
         if s.cpu_offload_bytes_per_node:
-            console.print(f"{s.name}: offloaded states need {_gib(s.cpu_offload_bytes_per_node)} GiB of CPU RAM per node")
+            console.print(f"{s.name}: offloaded states need {_gib(s.cpu_offload_bytes_per_node)} GiB of CPU RAM per "
+                          "node")
     console.print(f"verdict: {result.verdict}")
     for note in result.notes:
         console.print(f"note: {note}")

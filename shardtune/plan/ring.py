@@ -203,7 +203,8 @@ def load_profile(path: str | Path) -> dict:
     p = Path(path)
     prof = read_json_object(p, "network profile", f"write one with `shardtune bench comm -o {p}`")
     if not isinstance(prof.get("links"), dict) or not prof["links"]:
-        raise UserError(f"{str(p)!r} is not a shardtune network profile (no 'links'); rerun `shardtune bench comm -o FILE`")
+        raise UserError(f"{str(p)!r} is not a shardtune network profile (no 'links'); rerun `shardtune bench comm "
+                        "-o FILE`")
     for kind, v in prof["links"].items():
         if kind not in KINDS or not isinstance(v, dict) or not float(v.get("busbw_gbps", 0)) > 0:
             raise UserError(f"network profile {str(p)!r}: bad entry for {kind!r}; rerun `shardtune bench comm -o FILE`")

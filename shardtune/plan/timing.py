@@ -130,7 +130,6 @@ def time_for_tokens(total_tokens: float, tokens_per_s_per_gpu: float, num_gpus: 
 HOST_OPTIMIZER_BYTES_PER_S = 20e9
 # Host↔GPU copies under offload: PCIe 4.0 x16, ~25 GB/s achieved (31.5 GB/s line rate).
 PCIE_BYTES_PER_S = 25e9
-TIMING_OPTIONS = ("interconnect", "intra_node", "network_profile", "mfu", "tokens", "nics_per_node")
 
 
 def build_cluster(nodes: int, gpus_per_node: int, gpu_name: str, interconnect: str | None = None,
@@ -241,7 +240,7 @@ def timing_context(inp, gpu, *, interconnect: str | None = None, intra_node: str
 
 
 def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
-    """predict_strategy for one api.StrategyPlan under `inp` (validate.Inputs)."""
+    """predict_strategy for one api.StrategyPlan under `inp` (validate.PlanInputs)."""
     return predict_strategy(
         arch, sp.collectives, strategy=sp.name, shard_degree=sp.shard_degree, cluster=ctx["cluster"],
         micro_batch=inp.micro_batch, seq_len=inp.seq_len, grad_accum=inp.grad_accum, ac=inp.ac,

@@ -5,7 +5,8 @@ Imports no torch.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+from dataclasses import fields as dc_fields
 
 from shardtune.errors import UserError
 from shardtune.strategies import (
@@ -24,9 +25,13 @@ MAX_SEQ_LEN = 10_000_000
 MAX_MICRO_BATCH = 100_000
 
 
+# step-time options (plan/timing.py `timing_context` checks them); not part of plan.json's "inputs"
+TIMING_OPTIONS = ("interconnect", "intra_node", "network_profile", "mfu", "tokens", "nics_per_node")
+
+
 @dataclass
-class Inputs:
-    """Everything a plan depends on, validated (names as in the CLI flags)."""
+class PlanInputs:
+    """Everything a plan depends on (names as in the CLI flags); `plan(PlanInputs(...))`."""
 
     model: object = None  # catalogue name, config.json, model folder or HF config dict
     gpus: int = 8  # total GPUs (world size)
@@ -48,11 +53,38 @@ class Inputs:
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
     strategies: list[str] | None = None  # default: all that apply
+    interconnect: str | None = None  # link between nodes (default ib-ndr-400)
+    intra_node: str | None = None  # link inside a node (default from the GPU)
+    nics_per_node: int | None = None  # default: the interconnect's
+    network_profile: str | None = None  # `shardtune bench comm -o FILE`, instead of catalogue links
+    mfu: float | None = None  # achievable MFU of the compute (default per GPU)
+    tokens: float | None = None  # tokens to train on: wall-clock days and GPU-hours
 
     def to_dict(self) -> dict:
+        """The plan.json "inputs": every field but the model and the timing options."""
         d = asdict(self)
-        d.pop("model")
+        for k in ("model", *TIMING_OPTIONS):
+            d.pop(k)
         return d
+
+    def timing_options(self) -> dict:
+        return {k: getattr(self, k) for k in TIMING_OPTIONS}
+
+
+def resolve_inputs(inputs=None, gpus: int | None = None, fields: dict | None = None) -> PlanInputs:
+    """Validated PlanInputs from `plan(PlanInputs(...))` or from the keyword form
+    `plan(model, gpus, **fields)` (fields: PlanInputs names; an unknown one is a UserError)."""
+    fields = dict(fields or {})
+    if isinstance(inputs, PlanInputs):
+        if gpus is not None or fields:
+            raise TypeError("give a PlanInputs or keyword fields, not both")
+        fields = {f.name: getattr(inputs, f.name) for f in dc_fields(PlanInputs)}
+    else:
+        if inputs is not None:
+            fields["model"] = inputs
+        if gpus is not None:
+            fields["gpus"] = gpus
+    return validate_inputs(**fields)
 
 
 def _int_in(name: str, value, lo: int, hi: int) -> int:
@@ -64,13 +96,13 @@ def _int_in(name: str, value, lo: int, hi: int) -> int:
     return int(value)
 
 
-def validate_inputs(**kw) -> Inputs:
+def validate_inputs(**kw) -> PlanInputs:
     """Checked, normalised `Inputs`; a bad value is a one-line UserError naming the flag."""
-    known = {f.name for f in fields(Inputs)}
+    known = {f.name for f in dc_fields(PlanInputs)}
     unknown = sorted(set(kw) - known)
     if unknown:
         raise UserError(f"unknown plan option {unknown[0]!r}; known: {', '.join(sorted(known))}")
-    inp = Inputs(**{k: v for k, v in kw.items() if v is not None or k in ("model",)})
+    inp = PlanInputs(**{k: v for k, v in kw.items() if v is not None or k in ("model",)})
     if inp.model is None and inp.params is None:
         raise UserError("give a MODEL (catalogue name, config.json or model folder) or --params N")
     if inp.model is not None and inp.params is not None:
@@ -101,7 +133,7 @@ def validate_inputs(**kw) -> Inputs:
     return inp
 
 
-def _layout(inp: Inputs) -> None:
+def _layout(inp: PlanInputs) -> None:
     """nodes × gpus_per_node = gpus, and an HSDP shard size that divides the world."""
     n = inp.gpus
     if inp.nodes is not None:

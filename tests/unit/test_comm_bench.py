@@ -73,7 +73,8 @@ def test_plan_uses_the_measured_profile(profile, tmp_path):
     # ddp, 2 ranks on one node (scope intra): one all-reduce of S bytes per step:
     # 2(n-1) = 2 ring steps of α + 2(n-1)/n·S = S bytes at the measured all-reduce busbw.
     (c,) = ddp.collectives
-    assert ddp.timing["comm_time_s"] == pytest.approx(2 * ar["alpha_s"] + c.payload_bytes / (ar["busbw_gbps"] * 1e9), rel=1e-3)
+    expect_ddp = 2 * ar["alpha_s"] + c.payload_bytes / (ar["busbw_gbps"] * 1e9)
+    assert ddp.timing["comm_time_s"] == pytest.approx(expect_ddp, rel=1e-3)
     # zero3: two all-gathers and one reduce-scatter, each issued per FSDP unit (4 decoder layers +
     # the root = 5 calls of (n-1) = 1 ring step each) + S/2 bytes at its own busbw; plus FSDP2's
     # copy-in/copy-out at the H100's 3.35 TB/s (all-gather 2S + 2S/2, reduce-scatter 2S + 3S/2).
@@ -81,7 +82,8 @@ def test_plan_uses_the_measured_profile(profile, tmp_path):
     for c in zero3.collectives:
         link = ag if c.op == "all_gather" else rs
         copies = 3.0 if c.op == "all_gather" else 3.5
-        expect += 5 * link["alpha_s"] + c.payload_bytes / 2 / (link["busbw_gbps"] * 1e9) + copies * c.payload_bytes / 3.35e12
+        expect += (5 * link["alpha_s"] + c.payload_bytes / 2 / (link["busbw_gbps"] * 1e9)
+                   + copies * c.payload_bytes / 3.35e12)
     assert zero3.timing["comm_time_s"] == pytest.approx(expect, rel=1e-3)
     assert result.hardware["network"]["network_profile"]["scope"] == "intra"
 

@@ -197,7 +197,8 @@ def test_fsdp_buffers_by_hand():
     # zero_grad(set_to_none=True) frees FSDP's sharded grads at the step's start: they are not
     # there at the activation peak; the optimizer step sees the states and its own temporaries
     # only (train_step drops the last logits before backward; calibrated against `plan
-    # --simulate`, docs/calibration.md) ... and the end of backward holds the root's bf16 grads and their fp32 reduce-scatter input
+    # --simulate`, docs/calibration.md) ... and the end of backward holds the root's bf16 grads and
+    # their fp32 reduce-scatter input
     # while the root's own fp32 sharded grads (ceil(264/2) rows of the embedding and the LM head,
     # half the norm: rank 0 of 2) do not exist yet: the reduce-scatter makes them
     root_reduce = (2 + 4) * root - 4 * (2 * 132 * 128 + 64)

@@ -99,7 +99,8 @@ def test_local_config_folder_plans(tmp_path, capsys):
 def test_plan_path_imports_no_torch():
     code = ("import sys, io, contextlib; import shardtune.cli; from shardtune.plan import plan; "
             "plan('llama-3-70b', 8)\n"
-            "with contextlib.redirect_stdout(io.StringIO()): rc = shardtune.cli.main(['plan', 'llama-3-70b', '--gpus', '8'])\n"
+            "with contextlib.redirect_stdout(io.StringIO()): rc = shardtune.cli.main(['plan', 'llama-3-70b', "
+            "'--gpus', '8'])\n"
             "assert rc == 0, rc\n"
             "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert not heavy, heavy")
