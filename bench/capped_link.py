@@ -6,8 +6,8 @@ with one "GPU" (one CPU process) each. At each rate the link is capped with `tc 
 ends; then, through the capped link:
   1. `python -m shardtune.netbench.comm_bench` measures the collectives → a profile (scope inter);
   2. a ~3.3 M-parameter Llama trains a few steps with ddp and with zero3, built and stepped by the
-     trainer's own code (train.model.build_model → parallel.apply.apply_parallelism,
-     train.step.train_step), fp32, gloo; each rank first times forward+backward and the AdamW
+     trainer's own code (train.core.model.build_model → parallel.build.build_parallel_model,
+     train.core.step.train_step), fp32, gloo; each rank first times forward+backward and the AdamW
      step of an unwrapped copy (both ranks at once, so CPU sharing is included): the measured
      compute rate;
   3. the planner (plan.comm.collectives + plan.timing.predict_strategy), fed the profile and

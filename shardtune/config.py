@@ -1,7 +1,7 @@
 """Typed run config: YAML recipe + `key.path=value` overrides → validated `RunConfig`.
 
 Each section is a small pydantic model; functions take the narrowest section they need
-(`apply_parallelism(model, cfg.parallel, mesh)`), never the whole config. Checks that need more
+(`build_parallel_model(meta_model, cfg.parallel, mesh, ...)`), never the whole config. Checks that need more
 than the config's own fields (model folder, dataset, world size, run folder) are
 train/preflight.py `validate_for_launch`. Imports no torch (and nothing from plan/ or train/), so
 `shardtune train` validates a recipe before any process starts.

@@ -158,7 +158,7 @@ class Layout:
             shard = hsdp_shard_size if hsdp_shard_size is not None else min(per_node, world_size)
             if shard < 1 or shard > world_size or world_size % shard:
                 raise UserError(f"hsdp shard size {shard} does not divide the world size {world_size}; "
-                                f"set parallel.hsdp_shard_size (--hsdp-shard-size) to a divisor of {world_size}")
+                                f"set parallel.hsdp_shard_size (plan: --hsdp-shard-size) to a divisor of {world_size}")
             return cls(s, world_size, per_node, shard, world_size // shard)
         if not s.shards_optimizer:
             return cls(s, world_size, per_node, 1, world_size)

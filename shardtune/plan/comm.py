@@ -1,35 +1,15 @@
 """Communication per optimizer step: the collectives each strategy issues, and bytes per rank.
 
-Each strategy is a list of `Collective`s (the α-β time model in plan/timing.py prices them).
-`payload_bytes` follows nccl-tests' size convention: the whole buffer — the all-reduce buffer,
-the all-gather output, the reduce-scatter input. A ring sends per rank (nccl-tests
-doc/PERFORMANCE.md; Patarasuk & Yuan 2009):
-  all-reduce      2(n−1)/n · S
-  all-gather      (n−1)/n · S
-  reduce-scatter  (n−1)/n · S
-  broadcast       (n−1)/n · S  for ZeroRedundancyOptimizer's broadcasts of each rank's partition
-                  from its owner (Σ = S; in a pipelined chain n−1 of the n ranks forward each
-                  byte, so (n−1)·S sends in all, (n−1)/n·S per rank). Its time is S / busbw,
-                  not (n−1)/n·S / busbw: one rank's link idles in each chain (plan/timing.py,
-                  which owns both numbers: `ring_bytes_per_rank`, `bus_factor`).
-
-What our trainer sends (docs/DESIGN.md; Ψ = parameters, bf16-mixed):
-  ddp    all-reduce of the grads in the reduce dtype (fp32 → 4Ψ bytes), once per step (no_sync
-         on the other micro-batches). The ZeRO paper counts 2Ψ elements in fp16.
-  zero1  the same all-reduce, then ZeroRedundancyOptimizer broadcasts each rank's updated fp32
-         partition (4Ψ bytes in all): 3Ψ elements, where the paper's ZeRO-1 moves 2Ψ.
-  zero2  all-gather of the bf16 params (2Ψ bytes) per micro-batch + reduce-scatter of the fp32
-         grads (4Ψ) per micro-batch (FSDP2 reduces in every backward by default).
-  zero3  all-gather in forward and again in backward + reduce-scatter: 3Ψ elements, 1.5× DDP's
-         2Ψ — the "+50 %" — counted in elements. In bytes with bf16 gathers and fp32 reductions
-         it is (2 + 2 + 4)Ψ against DDP's 2·4Ψ: the same bytes as DDP.
-  hsdp   zero3 inside a shard group of G ranks + all-reduce of the fp32 grad shards (4Ψ/G)
-         across the N/G replicas, once per step: train/core/step.py sets FSDP2's
-         set_requires_all_reduce(False) on all but the last micro-batch (FSDP2's default
-         all-reduces every micro-batch); the reduce-scatter stays per micro-batch.
-FSDP2 collectives move padded shards: S = n · Σ ceil(dim0/n)·rest (memory.fsdp2_shard_numel).
-The root group is resharded after forward (the trainer passes reshard_after_forward explicitly)
-and all-gathered again in backward. Imports no torch.
+Each strategy is a list of `Collective`s (plan/timing.py prices them with plan/ring.py's α-β
+model). `payload_bytes` follows nccl-tests' convention: the whole buffer (all-reduce buffer,
+all-gather output, reduce-scatter input); a ring sends 2(n−1)/n · S per rank for all-reduce and
+(n−1)/n · S for all-gather, reduce-scatter and zero1's partition broadcasts (nccl-tests
+doc/PERFORMANCE.md; Patarasuk & Yuan 2009). Per step, Ψ = parameters, bf16-mixed: ddp 4Ψ bytes
+(fp32 all-reduce); zero1 + 4Ψ broadcast; zero2 2Ψ gather + 4Ψ reduce-scatter per micro-batch;
+zero3 gathers twice: (2 + 2 + 4)Ψ, DDP's bytes in 1.5× its elements (the "+50 %"); hsdp zero3
+in a shard group + the grad shards all-reduced across replicas once per step. FSDP2 moves padded
+shards (memory.fsdp2_shard_numel). Derivation: docs/planner.md "Communication: derivation".
+Imports no torch.
 """
 from __future__ import annotations
 

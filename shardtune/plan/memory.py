@@ -1,63 +1,17 @@
 """Per-GPU model states (params, grads, optimizer) and temporary buffers for each strategy.
 
-Two accountings, named in every result:
-
-* `paper` — ZeRO (Rajbhandari et al. 2020, §5 and Figure 1): mixed-precision Adam holds
-  2Ψ (fp16 params) + 2Ψ (fp16 grads) + KΨ (K = 12: fp32 params, momentum, variance). ZeRO-1
-  shards the KΨ, ZeRO-2 also the grads, ZeRO-3 also the params, each over N ranks:
-  DDP (4 + K)Ψ, ZeRO-1 4Ψ + KΨ/N, ZeRO-2 2Ψ + (2 + K)Ψ/N, ZeRO-3 (4 + K)Ψ/N.
-  Ψ = 7.5e9, N = 64 → 120 / 31.4 / 16.6 / 1.9 GB (10^9 bytes), the paper's Figure 1.
-  Model states only: no buffers, no optimizer temporaries, no padding.
-* `shardtune` (default) — what our trainer really holds (docs/DESIGN.md "Strategies"):
-  - zero2 / zero3 / hsdp: FSDP2 `fully_shard` per decoder layer, then the root. Sharded params
-    are kept in the precision's master dtype (fp32 for bf16-mixed: MixedPrecisionPolicy(param_dtype
-    =bf16, reduce_dtype=fp32)), sharded grads in the same dtype, AdamW m and v in fp32: 4 + 4 + 8
-    bytes per parameter, divided by the shard degree. FSDP2 pads dim 0 of every tensor to a
-    multiple of the shard degree: each rank allocates ceil(dim0 / N) rows (`fsdp2_shard_numel`).
-  - ddp: DistributedDataParallel(gradient_as_bucket_view=True): fp32 params and grads whole
-    (the bucket views are the grads, no copy), Adam 8Ψ whole.
-  - zero1: the same DDP + torch.distributed.optim.ZeroRedundancyOptimizer: params and grads
-    whole, optimizer states only for the parameters this rank owns. Torch assigns whole tensors,
-    largest first, to the rank with the fewest elements so far (`zero1_partition`).
-  - bf16 (pure): params, grads and optimizer states in bf16 (2 + 2 + 4 B/param), no fp32 master.
-  - frozen params (LoRA's base weights) have no grads and no optimizer state, and are stored in
-    the compute dtype: bf16 under bf16-mixed (2 B/param; no update needs a master copy).
-    fp32: 4 + 4 + 8, no bf16 copies.
-  AdamW's per-tensor `step` counter: a 0-dim fp32 tensor per tensor the rank holds state for
-  (each FSDP2 local shard, every tensor under ddp, the rank's own tensors under zero1's
-  partition). torch/optim/adam.py `_init_group` puts it on device="cpu" unless capturable or
-  fused — our trainer uses neither (train/core/step.py `build_optimizer`) — so it is host memory on a
-  GPU run: counted exactly, but apart, in `States.optimizer_host` (4 B × owned tensors), not in
-  the GPU's `optimizer`. On a CPU run both live in the same RAM: optimizer + optimizer_host is
-  what summing every tensor in `optimizer.state` gives. SGD keeps no counter; bitsandbytes keeps
-  a Python int.
-  Every number is rank 0's, the largest rank (FSDP2's rank 0 always holds the full ceil(dim0/N)
-  rows, and the greedy zero1 partition is reported at its largest rank).
-
-Buffers (shardtune only; they exist during forward/backward, not at rest):
-  - zero3/hsdp: the bf16 unsharded params of the root group (embedding, final norm, LM head:
-    all-gathered for the whole forward and again for the whole backward) and of two decoder
-    layers in flight (the current one and the prefetched next one); the unsharded grads of one
-    layer in backward (param dtype) plus FSDP2's reduce-scatter input (reduce dtype); the root's
-    unsharded grads (LM head, final norm), which are reduced only at the end of backward.
-  - zero2 (reshard_after_forward=False): all unsharded params from forward to backward (2Ψ),
-    plus the same grads in flight.
-  - ddp/zero1 with bf16-mixed: torch.autocast's weight cache keeps a bf16 copy of every trainable
-    weight from forward to backward (2Ψ).
-The optimizer step's temporaries depend on torch AdamW's kernel (`optim.implementation`), each
-measured with torch's MemTracker on real tensors (peak during `step()` minus the states at rest,
-3 weights of 1024², 1024×512, 512×256, fp32 and bf16 alike; docs/planner.md):
-  - foreach (`_multi_tensor_adamw`, torch's CUDA default, what `auto` plans): `exp_avg_sq_sqrt =
-    _foreach_sqrt(exp_avg_sqs)`, one copy of the local states' size in their dtype (measured 1.00 ×);
-  - fused (`_fused_adamw_`): none (measured 0); its `step` counters live on the device;
-  - for-loop (`_single_tensor_adamw`, torch's CPU default): `exp_avg_sq.sqrt() / bias_correction2_sqrt`
-    holds two temporaries of one tensor's state at a time: 2 × the largest local tensor (measured 2.00 ×);
-  - bf16-stochastic (train/core/optim.py, pure bf16): the fp32 new weight and the fp32 denominator,
-    then the new weight and the int32 rounding noise: 8 B × the largest local tensor (measured).
-SGD (no weight decay) and 8-bit Adam are modelled without temporaries. The activations are freed
-by then, so the step's peak is states + temporaries, compared with the forward/backward peak by
-`peak_bytes`.
-Imports no torch.
+Two accountings, named in every result. `paper`: ZeRO (Rajbhandari et al. 2020, §5, Figure 1),
+2Ψ + 2Ψ + KΨ with K = 12, sharded by stage: DDP (4 + K)Ψ, ZeRO-1 4Ψ + KΨ/N, ZeRO-2
+2Ψ + (2 + K)Ψ/N, ZeRO-3 (4 + K)Ψ/N (Ψ = 7.5e9, N = 64 → 120 / 31.4 / 16.6 / 1.9 GB).
+`shardtune` (default): what the trainer holds — FSDP2 shards of fp32 params and grads and AdamW
+m, v (4 + 4 + 8 B/param ÷ shard degree, dim 0 padded: `fsdp2_shard_numel`); ddp whole; zero1
+whole params/grads and torch's greedy optimizer partition (`zero1_partition`); pure bf16
+2 + 2 + 4; frozen (LoRA base) in the compute dtype; AdamW's step counters apart
+(`States.optimizer_host`). Buffers in flight: unsharded bf16 params of the root and two layers,
+grads in flight, zero2's whole gathered copy, autocast's weight cache. The optimizer step's
+temporaries per kernel (foreach 1.00 × states, fused 0, for-loop 2 × the largest tensor,
+bf16-stochastic 8 B × it; measured). Rank 0 is the largest rank.
+Derivation and measurements: docs/planner.md "Memory: derivation". Imports no torch.
 """
 from __future__ import annotations
 
