@@ -43,11 +43,15 @@ def build_hf_config(model_cfg: ModelConfig):
 
 
 def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
-    """The causal LM with every parameter on the meta device (no memory), SDPA attention."""
+    """The causal LM with every parameter on the meta device (no memory), SDPA attention, in fp32:
+    a Hub folder's `torch_dtype: bfloat16` must not decide the training precision (bf16-mixed keeps
+    fp32 masters); `parallel.build` casts to what `parallel.precision` says, weights are cast per
+    tensor while loading."""
     config = build_hf_config(model_cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation="sdpa", trust_remote_code=model_cfg.trust_remote_code)
+    model.to(torch.float32)  # free on meta
     model.config.use_cache = False
     return model
 
