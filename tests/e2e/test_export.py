@@ -163,3 +163,32 @@ def test_a_tampered_metadata_pickle_is_refused_not_executed(run, tmp_path, capsy
     assert cli.main(["export", str(ckpt), str(tmp_path / "out")]) == 2
     assert "refusing to load it" in capsys.readouterr().err
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", [
+    "torch._strobelight.cli_function_profiler.subprocess.Popen",  # a class reached through attributes
+    "FileSystemReader",  # a DCP class, but no dataclass: its constructor opens paths
+    "Path",  # imported into a DCP module, defined in pathlib
+])
+def test_metadata_naming_a_non_dcp_class_through_a_dcp_module_is_refused(run, tmp_path, capsys, name):
+    """Protocol 4's STACK_GLOBAL resolves dotted names: the allow-list must not follow them (issue 15)."""
+    import pickle
+    import shutil
+
+    from shardtune import cli
+
+    module = "torch.distributed.checkpoint.filesystem"
+    marker = tmp_path / "pwned"
+    # STACK_GLOBAL(module, name), then call it with one argument: Popen(["touch", marker])
+    payload = (pickle.PROTO + bytes([4]) + pickle.SHORT_BINUNICODE + bytes([len(module)]) + module.encode()
+               + pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.STACK_GLOBAL
+               + pickle.MARK + pickle.BINUNICODE + len(b"touch").to_bytes(4, "little") + b"touch"
+               + pickle.BINUNICODE + len(str(marker).encode()).to_bytes(4, "little") + str(marker).encode()
+               + pickle.LIST + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    ckpt = tmp_path / "step_4"
+    shutil.copytree(run / "checkpoints" / "step_4", ckpt)
+    (ckpt / ".metadata").write_bytes(payload)
+    assert cli.main(["export", str(ckpt), str(tmp_path / "out")]) == 2
+    assert "refusing to load it" in capsys.readouterr().err
+    assert not marker.exists()

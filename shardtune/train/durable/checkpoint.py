@@ -13,6 +13,8 @@ keys (`zero1_optim_state`). DCP's `.metadata` pickle is read with an allow-list 
 from __future__ import annotations
 
 import base64
+import dataclasses
+import enum
 import io
 import json
 import os
@@ -52,9 +54,14 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        if module.startswith(self._MODULE_PREFIXES):
+        # a DCP class by its own name only: pickle protocol 4 resolves a dotted name through module
+        # attributes (e.g. `torch._strobelight...subprocess.Popen` from a DCP module), so refuse dots,
+        # anything defined elsewhere, and anything but a dataclass or an enum (whose construction
+        # runs no code of the attacker's choosing)
+        if module.startswith(self._MODULE_PREFIXES) and "." not in name:
             obj = super().find_class(module, name)
-            if isinstance(obj, type):  # DCP's dataclasses and enums; never a function
+            if (isinstance(obj, type) and obj.__module__ == module
+                    and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))):
                 return obj
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
