@@ -27,6 +27,11 @@ class Strategy:
     mesh_axes: tuple[str, ...]  # ("dp",) or HSDP's ("replicate", "shard")
 
     @property
+    def partitions_optimizer(self) -> bool:
+        """Optimizer states split, params and grads whole (zero1: ZeroRedundancyOptimizer)."""
+        return self.shards_optimizer and not self.shards_grads
+
+    @property
     def hybrid(self) -> bool:
         """Sharded inside a group, replicated across groups (a 2-D mesh)."""
         return len(self.mesh_axes) == 2

@@ -124,3 +124,9 @@ def resolve_model_config(spec: str) -> dict:
         f"unknown model {spec!r}{suggest(spec, MODELS)}; give a catalogue name "
         f"({', '.join(sorted(MODELS))}), an HF config.json or a model folder"
     )
+
+
+def safetensors_files(spec: str) -> list[Path]:
+    """A model folder's *.safetensors files, sorted ([] when `spec` is no folder or has none)."""
+    folder = Path(spec).expanduser()
+    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []

@@ -31,6 +31,12 @@ def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: 
     return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.strategy.mesh_axes)
 
 
+def dp_group(mesh: DeviceMesh):
+    """The group over all data-parallel ranks of a 1-D mesh (zero1 shards its optimizer over it);
+    None on hsdp's 2-D mesh, whose strategy needs none."""
+    return mesh.get_group() if mesh.ndim == 1 else None
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers, in order: the modules whose class HF lists in `_no_split_modules`
     (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, ...)."""

@@ -55,7 +55,6 @@ def build_strategy_optimizer(parallel_cfg: ParallelConfig, optimizer_class: type
     """`optimizer_class(params, **kwargs)` as the strategy holds its states: zero1 (states sharded,
     params whole) wraps it in ZeroRedundancyOptimizer over `dp_group`; FSDP strategies' states
     follow their sharded DTensor params already; ddp keeps them whole."""
-    s = STRATEGY[parallel_cfg.strategy]
-    if s.shards_optimizer and not s.fsdp:
+    if STRATEGY[parallel_cfg.strategy].partitions_optimizer:
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_group, **kwargs)
     return optimizer_class(params, **kwargs)

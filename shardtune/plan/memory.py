@@ -24,12 +24,6 @@ from shardtune.plan.params import ParamShape
 from shardtune.strategies import STRATEGY
 
 
-def _partitions_optimizer(strategy: str) -> bool:
-    """zero1: whole grads, optimizer states partitioned tensor by tensor (ZeroRedundancyOptimizer)."""
-    s = STRATEGY[strategy]
-    return s.shards_optimizer and not s.shards_grads
-
-
 @dataclass(frozen=True)
 class Dtypes:
     """Bytes per element of each role under a precision setting."""
@@ -162,7 +156,7 @@ def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard
         if t:
             trainable[prod(shape)] += c
     grads = sum(n * c for n, c in trainable.items())
-    if _partitions_optimizer(strategy):
+    if STRATEGY[strategy].partitions_optimizer:
         return params, grads, Counter(zero1_partition(list(trainable.elements()), world_size)[rank])
     return params, grads, trainable
 
@@ -195,7 +189,7 @@ def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, s
 def max_rank_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
                     precision: str, optimizer: str, impl: str = "foreach") -> States:
     """The largest rank's states: rank 0 for FSDP2 and DDP; the fullest zero1 partition."""
-    if not _partitions_optimizer(strategy):
+    if not STRATEGY[strategy].partitions_optimizer:
         return shardtune_states(shapes, strategy, world_size, shard_degree, precision, optimizer, 0, impl=impl)
     trainable = [p.numel for p in shapes if p.trainable]
     owned = zero1_partition(trainable, world_size)

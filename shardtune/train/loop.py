@@ -130,6 +130,14 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
     return step_fn(), None
 
 
+def _rank_bytes(run: Run, tracked: dict | None) -> tuple[int, dict]:
+    """(this rank's peak since the last logged step, its bytes by category for memory.json)."""
+    peak, rank_bytes = step_peak_bytes(run.ctx.device, run.model, run.optimizer, run.activations)
+    if tracked:
+        rank_bytes["tracked"] = tracked
+    return peak, rank_bytes
+
+
 def _record(run: Run, r: StepResult, peak: int, dt: float) -> dict:
     """The metrics line of a logged step: the only place the step's tensors reach the host."""
     peak_t = torch.tensor([peak], dtype=torch.long, device=run.ctx.device)
@@ -161,10 +169,9 @@ def loop(run: Run) -> tuple[dict, dict]:
             dt = now_s(ctx.device) - t0
             state.step += 1
             state.tokens_seen = state.tokens_seen + r.num_tokens  # a device tensor until a checkpoint
-            peak, rank_bytes = step_peak_bytes(ctx.device, run.model, run.optimizer, run.activations)
-            if tracked:
-                rank_bytes["tracked"] = tracked
-            if state.step % cfg.train.log_every == 0 or state.step == run.total_steps:
+            logged = state.step % cfg.train.log_every == 0 or state.step == run.total_steps
+            if logged:  # the state bytes are read where they are written: logged steps (the last too)
+                peak, rank_bytes = _rank_bytes(run, tracked)
                 record = _record(run, r, peak, dt)
                 if run.writer:
                     run.writer.write(record)
@@ -173,6 +180,8 @@ def loop(run: Run) -> tuple[dict, dict]:
                 bar.update(task, info=info)
             bar.update(task, advance=1)
             if run.keeper.after_step(state.step, r, run.total_steps):
+                if not logged:  # memory.json describes the step the run stopped at
+                    _, rank_bytes = _rank_bytes(run, tracked)
                 break  # preempted: checkpoint saved, stop cleanly
     return record, rank_bytes
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardtune.config import dump_config
 from shardtune.errors import UserError
+from shardtune.parallel.apply import build_mesh, dp_group
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -39,13 +40,11 @@ class DistContext:
     @property
     def dp_group(self):
         """The group over all data-parallel ranks (every rank: there is no model parallelism)."""
-        return self.mesh.get_group() if self.mesh.ndim == 1 else None
+        return dp_group(self.mesh)
 
 
 def setup_distributed(cfg: RunConfig) -> DistContext:
     """init_process_group (nccl on CUDA, gloo on CPU, timeout train.timeout_s) and the mesh."""
-    from shardtune.parallel.apply import build_mesh
-
     env = os.environ
     if "RANK" not in env:  # plain `python -m shardtune.train`: a world of one
         from shardtune.testing.proc import free_port

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardtune.catalog.models import MODELS, resolve_model_config
+from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_files
 from shardtune.errors import UserError
 from shardtune.strategies import Layout
 from shardtune.train.data.dataset import check_dataset
@@ -37,8 +37,7 @@ def _check_model(model: ModelConfig, seq_len: int) -> None:
         raise UserError(f"model path {name!r} does not exist; give an HF model folder (config.json + "
                         "safetensors) or a catalogue name")
     hf = resolve_model_config(name)
-    folder = Path(name).expanduser()
-    if model.init == "pretrained" and not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+    if model.init == "pretrained" and not safetensors_files(name):
         raise UserError(f"model.init is 'pretrained' but {name!r} has no *.safetensors; "
                         "give an HF model folder with weights or set model.init=random")
     max_pos = hf.get("max_position_embeddings")

@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.memtrack import track_step
@@ -219,7 +219,7 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             fake.allow_non_fake_inputs = False
             if not s.fsdp:
                 _ddp_fake_patches(net)
-            optimizer = build_optimizer(net, optim_cfg, parallel_cfg, None if s.hybrid else mesh.get_group())
+            optimizer = build_optimizer(net, optim_cfg, parallel_cfg, dp_group(mesh))
             if target == "cuda" and optimizer_impl == "auto":
                 use_foreach_adamw(optimizer)
             scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from shardtune.catalog.models import safetensors_files
 from shardtune.config import ModelConfig
 from shardtune.errors import UserError
 
@@ -160,14 +161,13 @@ def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
         build_meta_model,
         pretrained_full_tensors,
         random_full_tensors,
-        safetensors_files,
     )
 
     base = lora["base"]
     dtype = getattr(torch, base["dtype"])
     if base["init"] == "pretrained":
         source_cfg = ModelConfig(name=base["model"], init="pretrained")
-        files = safetensors_files(source_cfg)
+        files = safetensors_files(source_cfg.name)
         meta = build_meta_model(source_cfg)
         made = pretrained_full_tensors(meta, files)
     else:

@@ -9,7 +9,7 @@ Memory on CPU (no allocator statistics there) is an exact count of live storages
                               excluded. Not counted: transient temporaries, and the inputs a
                               non-reentrant checkpoint keeps in its closure (no saved-tensor
                               hook sees them), so this is a lower bound of the peak.
-On CUDA, `peak_mem_bytes` is torch.cuda.max_memory_allocated (allocator truth).
+On CUDA, `peak_mem_bytes` is torch.cuda.max_memory_allocated since the previous logged step.
 One CPU step (the third) also runs under torch's MemTracker (train/core/memtrack.py) → memory.json.
 """
 from __future__ import annotations
@@ -168,7 +168,8 @@ def tracked_step(model: nn.Module, optimizer, step_fn, strategy: str):
 
 
 def step_peak_bytes(device: torch.device, model: nn.Module, optimizer, activations) -> tuple[int, dict]:
-    """(peak bytes of this step on this rank, per-category bytes); CUDA resets its peak counter."""
+    """(peak bytes on this rank since the previous call, per-category bytes); CUDA resets its peak
+    counter, so the loop calls this on logged steps only."""
     states = model_state_bytes(model, optimizer)
     states["activations_bytes"] = activations.peak_bytes if activations else 0
     if device.type == "cuda":

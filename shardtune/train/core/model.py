@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.catalog.models import resolve_model_config
+from shardtune.catalog.models import resolve_model_config, safetensors_files
 from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, base_pointer, is_adapter
@@ -56,15 +56,9 @@ def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
     return model
 
 
-def safetensors_files(model_cfg: ModelConfig) -> list[Path]:
-    """The folder's *.safetensors files ([] when `name` is no folder or has none)."""
-    folder = Path(model_cfg.name).expanduser()
-    return sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-
-
 def uses_pretrained(model_cfg: ModelConfig) -> bool:
     """auto: load when the model folder has safetensors; pretrained: must; random: never."""
-    files = safetensors_files(model_cfg)
+    files = safetensors_files(model_cfg.name)
     if model_cfg.init == "pretrained" and not files:
         raise UserError(f"model.init is 'pretrained' but {model_cfg.name!r} has no *.safetensors; "
                         "give an HF model folder with weights or set model.init=random")
@@ -161,7 +155,7 @@ def reset_rotary_buffers(model: nn.Module) -> None:
 def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> None:
     """Fill every parameter (random with `seed`, or from the folder's safetensors) and the rotary
     buffers, one tensor at a time. Works on a plain, DDP-to-be or FSDP-sharded model alike."""
-    files = safetensors_files(model_cfg)
+    files = safetensors_files(model_cfg.name)
     source = pretrained_full_tensors(model, files) if uses_pretrained(model_cfg) else random_full_tensors(model, seed)
     params = dict(model.named_parameters())
     for name, make in itertools.chain(source, adapter_full_tensors(model, seed, _tensor_seed)):
