@@ -22,6 +22,7 @@ from shardtune.strategies import (
     FSDP_STRATEGIES,
     LORA_TARGETS,
     STRATEGY,
+    check_combination,
     normalize_ac,
     normalize_offload,
     normalize_optimizer_impl,
@@ -31,7 +32,19 @@ from shardtune.strategies import (
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_counts(cls, data):
+        """`max_steps: true` is not 1: a boolean is accepted only where the field is a boolean."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key)
+                if isinstance(value, bool) and field is not None and field.annotation is not bool:
+                    raise ValueError(f"{key} = {str(value).lower()} is a boolean; give a number or a name "
+                                     "(booleans are not counts)")
+        return data
 
 
 class ModelConfig(_Section):
@@ -94,6 +107,13 @@ class ParallelConfig(_Section):
         if self.offload == "all" and not STRATEGY[self.strategy].fsdp:
             raise ValueError(f"offload 'all' needs an FSDP strategy ({', '.join(FSDP_STRATEGIES)}), "
                              f"not {self.strategy!r}")
+        if self.hsdp_shard_size is not None and not STRATEGY[self.strategy].hybrid:
+            raise ValueError(f"parallel.hsdp_shard_size {self.hsdp_shard_size} applies to hsdp only and would be "
+                             f"ignored by {self.strategy!r}; drop it or use parallel.strategy=hsdp")
+        if self.ac_every != 2 and self.activation_checkpointing != "selective":
+            raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=selective only "
+                             f"and would be ignored with {self.activation_checkpointing!r}; drop it or set "
+                             "parallel.activation_checkpointing=selective")
         return self
 
 
@@ -118,6 +138,13 @@ class OptimConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of `lr`.")
 
     _impl = field_validator("implementation")(lambda v: normalize_optimizer_impl(v))
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas {list(v)} must each be in [0, 1) (Adam's moment decay rates)")
+        return v
 
     @model_validator(mode="after")
     def _check(self):
@@ -188,6 +215,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self):
+        par = self.parallel
+        check_combination(par.strategy, precision=par.precision, offload=par.offload, optimizer=self.optim.name,
+                          optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
+                          hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
+                          ac_every=par.ac_every)
         if self.optim.name == "adamw-8bit" and STRATEGY[self.parallel.strategy].fsdp:
             # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
             # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
@@ -280,6 +312,21 @@ def build_config(data: dict) -> RunConfig:
         raise UserError(_format_validation_error(e)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (line {key_node.start_mark.line + 1}); keep one",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML recipe (None: all defaults), apply `key.path=value` overrides, validate."""
     data: dict[str, Any] = {}
@@ -288,7 +335,14 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise UserError(f"recipe {str(path)!r} does not exist; give a YAML recipe such as recipes/tiny-cpu.yaml")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"recipe {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it "
+                            "as UTF-8") from None
+        except OSError as e:
+            raise UserError(f"recipe {str(path)!r} cannot be read ({e.strerror or e})") from None
+        try:
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise UserError(f"recipe {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(data, dict):

@@ -66,7 +66,7 @@ def test_recipe_file_name_and_override_order(tmp_path):
     (["optim.name=adamw-8bit"], "runs under ddp or zero1 only"),  # default strategy zero3
     (["optim.name=adamw-8bit", "parallel.strategy=ddp", "optim.implementation=fused"], "leave it 'auto'"),
     (["optim.name=sgd"], "'optim.name' = 'sgd'"),
-    (["optim.implementation=bf16-stochastic"], "needs parallel.precision bf16, not 'bf16-mixed'"),
+    (["optim.implementation=bf16-stochastic"], "needs parallel.precision bf16"),
 ])
 def test_bad_values_are_one_line_errors(overrides, expected):
     assert expected in _err(overrides)
@@ -121,9 +121,30 @@ def test_world_errors(tmp_path, overrides, world, per_node, expected):
     assert expected in _launch_err(tmp_path, overrides, world, per_node)
 
 
-def test_hsdp_shard_size_is_ignored_by_other_strategies(tmp_path):
-    # a recipe that sets it may be run with --strategy zero3: the live launch path never refused it
-    assert _launch(tmp_path, ["parallel.hsdp_shard_size=2"], 4, 4).shard_degree == 4
+def test_options_the_strategy_would_ignore_are_refused(tmp_path):
+    # issue 15: hsdp_shard_size under zero3 was silently ignored; ac_every without selective AC too
+    assert "applies to hsdp only" in _launch_err(tmp_path, ["parallel.hsdp_shard_size=2"], 4, 4)
+    assert "selective" in _err(["parallel.ac_every=3"])
+    assert load_recipe(None, ["parallel.ac_every=3", "parallel.activation_checkpointing=selective"])
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["train.max_steps=true"], "is a boolean"), (["train.micro_batch=false"], "is a boolean"),
+    (["optim.lr=.inf"], "finite"), (["optim.lr=.nan"], "finite"),
+    (["optim.betas=[0.9, 1.0]"], "[0, 1)"), (["optim.betas=[-0.1, 0.9]"], "[0, 1)"),
+])
+def test_counts_ranges_and_finite_numbers(overrides, expected):
+    assert expected in _err(overrides)
+
+
+def test_recipe_must_be_utf8_without_duplicate_keys(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_bytes(b"name: caf\xe9\n")
+    assert "is not UTF-8 text" in _err([], p)
+    p.write_text("train:\n  seq_len: 12\n  seq_len: 14\n")
+    assert "'seq_len' given twice" in _err([], p)
+    p.write_text("train:\n  seq_len: 12\noptim:\n  lr: 1.0e-3\n")  # the same key in two sections is fine
+    assert load_recipe(p).train.seq_len == 12
 
 
 def test_output_dir_checks(tmp_path):
