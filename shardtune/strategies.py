@@ -168,3 +168,59 @@ class Layout:
         if not s.shards_optimizer:
             return cls(s, world_size, per_node, 1, world_size)
         return cls(s, world_size, per_node, world_size, 1 if s.shards_params else world_size)
+
+
+# Modes the planner plans as what-ifs but the trainer does not offer (plan notes say so).
+PLANNER_ONLY = {"offload": ("optimizer",), "optimizer": ("sgd",)}
+DEVICES = ("cpu", "cuda")
+
+
+def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed", offload: str = "none",
+                      optimizer: str = "adamw", optimizer_impl: str = "auto", lora_rank: int = 0,
+                      hsdp_shard_size: int | None = None, activation_checkpointing: str = "none",
+                      ac_every: int = 2, device: str | None = None, planner_modes: bool = False) -> None:
+    """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
+    a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
+    `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
+    offload, SGD), with the rules they would have. `device` None: any device."""
+    s = strategy if isinstance(strategy, Strategy) else STRATEGY[normalize_strategy(strategy)]
+    precision, offload = normalize_precision(precision), normalize_offload(offload)
+    optimizer, impl = normalize_optimizer(optimizer), normalize_optimizer_impl(optimizer_impl)
+    normalize_ac(activation_checkpointing)
+    if device is not None and device not in DEVICES:
+        raise UserError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if not planner_modes:
+        if offload in PLANNER_ONLY["offload"]:
+            raise UserError("offload 'optimizer' is a planner-only mode (DeepSpeed's); the trainer offers "
+                            "offload 'all' (FSDP2 CPUOffloadPolicy): parallel.offload / --offload all")
+        if optimizer in PLANNER_ONLY["optimizer"]:
+            raise UserError(f"optimizer {optimizer!r} is a planner-only mode; the trainer runs adamw or "
+                            "adamw-8bit (optim.name / --optimizer)")
+    fsdp = ", ".join(FSDP_STRATEGIES)
+    ddp_like = " or ".join(x.name for x in STRATEGY.values() if not x.fsdp)
+    if offload == "all" and not s.fsdp:
+        raise UserError(f"offload 'all' needs an FSDP strategy ({fsdp}), not {s.name!r} "
+                        "(FSDP2 CPUOffloadPolicy; DDP has no offload): parallel.offload / --offload")
+    if offload == "optimizer" and not s.shards_optimizer:
+        raise UserError(f"offload 'optimizer' (DeepSpeed ZeRO-Offload) needs a ZeRO stage of 1 or more, "
+                        f"not {s.name!r}: --offload / --strategy")
+    if optimizer == "adamw-8bit" and s.fsdp:
+        # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
+        # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
+        raise UserError(f"optimizer 'adamw-8bit' runs under {ddp_like} only: bitsandbytes does not take "
+                        f"FSDP2's DTensor parameters (strategy {s.name!r}; optim.name / --optimizer)")
+    if optimizer != "adamw" and impl != "auto":
+        raise UserError(f"optimizer implementation {impl!r} applies to torch's AdamW; leave it 'auto' with "
+                        f"{optimizer} (optim.implementation / --optimizer-impl)")
+    if impl == "bf16-stochastic" and precision != "bf16":
+        raise UserError("optimizer implementation 'bf16-stochastic' rounds bf16 weights: it needs "
+                        f"parallel.precision bf16 (--precision bf16), not {precision!r}")
+    if hsdp_shard_size is not None and not s.hybrid:
+        raise UserError(f"hsdp shard size {hsdp_shard_size} applies to hsdp only, not {s.name!r}: "
+                        "drop parallel.hsdp_shard_size / --hsdp-shard-size, or use strategy hsdp")
+    if hsdp_shard_size is not None and (not isinstance(hsdp_shard_size, int) or hsdp_shard_size < 1):
+        raise UserError(f"hsdp shard size {hsdp_shard_size!r} is not a positive integer")
+    if not isinstance(ac_every, int) or ac_every < 1:
+        raise UserError(f"ac_every {ac_every!r} is not a positive integer (parallel.ac_every / --ac-every)")
+    if not isinstance(lora_rank, int) or lora_rank < 0:
+        raise UserError(f"lora rank {lora_rank!r} is not a non-negative integer (lora.rank / --lora-rank)")

@@ -1,0 +1,51 @@
+"""strategies.check_combination: the one rule of what can run, shared by train, plan and plan --fit.
+
+Each refused case is one the trainer really cannot run (config.py / parallel/ / train/core/optim.py
+say why); each accepted case is one a tests/dist parity test runs."""
+from __future__ import annotations
+
+import pytest
+
+from shardtune.errors import UserError
+from shardtune.strategies import check_combination
+
+
+@pytest.mark.parametrize("strategy,kw,expected", [
+    ("ddp", dict(offload="all"), "needs an FSDP strategy"),
+    ("zero1", dict(offload="all"), "needs an FSDP strategy"),
+    ("zero3", dict(optimizer="adamw-8bit"), "runs under ddp or zero1 only"),
+    ("hsdp", dict(optimizer="adamw-8bit"), "runs under ddp or zero1 only"),
+    ("ddp", dict(optimizer="adamw-8bit", optimizer_impl="fused"), "leave it 'auto'"),
+    ("zero3", dict(optimizer_impl="bf16-stochastic"), "needs parallel.precision bf16"),
+    ("zero3", dict(precision="fp32", optimizer_impl="bf16-stochastic"), "not 'fp32'"),
+    ("zero3", dict(hsdp_shard_size=2), "applies to hsdp only"),
+    ("zero3", dict(offload="optimizer"), "planner-only"),
+    ("zero3", dict(optimizer="sgd"), "planner-only"),
+    ("zero3", dict(device="tpu"), "unknown device"),
+    ("zero3", dict(ac_every=0), "ac_every"),
+    ("fsdp3", {}, "unknown strategy"),
+])
+def test_refused_combinations_are_one_line(strategy, kw, expected):
+    with pytest.raises(UserError) as e:
+        check_combination(strategy, **kw)
+    msg = str(e.value)
+    assert expected in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("strategy,kw", [
+    ("zero3", {}), ("ddp", dict(optimizer="adamw-8bit")), ("zero1", dict(optimizer="adamw-8bit")),
+    ("zero3", dict(precision="bf16", optimizer_impl="bf16-stochastic")), ("zero3", dict(offload="all")),
+    ("hsdp", dict(hsdp_shard_size=2)), ("ddp", dict(optimizer_impl="for-loop", device="cpu")),
+    ("FULL_SHARD", dict(lora_rank=8, activation_checkpointing="selective", ac_every=3)),
+])
+def test_combinations_the_trainer_runs_pass(strategy, kw):
+    check_combination(strategy, **kw)
+
+
+def test_planner_modes_accept_what_ifs_with_their_own_rules():
+    check_combination("zero2", offload="optimizer", planner_modes=True)
+    check_combination("zero3", optimizer="sgd", planner_modes=True)
+    with pytest.raises(UserError, match="ZeRO stage"):  # DeepSpeed's offload needs ZeRO ≥ 1
+        check_combination("ddp", offload="optimizer", planner_modes=True)
+    with pytest.raises(UserError, match="leave it 'auto'"):
+        check_combination("zero3", optimizer="sgd", optimizer_impl="fused", planner_modes=True)
