@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args.recipe, args.overrides, **{f.name: getattr(args, f.name) for f in TRAIN_FLAGS})
         world = int(os.environ.get("WORLD_SIZE", 1))
-        validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if os.environ.get("SHARDTUNE_PREFLIGHT") != "done":  # by hand; `shardtune train` checked it already
+            validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         from shardtune.train.main import run
 
         run(cfg)

@@ -35,10 +35,13 @@ def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
     return cmd + flag_argv(flags) + list(overrides)
 
 
+PREFLIGHT_ENV = "SHARDTUNE_PREFLIGHT"  # "done": the launcher validated this exact run; ranks skip it
+
+
 def run_process_group(cmd: list[str]) -> int:
     """Run torchrun in its own session. Ctrl-C or SIGTERM here: SIGTERM to its process group
     (torchrun then stops its workers, which sit in sessions of their own), SIGKILL after 30 s."""
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, PREFLIGHT_ENV: "done"})
 
     def _on_term(signum, frame):
         raise SystemExit(128 + signum)

@@ -3,12 +3,15 @@ layout on this world, the model, the data, the run folder, the checkpoint to res
 torch (a bad input is one line and exit 2, not a rank's traceback)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_files
-from shardtune.errors import UserError
+from shardtune.errors import UserError, suggest
 from shardtune.strategies import Layout
 from shardtune.train.data.dataset import check_dataset
 from shardtune.train.durable.ckpt_files import resolve_resume
@@ -40,10 +43,120 @@ def _check_model(model: ModelConfig, seq_len: int) -> None:
     if model.init == "pretrained" and not safetensors_files(name):
         raise UserError(f"model.init is 'pretrained' but {name!r} has no *.safetensors; "
                         "give an HF model folder with weights or set model.init=random")
+    if name not in MODELS:  # the catalogue's entries are known causal LMs (and the check stays torch-free)
+        _check_model_type(name, hf)
+    _check_weights(model, hf)
     max_pos = hf.get("max_position_embeddings")
     if max_pos and seq_len > max_pos:
         raise UserError(f"train.seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; "
                         "lower train.seq_len")
+
+
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def _check_weights(model: ModelConfig, hf: dict) -> None:
+    """A folder's weights: safetensors only (pickle is refused: it can run code); headers read with
+    the `safetensors` library (no tensor loaded), every tensor's shape equal to the model the config
+    builds. Lazy torch/transformers imports: only for a folder that has weights."""
+    folder = Path(model.name).expanduser()
+    if not folder.is_dir() or model.init == "random":
+        return
+    files = safetensors_files(model.name)
+    if not files:
+        pickled = sorted(p.name for pat in PICKLE_WEIGHTS for p in folder.glob(pat))
+        if pickled:
+            raise UserError(f"model folder {model.name!r} has pickle weights only ({', '.join(pickled[:3])}); "
+                            "shardtune reads safetensors only (a pickle can run code): convert them (transformers' "
+                            "save_pretrained(safe_serialization=True)) or set model.init=random")
+        return
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy") as h:
+                for k in h.keys():
+                    shapes[k] = tuple(h.get_slice(k).get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise UserError(f"weights file {str(f)!r} is not a readable safetensors file "
+                            f"({' '.join(str(e).split())[:160]}); re-download or re-save it") from None
+    from shardtune.train.core.model import build_meta_model  # torch: only for a folder with weights
+
+    try:
+        meta = build_meta_model(model)
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"model {model.name!r}: transformers cannot build its config.json "
+                        f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); fix config.json") from None
+    for name, p in meta.named_parameters():
+        got = shapes.get(name)
+        if got is None:
+            raise UserError(f"weights in {model.name!r} lack tensor {name!r} that its config.json builds; give the "
+                            "folder's matching config.json and weights")
+        if got != tuple(p.shape):
+            raise UserError(f"weights in {model.name!r}: tensor {name!r} has shape {list(got)} but config.json "
+                            f"builds {list(p.shape)}; give the folder's matching config.json and weights")
+
+
+def _check_model_type(name: str, hf: dict) -> None:
+    model_type = hf.get("model_type")
+    if not isinstance(model_type, str):
+        raise UserError(f"model {name!r}: config.json has no model_type; give an HF config.json")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # the launcher may
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"model {name!r}: model_type {model_type!r} is not a causal LM transformers knows"
+                        f"{suggest(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)}; give a decoder model folder")
+
+
+def _check_lora_targets(cfg: RunConfig) -> None:
+    """lora.target_modules against the model's own modules (PEFT on the meta model, as the ranks do)."""
+    from shardtune.train.core.lora import apply_lora  # torch: only for a LoRA run
+    from shardtune.train.core.model import build_meta_model
+
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # PEFT's notices: not a line
+        warnings.simplefilter("ignore")
+        apply_lora(build_meta_model(cfg.model), cfg.lora)
+
+
+def _check_backend(backend: str) -> None:
+    if backend == "nccl":
+        import torch  # only for this check
+
+        if not torch.cuda.is_available():
+            raise UserError("train.backend=nccl needs CUDA, and this machine has none; use train.backend=auto or gloo")
+
+
+def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
+    """Tokenizer, template and packing as every rank will: at least one global batch of rows. Rows
+    lie between ceil(kept tokens / seq_len) (perfect packing) and the kept examples; the seeded
+    packing itself (torch's randperm) runs only when the batch falls between the two."""
+    from shardtune.train.data.dataset import build_tokenizer, encode_example, pack_examples, read_records
+
+    tok = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
+    seq_len, rows_per_step = cfg.train.seq_len, cfg.train.micro_batch * cfg.train.grad_accum * world_size
+    encoded = []
+    for k, record in enumerate(read_records(cfg.data), 1):
+        try:
+            encoded.append(encode_example(record, tok, cfg.data.template))
+        except UserError:
+            raise
+        except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
+            raise UserError(f"example {k} (the {k}-th non-empty line) cannot be tokenized: "
+                            f"{' '.join(str(e).split())[:200]}; fix it or set data.template=plain") from None
+    kept = [min(len(ids), seq_len) for ids, mask in encoded if any(mask[1:seq_len])]
+    low = -(-sum(kept) // seq_len) if cfg.data.packing else len(kept)
+    rows = len(kept) if kept and low >= rows_per_step else None
+    if rows is None and (not kept or len(kept) >= rows_per_step):  # no target at all: pack_examples says so
+        rows = pack_examples(encoded, seq_len, cfg.data.packing, cfg.train.seed).num_rows
+    if rows is None:  # even one example per row is too few: pack for the exact count in the message
+        rows = pack_examples(encoded, seq_len, cfg.data.packing, cfg.train.seed).num_rows
+    if rows < rows_per_step:
+        raise UserError(f"the dataset fills {rows} rows of seq_len {seq_len}, fewer than one "
+                        f"global batch ({rows_per_step} = micro_batch × grad_accum × {world_size} ranks); add data "
+                        "or lower train.micro_batch / grad_accum")
 
 
 def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) -> Layout:
@@ -51,7 +164,11 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
     layout = Layout.build(cfg.parallel.strategy, world_size, local_world_size, cfg.parallel.hsdp_shard_size)
     _check_model(cfg.model, cfg.train.seq_len)
+    _check_backend(cfg.train.backend)
     check_dataset(cfg.data)
+    if cfg.lora.rank > 0:
+        _check_lora_targets(cfg)
+    _check_data_fills_a_batch(cfg, world_size)
     _check_writable(cfg.run_dir)
     resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
     return layout

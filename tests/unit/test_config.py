@@ -85,7 +85,7 @@ def test_bad_recipe_files(tmp_path):
 
 def _launch(tmp_path, overrides=(), world=2, per_node=2):
     """validate_for_launch on a small generated dataset in a fresh run folder (unless overridden)."""
-    base = [f"output_dir={tmp_path}/run", "data.generated_examples=10"]
+    base = [f"output_dir={tmp_path}/run", "data.generated_examples=1000"]
     return validate_for_launch(load_recipe(None, base + list(overrides)), world, per_node)
 
 
@@ -99,7 +99,7 @@ def _launch_err(tmp_path, overrides=(), world=2, per_node=2) -> str:
 
 def test_launch_layout_and_global_batch(tmp_path):
     cfg = load_recipe(None, ["parallel.strategy=hsdp", "train.micro_batch=2", "train.grad_accum=3",
-                             f"output_dir={tmp_path}/run", "data.generated_examples=10"])
+                             f"output_dir={tmp_path}/run", "data.generated_examples=1000"])
     lay = validate_for_launch(cfg, world_size=16, local_world_size=8)
     # hand: shard group = one node (8), 16 / 8 = 2 replicas; every strategy is data-parallel over
     # all 16 ranks, so batch 2 × 3 × 16 = 96 sequences
@@ -184,7 +184,9 @@ def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path):
     world = {"tiny-cpu": (2, 2)}.get(recipe.stem, (8, 8))
     # the big recipes name data/train.jsonl, the user's file: the layout and the model are checked
     # here, on the generated data, in a temporary run folder
-    launchable = load_recipe(recipe, [f"output_dir={tmp_path}/run", "data.path=null"])
+    # here, on the generated data (one global batch of short rows), in a temporary run folder, on gloo
+    launchable = load_recipe(recipe, [f"output_dir={tmp_path}/run", "data.path=null", "train.backend=auto",
+                                      "train.seq_len=128", "train.grad_accum=1"])
     validate_for_launch(launchable, *world)
 
 

@@ -1,0 +1,97 @@
+"""Bad inputs through the real CLI (`shardtune train`, in process, torchrun's start forbidden): each is exit 2,
+exactly one stderr line, before any process starts, and the run folder is left as it was."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
+pytestmark = [pytest.mark.e2e]
+_CFG = {"model_type": "llama", "vocab_size": 264, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256}
+
+
+def _folder(root: Path, name: str, config: dict | None = _CFG, files: dict | None = None) -> Path:
+    d = root / name
+    d.mkdir()
+    if config is not None:
+        (d / "config.json").write_text(json.dumps(config))
+    for fname, data in (files or {}).items():
+        (d / fname).write_bytes(data)
+    return d
+
+
+def _safetensors(tensors: dict[str, list[int]]) -> bytes:
+    """A valid safetensors file written by hand (the format's spec: u64 header length, JSON, data)."""
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        n = 4
+        for s in shape:
+            n *= s
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + bytes(offset)
+
+
+def _cases(root: Path) -> list[tuple[list[str], str]]:
+    recipe_latin1 = root / "latin1.yaml"
+    recipe_latin1.write_bytes(b"name: caf\xe9\n")
+    recipe_dup = root / "dup.yaml"
+    recipe_dup.write_text("train:\n  max_steps: 3\n  max_steps: 4\n")
+    auto = "model.init=auto"
+    wrong_shape = _safetensors({"model.embed_tokens.weight": [100, 64]})
+    return [
+        (["train.max_steps=true"], "is a boolean"),
+        (["optim.lr=.inf"], "finite"),
+        (["optim.betas=[0.9, 1.5]"], "[0, 1)"),
+        (["parallel.hsdp_shard_size=2"], "applies to hsdp only"),
+        (["train.seq_len=100000"], "max_position_embeddings"),
+        (["train.backend=nccl"], "needs CUDA"),
+        (["data.generated_examples=3"], "fewer than one global batch"),
+        (["lora.rank=4", "lora.target_modules=[nope_proj]"], "nope_proj"),
+        ([f"model.name={_folder(root, 'noconfig', None)}"], "has no config.json"),
+        ([f"model.name={_folder(root, 'badjson', None, {'config.json': b'{not json'})}"], "not valid JSON"),
+        ([f"model.name={_folder(root, 'bert', {**_CFG, 'model_type': 'nosuchtype'})}"], "model_type 'nosuchtype'"),
+        ([auto, f"model.name={_folder(root, 'pickle', files={'pytorch_model.bin': b'x'})}"], 
+         "pickle weights only"),
+        ([auto, f"model.name={_folder(root, 'corrupt', files={'model.safetensors': b'garbage!'})}"],
+         "not a readable safetensors"),
+        ([auto, f"model.name={_folder(root, 'truncated', files={'model.safetensors': wrong_shape[:-10]})}"],
+         "not a readable safetensors"),
+        ([auto, f"model.name={_folder(root, 'shape', files={'model.safetensors': wrong_shape})}"],
+         "has shape [100, 64]"),
+        (["--recipe-file", str(recipe_latin1)], "not UTF-8"),
+        (["--recipe-file", str(recipe_dup)], "given twice"),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_bad_inputs_one_line_exit_2_folder_unchanged(tmp_path, monkeypatch, capsys):
+    from shardtune import cli
+    from shardtune.train import commands
+
+    def no_torchrun(*a, **k):
+        raise AssertionError("torchrun was started for bad input")
+
+    monkeypatch.setattr(commands, "run_process_group", no_torchrun)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "keep.txt").write_text("user file")
+    before = sorted((p.relative_to(run_dir), p.read_bytes()) for p in run_dir.rglob("*") if p.is_file())
+    failures = []
+    for args, needle in _cases(tmp_path):
+        recipe = str(RECIPE)
+        if args[:1] == ["--recipe-file"]:
+            recipe, args = args[1], []
+        rc = cli.main(["train", recipe, "--nproc", "2", "--output-dir", str(run_dir), *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        if rc != 2 or len(err) != 1 or needle not in err[0]:
+            failures.append((args, rc, err))
+    after = sorted((p.relative_to(run_dir), p.read_bytes()) for p in run_dir.rglob("*") if p.is_file())
+    assert not failures, failures
+    assert after == before
