@@ -57,7 +57,7 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
         ([f"model.name={_folder(root, 'noconfig', None)}"], "has no config.json"),
         ([f"model.name={_folder(root, 'badjson', None, {'config.json': b'{not json'})}"], "not valid JSON"),
         ([f"model.name={_folder(root, 'bert', {**_CFG, 'model_type': 'nosuchtype'})}"], "model_type 'nosuchtype'"),
-        ([auto, f"model.name={_folder(root, 'pickle', files={'pytorch_model.bin': b'x'})}"], 
+        ([auto, f"model.name={_folder(root, 'pickle', files={'pytorch_model.bin': b'x'})}"],
          "pickle weights only"),
         ([auto, f"model.name={_folder(root, 'corrupt', files={'model.safetensors': b'garbage!'})}"],
          "not a readable safetensors"),
