@@ -20,7 +20,7 @@ from shardtune.plan.params import (
 )
 from shardtune.plan.timing import add_timing
 from shardtune.plan.validate import PlanInputs, resolve_inputs
-from shardtune.strategies import STRATEGIES, STRATEGY, Layout, resolve_optimizer_impl
+from shardtune.strategies import STRATEGIES, STRATEGY, Layout, check_combination, resolve_optimizer_impl
 
 GIB = 2**30
 
@@ -213,11 +213,31 @@ def _per_rank(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> dict | N
     return {k: [getattr(s, k) for s in ranks] for k in ("params", "grads", "optimizer")}
 
 
-def _applicable(inp: PlanInputs) -> list[str]:
+def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
+    """strategies.check_combination's verdict on `strategy` with these inputs (planner modes on)."""
+    try:
+        check_combination(strategy, precision=inp.precision, offload=inp.offload, optimizer=inp.optimizer,
+                          optimizer_impl=inp.optimizer_impl, lora_rank=inp.lora_rank,
+                          activation_checkpointing=inp.ac, ac_every=inp.ac_every, planner_modes=True)
+    except UserError as e:
+        return e
+    return None
+
+
+def _applicable(inp: PlanInputs) -> tuple[list[str], list[str]]:
+    """The strategies to plan and a note on those omitted. A strategy the user named that cannot
+    run with these options is a UserError, and so is every strategy failing: never an empty plan."""
     names = inp.strategies or list(STRATEGIES)
-    if inp.offload == "all":  # FSDP2's CPUOffloadPolicy; DDP has no offload
-        names = [s for s in names if STRATEGY[s].fsdp]
-    return names
+    errors = {s: _combination_error(inp, s) for s in names}
+    bad = [s for s in names if errors[s]]
+    if bad and (inp.strategies or len(bad) == len(names)):
+        raise errors[bad[0]]
+    omitted = []
+    if bad and inp.offload == "all" and all("offload 'all'" in str(errors[s]) for s in bad):
+        omitted.append("offload all applies to FSDP strategies only (FSDP2 CPUOffloadPolicy); ddp and zero1 omitted")
+    elif bad:
+        omitted.append(f"{', '.join(bad)} omitted: {errors[bad[0]]}")
+    return [s for s in names if not errors[s]], omitted
 
 
 def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
@@ -295,7 +315,8 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
                         f"{gpu.memory_bytes / GIB:.1f} GiB; give a smaller reserve")
     usable = gpu.memory_bytes - reserve
     m = _load_model(inp.model, inp.params, inp.lora_rank)
-    plans = [_plan_strategy(m, s, inp, usable) for s in _applicable(inp)]
+    names, omitted = _applicable(inp)
+    plans = [_plan_strategy(m, s, inp, usable) for s in names]
     ddp_bytes = comm.bytes_per_step(comm.collectives(
         "ddp", num_params=m.num_params, trainable_params=m.trainable, world_size=inp.gpus, shard_degree=1,
         precision=inp.precision, shapes=m.shapes, accounting=inp.accounting), inp.grad_accum)
@@ -303,7 +324,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
         p.comm_ratio_to_ddp = round(p.comm_bytes_per_step / ddp_bytes, 4) if ddp_bytes else None
         if not p.fits:
             p.suggestion = _suggest(m, p, inp, usable)
-    notes = _notes(m, inp)
+    notes = _notes(m, inp, omitted)
     result = PlanResult(
         model={"name": m.name, "source": m.source, "params": m.num_params,
                "trainable_params": m.trainable, "active_params": m.active,
@@ -318,7 +339,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
     return result
 
 
-def _notes(m: _Model, inp: PlanInputs) -> list[str]:
+def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
     notes = []
     if m.shapes is None:
         notes.append("model states only (--params): no activations, buffers or FSDP padding")
@@ -328,8 +349,7 @@ def _notes(m: _Model, inp: PlanInputs) -> list[str]:
     if inp.offload == "optimizer":
         notes.append("offload optimizer is a planner-only mode (DeepSpeed ZeRO-Offload); "
                      "the trainer offers offload all (FSDP2 CPUOffloadPolicy)")
-    if inp.offload == "all":
-        notes.append("offload all applies to FSDP strategies only (FSDP2 CPUOffloadPolicy); ddp and zero1 omitted")
+    notes += omitted
     if inp.lora_rank:
         notes.append(f"LoRA rank {inp.lora_rank}: only the adapters carry grads and optimizer states")
     return notes

@@ -106,7 +106,7 @@ def plan_cmd(
         values.update(recipe_inputs(model, _given_on_command_line(ctx) - {"model"}))
     inputs = PlanInputs(**values)
     if fit:
-        _fit(inputs, as_json)
+        _fit(inputs, as_json, model if model and model.endswith((".yaml", ".yml")) else None)
         return
     result = plan(inputs)
     if simulate:  # torch is imported only here (verify/simulate.py)
@@ -126,18 +126,21 @@ def plan_cmd(
         render_simulated(result)
 
 
-def _fit(inputs: PlanInputs, as_json: bool) -> None:
+def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None) -> None:
     from shardtune.plan.fit import render_fit, search
+    from shardtune.plan.fit_commands import train_line
+    from shardtune.plan.validate import resolve_inputs
 
     result = search(inputs)
+    use = train_line(result.best, resolve_inputs(inputs), recipe) if result.best else None
     if as_json:
-        json.dump(result.to_dict(), sys.stdout, indent=2)
+        json.dump(dict(result.to_dict(), train_command=use), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
     from rich.console import Console
 
     console = Console(highlight=False)
-    render_fit(result, console if console.is_terminal else Console(highlight=False, width=120))
+    render_fit(result, console if console.is_terminal else Console(highlight=False, width=120), use)
 
 
 def _print_catalogue() -> None:

@@ -32,6 +32,8 @@ class Candidate:
     usable_gib: float
     timing: dict
     why: str = ""
+    optimizer: str = "adamw"
+    optimizer_impl: str = "auto"
 
     @property
     def tokens_per_s(self) -> float:
@@ -65,6 +67,17 @@ class FitResult:
                 "network": self.network, "notes": self.notes}
 
 
+def _impl_for(base, precision: str) -> str:
+    """The AdamW kernel a candidate runs: the user's, except that pure bf16 under torch's AdamW
+    takes bf16-stochastic (updates below a bf16 weight's spacing would vanish; train/core/optim.py)
+    (check_combination then keeps a user's bf16-stochastic to pure bf16)."""
+    if base.optimizer != "adamw":
+        return base.optimizer_impl
+    if precision == "bf16" and base.optimizer_impl == "auto":
+        return "bf16-stochastic"
+    return base.optimizer_impl
+
+
 def _shard_sizes(world: int, per_node: int) -> list[int]:
     """Powers of two that divide the world, from 2 up to half of it, plus one node's GPUs."""
     sizes = {per_node} if world % per_node == 0 and 1 < per_node < world else set()
@@ -96,26 +109,36 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
     acs = AC_MODES if m.arch is not None else ("none",)
     micro_batches = MICRO_BATCHES if m.arch is not None else (base.micro_batch,)
     out: list[Candidate] = []
+    refused: dict[str, Exception] = {}
     for strategy in strategies:
         shards = _shard_sizes(base.gpus, base.gpus_per_node) if STRATEGY[strategy].hybrid else [None]
         for shard in shards:
             for precision in PRECISIONS:
                 for ac in acs:
+                    impl = _impl_for(base, precision)
                     for offload in OFFLOADS:
-                        if offload == "all" and not STRATEGY[strategy].fsdp:
-                            continue  # FSDP2's CPUOffloadPolicy only
+                        inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,
+                                      precision=precision, ac=ac, offload=offload, optimizer_impl=impl)
+                        err = api._combination_error(inp, strategy)
+                        if err:  # strategies.check_combination: nothing runs it
+                            refused.setdefault(strategy, err)
+                            continue
                         for mb in micro_batches:
-                            inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,
-                                          precision=precision, ac=ac, offload=offload, micro_batch=mb)
+                            inp = replace(inp, micro_batch=mb)
                             sp = api._plan_strategy(m, strategy, inp, usable)
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
-                                          sp.memory.total / GIB, usable / GIB, timing)
+                                          sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
+                                          optimizer_impl=impl)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)
                             out.append(c)
                             if not sp.fits:
                                 break  # larger micro-batches need more memory still
+    searched = {c.strategy for c in out}
+    for strategy in (base.strategies or []) + ([next(iter(refused))] if refused and not out else []):
+        if strategy not in searched:  # a named strategy nothing can run, or no candidate at all
+            raise refused[strategy]
     fitting = sorted((c for c in out if c.fits), key=lambda c: -c.tokens_per_s)
     best = fitting[0] if fitting else None
     for c in fitting[1:top]:
@@ -173,8 +196,9 @@ def _why_loses(c: Candidate, best: Candidate) -> str:
     return f"{gap:.1%} slower than #1 ({', '.join(changed) or 'same'}): more {worst} per token"
 
 
-def render_fit(fit: FitResult, console) -> None:
-    """The winner with the command line to use, the runners-up with why they lose, the rejected."""
+def render_fit(fit: FitResult, console, use: str | None = None) -> None:
+    """The winner with the command line to use (`use`, default its plan flags), the runners-up
+    with why they lose, the rejected."""
     net = fit.network
     link = (f"{net['interconnect']} × {net['nics_per_node']} per node" if net.get("interconnect") else "one node") + \
         (f" (measured profile {net['network_profile']['path']})" if net.get("network_profile") else "")
@@ -186,7 +210,7 @@ def render_fit(fit: FitResult, console) -> None:
         console.print(f"best: {b.label()} → {b.tokens_per_s:,.0f} tokens/s per GPU, step "
                       f"{_secs(b.timing['step_time_s'])} s, "
                       f"MFU {b.timing['mfu']:.1%}, peak {b.peak_gib:.1f} of {b.usable_gib:.1f} GiB")
-        console.print(f"  use: {b.flags()}")
+        console.print(f"  use: {use or b.flags()}", soft_wrap=True)
         for i, c in enumerate(fit.ranked[1:], 2):
             console.print(f"#{i} {c.label()}: {c.tokens_per_s:,.0f} tokens/s — {c.why}")
     for c in fit.rejected:

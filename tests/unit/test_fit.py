@@ -63,3 +63,69 @@ def test_bad_timing_options_are_user_errors(args, capsys):
     assert main(["plan", "tiny-llama", "--gpus", "2", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardtune: error:") and len(err.strip().splitlines()) == 1
+
+
+def _parse_as_cli(argv: list[str]) -> dict:
+    """The params click parses from `argv` (after `shardtune`) for the real subcommand: no run starts."""
+    import typer
+
+    from shardtune.cli import app
+
+    group = typer.main.get_command(app)
+    ctx = group.make_context("shardtune", list(argv[1:]))
+    names = list(argv[1:])
+    cmd = group
+    while hasattr(cmd, "commands"):  # walk `launch slurm` down to its leaf command
+        name, cmd, names = *cmd.resolve_command(ctx, names)[:2], names[1:]
+        ctx = cmd.make_context(name, names, parent=ctx)
+    return ctx.params
+
+
+@pytest.mark.parametrize("argv", [
+    ["llama-3-8b", "--gpus", "8"],  # picks pure bf16: must carry optim.implementation=bf16-stochastic
+    ["llama-3-70b", "--gpus", "16", "--nodes", "2", "--lora-rank", "16"],  # two nodes: launch slurm
+    ["recipes/tiny-cpu.yaml", "--gpus", "2", "--gpu", "a100-40gb"],  # the recipe planned is the one run
+    ["llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g", "--strategy", "hsdp"],
+])
+def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
+    import shlex
+
+    from shardtune.config import load_recipe
+    from shardtune.train.commands import resolve_config
+
+    assert main(["plan", *argv, "--fit", "--json"]) in (0, None)
+    out = json.loads(capsys.readouterr().out)
+    best, line = out["best"], out["train_command"]
+    args = shlex.split(line)
+    params = _parse_as_cli(args)
+    if args[1] == "train":
+        flags = {k: v for k, v in params.items() if k not in ("recipe", "overrides", "nproc", "max_restarts")}
+        cfg = resolve_config(params["recipe"], params["overrides"], **flags)
+        assert params["nproc"] == int(argv[argv.index("--gpus") + 1])
+    else:
+        cfg = load_recipe(params["recipe"], params["overrides"])
+        assert params["nodes"] * params["gpus_per_node"] == int(argv[argv.index("--gpus") + 1])
+    got = cfg.plan_inputs()
+    assert (cfg.parallel.strategy, got["precision"], got["ac"], got["offload"], got["micro_batch"]) == (
+        best["strategy"], best["precision"], best["ac"], best["offload"], best["micro_batch"]), line
+    assert got["optimizer_impl"] == best["optimizer_impl"]
+    if best["precision"] == "bf16":  # pure bf16 under torch AdamW needs the stochastic-rounding step
+        assert got["optimizer_impl"] == "bf16-stochastic"
+    if best["strategy"] == "hsdp":
+        assert got["hsdp_shard_size"] == best["hsdp_shard_size"]
+    assert got["seq_len"] == (128 if "tiny" in argv[0] else 2048)
+    if "--lora-rank" in argv:
+        assert got["lora_rank"] == 16
+    if "--gpu" in argv:
+        assert got["gpu"] == "a100-40gb"
+
+
+def test_fit_refuses_a_named_strategy_nothing_runs(capsys):
+    assert main(["plan", "llama-3-8b", "--fit", "--strategy", "zero3", "--optimizer", "adamw-8bit"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ddp or zero1 only" in err[0]
+
+
+def test_fit_never_picks_what_the_trainer_refuses():
+    fit = search("llama-3-8b", gpus=8, optimizer="adamw-8bit")
+    assert fit.best and {c.strategy for c in fit.ranked + fit.rejected} <= {"ddp", "zero1"}

@@ -156,3 +156,22 @@ def test_pure_bf16_70b_recipe_states_are_8_bytes_per_param(capsys):
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     assert states == pytest.approx(8 * psi / 8, rel=1e-4)  # FSDP2 pads dim 0: a few rows more
     assert mem["optimizer_step_temp"] == 8 * (128_256 // 8) * 8_192
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--offload", "all", "--strategy", "ddp"], "needs an FSDP strategy"),
+    (["--optimizer", "adamw-8bit", "--strategy", "zero3"], "ddp or zero1 only"),
+    (["--optimizer-impl", "bf16-stochastic"], "needs parallel.precision bf16"),
+])
+def test_combination_nothing_runs_is_one_line_exit_2(argv, expected, capsys):
+    # strategies.check_combination, the rule `shardtune train` applies too: no empty tables
+    assert main(["plan", "llama-3-8b", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and expected in err, err
+
+
+def test_strategies_nothing_runs_are_omitted_with_a_note(capsys):
+    assert main(["plan", "llama-3-8b", "--optimizer", "adamw-8bit", "--json"]) in (0, None)
+    doc = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in doc["strategies"]] == ["ddp", "zero1"]
+    assert any("zero2, zero3, hsdp omitted" in n for n in doc["notes"])

@@ -1,0 +1,88 @@
+"""`plan --fit`'s pick as a `shardtune train` command that runs as printed (CLI glue: it reads
+recipes through shardtune.config, which plan/ may not import). Imports no torch.
+
+The command (one node: `shardtune train`; more: `shardtune launch slurm`) names a recipe (the one
+planned, else the repository's recipe for the model, else
+the Llama-3-8B one with `model.name=`), then the train flags and `key=value` overrides for every
+planner input whose value differs from the recipe's: `resolve_config` on it gives a RunConfig
+whose `plan_inputs()` are the pick's (tests/unit/test_fit.py pastes it).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from shardtune.config import load_recipe
+from shardtune.plan.fit import Candidate
+from shardtune.plan.validate import PlanInputs
+from shardtune.strategies import STRATEGY
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+FALLBACK_RECIPE = "llama-3-8b-8xh100.yaml"  # a GPU recipe (nccl, bf16-mixed) for any catalogue model
+# plan_inputs() key → (train flag or None, recipe key); train/flags.py has the flags
+_KEYS = {
+    "strategy": ("--strategy", "parallel.strategy"), "precision": ("--precision", "parallel.precision"),
+    "lora_rank": ("--lora-rank", "lora.rank"), "model": (None, "model.name"), "gpu": (None, "train.gpu"),
+    "seq_len": (None, "train.seq_len"), "micro_batch": (None, "train.micro_batch"),
+    "grad_accum": (None, "train.grad_accum"), "optimizer": (None, "optim.name"),
+    "optimizer_impl": (None, "optim.implementation"), "ac": (None, "parallel.activation_checkpointing"),
+    "ac_every": (None, "parallel.ac_every"), "offload": (None, "parallel.offload"),
+    "hsdp_shard_size": (None, "parallel.hsdp_shard_size"),
+}
+
+
+def _shown(path: Path) -> str:
+    try:
+        return os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd().resolve()) else str(path)
+    except ValueError:
+        return str(path)
+
+
+def _base_recipe(model: str) -> str:
+    for path in sorted(RECIPES.glob("*.yaml")):
+        try:
+            if load_recipe(str(path)).model.name == model:
+                return _shown(path)
+        except Exception:  # a broken repository recipe is not this command's business
+            continue
+    return _shown(RECIPES / FALLBACK_RECIPE)
+
+
+def _model_name(model) -> str | None:
+    """The trainer's model.name for the planner's MODEL: a catalogue name or a model folder."""
+    if not isinstance(model, str):
+        return None  # an HF config dict (Python API): nothing to name
+    return str(Path(model).parent) if model.endswith(".json") else model
+
+
+def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> str | None:
+    """The `shardtune train ...` command (several nodes: `shardtune launch slurm ...`) that runs
+    `best`; None when there is no model (--params)."""
+    if recipe is None:
+        model = _model_name(base.model)
+        if model is None:
+            return None
+        recipe = _base_recipe(model)
+    else:
+        model = load_recipe(recipe).model.name
+    want = dict(model=model, gpu=base.gpu, seq_len=base.seq_len, micro_batch=best.micro_batch,
+                grad_accum=base.grad_accum, precision=best.precision, optimizer=best.optimizer,
+                optimizer_impl=best.optimizer_impl, ac=best.ac, ac_every=base.ac_every, offload=best.offload,
+                hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None,
+                lora_rank=base.lora_rank, strategy=best.strategy)
+    have = load_recipe(recipe).plan_inputs()
+    have["strategy"] = load_recipe(recipe).parallel.strategy
+    one_node = base.nodes == 1  # else `shardtune launch slurm`, which takes overrides only
+    argv = (["shardtune", "train", recipe, "--nproc", str(base.gpus)] if one_node else
+            ["shardtune", "launch", "slurm", recipe, "--nodes", str(base.nodes), "--gpus-per-node",
+             str(base.gpus_per_node)])
+    flags, overrides = [], []
+    for key, (flag, recipe_key) in _KEYS.items():
+        if want[key] == have[key] or (key == "ac_every" and want["ac"] != "selective"):
+            continue
+        if flag and one_node:
+            flags += [flag, str(want[key])]
+        else:
+            overrides.append(f"{recipe_key}={'null' if want[key] is None else want[key]}")
+    return shlex.join(argv + flags + overrides)
