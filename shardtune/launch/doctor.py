@@ -159,15 +159,21 @@ def filesystem_type(path: Path) -> tuple[str, str]:
 
 
 def check_checkpoint_dir(directory: str) -> list[Check]:
-    """Writable (create, write, fsync, rename, delete a probe), free space, and whether it looks shared."""
+    """Writable (create, write, fsync, rename, delete a probe), free space, and whether it looks
+    shared. Creates nothing but the probe: a folder that does not exist yet is judged by its
+    nearest existing parent (where the trainer would create it), with a WARN."""
     d = Path(directory).expanduser()
     existing = d
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     out = []
+    if existing != d:
+        out.append(Check("warn", "checkpoint dir", f"{d} does not exist (yet); checking {existing}, where it "
+                         "would be created: on several nodes, is the shared filesystem mounted here?"))
+    if not existing.is_dir():
+        return out + [Check("fail", "checkpoint dir", f"{d} is not writable: {existing} is a file, not a folder")]
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".shardtune-probe-{uuid.uuid4().hex}"
+        probe = existing / f".shardtune-probe-{uuid.uuid4().hex}"
         tmp = probe.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(b"x" * 4096)
@@ -175,9 +181,10 @@ def check_checkpoint_dir(directory: str) -> list[Check]:
             os.fsync(f.fileno())
         os.replace(tmp, probe)  # checkpoints are committed by rename: it must work here
         probe.unlink()
-        out.append(Check("ok", "checkpoint dir", f"{d} is writable (write, fsync, rename)"))
+        out.append(Check("ok", "checkpoint dir", f"{existing} is writable (write, fsync, rename)"))
     except OSError as e:
-        return [Check("fail", "checkpoint dir", f"{d} is not writable: {e.strerror or e}")]
+        return out + [Check("fail", "checkpoint dir", f"{existing} is not writable: {e.strerror or e}")]
+    d = existing
     free = shutil.disk_usage(d).free
     out.append(Check("ok" if free > 10 * 2**30 else "warn", "free space", f"{free / 2**30:.1f} GiB free at {d}"))
     fstype, mnt = filesystem_type(d)

@@ -80,3 +80,30 @@ def test_filesystem_type_matches_findmnt(tmp_path):
     assert filesystem_type(tmp_path) == (fstype, target)
     shared = [c for c in check_checkpoint_dir(str(tmp_path)) if c.what == "shared?"][0]
     assert fstype in shared.detail
+
+
+def test_missing_checkpoint_dir_is_judged_by_its_parent_and_not_created(tmp_path):
+    target = tmp_path / "shared" / "runs"
+    checks = check_checkpoint_dir(str(target))
+    assert not (tmp_path / "shared").exists()  # doctor created nothing (the seed made it on local disk)
+    assert list(tmp_path.iterdir()) == []  # and the probe is gone
+    warn = [c for c in checks if c.what == "checkpoint dir" and c.status == "warn"]
+    assert warn and "does not exist" in warn[0].detail
+    ok = [c for c in checks if c.what == "checkpoint dir" and c.status == "ok"]
+    assert ok and str(tmp_path) in ok[0].detail
+
+
+def test_missing_checkpoint_dir_under_a_read_only_parent_fails(tmp_path):
+    import os
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: permissions do not bind")
+        checks = check_checkpoint_dir(str(ro / "ckpt"))
+        assert any(c.status == "fail" and "not writable" in c.detail for c in checks)
+        assert not (ro / "ckpt").exists()
+    finally:
+        ro.chmod(0o755)
