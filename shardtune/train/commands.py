@@ -64,23 +64,38 @@ def run_process_group(cmd: list[str]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: int = 0, **flags) -> int:
-    """Validate everything, then start torchrun with `nproc` processes on this machine."""
+def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: int = 0, move_aside: bool = False,
+                  **flags) -> int:
+    """Validate everything, own the run folder (train/runlock.py), decide re-runs and resumes
+    (train/rerun.py), then start torchrun with `nproc` processes on this machine."""
+    from shardtune.train.rerun import check_rerun
+    from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
+
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: give at least 1 process")
     if max_restarts < 0:
         raise UserError(f"--max-restarts {max_restarts}: give 0 or more")
     cfg = resolve_config(recipe, overrides, **flags)
     validate_for_launch(cfg, nproc, nproc)
-    rc = run_process_group(torchrun_command(nproc, recipe, overrides, flags, max_restarts))
+    with RunLock(cfg.run_dir) as lock:
+        done = check_rerun(cfg, move_aside)
+        if done:
+            print(done)
+            return 0
+        os.environ[RUN_LOCK_ENV] = str(lock.path)  # the ranks: held by this launcher
+        try:
+            rc = run_process_group(torchrun_command(nproc, recipe, overrides, flags, max_restarts))
+        finally:
+            os.environ.pop(RUN_LOCK_ENV, None)
     if rc:
         print(f"shardtune: error: training failed (exit code {rc}); see the messages above", file=sys.stderr)
     return rc
 
 
-def _train(recipe: str, overrides: list[str] | None, nproc: int, max_restarts: int, **flags) -> int:
+def _train(recipe: str, overrides: list[str] | None, nproc: int, max_restarts: int, move_aside: bool,
+           **flags) -> int:
     """Fine-tune with a recipe on this machine (torchrun under the hood)."""
-    return train_command(recipe, overrides or [], nproc, max_restarts=max_restarts, **flags)
+    return train_command(recipe, overrides or [], nproc, max_restarts=max_restarts, move_aside=move_aside, **flags)
 
 
 def _param(name: str, annotation, default) -> inspect.Parameter:
@@ -96,5 +111,9 @@ def register(app: typer.Typer) -> None:
         _param("nproc", int, typer.Option(1, "--nproc", help="Processes on this machine (torchrun --nproc-per-node).")),
         _param("max_restarts", int, typer.Option(0, "--max-restarts", help="torchrun restarts of the whole group "
                                                  "after a failure; each resumes from the last checkpoint.")),
+        _param("move_aside", bool, typer.Option(False, "--move-aside", help="With --resume never in a folder "
+                                                "that has checkpoints: move the earlier run's checkpoints, metrics "
+                                                "and config into <run_dir>/previous-<time>/ first (nothing is "
+                                                "deleted).")),
     ]
     app.command("train", context_settings={"allow_interspersed_args": True})(with_flags(_train, params))

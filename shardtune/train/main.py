@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from shardtune.config import dump_config
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh, dp_group
+from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -111,12 +113,24 @@ def run(cfg: RunConfig) -> dict:
             guard.cancel()
 
 
+def keep_segment(run_dir: Path) -> None:
+    """An earlier segment's config.yaml and plan.json → segments/<n>/ (so `report` sees the whole run)."""
+    if not (run_dir / "config.yaml").is_file():
+        return
+    seg = run_dir / "segments" / f"{len(list((run_dir / 'segments').glob('*'))) + 1:03d}"
+    seg.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "plan.json"):
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, seg / name)
+
+
 def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None]:
     """Rank 0 writes config.yaml and plan.json; every rank gets the planner's prediction."""
     run_dir = cfg.run_dir
     planned = None
     if ctx.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
+        keep_segment(run_dir)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         # metrics.jsonl is truncated or removed by RunKeeper.resume (a resumed run continues it)
         planned = write_plan(cfg, ctx.world_size, run_dir)
@@ -127,9 +141,16 @@ def train(cfg: RunConfig, ctx: DistContext) -> dict:
     """set-up → loop → finish (train/loop.py); returns the last logged metrics record."""
     from shardtune.train.loop import finish, loop, set_up  # the trainer's torch-heavy imports
 
-    run_dir, planned = prepare_run_dir(cfg, ctx)
-    built = set_up(cfg, ctx, run_dir, planned)
-    record, rank_bytes = loop(built)
-    finish(built, rank_bytes)
-    del built  # model, optimizer, keeper go before destroy_process_group (gloo exit hang)
+    lock = None
+    if ctx.rank == 0 and not os.environ.get(RUN_LOCK_ENV):  # started by hand: rank 0 owns the folder
+        lock = RunLock(cfg.run_dir).acquire()
+    try:
+        run_dir, planned = prepare_run_dir(cfg, ctx)
+        built = set_up(cfg, ctx, run_dir, planned)
+        record, rank_bytes = loop(built)
+        finish(built, rank_bytes)
+        del built  # model, optimizer, keeper go before destroy_process_group (gloo exit hang)
+    finally:
+        if lock is not None:
+            lock.release()
     return record

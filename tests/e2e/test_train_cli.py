@@ -139,3 +139,22 @@ def test_flags_reach_the_same_keys_from_typer_argparse_and_torchrun():
     assert args.recipe == "r.yaml" and args.overrides == ["optim.lr=1"]
     assert {k: getattr(args, k) for k in given} == given
     assert set(EXPECTED_FLAGS) == {a for a in cmd[cmd.index("r.yaml"):] if a.startswith("--")}
+
+
+@pytest.mark.timeout(240)
+def test_finished_run_rerun_is_a_no_op_and_a_second_run_is_refused(tmp_path):
+    """Issue 14 item 4 / issue 15 item 3 through the real CLI: the re-run of a finished run rewrites
+    nothing; `--resume never` over its checkpoints is refused before torchrun."""
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "1", "--max-steps", "2",
+            "--output-dir", str(out), "checkpoint.export_hf=false", "data.generated_examples=200"]
+    first = run_bounded(base, timeout_s=200, cwd=REPO, stderr=subprocess.STDOUT)
+    assert first.returncode == 0, first.stdout[-3000:]
+    assert not (out / "shardtune.lock").exists()
+    before = sorted((p, p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file())
+    again = run_bounded(base, timeout_s=60, cwd=REPO)
+    assert again.returncode == 0 and "already complete at step 2" in again.stdout, (again.stdout, again.stderr)
+    fresh = run_bounded(base + ["--resume", "never"], timeout_s=60, cwd=REPO)
+    assert fresh.returncode == 2 and len(fresh.stderr.strip().splitlines()) == 1, fresh.stderr
+    assert "--move-aside" in fresh.stderr
+    assert sorted((p, p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()) == before

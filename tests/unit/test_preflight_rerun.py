@@ -1,0 +1,78 @@
+"""Run-folder ownership (train/runlock.py) and re-run / resume decisions (train/rerun.py), on run
+folders laid out by hand as the trainer writes them (docs/checkpoints.md)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from shardtune.config import dump_config, load_recipe
+from shardtune.errors import UserError
+from shardtune.train.durable.ckpt_files import config_hash
+from shardtune.train.rerun import check_rerun
+from shardtune.train.runlock import LOCK_FILE, RunLock
+
+
+def test_second_run_refused_naming_holder_stale_lock_taken_over(tmp_path, capsys):
+    with RunLock(tmp_path):
+        with pytest.raises(UserError) as e:
+            RunLock(tmp_path).acquire()
+        assert f"pid {os.getpid()} on {socket.gethostname()}" in str(e.value)
+    assert not (tmp_path / LOCK_FILE).exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_time": 0}))
+    lock = RunLock(tmp_path).acquire()
+    assert f"stale lock of pid {dead.pid}" in capsys.readouterr().err
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "another-host", "start_time": 0}))
+    with pytest.raises(UserError, match="in use by pid 1 on another-host"):
+        RunLock(tmp_path).acquire()
+
+
+def _finished_run(tmp_path, steps=5):
+    """A run folder as a finished `max_steps=steps` run leaves it: config.yaml + a complete checkpoint."""
+    run = tmp_path / "run"
+    cfg = load_recipe(None, [f"output_dir={run}", f"train.max_steps={steps}"])
+    ck = run / "checkpoints" / f"step_{steps}"
+    ck.mkdir(parents=True)
+    (ck / ".metadata").write_bytes(b"")
+    (ck / "shardtune_checkpoint.json").write_text(json.dumps(
+        {"complete": True, "step": steps, "world_size": 2, "strategy": "zero3", "config_hash": config_hash(cfg)}))
+    (run / "config.yaml").write_text(dump_config(cfg))
+    return run
+
+
+def _snapshot(run):
+    return sorted((str(p.relative_to(run)), p.read_bytes()) for p in run.rglob("*") if p.is_file())
+
+
+def test_finished_run_rerun_is_a_no_op_and_changes_are_named(tmp_path, capsys):
+    run = _finished_run(tmp_path)
+    before = _snapshot(run)
+    msg = check_rerun(load_recipe(None, [f"output_dir={run}", "train.max_steps=5"]))
+    assert "already complete at step 5" in msg
+    assert check_rerun(load_recipe(None, [f"output_dir={run}", "train.max_steps=8"])) is None
+    assert "train.max_steps 5 → 8" in capsys.readouterr().out
+    with pytest.raises(UserError, match="train.seq_len 128 → 64") as e:
+        check_rerun(load_recipe(None, [f"output_dir={run}", "train.max_steps=8", "train.seq_len=64"]))
+    assert "--output-dir" in str(e.value) and "\n" not in str(e.value)
+    assert _snapshot(run) == before  # nothing read was written
+
+
+def test_fresh_start_over_checkpoints_refused_unless_moved_aside(tmp_path, capsys):
+    run = _finished_run(tmp_path)
+    fresh = load_recipe(None, [f"output_dir={run}", "checkpoint.resume=never"])
+    with pytest.raises(UserError, match="--move-aside"):
+        check_rerun(fresh)
+    before = {name: data for name, data in _snapshot(run)}
+    assert check_rerun(fresh, move_old=True) is None
+    assert "moved the earlier run" in capsys.readouterr().out
+    (aside,) = run.glob("previous-*")
+    assert {str(p.relative_to(aside)): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
+    assert not (run / "checkpoints").exists()
