@@ -19,11 +19,19 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     help="Plan, run, launch and verify sharded (FSDP2 / ZeRO) fine-tuning of LLMs.",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(__version__)
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(_version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                        help="Print shardtune's version and exit.")) -> None:
     """Plan, run, launch and verify sharded (FSDP2 / ZeRO) fine-tuning of LLMs."""
 
 
@@ -65,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except typer.Exit as e:
         return e.exit_code
+    # a bare group (`shardtune launch`): its help on stdout, exit 0 (typer 0.29 vendors click as typer._click)
+    except typer._click.exceptions.NoArgsIsHelpError as e:
+        print(e.ctx.get_help())
+        return 0
     except typer.TyperException as e:  # usage errors: unknown option, missing argument, bad value
         msg = e.format_message() if hasattr(e, "format_message") else str(e)
         print(f"shardtune: error: {' '.join(msg.split())}", file=sys.stderr)
