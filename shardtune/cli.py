@@ -64,7 +64,7 @@ _register_commands()
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: a UserError or a usage error is one line on stderr and exit code 2."""
     try:
-        rv = app(args=argv, standalone_mode=False)
+        rv = app(args=argv, standalone_mode=False, prog_name="shardtune")
     except UserError as e:
         print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
