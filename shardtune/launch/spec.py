@@ -26,6 +26,10 @@ _K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 # An interface name as Linux accepts it (IFNAMSIZ 16 incl. NUL); NCCL takes comma lists of them.
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 _HOST = re.compile(r"^[A-Za-z0-9_.:\[\]-]+$")
+# OCI reference: [registry[:port]/]path[:tag][@sha256:digest]
+_IMAGE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
+                    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?")
+_HCA = re.compile(r"[=^]?[A-Za-z0-9_]+(?::[0-9]+)?(?:,[A-Za-z0-9_]+(?::[0-9]+)?)*")
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def parse_slurm_time_s(value: str) -> int:
 
 
 def _check(pattern: re.Pattern, option: str, value: str, allowed: str) -> str:
-    if not pattern.match(value):
+    if not pattern.fullmatch(value):
         raise UserError(f"{option} {value!r} has characters a #SBATCH line cannot carry; use {allowed}")
     return value
 
@@ -100,21 +104,33 @@ def check_sbatch_path(option: str, value: str) -> str:
 
 
 def check_k8s_name(option: str, value: str) -> str:
-    if len(value) > 63 or not _K8S_NAME.match(value):
+    if len(value) > 63 or not _K8S_NAME.fullmatch(value):
         raise UserError(f"{option} {value!r} is not a Kubernetes name; use lowercase letters, digits and '-' (at "
                         "most 63)")
     return value
 
 
 def check_ifname(value: str) -> str:
-    if not all(_IFNAME.match(p) for p in value.split(",")):
+    if not all(_IFNAME.fullmatch(p) for p in value.split(",")):
         raise UserError(f"--ifname {value!r} is not an interface name (e.g. eth0, ens5, ib0); list several with commas")
     return value
 
 
 def check_host(option: str, value: str) -> str:
-    if not _HOST.match(value):
+    if not _HOST.fullmatch(value):
         raise UserError(f"{option} {value!r} is not a host name or address")
+    return value
+
+
+def check_image(value: str) -> str:
+    if not _IMAGE.fullmatch(value):
+        raise UserError(f"--image {value!r} is not a container image reference (e.g. ghcr.io/org/shardtune:1.0)")
+    return value
+
+
+def check_ib_hca(value: str) -> str:
+    if not _HCA.fullmatch(value):
+        raise UserError(f"--ib-hca {value!r} is not an NCCL_IB_HCA list (e.g. mlx5_0,mlx5_1 or =mlx5_0:1)")
     return value
 
 
@@ -135,6 +151,13 @@ def validate(spec: LaunchSpec) -> LaunchSpec:
         check_ifname(spec.ifname)
     if spec.rdzv_host:
         check_host("--rdzv-host", spec.rdzv_host)
+    check_sbatch_word("--job-name", spec.job_name)
+    if spec.image:
+        check_image(spec.image)
+    if spec.ib_hca:
+        check_ib_hca(spec.ib_hca)
+    if spec.run_id:
+        check_sbatch_word("--run-id", spec.run_id)
     for ov in spec.overrides:
         if "=" not in ov:
             raise UserError(f"override {ov!r} is not key.path=value")

@@ -362,3 +362,23 @@ def test_cli_writes_file_and_reports_bad_values_in_one_line(tmp_path):
     assert r.returncode == 2 and "eth-1000g" in r.stderr
     r = _cli("launch", "k8s", str(recipe), "parallel.strategy=zero9", "--image", "x")
     assert r.returncode == 2 and "zero9" in r.stderr
+
+
+@pytest.mark.parametrize("field,value", [
+    ("job_name", "job\n"), ("partition", "gpu\n"), ("account", "acct\n"), ("ifname", "eth0\n"),
+    ("image", "ghcr.io/org/img:1\n"), ("image", "img; rm -rf /"), ("ib_hca", "mlx5_0\n"), ("ib_hca", "mlx5_0 $(x)"),
+    ("rdzv_host", "10.0.0.1\n"),
+])
+def test_values_reaching_generated_files_are_matched_in_full(tmp_path, field, value):
+    # issue 15: re.match("^…$") let a trailing newline through into #SBATCH lines
+    with pytest.raises(UserError) as e:
+        render_slurm(_spec(str(tmp_path / "r.yaml"), time="1:00:00", **{field: value}))
+    assert "\n" not in str(e.value)
+
+
+def test_well_formed_launch_values_pass_and_each_script_has_its_own_rdzv_id(tmp_path):
+    spec = _spec(str(tmp_path / "r.yaml"), image="ghcr.io/org/shardtune:1.0", ib_hca="=mlx5_0:1,mlx5_1",
+                 partition="gpu", account="acct", ifname="eth0,ib0")
+    ids = {line.split("--rdzv-id ")[1].split()[0] for line in (render_torchrun(spec), render_torchrun(spec))
+           for line in line.splitlines() if "--rdzv-id" in line}
+    assert len(ids) == 2, ids  # two jobs generated on one host never share a rendezvous by default
