@@ -281,9 +281,23 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
                 break
     if found:
         return " or ".join(found)
-    if not STRATEGY[sp.name].reshard_after_forward:  # whole params (or zero2's gathered copy) never fit
+    return _fallback(sp, inp)
+
+
+def _fallback(sp: StrategyPlan, inp: PlanInputs) -> str:
+    """When no single change fits: what dominates the peak decides, and nothing already on is
+    suggested (issue 18: LoRA does not shrink activations)."""
+    mem = sp.memory
+    states = mem.params + mem.grads + mem.optimizer + mem.optimizer_step_temp
+    if not STRATEGY[sp.name].reshard_after_forward and not _combination_error(inp, "zero3") \
+            and mem.activations < states + mem.buffers:  # whole params (or zero2's gathered copy) never fit
         return "zero3"
-    return "LoRA, or a larger GPU"
+    if mem.activations >= states and mem.activations >= mem.buffers:
+        return (f"a shorter --seq-len: activations ({mem.activations / GIB:,.1f} GiB) dominate the peak"
+                + ("" if inp.ac == "full" else " even with --ac full"))
+    if not inp.lora_rank and inp.params is None:
+        return "LoRA (--lora-rank 16), or a larger GPU"
+    return f"a larger GPU: model states ({states / GIB:,.1f} GiB) dominate the peak"
 
 
 def _verdict(plans: list[StrategyPlan], usable: int) -> str:

@@ -99,7 +99,9 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     args = shlex.split(line)
     params = _parse_as_cli(args)
     if args[1] == "train":
-        flags = {k: v for k, v in params.items() if k not in ("recipe", "overrides", "nproc", "max_restarts")}
+        from shardtune.train.flags import FLAG_BY_NAME
+
+        flags = {k: v for k, v in params.items() if k in FLAG_BY_NAME}  # the recipe-key flags
         cfg = resolve_config(params["recipe"], params["overrides"], **flags)
         assert params["nproc"] == int(argv[argv.index("--gpus") + 1])
     else:

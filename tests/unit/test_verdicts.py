@@ -1,0 +1,56 @@
+"""Verdicts follow the numbers (issue 18 item 2): a suggestion comes from what dominates the peak,
+never names what is already on, never names what the trainer refuses, and, when it names a
+change, the plan with that change fits."""
+from __future__ import annotations
+
+import re
+
+from shardtune.plan import plan
+
+GIB = 2**30
+
+
+def _one(result, name):
+    s = result.strategy(name)
+    assert not s.fits
+    return s
+
+
+def test_128k_tokens_with_lora_names_activations_not_lora():
+    r = plan("llama-3-8b", 8, seq_len=131072, lora_rank=16, strategies=["zero3"])
+    s = _one(r, "zero3")
+    m = s.memory
+    # the breakdown itself: activations (mask + logits at 128k) are most of the peak
+    assert m.activations > 10 * (m.params + m.grads + m.optimizer + m.buffers)
+    assert "LoRA" not in s.suggestion and "seq-len" in s.suggestion and "activations" in s.suggestion
+    assert "LoRA" not in r.verdict
+
+
+def test_states_dominated_with_lora_on_does_not_suggest_lora():
+    r = plan("llama-3-70b", 1, lora_rank=16, strategies=["ddp"], seq_len=512)
+    s = _one(r, "ddp")
+    assert "LoRA" not in s.suggestion
+
+
+def test_adamw_8bit_is_never_told_to_use_zero3():
+    # bitsandbytes refuses FSDP2's DTensors (strategies.check_combination)
+    r = plan("llama-3-70b", 8, optimizer="adamw-8bit")
+    for s in r.strategies:
+        assert not s.fits and "zero3" not in s.suggestion, s.suggestion
+
+
+def test_a_suggested_gpu_count_really_fits():
+    r = plan("llama-3-70b", 1, strategies=["zero3"], seq_len=2048)
+    s = _one(r, "zero3")
+    m = re.search(r"--gpus (\d+)", s.suggestion)
+    assert m, s.suggestion
+    extra = {"ac": "full"} if "--ac full --gpus" in s.suggestion else {}
+    again = plan("llama-3-70b", int(m.group(1)), strategies=["zero3"], seq_len=2048, **extra)
+    assert again.strategy("zero3").fits
+
+
+def test_zero2_whose_gathered_params_cannot_fit_is_told_zero3():
+    r = plan("llama-3-70b", 8, strategies=["zero2"])
+    s = _one(r, "zero2")
+    assert s.suggestion == "zero3"
+    assert plan("llama-3-70b", 8, strategies=["zero3"], ac="full").strategy("zero3").memory.total < s.memory.total
