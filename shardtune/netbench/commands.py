@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import typer
 
@@ -39,6 +40,20 @@ def print_table(prof: dict, file=None) -> None:
         console.print(f"{kind}: busbw {link['busbw_gbps']:.3f} GB/s, α {link['alpha_s'] * 1e6:.1f} µs per ring step")
 
 
+def check_output_file(output: str) -> None:
+    """`-o` is checked before any rank starts: its folder exists and is writable, and it is no folder."""
+    from shardtune.errors import UserError
+
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise UserError(f"-o {output!r} is a folder; give a file path such as {os.path.join(output, 'profile.json')}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"-o {output!r}: folder {str(parent)!r} does not exist; create it or give another path")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"-o {output!r} cannot be written (permission denied); give another path")
+
+
 def comm(
     nproc: int = typer.Option(2, "--nproc", help="Processes (ranks) to start on this machine."),
     sizes: str | None = typer.Option(None, "--sizes", help="Message sizes, binary units: e.g. 4K,1M,64M,256M "
@@ -62,6 +77,12 @@ def comm(
         raise UserError(f"unknown scope {scope!r}; choose intra or inter")
     if sizes:
         parse_sizes(sizes)
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc}: give at least 1 process")
+    if timeout <= 0:
+        raise UserError(f"--timeout {timeout}: give a positive number of seconds")
+    if output:
+        check_output_file(output)
     out = output or os.path.join(tempfile.mkdtemp(prefix="shardtune-comm-"), "profile.json")
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -102,3 +102,18 @@ def test_alpha_beta_fit_reproduces_both_ends():
     for r in rows:
         assert collective_time_s("all_gather", r["size_bytes"], 4, link["busbw_gbps"] * 1e9,
                                  link["alpha_s"]) == pytest.approx(r["time_s"], rel=1e-9)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("target, needle", [("/nonexistent/x.json", "does not exist"), ("{dir}", "is a folder")])
+def test_bench_output_checked_before_measuring(tmp_path, monkeypatch, capsys, target, needle):
+    from shardtune import cli
+    from shardtune.netbench import comm_bench
+
+    def no_ranks(*a, **k):
+        raise AssertionError("the benchmark started for a bad -o")
+
+    monkeypatch.setattr(comm_bench, "launch_local", no_ranks)
+    rc = cli.main(["bench", "comm", "-o", target.format(dir=tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
