@@ -152,7 +152,7 @@ def _buffers(m: _Model, strategy: str, inp: PlanInputs) -> int:
 
 
 def _activations(m: _Model, inp: PlanInputs, strategy: str) -> int:
-    if m.arch is None:
+    if m.arch is None or inp.accounting == "paper":  # the paper's §5 figures are model states only
         return 0
     # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py
     # autocast_dtype). Under LoRA the base (embedding and norms included) is stored in bf16, so

@@ -54,3 +54,14 @@ def test_zero2_whose_gathered_params_cannot_fit_is_told_zero3():
     s = _one(r, "zero2")
     assert s.suggestion == "zero3"
     assert plan("llama-3-70b", 8, strategies=["zero3"], ac="full").strategy("zero3").memory.total < s.memory.total
+
+
+def test_paper_accounting_is_model_states_only_in_peak_and_fit():
+    # ZeRO §5 with mixed-precision Adam: 2Ψ + 2Ψ + 12Ψ = 16Ψ bytes under ddp, nothing else
+    r = plan("llama-3-70b", 8, accounting="paper", strategies=["ddp", "zero3"])
+    psi = r.model["params"]
+    ddp = r.strategy("ddp")
+    assert ddp.memory.activations == 0 and ddp.memory.total == 16 * psi
+    z3 = r.strategy("zero3")
+    assert z3.memory.total == 16 * psi // 8  # Ψ divides by 8: stage 3 splits all of it
+    assert z3.fits == (16 * psi // 8 <= r.hardware["usable_bytes"])
