@@ -1,0 +1,44 @@
+"""Planner figures quoted in docs/ are re-derived from the command they quote (issue 18 item 4):
+a doc that goes stale fails here."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from shardtune.catalog.models import resolve_model_config
+from shardtune.plan import plan
+from shardtune.plan.params import architecture_from_config, model_shapes
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+GIB = 2**30
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_planner_md_70b_table_and_prose_match_the_cli():
+    sec = _section((DOCS / "planner.md").read_text(), "## Llama-3-70B on 8 × H100 80 GB, corrected")
+    assert "`shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb`" in sec
+    r = plan("llama-3-70b", 8, gpu="h100-80gb")
+    rows = {m.group(1): m.group(2).split() for m in re.finditer(r"^  (ddp|zero1|zero2|zero3|hsdp) +(.*)$", sec, re.M)}
+    assert set(rows) == {s.name for s in r.strategies}
+    for s in r.strategies:
+        mem = s.memory
+        want = [str(s.shard_degree)] + [f"{v / GIB:,.1f}" for v in (
+            mem.params, mem.grads, mem.optimizer, mem.activations, mem.buffers, mem.optimizer_step_temp,
+            mem.total)] + [f"{mem.total / 1e9:,.1f}", f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO"]
+        assert rows[s.name] == want, s.name
+    z3 = r.strategy("zero3").memory.total
+    assert f"peaks at\n{z3 / 1e9:,.1f} GB ({z3 / GIB:,.1f} GiB) per GPU" in sec
+
+
+def test_scaling_md_psi_is_the_catalogue_count():
+    text = (DOCS / "scaling.md").read_text()
+    psi = sum(p.numel for p in model_shapes(architecture_from_config(resolve_model_config("llama-3-70b")), 0))
+    m = re.search(r"Ψ = ([\d.]+) × 10\^9 parameters", text)
+    assert m and float(m.group(1)) == round(psi / 1e9, 2)
+    assert f"8Ψ = {8 * psi / 1e9:.0f} GB" in text
+    assert f"(15/16) × {8 * psi / 1e9:.0f} = {15 / 16 * 8 * psi / 1e9:.0f} GB" in text
