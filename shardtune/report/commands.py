@@ -57,14 +57,35 @@ def load_run(run_dir: Path) -> dict:
     _, simulated = _strategy_memory(_read_json(run_dir / "simulated.json", "simulation"), strategy)
     memory_json = _read_json(run_dir / "memory.json", "memory record")
     metrics = run_dir / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
-    records = [json.loads(line) for line in lines if line.strip()]
+    records, notes = _read_metrics(metrics)
     if predicted is None and memory_json is None and not records:
         raise UserError(f"{str(run_dir)!r} has no plan.json, memory.json or metrics.jsonl; "
                         "give a run folder written by `shardtune train`")
     return {"strategy": strategy, "predicted": predicted, "simulated": simulated or sim_in_plan,
             "measured": measured_memory(memory_json) if memory_json else None,
-            "measured_method": (memory_json or {}).get("method"), "records": records}
+            "measured_method": (memory_json or {}).get("method"), "records": records, "notes": notes}
+
+
+def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
+    """metrics.jsonl's records. A last line cut by a kill is skipped with a note; a bad line
+    before it is a UserError (the file is damaged, not merely cut)."""
+    if not path.is_file():
+        return [], []
+    lines = [(i, ln) for i, ln in enumerate(path.read_bytes().decode("utf-8", "replace").splitlines(), 1)
+             if ln.strip()]
+    records, notes = [], []
+    for k, (i, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if k == len(lines) - 1:
+                notes.append(f"{path.name} line {i} is incomplete (the run was stopped while writing it); skipped")
+                break
+            raise UserError(f"malformed {path} line {i}: {e}; the file is damaged") from None
+        records.append(rec)
+    return records, notes
 
 
 def report(run_dir: Path, console=None) -> list[Path]:
@@ -110,6 +131,8 @@ def report(run_dir: Path, console=None) -> list[Path]:
     if run["simulated"] and run["measured"] and "cuda" not in (run["measured_method"] or ""):
         console.print("note: the simulation follows a CUDA run (foreach AdamW); a CPU run's AdamW loops over "
                       "tensors, so its optimizer-step temporaries are smaller (docs/calibration.md)")
+    for note in run["notes"]:
+        console.print(f"note: {note}")
     recs = run["records"]
     if recs:
         tps = sum(r.get("tokens_per_s", 0) for r in recs) / len(recs)

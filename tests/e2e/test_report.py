@@ -59,3 +59,22 @@ def test_report_bad_folder_is_one_line_exit_2(tmp_path):
     assert main(["report", str(tmp_path / "nope")]) == 2
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_report_skips_a_last_line_cut_by_a_kill_with_a_note(tmp_path, capsys):
+    from shardtune.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    good = [{"step": 1, "loss": 5.5, "tokens_per_s": 100.0}, {"step": 2, "loss": 4.25, "tokens_per_s": 300.0}]
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    (run / "metrics.jsonl").write_text(text + '{"step": 3, "lo')  # killed mid-write
+    assert main(["report", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert "line 3 is incomplete" in out and "5.5000 (step 1) → 4.2500 (step 2)" in out
+    assert "200 tokens/s mean" in out  # (100 + 300) / 2: the cut line counted nowhere
+    (run / "metrics.jsonl").write_text('{"step": 1, "lo\n' + text)  # damaged in the middle: refused
+    assert main(["report", str(run)]) == 2
+    assert "line 1" in capsys.readouterr().err
