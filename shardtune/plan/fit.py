@@ -203,6 +203,8 @@ def render_fit(fit: FitResult, console, use: str | None = None) -> None:
     link = (f"{net['interconnect']} × {net['nics_per_node']} per node" if net.get("interconnect") else "one node") + \
         (f" (measured profile {net['network_profile']['path']})" if net.get("network_profile") else "")
     console.print(f"searched {fit.searched} configurations; network: {link}, inside a node {net['intra_node']}")
+    if (net.get("network_profile") or {}).get("mismatch"):
+        console.print(f"warning: {net['network_profile']['mismatch']}")
     if fit.best is None:
         console.print("nothing fits; the closest:")
     else:

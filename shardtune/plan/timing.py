@@ -132,6 +132,17 @@ HOST_OPTIMIZER_BYTES_PER_S = 20e9
 PCIE_BYTES_PER_S = 25e9
 
 
+def profile_mismatch(prof: dict, gpu_name: str) -> str | None:
+    """Why a measured profile is not this plan's GPUs' network (another backend or device class),
+    or None. A gloo profile on CPUs priced onto H100s once gave 0.1 % MFU without a word."""
+    backend, device = str(prof.get("backend", "?")), str(prof.get("device", "?"))
+    family = gpu_name.split("-")[0].lower()  # h100-80gb → h100
+    if backend == "nccl" and family in device.lower():
+        return None
+    return (f"network profile {prof.get('_path', 'given')} was measured with {backend} on {device}, "
+            f"not nccl on {gpu_name}: its bandwidths may not be this cluster's")
+
+
 def build_cluster(nodes: int, gpus_per_node: int, gpu_name: str, interconnect: str | None = None,
                   intra_node: str | None = None, nics_per_node: int | None = None,
                   network_profile: str | None = None) -> tuple[Cluster, dict]:
@@ -151,14 +162,15 @@ def build_cluster(nodes: int, gpus_per_node: int, gpu_name: str, interconnect: s
             "inter_busbw_gbps_per_node": inter_c.achieved_busbw_gbps * nics if nodes > 1 else None,
             "interconnect_defaulted": nodes > 1 and interconnect is None, "network_profile": None}
     if network_profile:
-        prof = load_profile(network_profile)
+        prof = dict(load_profile(network_profile), _path=str(network_profile))
         link = profile_link(prof)
         if prof["scope"] == "inter":
             inter = link
         else:
             intra = link
         desc["network_profile"] = {"path": str(network_profile), "scope": prof["scope"],
-                                   "busbw_gbps": {k: v["busbw_gbps"] for k, v in prof["links"].items()}}
+                                   "busbw_gbps": {k: v["busbw_gbps"] for k, v in prof["links"].items()},
+                                   "mismatch": profile_mismatch(prof, gpu_name)}
     return Cluster(nodes, gpus_per_node, intra, inter), desc
 
 
@@ -263,5 +275,7 @@ def add_timing(result, arch, inp, gpu, **options) -> None:
     if net["interconnect_defaulted"]:
         result.notes.append(f"no --interconnect given: timed with {net['interconnect']} × {net['nics_per_node']} "
                             "per node; give --interconnect (e.g. eth-10g) or --network-profile FILE")
+    if (net.get("network_profile") or {}).get("mismatch"):
+        result.notes.append("warning: " + net["network_profile"]["mismatch"])
     result.notes.append(f"step time assumes {ctx['mfu']:.0%} MFU for the compute ({net['mfu_source']}); "
                         "exposed comm = per layer max(0, comm − compute) (FSDP prefetch / DDP buckets)")

@@ -205,3 +205,23 @@ def test_step_time_per_step_op_on_another_link_runs_beside_the_last_micro_batch(
     st = step_time(ops, c, mesh_groups(c, shard_size=8), 0.0, 0.0, 1, grad_accum=2, overlap=False)
     assert st.exposed_comm_s == pytest.approx(0.07 + 0.8)
     assert st.comm_time_s == pytest.approx(2 * 0.07 + 0.8)
+
+
+@pytest.mark.parametrize("backend,device,warned", [
+    ("gloo", "cpu", True), ("nccl", "NVIDIA A100-SXM4-80GB", True), ("nccl", "NVIDIA H100 80GB HBM3", False)])
+def test_network_profile_from_another_backend_or_device_is_warned(tmp_path, capsys, backend, device, warned):
+    import json as _json
+
+    from shardtune.cli import main as _main
+
+    prof = {"backend": backend, "device": device, "world_size": 8, "num_nodes": 1, "scope": "intra",
+            "links": {"all_reduce": {"busbw_gbps": 300.0, "alpha_s": 1e-5}}}
+    path = tmp_path / "net.json"
+    path.write_text(_json.dumps(prof))
+    assert _main(["plan", "llama-3-8b", "--gpu", "h100-80gb", "--network-profile", str(path)]) in (0, None)
+    out = " ".join(capsys.readouterr().out.split())  # the console may wrap the note
+    assert ("note: warning: network profile" in out) == warned, out
+    if warned:
+        assert f"measured with {backend} on {device}, not nccl on h100-80gb" in out
+    assert _main(["plan", "llama-3-8b", "--fit", "--network-profile", str(path)]) in (0, None)
+    assert ("warning: network profile" in capsys.readouterr().out) == warned
