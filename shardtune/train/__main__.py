@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
 
         run(cfg)
     except UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # the same error on every rank: print it once
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's error file: `shardtune train` prints it once
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+            get_error_handler().record_exception(e)
+        launcher = os.environ.get("SHARDTUNE_PREFLIGHT") == "done"
+        if not launcher and int(os.environ.get("RANK", "0")) == 0:  # the same error on every rank: print it once
             print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:

@@ -6,10 +6,13 @@ line). Imports no torch at module level.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import typer
 
@@ -64,6 +67,21 @@ def run_process_group(cmd: list[str]) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def stopped_by_signal(run_dir, since: float) -> bool:
+    """Rank 0 wrote <run_dir>/stopped.json after a signal-triggered save during this launch: a clean
+    stop (exit 0; SLURM's preemption requeue does not need a failure code, docs/checkpoints.md)."""
+    path = Path(run_dir) / "stopped.json"
+    try:
+        if path.stat().st_mtime < since:
+            return False
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    print(f"shardtune: stopped on {info.get('signal', 'a signal')} after saving step {info.get('step')} "
+          f"({info.get('checkpoint')}); the same command resumes from it", file=sys.stderr)
+    return True
+
+
 def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: int = 0, move_aside: bool = False,
                   **flags) -> int:
     """Validate everything, own the run folder (train/runlock.py), decide re-runs and resumes
@@ -83,11 +101,23 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
             print(done)
             return 0
         os.environ[RUN_LOCK_ENV] = str(lock.path)  # the ranks: held by this launcher
+        log = cfg.run_dir / "logs" / "torchrun.log"
+        log.parent.mkdir(exist_ok=True)
+        # torchrun under train/agent.py: its own stderr goes to `log`, a rank's UserError is one line
+        cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--",
+               *torchrun_command(nproc, recipe, overrides, flags, max_restarts)[3:]]
+        started = time.time()
         try:
-            rc = run_process_group(torchrun_command(nproc, recipe, overrides, flags, max_restarts))
+            rc = run_process_group(cmd)
+        except (SystemExit, KeyboardInterrupt):
+            if stopped_by_signal(cfg.run_dir, started):
+                return 0
+            raise
         finally:
             os.environ.pop(RUN_LOCK_ENV, None)
-    if rc:
+    if rc and stopped_by_signal(cfg.run_dir, started):
+        return 0  # torchrun itself got the signal (e.g. SLURM signals every process): the ranks saved
+    if rc not in (0, 1, 2):  # 1 and 2: train/agent.py said what failed
         print(f"shardtune: error: training failed (exit code {rc}); see the messages above", file=sys.stderr)
     return rc
 

@@ -95,3 +95,20 @@ def test_bad_inputs_one_line_exit_2_folder_unchanged(tmp_path, monkeypatch, caps
     after = sorted((p.relative_to(run_dir), p.read_bytes()) for p in run_dir.rglob("*") if p.is_file())
     assert not failures, failures
     assert after == before
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_side_user_error_is_one_line_exit_2_without_torchrun_block(tmp_path):
+    """What only a rank can see reaches the user through torchrun's error file (train/agent.py), once."""
+    import os
+    import sys
+
+    from shardtune.testing.proc import run_bounded
+
+    log = tmp_path / "torchrun.log"
+    cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--", "--standalone", "--nproc-per-node=2",
+           "-m", "shardtune.train", str(RECIPE), "train.max_steps=true"]
+    proc = run_bounded(cmd, timeout_s=100, cwd=REPO, env={**os.environ, "SHARDTUNE_PREFLIGHT": "done"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "max_steps = true is a boolean" in lines[0], proc.stderr
+    assert "ChildFailedError" in log.read_text()  # torchrun's block is kept, in the log

@@ -1,0 +1,57 @@
+"""`python -m shardtune.train.agent LOG -- TORCHRUN_ARGS...`: torchrun, with torchrun's own stderr
+(its ChildFailedError block and log lines) in LOG instead of the terminal; the ranks keep the
+terminal (they inherit file descriptor 2), so a genuine traceback is never hidden. A rank's
+UserError reaches here through torchrun's error file (TORCHELASTIC_ERROR_FILE, written by the rank:
+train/__main__.py): printed once as one line, exit 2. Any other failure: one line naming the rank
+and LOG, exit 1. Used by `shardtune train` (train/commands.py)."""
+from __future__ import annotations
+
+import sys
+import traceback
+
+USER_ERROR = "UserError: "
+
+
+def _text(message) -> str:
+    """A ProcessFailure's message: a string, or the error file's {"message": ..., "extraInfo": ...}."""
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return str(message or "").strip().splitlines()[-1] if message else ""
+
+
+def main(argv: list[str]) -> int:
+    log_path, args = argv[0], argv[2:] if argv[1:2] == ["--"] else argv[1:]
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 (stays open for torchrun's whole life)
+    sys.stderr = log
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(args)
+    except ChildFailedError as e:
+        traceback.print_exc(file=log)
+        failures = sorted(e.failures.items())
+        texts = [(f.exitcode, _text(f.message)) for _, f in failures]
+        user = [t for code, t in texts if code == 2 and USER_ERROR in t]
+        if user:  # "UserError: ..." or "shardtune.errors.UserError: ...", as torch formats it
+            print(f"shardtune: error: {user[0].split(USER_ERROR, 1)[1]}", file=sys.__stderr__)
+            return 2
+        rank, first = failures[0]
+        print(f"shardtune: error: rank {rank} failed (exit code {first.exitcode}); its traceback is above, "
+              f"torchrun's report in {log_path}", file=sys.__stderr__)
+        return 1
+    except SignalException as e:  # stopped by a signal: the launcher says how (train/commands.py)
+        traceback.print_exc(file=log)
+        return 128 + int(e.sigval)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc(file=log)
+        print(f"shardtune: error: torchrun stopped; its report is in {log_path}", file=sys.__stderr__)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
