@@ -5,6 +5,7 @@ folder's config.yaml when its config_hash is the checkpoint's), and refuses chan
 checkpoint meaningless. Reads the run folder's files, never writes them (bar `move_aside`)."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,6 +70,31 @@ def move_aside(run_dir: Path) -> Path:
     return dest
 
 
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "num_local_experts")
+
+
+def check_same_model(ckpt: Path, cfg: RunConfig) -> None:
+    """The checkpoint's model (its hf/config.json, read only) has the run's architecture."""
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.train.durable.ckpt_files import HF_DIR
+
+    saved_path = Path(ckpt) / HF_DIR / "config.json"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = json.loads(saved_path.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"checkpoint {str(ckpt)!r}: {saved_path.name} is not valid JSON; resume another "
+                        f"checkpoint or {WAY_OUT}") from None
+    now = resolve_model_config(cfg.model.name)
+    diff = [f"{k} {saved.get(k)} → {now.get(k)}" for k in ARCH_KEYS
+            if k in saved and k in now and saved.get(k) != now.get(k)]
+    if diff:
+        raise UserError(f"checkpoint {str(ckpt)!r} is of another model than {cfg.model.name!r} "
+                        f"({', '.join(diff[:4])}); {WAY_OUT}")
+
+
 def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
     """None: launch. A string: the run is already complete (print it, exit 0). UserError: refused."""
     run_dir = cfg.run_dir
@@ -85,6 +111,7 @@ def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
     info = resolve_resume(cfg.checkpoint, run_dir)
     if info is None:
         return None
+    check_same_model(info.path, cfg)
     old = saved_config(Path(info.path).parents[1], info.config_hash) if info.config_hash else None
     if old is None:
         return None  # no saved config to compare with: the ranks' own checks stand

@@ -76,3 +76,27 @@ def test_fresh_start_over_checkpoints_refused_unless_moved_aside(tmp_path, capsy
     (aside,) = run.glob("previous-*")
     assert {str(p.relative_to(aside)): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
     assert not (run / "checkpoints").exists()
+
+
+def test_checkpoint_of_another_model_refused_before_launch(tmp_path):
+    run = _finished_run(tmp_path)
+    hf = run / "checkpoints" / "step_5" / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32}))
+    before = _snapshot(run)
+    with pytest.raises(UserError, match="another model") as e:  # tiny-llama: hidden 128, 4 layers
+        check_rerun(load_recipe(None, [f"output_dir={run}", "train.max_steps=8"]))
+    assert "hidden_size 4096 → 128" in str(e.value)
+    assert _snapshot(run) == before
+
+
+def test_signal_stop_is_read_from_stopped_json_of_this_launch_only(tmp_path, capsys):
+    import time
+
+    from shardtune.train.commands import stopped_by_signal
+
+    assert not stopped_by_signal(tmp_path, 0.0)
+    (tmp_path / "stopped.json").write_text(json.dumps({"step": 7, "signal": "SIGTERM", "checkpoint": "c/step_7"}))
+    assert not stopped_by_signal(tmp_path, time.time() + 60)  # written before this launch: not ours
+    assert stopped_by_signal(tmp_path, 0.0)
+    assert "stopped on SIGTERM after saving step 7" in capsys.readouterr().err
