@@ -32,57 +32,67 @@ _D = PlanInputs()  # the defaults, in one place
 def plan_cmd(
     ctx: typer.Context,
     model: str | None = typer.Argument(
-        None, help="Catalogue name (shardtune plan --list), HF config.json, model folder, or a training recipe "
+        None, metavar="MODEL",
+        help="Catalogue name (shardtune plan --list), HF config.json, model folder, or a training recipe "
         "(YAML: its model and settings)."),
-    gpus: int = typer.Option(_D.gpus, "--gpus", help="Total GPUs (world size)."),
-    nodes: int | None = typer.Option(_D.nodes, "--nodes", help="Nodes (default: gpus / gpus-per-node)."),
-    gpus_per_node: int | None = typer.Option(_D.gpus_per_node, "--gpus-per-node",
+    gpus: int = typer.Option(_D.gpus, "--gpus", metavar="N", help="Total GPUs (world size)."),
+    nodes: int | None = typer.Option(_D.nodes, "--nodes", metavar="N", help="Nodes (default: gpus / gpus-per-node)."),
+    gpus_per_node: int | None = typer.Option(_D.gpus_per_node, "--gpus-per-node", metavar="N",
                                              help="GPUs per node (default min(8, gpus))."),
-    gpu: str = typer.Option(_D.gpu, "--gpu", help="GPU catalogue name."),
-    seq_len: int = typer.Option(_D.seq_len, "--seq-len", help="Tokens per sequence."),
-    micro_batch: int = typer.Option(_D.micro_batch, "--micro-batch", help="Sequences per GPU per forward/backward."),
-    grad_accum: int = typer.Option(_D.grad_accum, "--grad-accum", help="Micro-batches per optimizer step."),
-    precision: str = typer.Option(_D.precision, "--precision", help="bf16-mixed | bf16 | fp32."),
-    optimizer: str = typer.Option(_D.optimizer, "--optimizer", help="adamw | sgd | adamw-8bit."),
+    gpu: str = typer.Option(_D.gpu, "--gpu", metavar="NAME", help="GPU catalogue name."),
+    seq_len: int = typer.Option(_D.seq_len, "--seq-len", metavar="TOKENS", help="Tokens per sequence."),
+    micro_batch: int = typer.Option(_D.micro_batch, "--micro-batch", metavar="N",
+        help="Sequences per GPU per forward/backward."),
+    grad_accum: int = typer.Option(_D.grad_accum, "--grad-accum", metavar="N",
+        help="Micro-batches per optimizer step."),
+    precision: str = typer.Option(_D.precision, "--precision", metavar="[bf16-mixed|bf16|fp32]",
+        help="bf16-mixed | bf16 | fp32."),
+    optimizer: str = typer.Option(_D.optimizer, "--optimizer", metavar="[adamw|sgd|adamw-8bit]",
+        help="adamw | sgd | adamw-8bit."),
     optimizer_impl: str = typer.Option(
-        _D.optimizer_impl, "--optimizer-impl",
+        _D.optimizer_impl, "--optimizer-impl", metavar="[auto|foreach|fused|for-loop|bf16-stochastic]",
         help="AdamW kernel: auto (torch's choice: foreach on GPUs, for-loop with --offload all) | foreach | fused "
         "| for-loop | bf16-stochastic; sets the step's temporaries."),
-    ac: str = typer.Option(_D.ac, "--ac", help="Activation checkpointing: none | full | selective."),
-    ac_every: int = typer.Option(_D.ac_every, "--ac-every", help="selective AC: checkpoint every k-th layer."),
-    offload: str = typer.Option(_D.offload, "--offload", help="none | optimizer | all (CPU RAM per node is reported)."),
-    lora_rank: int = typer.Option(_D.lora_rank, "--lora-rank",
+    ac: str = typer.Option(_D.ac, "--ac", metavar="[none|full|selective]",
+        help="Activation checkpointing: none | full | selective."),
+    ac_every: int = typer.Option(_D.ac_every, "--ac-every", metavar="K",
+        help="selective AC: checkpoint every k-th layer."),
+    offload: str = typer.Option(_D.offload, "--offload", metavar="[none|optimizer|all]",
+        help="none | optimizer | all (CPU RAM per node is reported)."),
+    lora_rank: int = typer.Option(_D.lora_rank, "--lora-rank", metavar="R",
                                   help="LoRA rank on all attention and MLP projections (0: full fine-tune)."),
-    accounting: str = typer.Option(_D.accounting, "--accounting",
+    accounting: str = typer.Option(_D.accounting, "--accounting", metavar="[shardtune|paper]",
                                    help="shardtune (what the trainer holds) | paper (ZeRO §5)."),
-    hsdp_shard_size: int | None = typer.Option(_D.hsdp_shard_size, "--hsdp-shard-size",
+    hsdp_shard_size: int | None = typer.Option(_D.hsdp_shard_size, "--hsdp-shard-size", metavar="N",
                                                help="hsdp: ranks per shard group (default gpus per node)."),
-    params: float | None = typer.Option(_D.params, "--params",
+    params: float | None = typer.Option(_D.params, "--params", metavar="COUNT",
                                         help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states "
                                              "only."),
-    reserve_gib: float | None = typer.Option(_D.reserve_gib, "--reserve-gib",
+    reserve_gib: float | None = typer.Option(_D.reserve_gib, "--reserve-gib", metavar="GIB",
                                              help="GiB kept free per GPU (default 1 GiB + 5 % of the GPU)."),
-    strategy: list[str] | None = typer.Option(None, "--strategy", help="Only these strategies (repeatable)."),
+    strategy: list[str] | None = typer.Option(None, "--strategy", metavar="[ddp|zero1|zero2|zero3|hsdp]",
+        help="Only these strategies (repeatable)."),
     list_models: bool = typer.Option(False, "--list", help="List the catalogue's models and GPUs, then exit."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the plan.json format)."),
     simulate: bool = typer.Option(
         False, "--simulate", help="Also trace the trainer's real step on fake tensors at world size --gpus "
         "(needs torch) and show it beside the analytic numbers."),
     interconnect: str | None = typer.Option(
-        _D.interconnect, "--interconnect", help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, "
+        _D.interconnect, "--interconnect", metavar="NAME",
+        help="Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, "
         "eth-100g, eth-25g, eth-10g (default ib-ndr-400)."),
     intra_node: str | None = typer.Option(
-        _D.intra_node, "--intra-node",
+        _D.intra_node, "--intra-node", metavar="NAME",
         help="Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu)."),
     nics_per_node: int | None = typer.Option(
-        _D.nics_per_node, "--nics-per-node",
+        _D.nics_per_node, "--nics-per-node", metavar="N",
         help="NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet)."),
     network_profile: str | None = typer.Option(
-        _D.network_profile, "--network-profile",
+        _D.network_profile, "--network-profile", metavar="FILE",
         help="Measured profile from `shardtune bench comm -o FILE`, used instead of catalogue bandwidths."),
-    mfu: float | None = typer.Option(_D.mfu, "--mfu",
+    mfu: float | None = typer.Option(_D.mfu, "--mfu", metavar="FRACTION",
                                      help="Achievable MFU of the compute (default per GPU, e.g. 0.40 for H100)."),
-    tokens: float | None = typer.Option(_D.tokens, "--tokens",
+    tokens: float | None = typer.Option(_D.tokens, "--tokens", metavar="COUNT",
                                         help="Tokens to train on: report wall-clock days and GPU-hours."),
     fit: bool = typer.Option(
         False, "--fit", help="Search strategy × AC × offload × micro-batch × shard size × precision for the fastest "

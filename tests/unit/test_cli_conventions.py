@@ -33,3 +33,13 @@ def test_version_flag(capsys):
 def test_a_real_usage_error_still_exits_2(capsys):
     assert main(["plan", "--no-such-flag"]) == 2
     assert "No such option" in capsys.readouterr().err
+
+
+def test_plan_help_lists_choices_and_real_metavars(capsys):
+    assert main(["plan", "-h"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for choice in ("--precision [bf16-mixed|bf16|fp32]", "--offload [none|optimizer|all]",
+                   "--strategy [ddp|zero1|zero2|zero3|hsdp]", "--gpus N"):
+        assert choice in out
+    options = out[out.index("Options:"):]
+    assert "<str>" not in options and "<int>" not in options and "<float>" not in options
