@@ -112,3 +112,14 @@ def test_a_rank_side_user_error_is_one_line_exit_2_without_torchrun_block(tmp_pa
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "max_steps = true is a boolean" in lines[0], proc.stderr
     assert "ChildFailedError" in log.read_text()  # torchrun's block is kept, in the log
+
+
+def test_export_to_a_file_is_one_line_exit_2_and_the_file_is_kept(tmp_path, capsys):
+    from shardtune import cli
+
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"user data")
+    rc = cli.main(["export", str(tmp_path / "no-checkpoint"), str(target)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "is a file" in err[0], err
+    assert target.read_bytes() == b"user data"
