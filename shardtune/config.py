@@ -17,12 +17,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shardtune import strategies
 from shardtune.errors import UserError
 from shardtune.strategies import (
     FSDP_STRATEGIES,
     LORA_TARGETS,
     STRATEGY,
+    check_combination,
     normalize_ac,
     normalize_offload,
     normalize_optimizer_impl,
@@ -216,8 +216,7 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _check(self):
         par = self.parallel
-        check = getattr(strategies, "check_combination", None)  # H4's one rule, landing in parallel with this
-        check and check(par.strategy, precision=par.precision, offload=par.offload, optimizer=self.optim.name,
+        check_combination(par.strategy, precision=par.precision, offload=par.offload, optimizer=self.optim.name,
                           optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
                           ac_every=par.ac_every)
