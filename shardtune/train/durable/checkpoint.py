@@ -20,6 +20,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from shardtune.errors import UserError
+from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import (
     FORMAT_VERSION,
     HF_DIR,
     META_FILE,
+    OLD_PREFIX,
     TRAINER_FILE,
     CheckpointInfo,
     checkpoints_dir,
@@ -204,18 +207,67 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- save
+def _local_bytes(sd: dict) -> int:
+    """Bytes of this rank's tensors in a state dict (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for v in sd.values():
+        if isinstance(v, dict):
+            total += _local_bytes(v)
+        elif isinstance(v, torch.Tensor):
+            t = v.to_local() if isinstance(v, DTensor) else v
+            total += t.numel() * t.element_size()
+    return total
+
+
+def check_free_space(ckpt_dir: Path, sd: dict, previous: Path | None) -> None:
+    """Before a save: the folder's free bytes (the least any rank sees) against what the save needs
+    (the previous checkpoint's size, else the state's bytes over all ranks); one line if short.
+    Collective. The old checkpoint is pruned only after the new one is complete, so both must fit."""
+    need = torch.tensor([_local_bytes(sd)], dtype=torch.int64)
+    free = torch.tensor([shutil.disk_usage(ckpt_dir).free], dtype=torch.int64)
+    dist.all_reduce(need, op=dist.ReduceOp.SUM)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    needed = max(int(need.item()), integrity_size(previous))
+    if int(free.item()) < needed:
+        raise UserError(f"not enough space to save a checkpoint in {ckpt_dir}: the save needs {needed:,} bytes "
+                        f"({needed / 2**30:.2f} GiB), {int(free.item()):,} are free; free space there or set "
+                        "output_dir to a larger disk, then resume (the last checkpoint is intact)")
+
+
+def integrity_size(previous: Path | None) -> int:
+    """Bytes of a previous checkpoint's files (0 when there is none)."""
+    if previous is None or not Path(previous).is_dir():
+        return 0
+    return sum(p.stat().st_size for p in Path(previous).rglob("*") if p.is_file())
+
+
+def _all_digests(tmp: Path, rank: int, world_size: int) -> dict:
+    """Every rank hashes the files it wrote (integrity.py); rank 0 gets them all. Collective."""
+    names = integrity.listing(tmp, skip=(META_FILE,))
+    parts: list = [None] * world_size
+    dist.all_gather_object(parts, integrity.digest(tmp, integrity.mine(names, rank, world_size)))
+    return {k: v for part in parts for k, v in part.items()}
+
+
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state, *, rank: int,
-                    world_size: int, strategy: str, cfg_hash: str, keep: int,
-                    hf_files=None, in_save_hook=None) -> Path:
-    """Write `checkpoints/step_<step>` atomically (module docstring) and keep the newest `keep`.
-    Collective: every rank calls it. `hf_files(dir)` (rank 0) writes config and tokenizer files."""
+                    world_size: int, strategy: str, cfg_hash: str, keep: int, run_id: str,
+                    hf_files=None, in_save_hook=None, previous: Path | None = None,
+                    checksums: bool = True) -> Path:
+    """Write `checkpoints/step_<step>` atomically (module docstring), with each file's size and
+    CRC-32 (`checksums`), and keep the newest `keep` of run `run_id`. Collective: every rank calls
+    it. `hf_files(dir)` (rank 0) writes config and tokenizer files; `previous`: the last save."""
     ckpt_dir = checkpoints_dir(run_dir)
     tmp, final = ckpt_dir / f".tmp-step_{step}", ckpt_dir / f"step_{step}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save of the same step
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(model_optim_state(model, optimizer), storage_writer=FileSystemWriter(tmp, sync_files=True))
+    sd = model_optim_state(model, optimizer)
+    check_free_space(ckpt_dir, sd, previous)
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    del sd
     _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
     if rank == 0:
         _write_json(tmp / TRAINER_FILE, {"step": step, "tokens_seen": int(state.tokens_seen),
@@ -227,23 +279,46 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     if in_save_hook is not None:
         in_save_hook()
     dist.barrier()  # every rank's files are on disk
+    files = _all_digests(tmp, rank, world_size) if checksums else None
     if rank == 0:
-        _write_json(tmp / META_FILE, {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
-                                      "strategy": strategy, "config_hash": cfg_hash, "complete": True})
+        meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
+                "config_hash": cfg_hash, "run_id": run_id, "saved_at": time.time(), "complete": True}
+        if files is not None:
+            meta |= {"checksum": integrity.ALGORITHM, "files": files}
+        _write_json(tmp / META_FILE, meta)
         _fsync_dir(tmp)
-        old = ckpt_dir / f".old-step_{step}"
-        if final.exists():  # a re-save of the same step (resumed from an older one): swap
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(ckpt_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        prune(run_dir, keep)
+        _swap_in(tmp, final)
+        prune(run_dir, keep, run_id)
     dist.barrier()
     return final
 
 
+def _swap_in(tmp: Path, final: Path) -> None:
+    """tmp → final. A re-save of an existing step (resumed from an older one) moves the old copy to
+    `.old-step_N` first; between the two renames that copy is still found (ckpt_files reads
+    `.old-` copies of absent steps), and a start restores it (`remove_stale_temporaries`)."""
+    old = final.parent / f"{OLD_PREFIX}{final.name}"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- load
+def verify_checkpoint(info: CheckpointInfo, rank: int, world_size: int) -> list[str]:
+    """What is wrong with the checkpoint's files against the checksums it was saved with (every rank
+    checks its share, integrity.py; the same list on every rank). Collective. [] when it verifies
+    or holds no checksums (a checkpoint saved before them: the caller says so)."""
+    if info.files is None:
+        return []
+    names = integrity.mine(sorted(info.files), rank, world_size)
+    parts: list = [None] * world_size
+    dist.all_gather_object(parts, integrity.problems(info.path, info.files, names))
+    return [p for part in parts for p in part]
+
+
 def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *, rank: int) -> None:
     """Load `info` into the model, optimizer, scheduler and train state, resharding as needed.
     Collective: every rank calls it. A LoRA checkpoint holds no base weights: the model's base
@@ -254,8 +329,10 @@ def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *,
     hf_config = info.path / HF_DIR / "config.json"
     if hf_config.is_file():
         check_same_base(json.loads(hf_config.read_text()), unwrap(model))
+    reader = SafeFileSystemReader(info.path)
+    reader.read_metadata()  # the allow-list's error as itself, before DCP wraps errors in its own
     sd = model_optim_state(model, optimizer, for_load=True)
-    dcp.load(sd, storage_reader=SafeFileSystemReader(info.path), planner=SafeLoadPlanner())
+    dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner())
     set_model_optim_state(model, optimizer, sd)
     trainer = json.loads((info.path / TRAINER_FILE).read_text())
     scheduler.load_state_dict(trainer["scheduler"])

@@ -1,13 +1,19 @@
 """The files of a run's checkpoints, without torch (the CLI checks `--resume` before any process
 starts): discovery of complete checkpoints, resume resolution, pruning, metrics truncation.
-Layout and atomicity rules: train/durable/checkpoint.py.
+Layout and atomicity rules: train/durable/checkpoint.py; checksums: integrity.py.
+
+"Newest" is the checkpoint saved last (`saved_at` in its metadata), not the highest step: a run
+resumed from an older step, or a fresh run in a folder with old higher steps, continues from what
+it wrote itself. Pruning removes only checkpoints of the same run (`run_id`, kept across resumes).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
-from dataclasses import dataclass
+import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +26,7 @@ META_FILE = "shardtune_checkpoint.json"
 TRAINER_FILE = "trainer.json"
 HF_DIR = "hf"
 FORMAT_VERSION = 1
+OLD_PREFIX = ".old-"  # a re-saved step's previous copy, until the new one is in place
 
 
 # ---------------------------------------------------------------- discovery
@@ -30,6 +37,9 @@ class CheckpointInfo:
     world_size: int
     strategy: str
     config_hash: str
+    run_id: str = ""  # "" : written before run ids (never pruned by another run)
+    saved_at: float = 0.0
+    files: dict | None = field(default=None, compare=False)  # {name: [bytes, crc32]}; None: unverifiable
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -42,26 +52,34 @@ def read_info(path: Path) -> CheckpointInfo | None:
         meta = json.loads((Path(path) / META_FILE).read_text())
     except (OSError, ValueError):
         return None
-    if not meta.get("complete") or not (Path(path) / ".metadata").is_file():
+    if not isinstance(meta, dict) or not meta.get("complete") or not (Path(path) / ".metadata").is_file():
         return None
-    return CheckpointInfo(Path(path), int(meta["step"]), int(meta["world_size"]), meta["strategy"],
-                          meta.get("config_hash", ""))
+    try:
+        saved_at = float(meta.get("saved_at") or (Path(path) / META_FILE).stat().st_mtime)
+        files = meta.get("files")
+        return CheckpointInfo(Path(path), int(meta["step"]), int(meta["world_size"]), str(meta["strategy"]),
+                              str(meta.get("config_hash", "")), str(meta.get("run_id", "")), saved_at,
+                              files if isinstance(files, dict) else None)
+    except (KeyError, TypeError, ValueError, OSError):
+        return None
 
 
 def complete_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
-    """Complete `step_<N>` checkpoints of a run, oldest first."""
-    found = []
+    """Complete checkpoints of a run, oldest saved first: `step_<N>` folders, and the previous copy
+    `.old-step_<N>` of a step whose re-save was cut between its two renames (so no instant exists
+    where a step's only copy is invisible)."""
+    found: dict[int, CheckpointInfo] = {}
     d = checkpoints_dir(run_dir)
-    for p in d.glob("step_*") if d.is_dir() else []:
+    for p in sorted(d.glob(f"{OLD_PREFIX}step_*")) + sorted(d.glob("step_*")) if d.is_dir() else []:
         info = read_info(p)
-        if info is not None and p.name == f"step_{info.step}":
-            found.append(info)
-    return sorted(found, key=lambda i: i.step)
+        if info is not None and p.name in (f"step_{info.step}", f"{OLD_PREFIX}step_{info.step}"):
+            found[info.step] = info  # step_<N> is listed last: it wins over its .old- copy
+    return sorted(found.values(), key=lambda i: (i.saved_at, i.step))
 
 
 def resolve_resume(ckpt_cfg: CheckpointConfig, run_dir: Path) -> CheckpointInfo | None:
-    """`checkpoint.resume`: never → None; auto → the newest complete checkpoint (or None);
-    a path → that checkpoint, which must be complete."""
+    """`checkpoint.resume`: never → None; auto → the newest (last saved) complete checkpoint (or
+    None); a path → that checkpoint, which must be complete. Checksums are the ranks' to verify."""
     how = ckpt_cfg.resume
     if how == "never":
         return None
@@ -84,14 +102,16 @@ def config_hash(cfg: RunConfig) -> str:
                   if k in ("seq_len", "seed", "max_steps", "epochs")}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-
-
-def prune(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints; each loses its metadata file first
-    (so a half-deleted folder never looks complete), then the rest."""
-    for info in complete_checkpoints(run_dir)[:-keep]:
+def prune(run_dir: Path, keep: int, run_id: str) -> list[int]:
+    """Delete all but the newest `keep` complete checkpoints of run `run_id` (a checkpoint of another
+    run, or one without a run id, is never touched); each loses its metadata file first (so a
+    half-deleted folder never looks complete), then the rest. Returns the steps deleted."""
+    own = [i for i in complete_checkpoints(run_dir) if run_id and i.run_id == run_id]
+    gone = own[:-keep] if keep > 0 else []
+    for info in gone:
         (info.path / META_FILE).unlink(missing_ok=True)
         shutil.rmtree(info.path, ignore_errors=True)
+    return [i.step for i in gone]
 
 
 def truncate_metrics(path: Path, last_step: int) -> int:
@@ -114,15 +134,23 @@ def truncate_metrics(path: Path, last_step: int) -> int:
 
 
 def remove_stale_temporaries(run_dir: Path) -> None:
-    """Leftovers of killed saves (`.tmp-*`, `.old-*`): never read, safe to delete (rank 0, at start)."""
+    """Tidy what killed saves left (rank 0, at start): `.tmp-*` folders are never read and go; an
+    `.old-step_<N>` whose `step_<N>` is complete goes; one without (a re-save killed between its two
+    renames) is the step's only copy and is renamed back to `step_<N>`, with a line."""
     d = checkpoints_dir(run_dir)
-    for p in (list(d.glob(".tmp-step_*")) + list(d.glob(".old-step_*"))) if d.is_dir() else []:
+    for p in d.glob(".tmp-step_*") if d.is_dir() else []:
         shutil.rmtree(p, ignore_errors=True)
+    for p in d.glob(f"{OLD_PREFIX}step_*") if d.is_dir() else []:
+        final = d / p.name.removeprefix(OLD_PREFIX)
+        if read_info(final) is not None or read_info(p) is None:
+            shutil.rmtree(p, ignore_errors=True)
+        elif not final.exists():
+            p.rename(final)
+            print(f"shardtune: restored {final} from {p.name} (its re-save was cut between two renames)",
+                  file=sys.stderr, flush=True)
 
 
 def append_event(run_dir: Path, event: dict) -> None:
     """One line in <run_dir>/events.jsonl (resume, save, skipped step, preemption, stop)."""
-    import time
-
     with open(Path(run_dir) / "events.jsonl", "a") as f:
         f.write(json.dumps({"time": time.time(), **event}) + "\n")

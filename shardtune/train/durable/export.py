@@ -12,8 +12,11 @@ when one exists (export at the end of training runs on rank 0 alone).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -21,10 +24,16 @@ import torch
 
 from shardtune.errors import UserError
 from shardtune.train.core import lora as lora_mod
+from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+MANIFEST = ".shardtune_export.json"  # the files an export wrote: a re-export replaces only those
+# a source model folder's files an export carries over as they are (tokenizer, special tokens, chat
+# templates, generation settings such as Llama-3-Instruct's stop tokens); config.json is the run's
+SOURCE_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+                "chat_template*", "vocab*", "merges*", "*.model", "*.tiktoken", "spiece*")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -82,31 +91,89 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     return shards
 
 
+def copy_source_files(src: str | Path, dest: Path, tokenizer: bool = True) -> list[str]:
+    """The source model folder's SOURCE_FILES (without tokenizer files when `tokenizer` is False)
+    copied into `dest` as files; returns their names. Nothing when `src` is no folder."""
+    src = Path(src).expanduser()
+    names = sorted({p.name for pat in SOURCE_FILES for p in src.glob(pat) if p.is_file()} if src.is_dir() else [])
+    names = [n for n in names if tokenizer or n == "generation_config.json"]
+    for name in names:
+        shutil.copyfile(src / name, dest / name)
+    return names
+
+
+def _file_mode() -> int:
+    """0666 less the process umask: the mode any file the user creates gets (0644 under umask 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """One line for an output that cannot be an export: a file, a non-empty folder (unless
+    `overwrite`), a place that cannot be written (read-only folder or file system)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"export folder {out_dir} is a file; give a new or empty folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"output folder {out_dir} is not empty; give a new or empty folder")
+    parent = out_dir.parent
+    while not parent.exists():
+        parent = parent.parent
+    for where in (out_dir, parent) if out_dir.is_dir() else (parent,):
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise UserError(f"export folder {out_dir} cannot be written ({where} is read-only); give another folder")
+
+
+def swap_in_export(tmp: Path, out_dir: Path) -> Path:
+    """Put the finished export `tmp` at `out_dir`. An earlier export there is replaced when it holds
+    only files an export wrote (its manifest); a folder with anything else (a user's file) is moved
+    aside to `<out_dir>.previous-<time>` with a line, never deleted."""
+    old = None
+    if out_dir.is_dir():
+        try:
+            ours = set(json.loads((out_dir / MANIFEST).read_text())["files"]) | {MANIFEST}
+        except (OSError, ValueError, KeyError, TypeError):
+            ours = set()
+        theirs = [n for n in integrity.listing(out_dir) if n not in ours]
+        if theirs:
+            aside = out_dir.with_name(f"{out_dir.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
+            out_dir.rename(aside)
+            print(f"shardtune: {out_dir} held files an export did not write ({', '.join(theirs[:3])}"
+                  f"{', ...' if len(theirs) > 3 else ''}); moved that folder to {aside}", file=sys.stderr, flush=True)
+        else:
+            old = out_dir.with_name(f".{out_dir.name}.old-export")
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+    tmp.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
                       overwrite: bool = False, adapter_only: bool = False) -> Path:
-    """Write an HF folder from a complete shardtune checkpoint; returns `out_dir`. Peak host memory:
-    one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the saved one.
-    The folder appears complete or not at all (written under a temporary name, then renamed);
-    `overwrite` replaces an existing export (training's end-of-run export after a resume).
+    """Write an HF folder from a complete, verified shardtune checkpoint; returns `out_dir`. Peak host
+    memory: one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the
+    saved one. The folder is written under a temporary name, then swapped in (`swap_in_export`:
+    files it did not write are moved aside, never deleted); `overwrite` allows a non-empty
+    `out_dir` (training's end-of-run export). Files are 0666 less the umask, as the user's own.
     LoRA checkpoints (train/core/lora.py): each target weight is merged, W + (alpha/r)·B A, as its shard
     streams (its A and B are read with it); `adapter_only` writes a PEFT adapter folder instead
     (adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained`)."""
-    import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save_file
-
-    from shardtune.train.durable.checkpoint import SafeFileSystemReader, SafeLoadPlanner
-
     ckpt, out_dir = Path(ckpt).expanduser(), Path(out_dir).expanduser()
-    if read_info(ckpt) is None:
+    info = read_info(ckpt)
+    if info is None:
         raise UserError(f"{ckpt} is not a complete shardtune checkpoint; give a "
                         "<run>/checkpoints/step_<N> folder")
+    bad = integrity.problems(ckpt, info.files) if info.files is not None else []
+    if bad:
+        raise UserError(f"checkpoint {ckpt} is damaged: {bad[0]}" + (f" (and {len(bad) - 1} more)" if bad[1:] else ""))
     if not (ckpt / HF_DIR / "config.json").is_file():
         raise UserError(f"{ckpt} has no {HF_DIR}/config.json; it was not written by shardtune train")
     if dtype is not None and dtype not in _DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose fp32, bf16 or fp16")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"output folder {out_dir} is not empty; give a new or empty folder")
+    check_out_dir(out_dir, overwrite)
     out_dtype = _DTYPES[dtype] if dtype else None
     entries = model_tensors(ckpt)
     hf_config = json.loads((ckpt / HF_DIR / "config.json").read_text())
@@ -139,7 +206,25 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise UserError(f"export folder {out_dir} cannot be written ({e.strerror or e}); give another folder") from None
+    try:
+        _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return swap_in_export(tmp, out_dir)
+
+
+def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only) -> None:
+    """The export's files into `tmp` (export_checkpoint's body once the plan is made)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from shardtune.train.durable.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+
     reader = SafeFileSystemReader(ckpt)
     weight_map: dict[str, str] = {}
     total = 0
@@ -184,10 +269,9 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["dtype"] = cfg["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    old = out_dir.parent / f".{out_dir.name}.old-export"
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        out_dir.rename(old)
-    tmp.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return out_dir
+    written = integrity.listing(tmp)
+    mode = _file_mode()
+    for name in written:  # safetensors writes 0600; an export is as readable as any file the user makes
+        os.chmod(tmp / name, mode)
+    (tmp / MANIFEST).write_text(json.dumps({"files": written}, indent=1))
+    os.chmod(tmp / MANIFEST, mode)

@@ -7,14 +7,20 @@ all ranks call it at the same step, which the all-reduced flags guarantee.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import signal
 import sys
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from shardtune.errors import UserError
 from shardtune.train.durable import ckpt_files
-from shardtune.train.durable.resilience import BadStepCounter, DebugHooks, PreemptionSignal, agree_any
+from shardtune.train.durable.resilience import BadStepCounter, DebugHooks, PreemptionSignal, agree_max
+from shardtune.train.durable.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
@@ -35,28 +41,34 @@ class RunKeeper:
         self.last_saved: Path | None = None
         self.last_saved_step = -1
         self.preempted = False
+        self.run_id = ""  # this run's id (kept across resumes): prune touches its checkpoints only
+        self.watchdog = Watchdog(ctx.rank, ctx.world_size, cfg.train.timeout_s)
 
     # ------------------------------------------------------------ start
     def resume(self) -> int | None:
-        """Load the checkpoint `checkpoint.resume` names (rank 0 decides, all load); truncate
-        metrics.jsonl after its step (or start it afresh). Returns the step resumed from."""
+        """Load the checkpoint `checkpoint.resume` names, once its checksums verify (rank 0 lists
+        the candidates, every rank checks its share); `auto` falls back to the newest one that
+        verifies, naming each skipped and why. Truncates metrics.jsonl after its step (or starts it
+        afresh). Returns the step resumed from."""
         from shardtune.train.durable.checkpoint import load_checkpoint
 
         choice: list = [None]
         if self.ctx.rank == 0:
             ckpt_files.remove_stale_temporaries(self.run_dir)
             try:
+                how = self.cfg.checkpoint.resume
                 info = ckpt_files.resolve_resume(self.cfg.checkpoint, self.run_dir)
-                choice[0] = ("ok", str(info.path) if info else None)
+                older = [i for i in ckpt_files.complete_checkpoints(self.run_dir)[::-1]
+                         if info is not None and i.path != info.path] if how == "auto" else []
+                choice[0] = ("ok", [str(i.path) for i in ([info] if info else []) + older], uuid.uuid4().hex[:12])
             except Exception as e:  # every rank raises the same error, nobody waits
-                choice[0] = ("error", str(e))
+                choice[0] = ("error", str(e), "")
         dist.broadcast_object_list(choice, src=0)
-        kind, value = choice[0]
+        kind, value, new_id = choice[0]
         if kind == "error":
-            from shardtune.errors import UserError
-
             raise UserError(value)
-        info = ckpt_files.read_info(Path(value)) if value else None
+        info = self._first_verified([Path(v) for v in value], strict=self.cfg.checkpoint.resume != "auto")
+        self.run_id = (info.run_id if info is not None and info.run_id else new_id)
         if self.ctx.rank == 0:
             ckpt_files.truncate_metrics(self.run_dir / "metrics.jsonl", info.step if info else 0)
         if info is None:
@@ -76,10 +88,51 @@ class RunKeeper:
                                                    "strategy": self.cfg.parallel.strategy})
         return info.step
 
+    def _first_verified(self, paths: list[Path], strict: bool):
+        """The first of `paths` whose files verify (collective); `strict` (a path was given): one
+        that does not is an error, not a fallback."""
+        from shardtune.train.durable.checkpoint import verify_checkpoint
+
+        skipped = []
+        for path in paths:
+            info = ckpt_files.read_info(path)
+            bad = verify_checkpoint(info, self.ctx.rank, self.ctx.world_size) if info else ["it is incomplete"]
+            if not bad:
+                if self.ctx.rank == 0 and info.files is None:
+                    print(f"shardtune: warning: {path} was saved without checksums; loading it unverified",
+                          file=sys.stderr, flush=True)
+                return info
+            why = bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            if strict:
+                raise UserError(f"checkpoint {path} is damaged: {why}; give another checkpoint or 'auto'")
+            skipped.append(f"{path.name}: {why}")
+            if self.ctx.rank == 0:
+                print(f"shardtune: skipping {path}: {why}; trying the previous checkpoint", file=sys.stderr,
+                      flush=True)
+                ckpt_files.append_event(self.run_dir, {"event": "skipped_checkpoint", "path": str(path), "why": why})
+        if skipped:
+            raise UserError(f"no checkpoint in {ckpt_files.checkpoints_dir(self.run_dir)} verifies ("
+                            f"{'; '.join(skipped)}); start afresh with --resume never --move-aside, or give "
+                            "another --output-dir")
+        return None
+
     # ------------------------------------------------------------ each step
     def before_step(self, step: int) -> None:
+        if self.watchdog.enabled and self.watchdog._thread is None:
+            self.watchdog.start()  # after set-up and resume: only steps are watched
+        self.watchdog.beat(step)
         if self.hooks.active:
-            self.hooks.before_step(step, self.ctx.rank)
+            with self._stopping_watchdog_on_error():
+                self.hooks.before_step(step, self.ctx.rank)
+
+    @contextlib.contextmanager
+    def _stopping_watchdog_on_error(self):
+        """A run that ends in an error takes its watchdog with it (no thread outlives the run)."""
+        try:
+            yield
+        except BaseException:
+            self.watchdog.stop()
+            raise
 
     def record_extra(self, step: int, result) -> dict:
         """Fields for this step's metrics line: skipped steps carry no loss; the first step after a
@@ -94,47 +147,70 @@ class RunKeeper:
     def after_step(self, step: int, result, total_steps: int) -> bool:
         """Count a skipped step (raises after too many), agree on preemption, save when due.
         True: stop now (preempted, checkpoint saved)."""
+        with self._stopping_watchdog_on_error():
+            return self._after_step(step, result, total_steps)
+
+    def _after_step(self, step: int, result, total_steps: int) -> bool:
         skipped = bool(getattr(result, "skipped", False))
         if skipped and self.ctx.rank == 0:
             ckpt_files.append_event(self.run_dir, {"event": "skipped_step", "step": step})
         self.bad.update(step, skipped, str(self.last_saved) if self.last_saved else None, self.ctx.rank)
-        preempt = agree_any([self.signal.requested], self.ctx.device)[0]
+        signum = agree_max(self.signal.signum, self.ctx.device)
         every = self.cfg.checkpoint.every
-        if preempt or (every and step % every == 0 and step < total_steps):
+        if signum or (every and step % every == 0 and step < total_steps):
             self.save(step)
-        if preempt:
+        if signum:
             self.preempted = True
             if self.ctx.rank == 0:
-                print(f"shardtune: preempted (SIGTERM): saved {self.last_saved}; exiting; the next "
-                      "start resumes from it", file=sys.stderr, flush=True)
-                ckpt_files.append_event(self.run_dir, {"event": "preempted", "step": step})
-        return preempt
+                self._say_stopped(step, signal.Signals(signum).name)
+        return bool(signum)
+
+    def _say_stopped(self, step: int, name: str) -> None:
+        """Rank 0, after the save a signal asked for: one line, an event and <run_dir>/stopped.json
+        (the launcher reads it to exit 0: train/commands.py `stopped_by_signal`)."""
+        print(f"shardtune: saved step_{step}, stopped on {name}; the same command resumes from it",
+              file=sys.stderr, flush=True)
+        ckpt_files.append_event(self.run_dir, {"event": "preempted", "step": step, "signal": name})
+        tmp = self.run_dir / "stopped.json.tmp"
+        tmp.write_text(json.dumps({"step": step, "signal": name, "checkpoint": str(self.last_saved)}))
+        tmp.replace(self.run_dir / "stopped.json")
 
     def save(self, step: int) -> Path:
         from shardtune.train.durable.checkpoint import save_checkpoint
 
         hf_files = self._write_hf_files if self.ctx.rank == 0 else None
+        self.watchdog.beat(step, "save")
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.state,
                                rank=self.ctx.rank, world_size=self.ctx.world_size,
                                strategy=self.cfg.parallel.strategy, cfg_hash=self.cfg_hash,
-                               keep=self.cfg.checkpoint.keep, hf_files=hf_files,
-                               in_save_hook=lambda: self.hooks.in_save(step, self.ctx.rank))
+                               keep=self.cfg.checkpoint.keep, run_id=self.run_id, hf_files=hf_files,
+                               in_save_hook=lambda: self.hooks.in_save(step, self.ctx.rank),
+                               previous=self.last_saved)
+        self.watchdog.beat(step + 1, "step")
         self.last_saved, self.last_saved_step = path, step
         if self.ctx.rank == 0:
             ckpt_files.append_event(self.run_dir, {"event": "checkpoint", "step": step, "path": str(path)})
         return path
 
     def _write_hf_files(self, folder: Path) -> None:
+        """The checkpoint's hf/: the run's config.json; the model folder's tokenizer and generation
+        files copied as files when the run uses the folder's tokenizer (export.SOURCE_FILES), else
+        the run's tokenizer as it saves itself."""
         from shardtune.train.core.model import unwrap
+        from shardtune.train.durable.export import copy_source_files
 
         unwrap(self.model).config.save_pretrained(folder)
-        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+        folders_own = getattr(self.tokenizer, "name", None) == "hf"  # HFTokenizer: the model folder's
+        copied = copy_source_files(self.cfg.model.name, folder, tokenizer=folders_own)
+        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained") and not (
+                folders_own and any(n.startswith("tokenizer") for n in copied)):
             self.tokenizer.save_pretrained(folder)
 
     # ------------------------------------------------------------ end
     def finish(self, step: int) -> None:
         """Final checkpoint (`checkpoint.save_final`, or when `export_hf` needs one). Collective."""
         self.signal.uninstall()
+        self.watchdog.stop()  # the final save and the export are no steps
         ck = self.cfg.checkpoint
         if not self.preempted and (ck.save_final or ck.export_hf) and self.last_saved_step != step:
             self.save(step)

@@ -4,8 +4,8 @@
   (both are global values, so every rank skips the same step); `BadStepCounter` stops the run
   after `train.max_bad_steps` skips in a row, with the last good checkpoint untouched.
 - Preemption: SLURM and Kubernetes send SIGTERM (torchrun forwards it to its workers and waits
-  30 s before SIGKILL). `PreemptionSignal` only records it; the loop agrees on it across ranks at
-  the next step boundary (`agree_any`), saves a checkpoint and stops cleanly.
+  30 s before SIGKILL), a user Ctrl-C. `PreemptionSignal` only records it; the loop agrees on it
+  across ranks at the next step boundary (`agree_max`), saves a checkpoint and stops, exit 0.
 - Peer failures: when one rank raises, its peers see a broken collective. `is_peer_failure` lets
   them exit with one line instead of a second traceback, so the first error is the one shown.
 - A stuck exit: gloo's teardown can hang after the work is done (PYTORCH-NOTES); after a
@@ -39,6 +39,13 @@ def agree_any(flags: list[bool], device: torch.device, group=None) -> list[bool]
     t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [bool(v) for v in t.tolist()]
+
+
+def agree_max(value: int, device: torch.device, group=None) -> int:
+    """The largest `value` over all ranks (one all-reduce)."""
+    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
 
 
 def exit_if_stuck(after_s: float, what: str) -> threading.Timer:
@@ -82,16 +89,21 @@ class BadStepCounter:
 
 
 class PreemptionSignal:
-    """Records SIGTERM (and SIGUSR1, SLURM's `--signal` default choice) instead of dying at once."""
+    """Records SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (SLURM's `--signal` choice) instead of dying at
+    once; `signum` is the first one received (0: none)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self) -> None:
-        self.requested = False
+        self.signum = 0
         self._previous: dict = {}
 
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
-        self.requested = True
+        self.signum = self.signum or signum
 
     def install(self) -> PreemptionSignal:
         for s in self.SIGNALS:
@@ -143,12 +155,16 @@ class DebugHooks:
     SHARDTUNE_TEST_KILL_IN_SAVE=STEP:RANK — that rank SIGKILLs itself inside the save of STEP,
                                              after its files are written, before the rename
     SHARDTUNE_TEST_SIGTERM=STEP:RANK — that rank gets SIGTERM before the step
+    SHARDTUNE_TEST_SIGINT=STEP:RANK — that rank gets SIGINT before the step
+    SHARDTUNE_TEST_STOP=STEP:RANK — that rank SIGSTOPs itself before the step (a hung rank)
     """
     nan_steps: set[int] = field(default_factory=set)
     raise_at: tuple[int, int] | None = None
     kill_at: tuple[int, int] | None = None
     kill_in_save: tuple[int, int] | None = None
     sigterm_at: tuple[int, int] | None = None
+    sigint_at: tuple[int, int] | None = None
+    stop_at: tuple[int, int] | None = None
     step: int = 0  # the step being run (the NaN hook reads it)
 
     @classmethod
@@ -157,11 +173,13 @@ class DebugHooks:
         nan = {int(s) for s in env.get("SHARDTUNE_TEST_NAN_STEPS", "").split(",") if s.strip()}
         at = lambda var: _step_rank(env.get(var), attempt)  # noqa: E731
         return cls(nan_steps=nan, raise_at=at("SHARDTUNE_TEST_RAISE"), kill_at=at("SHARDTUNE_TEST_KILL"),
-                   kill_in_save=at("SHARDTUNE_TEST_KILL_IN_SAVE"), sigterm_at=at("SHARDTUNE_TEST_SIGTERM"))
+                   kill_in_save=at("SHARDTUNE_TEST_KILL_IN_SAVE"), sigterm_at=at("SHARDTUNE_TEST_SIGTERM"),
+                   sigint_at=at("SHARDTUNE_TEST_SIGINT"), stop_at=at("SHARDTUNE_TEST_STOP"))
 
     @property
     def active(self) -> bool:
-        return bool(self.nan_steps or self.raise_at or self.kill_at or self.kill_in_save or self.sigterm_at)
+        return bool(self.nan_steps or self.raise_at or self.kill_at or self.kill_in_save or self.sigterm_at
+                    or self.sigint_at or self.stop_at)
 
     def install_nan(self, model: nn.Module, rank: int) -> None:
         """A forward hook that turns rank 0's logits into NaN at the chosen steps."""
@@ -183,6 +201,10 @@ class DebugHooks:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.sigterm_at == (step, rank):
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.sigint_at == (step, rank):
+            os.kill(os.getpid(), signal.SIGINT)
+        if self.stop_at == (step, rank):
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def in_save(self, step: int, rank: int) -> None:
         if self.kill_in_save == (step, rank):
