@@ -73,6 +73,8 @@ def plan_cmd(
     strategy: list[str] | None = typer.Option(None, "--strategy", metavar="[ddp|zero1|zero2|zero3|hsdp]",
         help="Only these strategies (repeatable)."),
     list_models: bool = typer.Option(False, "--list", help="List the catalogue's models and GPUs, then exit."),
+    wide: bool = typer.Option(False, "--wide", help="Every table column, whatever the terminal's width (default: "
+                              "compact tables below 112 columns; COLUMNS is honoured, piped too)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (the plan.json format)."),
     simulate: bool = typer.Option(
         False, "--simulate", help="Also trace the trainer's real step on fake tensors at world size --gpus "
@@ -129,7 +131,7 @@ def plan_cmd(
         return
     from shardtune.plan.report import render_text
 
-    render_text(result)
+    render_text(result, wide=wide)
     if simulate:
         from shardtune.verify.compare import render_simulated
 
@@ -147,10 +149,9 @@ def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None) -> None:
         json.dump(dict(result.to_dict(), train_command=use), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return
-    from rich.console import Console
+    from shardtune.plan.report import make_console
 
-    console = Console(highlight=False)
-    render_fit(result, console if console.is_terminal else Console(highlight=False, width=120), use)
+    render_fit(result, make_console(), use)
 
 
 def _print_catalogue() -> None:

@@ -226,8 +226,9 @@ def _secs(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
-def timing_table(result):
-    """Per-strategy step time, throughput and MFU of a PlanResult (filled by timing.add_timing)."""
+def timing_table(result, wide: bool = True):
+    """Per-strategy step time, throughput and MFU of a PlanResult (filled by timing.add_timing);
+    not `wide`: without the compute and comm columns (80 columns)."""
     from rich import box
     from rich.table import Table
 
@@ -242,13 +243,14 @@ def timing_table(result):
     has_tokens = any("train_time_s" in s.timing for s in result.strategies)
     if has_tokens:
         cols += ["days", "GPU-hours"]
-    for col in cols:
-        table.add_column(col, justify="left" if col == "strategy" else "right")
+    keep = [i for i, c in enumerate(cols) if wide or c not in ("compute s", "comm s")]
+    for i in keep:
+        table.add_column(cols[i], justify="left" if cols[i] == "strategy" else "right")
     for s in result.strategies:
         t = s.timing
         row = [s.name, _secs(t["step_time_s"]), _secs(t["compute_time_s"]), _secs(t["comm_time_s"]),
                _secs(t["exposed_comm_s"]), f"{t['tokens_per_s']:,.0f}", f"{t['mfu']:.1%}"]
         if has_tokens:
             row += [f"{t['train_time_s'] / 86400:,.1f}", f"{t['gpu_hours']:,.0f}"]
-        table.add_row(*row)
+        table.add_row(*(row[i] for i in keep))
     return table

@@ -6,18 +6,37 @@ from shardtune.plan.api import GIB, PlanResult
 GB = 10**9
 
 
+def make_console(piped_width: int = 120):
+    """A rich Console of the terminal's width; COLUMNS, when set, wins (piped too); piped
+    without COLUMNS: `piped_width`, so tables stay whole in files."""
+    import os
+
+    from rich.console import Console
+
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) > 0:
+        return Console(highlight=False, width=int(cols))
+    console = Console(highlight=False)
+    return console if console.is_terminal else Console(highlight=False, width=piped_width)
+
+
 def _gib(n: int) -> str:
     return f"{n / GIB:,.1f}"
 
 
-def render_text(result: PlanResult, console=None) -> None:
-    """Print the header lines, the per-strategy table and the verdict."""
-    from rich.console import Console
+WIDE_COLUMNS = 112  # the all-columns memory table's width; narrower consoles get the compact tables
 
+
+def render_text(result: PlanResult, console=None, wide: bool = False) -> None:
+    """Print the header lines, the per-strategy tables and the verdict. Tables show every column
+    when `wide` or the console has room (piped: 120), else a compact set that fits 80 columns."""
     if console is None:
-        console = Console(highlight=False)
-        if not console.is_terminal:  # piped: no terminal to wrap for, keep the table whole
+        console = make_console()
+        if wide and console.width < 120:  # every column asked for: as wide as piped output
+            from rich.console import Console
+
             console = Console(highlight=False, width=120)
+    wide = wide or console.width >= WIDE_COLUMNS
     m, hw, inp = result.model, result.hardware, result.inputs
     trainable = "" if m["trainable_params"] == m["params"] else f", {m['trainable_params']:,} trainable"
     dense = m["active_params"] == m["params"] or inp["lora_rank"]
@@ -32,12 +51,12 @@ def render_text(result: PlanResult, console=None) -> None:
         f"AC {inp['ac']}, offload {inp['offload']}"
         + (f", LoRA r={inp['lora_rank']}" if inp["lora_rank"] else "")
         + f"; accounting: {result.accounting}")
-    console.print(_memory_table(result))
-    console.print(_comm_table(result))
+    console.print(_memory_table(result) if wide else _compact_memory_table(result))
+    console.print(_comm_table(result, wide))
     if any(s.timing for s in result.strategies):  # plan/timing.py
         from shardtune.plan.fit import timing_table
 
-        console.print(timing_table(result))
+        console.print(timing_table(result, wide))
     for s in result.strategies:
         if s.cpu_offload_bytes_per_node:
             console.print(f"{s.name}: offloaded states need {_gib(s.cpu_offload_bytes_per_node)} GiB of CPU RAM per "
@@ -68,17 +87,37 @@ def _memory_table(result: PlanResult):
     return table
 
 
-def _comm_table(result: PlanResult):
+def _compact_memory_table(result: PlanResult):
+    """strategy, states (params + grads + optimizer), activations, buffers, opt tmp, peak, free, fits."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Per-GPU memory, GiB (2^30 bytes); --wide: every column, peak in GB",
+                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("strategy", "states", "activ", "buffers", "opt tmp", "peak GiB", "free GiB", "fits"):
+        table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
+    for s in result.strategies:
+        mem = s.memory
+        table.add_row(s.name, _gib(mem.params + mem.grads + mem.optimizer), _gib(mem.activations),
+                      _gib(mem.buffers), _gib(mem.optimizer_step_temp), _gib(mem.total),
+                      f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
+    return table
+
+
+def _comm_table(result: PlanResult, wide: bool = True):
     from rich import box
     from rich.table import Table
 
     table = Table(title="Communication per rank per optimizer step, GB (10^9 bytes) sent (ring)",
                   box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("strategy", "collectives (GB sent each)", "total GB", "× ddp"):
+    cols = ("strategy", "collectives (GB sent each)", "total GB", "× ddp") if wide else (
+        "strategy", "total GB", "× ddp")
+    for col in cols:
         table.add_column(col, justify="left" if col.startswith(("strategy", "coll")) else "right")
     for s in result.strategies:
         parts = " + ".join(f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}"
                            for c in s.collectives)
         ratio = "" if s.comm_ratio_to_ddp is None else f"{s.comm_ratio_to_ddp:.2f}"
-        table.add_row(s.name, parts, f"{s.comm_bytes_per_step / GB:,.1f}", ratio)
+        row = [s.name, parts, f"{s.comm_bytes_per_step / GB:,.1f}", ratio]
+        table.add_row(*(row if wide else [row[0], *row[2:]]))
     return table

@@ -90,12 +90,11 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
 
 def report(run_dir: Path, console=None) -> list[Path]:
     """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
-    from rich.console import Console
-
+    from shardtune.plan.report import make_console
     from shardtune.report.plots import plot_memory, plot_series
     from shardtune.verify.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
 
-    console = console or Console(highlight=False, width=140)
+    console = console or make_console(140)
     run = load_run(run_dir)
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)

@@ -71,9 +71,9 @@ def memory_table(title: str, rows: list[tuple[str, str, dict]], unit: int = GIB)
 
 def render_simulated(result, console=None) -> None:
     """`plan --simulate`: analytic, simulated and their difference per strategy and category."""
-    from rich.console import Console
+    from shardtune.plan.report import make_console
 
-    console = console or Console(highlight=False, width=140)
+    console = console or make_console(140)
     peak = max((sp.memory.total for sp in result.strategies), default=0)
     unit, unit_name = (GIB, "GiB (2^30 bytes)") if peak >= GIB else (MIB, "MiB (2^20 bytes)")
     rows = []
