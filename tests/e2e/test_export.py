@@ -145,6 +145,17 @@ def test_export_bad_input_is_one_line_exit_2(run, tmp_path, capsys, args, needle
     assert len(err.strip().splitlines()) == 1 and needle in err, err
 
 
+def _tamper(ckpt: Path, payload: bytes) -> None:
+    """Write `payload` as .metadata and, as an attacker would, its size and CRC-32 into the step's
+    metadata, so the checksum check passes and the allow-list unpickler is what must refuse it."""
+    from shardtune.train.durable import integrity
+
+    (ckpt / ".metadata").write_bytes(payload)
+    meta = json.loads((ckpt / "shardtune_checkpoint.json").read_text())
+    meta["files"][".metadata"] = [len(payload), integrity.crc32_file(ckpt / ".metadata")]
+    (ckpt / "shardtune_checkpoint.json").write_text(json.dumps(meta))
+
+
 @pytest.mark.timeout(60)
 def test_a_tampered_metadata_pickle_is_refused_not_executed(run, tmp_path, capsys):
     """DCP's .metadata is a pickle: one that calls a function must be refused before it runs."""
@@ -159,7 +170,7 @@ def test_a_tampered_metadata_pickle_is_refused_not_executed(run, tmp_path, capsy
 
     ckpt = tmp_path / "step_4"
     shutil.copytree(run / "checkpoints" / "step_4", ckpt)
-    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    _tamper(ckpt, pickle.dumps(Evil()))
     assert cli.main(["export", str(ckpt), str(tmp_path / "out")]) == 2
     assert "refusing to load it" in capsys.readouterr().err
     assert not (tmp_path / "pwned").exists()
@@ -188,7 +199,7 @@ def test_metadata_naming_a_non_dcp_class_through_a_dcp_module_is_refused(run, tm
                + pickle.LIST + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
     ckpt = tmp_path / "step_4"
     shutil.copytree(run / "checkpoints" / "step_4", ckpt)
-    (ckpt / ".metadata").write_bytes(payload)
+    _tamper(ckpt, payload)
     assert cli.main(["export", str(ckpt), str(tmp_path / "out")]) == 2
     assert "refusing to load it" in capsys.readouterr().err
     assert not marker.exists()
