@@ -29,7 +29,7 @@ from shardtune.train.core.metrics import (
     tracked_step,
     write_memory_json,
 )
-from shardtune.train.core.model import build_model, unwrap
+from shardtune.train.core.model import build_model, describe_weights, unwrap
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepResult, TrainState, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
@@ -113,7 +113,27 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
               f"{num_params:,} params, global batch {rows_per_step} x {cfg.train.seq_len} tokens "
               f"(micro {cfg.train.micro_batch} x accum {cfg.train.grad_accum} x ranks {ctx.world_size}), "
               f"{total_steps} steps -> {run_dir}", flush=True)
+        print(f"shardtune: weights: {describe_weights(cfg.model)} | tokenizer: "
+              f"{describe_tokenizer(tokenizer, cfg.model.name)} | trained: {_trained_dtypes(run)}", flush=True)
     return run
+
+
+def describe_tokenizer(tok, model_name: str) -> str:
+    """"PreTrainedTokenizerFast from the model folder, 49,152 ids, chat template yes" or the byte one's
+    (saying so when the model folder has a tokenizer of its own that data.tokenizer=byte set aside)."""
+    if getattr(tok, "tok", None) is None:
+        own = any((Path(model_name).expanduser() / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        return (f"built-in byte tokenizer, {tok.vocab_size} ids, chat template no (plain turns)"
+                + ("; data.tokenizer=byte: the model folder's own tokenizer is NOT used" if own else ""))
+    return (f"{type(tok.tok).__name__} from the model folder, {tok.vocab_size:,} ids, "
+            f"chat template {'yes' if tok.chat_template else 'no'}")
+
+
+def _trained_dtypes(run: Run) -> str:
+    """The dtypes of the trainable parameters (the optimizer's masters) and the compute dtype."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in unwrap(run.model).parameters() if p.requires_grad})
+    compute = "float32" if run.cfg.parallel.precision == "fp32" else "bfloat16"  # FSDP casts inside fully_shard
+    return f"{run.cfg.parallel.precision} (params {'/'.join(dtypes)}, compute {compute})"
 
 
 def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]:

@@ -65,6 +65,17 @@ def uses_pretrained(model_cfg: ModelConfig) -> bool:
     return model_cfg.init != "random" and bool(files)
 
 
+def describe_weights(model_cfg: ModelConfig) -> str:
+    """Where the weights come from, for the start-up line: "pretrained FOLDER (safetensors, bf16)"
+    (the stored dtype of the first tensor) or "seeded random init"."""
+    if not uses_pretrained(model_cfg):
+        return "seeded random init"
+    files = safetensors_files(model_cfg.name)
+    with safe_open(str(files[0]), framework="pt") as h:
+        stored = h.get_slice(next(iter(h.keys()))).get_dtype().lower()
+    return f"pretrained {files[0].parent} ({len(files)} safetensors file(s), {stored})"
+
+
 def _tensor_seed(seed: int, name: str) -> int:
     """One generator seed per tensor from (seed, name): the same on every rank and in every layout."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
