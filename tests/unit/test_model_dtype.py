@@ -33,3 +33,17 @@ def test_bf16_config_traces_the_same_states_as_a_folder_without_the_key(tmp_path
         b = simulate_strategy(str(bf16), strategy, 2, precision="bf16-mixed", seq_len=64)
         for key in ("params", "grads", "optimizer"):
             assert a[key] > 0 and b[key] == a[key], (strategy, key, a[key], b[key])
+
+
+def test_start_up_line_names_the_weights_source_and_stored_dtype(tmp_path):
+    from safetensors.torch import save_file
+
+    from shardtune.train.core.model import describe_weights
+
+    folder = _folder(tmp_path, "hub", torch_dtype="bfloat16")
+    assert describe_weights(ModelConfig(name=str(folder))) == "seeded random init"  # no safetensors yet
+    assert describe_weights(ModelConfig(name="tiny-llama")) == "seeded random init"
+    save_file({"w": torch.zeros(2, dtype=torch.bfloat16)}, str(folder / "model.safetensors"))
+    line = describe_weights(ModelConfig(name=str(folder)))
+    assert line.startswith(f"pretrained {folder} ") and line.endswith("bf16)")
+    assert describe_weights(ModelConfig(name=str(folder), init="random")) == "seeded random init"
