@@ -10,8 +10,10 @@ SIGKILLs it when it runs on this host, and exits 1 (torchrun ends the others; wi
 `--max-restarts` the restart resumes from the last checkpoint). Rank 0 acts; rank 1 only when
 rank 0 is the hung one.
 
-limit_s = max(floor, 10 × the longest step seen so far), capped at timeout_s / 2; the floor is 60 s,
-or `SHARDTUNE_WATCHDOG_S` (0 turns the watchdog off). docs/checkpoints.md, "Faults".
+limit_s = max(floor, 10 × the longest step seen so far), capped at timeout_s / 2; the floor is
+`SHARDTUNE_WATCHDOG_S`. OFF by default: measured through the CLI (2 gloo ranks, rank 1 SIGSTOPped),
+rank 0's thread never ran while its main thread waited in FSDP2's collective (the wait holds the
+GIL), so it cannot act; a watcher outside the GIL (a process) is the fix. docs/checkpoints.md.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class Watchdog:
     def __init__(self, rank: int, world_size: int, timeout_s: float, store=None, poll_s: float = 1.0,
                  floor_s: float | None = None) -> None:
         env = os.environ.get("SHARDTUNE_WATCHDOG_S")
-        self.floor_s = float(env) if env else (FLOOR_S if floor_s is None else floor_s)
+        self.floor_s = float(env) if env else (0.0 if floor_s is None else floor_s)  # off by default
         self.rank, self.world_size, self.timeout_s, self.poll_s = rank, world_size, timeout_s, poll_s
         self.enabled = world_size > 1 and self.floor_s > 0
         self.step, self.phase, self.longest_step_s = 0, "step", 0.0
