@@ -40,6 +40,9 @@ def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, me
     apply_activation_checkpointing(meta_model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)
     if s.materialise_before_wrap:
         meta_model.to_empty(device=device)
+        # to_empty gives lm_head and embed_tokens storages of their own; without re-tying, a tied
+        # model (Llama-3.2-1B, Qwen2.5, SmolLM2) trains two copies under ddp/zero1
+        meta_model.tie_weights()
         if fill is not None:
             fill(meta_model)
         return apply_ddp(meta_model, mesh)
