@@ -41,6 +41,6 @@ class LoraProbe:
 
             save_checkpoint(Path(case["save_dir"]), case["steps"], model, opt, sched, TrainState(),
                             rank=rank, world_size=world, strategy=case["parallel"]["strategy"],
-                            cfg_hash="test", keep=1,
+                            cfg_hash="test", keep=1, run_id="lora-test",
                             hf_files=lambda folder: unwrap(model).config.save_pretrained(folder))
         return out

@@ -222,7 +222,9 @@ def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
     adapter = export_checkpoint(ckpt, tmp_path / "adapter", adapter_only=True)
-    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # the adapter files, and the export's own list of what it wrote (it replaces only those)
+    assert sorted(p.name for p in adapter.iterdir()) == [".shardtune_export.json", "adapter_config.json",
+                                                         "adapter_model.safetensors"]
     peft_model = PeftModel.from_pretrained(_plain_model(), adapter)
     with torch.no_grad():
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)

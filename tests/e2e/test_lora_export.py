@@ -98,6 +98,12 @@ def test_adapter_only_on_a_full_fine_tune_is_one_line_exit_2(run, tmp_path):
     cfg = json.loads((ckpt / "hf" / "config.json").read_text())
     cfg.pop("shardtune_lora")
     (ckpt / "hf" / "config.json").write_text(json.dumps(cfg))
+    from shardtune.train.durable import integrity  # re-record the edited file, so the checksum check passes
+
+    meta = json.loads((ckpt / "shardtune_checkpoint.json").read_text())
+    edited = ckpt / "hf" / "config.json"
+    meta["files"]["hf/config.json"] = [edited.stat().st_size, integrity.crc32_file(edited)]
+    (ckpt / "shardtune_checkpoint.json").write_text(json.dumps(meta))
     proc = _shardtune("export", str(ckpt), str(tmp_path / "out"), "--adapter-only", timeout_s=60)
     assert proc.returncode == 2
     assert "not trained with LoRA" in proc.stdout and "Traceback" not in proc.stdout
