@@ -3,6 +3,7 @@ beside it, then draw the plots and print predicted / simulated / measured differ
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,8 @@ RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run(cmd: list[str], timeout_s: float, stdout=subprocess.PIPE) -> tuple[int, str]:
-    proc = run_bounded(cmd, timeout_s, cwd=REPO, stdout=stdout)
+def _run(cmd: list[str], timeout_s: float, stdout=subprocess.PIPE, env=None) -> tuple[int, str]:
+    proc = run_bounded(cmd, timeout_s, cwd=REPO, stdout=stdout, env=env)
     return proc.returncode, (proc.stdout or "") + proc.stderr
 
 
@@ -37,7 +38,9 @@ def test_report_after_train_and_simulate(tmp_path):
                         "--seq-len", "128", "--micro-batch", "8", "--precision", "fp32", "--simulate", "--json"],
                        120, stdout=f)
     assert rc == 0, log[-2000:]
-    rc, out = _run([*shardtune, "report", str(run)], 60)
+    # COLUMNS set: under pytest the piped console came out 80 wide (cause not found yet), which
+    # rightly abbreviates the row labels this test reads
+    rc, out = _run([*shardtune, "report", str(run)], 60, env=dict(os.environ, COLUMNS="140"))
     assert rc == 0, out
     for name in ("memory.png", "loss.png", "throughput.png"):
         data = (run / "plots" / name).read_bytes()
