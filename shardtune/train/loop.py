@@ -160,14 +160,20 @@ def _rank_bytes(run: Run, tracked: dict | None) -> tuple[int, dict]:
 
 def _record(run: Run, r: StepResult, peak: int, dt: float) -> dict:
     """The metrics line of a logged step: the only place the step's tensors reach the host."""
-    peak_t = torch.tensor([peak], dtype=torch.long, device=run.ctx.device)
-    dist.all_reduce(peak_t, op=dist.ReduceOp.MAX)  # the ranks' max, logged steps only
+    # logged steps only: ONE small gather of [this rank's loss part, its peak bytes] → the loss
+    # (sum over ranks) and the ranks' max peak (float64: exact for bytes below 2**53)
+    mine = torch.stack([r.loss_part.detach().double(), torch.tensor(float(peak), dtype=torch.float64,
+                                                                      device=run.ctx.device)])
+    gathered = torch.empty(run.ctx.world_size * 2, dtype=torch.float64, device=run.ctx.device)
+    dist.all_gather_into_tensor(gathered, mine)
+    per_rank = gathered.view(run.ctx.world_size, 2)
+    loss, peak_all = float(per_rank[:, 0].sum()), int(per_rank[:, 1].max())
     tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
-    record = {"step": run.state.step, "loss": float(r.loss), "lr": r.lr, "grad_norm": float(r.grad_norm),
+    record = {"step": run.state.step, "loss": loss, "lr": r.lr, "grad_norm": float(r.grad_norm),
               "tokens_per_s": tokens_per_s, "tflops": tflops,
               "mfu": tflops * 1e12 / run.peak_flops if run.peak_flops else None,
-              "peak_mem_bytes": int(peak_t.item()), "step_time_s": dt, "target_tokens": int(r.num_tokens)}
+              "peak_mem_bytes": peak_all, "step_time_s": dt, "target_tokens": int(r.num_tokens)}
     record.update(run.keeper.record_extra(run.state.step, r))
     return record
 
@@ -196,7 +202,8 @@ def loop(run: Run) -> tuple[dict, dict]:
                 if run.writer:
                     run.writer.write(record)
                 # the step's own loss (a skipped step's record carries None, the bar shows nan)
-                info = f"loss {float(r.loss):.4f}  lr {r.lr:.2e}  {record['tokens_per_s']:,.0f} tok/s"
+                shown = float("nan") if record["loss"] is None else record["loss"]
+                info = f"loss {shown:.4f}  lr {r.lr:.2e}  {record['tokens_per_s']:,.0f} tok/s"
                 bar.update(task, info=info)
             bar.update(task, advance=1)
             if run.keeper.after_step(state.step, r, run.total_steps):

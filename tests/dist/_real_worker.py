@@ -17,7 +17,7 @@ from shardtune.config import DataConfig, ModelConfig, OptimConfig, ParallelConfi
 from shardtune.parallel.apply import autocast_dtype, build_mesh
 from shardtune.train.core.model import build_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
-from shardtune.train.core.step import train_step
+from shardtune.train.core.step import global_loss, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer
 
 
@@ -40,7 +40,7 @@ def main() -> None:
         r = train_step(model, opt, sched, [batch], dp_group=None, dp_size=world, grad_clip=1.0,
                        autocast_dtype=autocast_dtype(pcfg))
         owned = [p for g in opt.param_groups for p in g["params"]]
-        out[precision] = {"loss": float(r.loss), "target_tokens": int(r.num_tokens),
+        out[precision] = {"loss": global_loss(r), "target_tokens": int(r.num_tokens),
                           "param_dtypes": sorted({str(p.to_local().dtype if hasattr(p, "to_local") else p.dtype)
                                                   for p in owned}),
                           "state_dtypes": sorted({str(v.to_local().dtype if hasattr(v, "to_local") else v.dtype)

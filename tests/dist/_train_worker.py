@@ -28,7 +28,7 @@ from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
 from shardtune.train.core.metrics import SavedActivations, model_state_bytes  # noqa: E402
 from shardtune.train.core.model import build_model  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import train_step  # noqa: E402
+from shardtune.train.core.step import global_loss, train_step  # noqa: E402
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -78,7 +78,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         mbs = rank_micro_batches(batch, rank, world, case.get("grad_accum", 1))
         r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
                        autocast_dtype=autocast_dtype(pcfg), activations=saved if step == 0 else None)
-        out["losses"].append(float(r.loss))
+        out["losses"].append(global_loss(r))
         out["grad_norms"].append(float(r.grad_norm))
         if step == 0:
             out["bytes"] = model_state_bytes(model, opt)

@@ -4,8 +4,9 @@ numbers on logging steps only (torchtitan does the same), so a step adds no host
 beyond the non-finite skip decision.
 
 Loss normalisation: each micro-batch contributes (sum of its token losses) / N, N = number of
-target tokens over ALL micro-batches of the step and ALL data-parallel ranks (one all-reduce per
-step), so the step's gradient is that of the global token mean, not a mean of means. DDP and FSDP
+target tokens over ALL micro-batches of the step and ALL data-parallel ranks (the step's one
+scalar all-reduce: the loss needs it), so the step's gradient is that of the global token mean,
+not a mean of means. DDP and FSDP
 average gradients over the data-parallel ranks (divide by dp_size), so the backward loss is scaled
 by dp_size to undo that average.
 
@@ -31,7 +32,9 @@ IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch cross_en
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # 0-dim: global token-mean loss of the step
+    loss_part: torch.Tensor  # 0-dim: this rank's token-loss sum / the step's global target tokens
+    # (summed over the ranks: the step's global token-mean loss; `global_loss`, or the loop's one
+    # gather on logged steps)
     grad_norm: torch.Tensor  # 0-dim: global L2 norm before clipping
     lr: float  # learning rate used by this step (the scheduler's, already on the host)
     num_tokens: torch.Tensor  # 0-dim int: target tokens over all micro-batches and ranks
@@ -83,18 +86,25 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
                 del logits
             (token_loss_sum * dp_size / denom).backward()
         loss_sum += token_loss_sum.detach()
-    dist.all_reduce(loss_sum, group=dp_group)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
     lr = scheduler.get_last_lr()[0]
-    # a non-finite loss or grad norm on ANY rank skips the update on every rank. No extra
-    # collective: both are already global (loss_sum all-reduced above; the norm of all-reduced
-    # DDP grads, or FSDP's all-reduced DTensor norm), and a NaN or inf anywhere reaches them.
+    # a non-finite loss or grad norm on ANY rank skips the update on every rank, with no collective
+    # of its own: the norm is global (of all-reduced DDP grads, or FSDP's all-reduced DTensor norm),
+    # and a rank whose loss is non-finite has non-finite gradients, which reach every rank's norm.
+    # The local loss is checked too, so the rank that saw it needs no help from the norm.
     skipped = skip_non_finite and not bool(torch.isfinite(torch.stack([loss_sum, norm.float()])).all())
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
         scheduler.step()
-    return StepResult(loss=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
+    return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
                       num_tokens=num_tokens, skipped=skipped)
+
+
+def global_loss(r: StepResult, group=None) -> float:
+    """The step's global token-mean loss (one scalar all-reduce; for callers outside the loop)."""
+    total = r.loss_part.detach().clone()
+    dist.all_reduce(total, group=group)
+    return float(total)

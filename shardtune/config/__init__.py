@@ -1,0 +1,187 @@
+"""Typed run config: YAML recipe + `key.path=value` overrides → validated `RunConfig`.
+
+Each section is a small pydantic model; functions take the narrowest section they need
+(`build_parallel_model(meta_model, cfg.parallel, mesh, ...)`), never the whole config. Checks that need more
+than the config's own fields (model folder, dataset, world size, run folder) are
+train/preflight.py `validate_for_launch`. Imports no torch (and nothing from plan/ or train/), so
+`shardtune train` validates a recipe before any process starts.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from shardtune.config.base import _Section
+from shardtune.config.data import DataConfig
+from shardtune.config.lora import LoraConfig
+from shardtune.config.model import ModelConfig
+from shardtune.config.optim import OptimConfig
+from shardtune.config.parallel import ParallelConfig
+from shardtune.config.train import CheckpointConfig, TrainConfig
+from shardtune.errors import UserError
+from shardtune.strategies import STRATEGY, check_combination
+
+__all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+           "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
+
+
+class RunConfig(_Section):
+    name: str = Field("run", description="Run name; the run folder defaults to runs/<name>.")
+    output_dir: str | None = Field(None, description="Run folder (default runs/<name>).")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    lora: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        par = self.parallel
+        check_combination(par.strategy, precision=par.precision, offload=par.offload, optimizer=self.optim.name,
+                          optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
+                          hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
+                          ac_every=par.ac_every)
+        if self.optim.name == "adamw-8bit" and STRATEGY[self.parallel.strategy].fsdp:
+            # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
+            # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
+            ddp_like = " or ".join(s.name for s in STRATEGY.values() if not s.fsdp)
+            raise ValueError(f"optim.name 'adamw-8bit' runs under {ddp_like} only: bitsandbytes does "
+                             f"not take FSDP2's DTensor parameters (strategy {self.parallel.strategy!r})")
+        if self.optim.implementation == "bf16-stochastic" and self.parallel.precision != "bf16":
+            raise ValueError("optim.implementation 'bf16-stochastic' rounds bf16 weights: it needs "
+                             f"parallel.precision bf16, not {self.parallel.precision!r}")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir or os.path.join("runs", self.name))
+
+    def plan_inputs(self) -> dict:
+        """The planner's inputs (plan/validate.py `Inputs`) for exactly this run, bar the world
+        size and layout: `shardtune plan RECIPE` and the run's plan.json both use it."""
+        return dict(
+            model=self.model.name, gpu=self.train.gpu, seq_len=self.train.seq_len,
+            micro_batch=self.train.micro_batch, grad_accum=self.train.grad_accum,
+            precision=self.parallel.precision, optimizer=self.optim.name,
+            optimizer_impl=self.optim.implementation, ac=self.parallel.activation_checkpointing,
+            ac_every=self.parallel.ac_every, offload=self.parallel.offload,
+            hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank)
+
+
+
+def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model_cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.append(prefix + name)  # the section itself, so `modle:` suggests `model`
+            keys += _all_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _unknown_key_message(key: str) -> str:
+    keys = _all_keys(RunConfig)
+    leaf = key.rsplit(".", 1)[-1]
+    # the right name in the wrong section first (`train.lr` → `optim.lr`), then a near spelling
+    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1] or difflib.get_close_matches(
+        key, keys, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown recipe key {key!r}{hint}"
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply one `a.b.c=value` override in place; the value is parsed as YAML (3e-4, true, [1,2])."""
+    if "=" not in item:
+        raise UserError(f"override {item!r} is not key.path=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise UserError(_unknown_key_message(key))
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        node[parts[-1]] = raw
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return _unknown_key_message(loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    if not loc:
+        return f"recipe: {msg}"
+    value = err.get("input")
+    if err["type"].startswith(("greater_than", "less_than", "literal_error")) or (
+            isinstance(value, (str, int, float)) and err["type"] != "value_error"):
+        # name the value the user gave: "recipe key 'train.micro_batch' = 0: ..."
+        return f"recipe key {loc!r} = {value!r}: {msg[:1].lower()}{msg[1:]}"
+    return f"recipe key {loc!r}: {msg}"
+
+
+def build_config(data: dict) -> RunConfig:
+    """Validate a recipe dict; a bad value is a one-line UserError naming the key."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_format_validation_error(e)) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (line {key_node.start_mark.line + 1}); keep one",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML recipe (None: all defaults), apply `key.path=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"recipe {str(path)!r} does not exist; give a YAML recipe such as recipes/tiny-cpu.yaml")
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"recipe {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it "
+                            "as UTF-8") from None
+        except OSError as e:
+            raise UserError(f"recipe {str(path)!r} cannot be read ({e.strerror or e})") from None
+        try:
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {str(path)!r} is not valid YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"recipe {str(path)!r} must be a YAML mapping of sections")
+        data.setdefault("name", p.stem)
+    for item in overrides:
+        apply_override(data, item)
+    return build_config(data)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (written to the run folder)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

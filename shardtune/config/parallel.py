@@ -1,0 +1,50 @@
+"""`parallel:` — strategy, precision, activation checkpointing, offload."""
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+
+from shardtune.config.base import _Section
+from shardtune.strategies import (
+    FSDP_STRATEGIES,
+    STRATEGY,
+    normalize_ac,
+    normalize_offload,
+    normalize_precision,
+    normalize_strategy,
+)
+
+
+class ParallelConfig(_Section):
+    strategy: str = Field("zero3", description="ddp | zero1 | zero2 | zero3 | hsdp (FSDP1 names FULL_SHARD, "
+                                               "SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD accepted).")
+    hsdp_shard_size: int | None = Field(None, ge=1, description="hsdp: ranks per shard group (must divide the "
+                                                                "world size). None: processes per node.")
+    precision: str = Field("bf16-mixed", description="bf16-mixed (bf16 compute, fp32 master weights and "
+                                                     "gradient reduction) | bf16 | fp32.")
+    activation_checkpointing: str = Field("none", description="none | full (every decoder layer) | selective "
+                                                              "(every `ac_every`-th layer).")
+    ac_every: int = Field(2, ge=1, description="selective AC: checkpoint every k-th decoder layer.")
+    offload: str = Field("none", description="none | all (FSDP2 CPUOffloadPolicy: params, grads and optimizer "
+                                             "on CPU; FSDP strategies only).")
+
+    _norm = field_validator("strategy")(lambda v: normalize_strategy(v))
+    _prec = field_validator("precision")(lambda v: normalize_precision(v))
+    _ac = field_validator("activation_checkpointing")(lambda v: normalize_ac(v))
+    _off = field_validator("offload")(lambda v: normalize_offload(v))
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.offload == "optimizer":
+            raise ValueError("offload 'optimizer' is a planner-only mode (DeepSpeed's); the trainer offers "
+                             "offload 'all' (FSDP2 CPUOffloadPolicy)")
+        if self.offload == "all" and not STRATEGY[self.strategy].fsdp:
+            raise ValueError(f"offload 'all' needs an FSDP strategy ({', '.join(FSDP_STRATEGIES)}), "
+                             f"not {self.strategy!r}")
+        if self.hsdp_shard_size is not None and not STRATEGY[self.strategy].hybrid:
+            raise ValueError(f"parallel.hsdp_shard_size {self.hsdp_shard_size} applies to hsdp only and would be "
+                             f"ignored by {self.strategy!r}; drop it or use parallel.strategy=hsdp")
+        if self.ac_every != 2 and self.activation_checkpointing != "selective":
+            raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=selective only "
+                             f"and would be ignored with {self.activation_checkpointing!r}; drop it or set "
+                             "parallel.activation_checkpointing=selective")
+        return self

@@ -1,0 +1,48 @@
+"""`train:` and `checkpoint:` — batch, steps, logging, process group; saving and resuming."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from shardtune.config.base import _Section
+
+
+class TrainConfig(_Section):
+    micro_batch: int = Field(4, ge=1, description="Sequences per rank per forward/backward.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step. Global batch = micro_batch "
+                                                 "× grad_accum × data-parallel ranks.")
+    seq_len: int = Field(128, ge=2, description="Tokens per sequence.")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; None: derived from `epochs`.")
+    epochs: float = Field(1.0, gt=0, description="Used when max_steps is None.")
+    seed: int = Field(0, description="Seeds init, data order and dropout.")
+    log_every: int = Field(1, ge=1, description="Write metrics every k optimizer steps.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with CUDA, else gloo.")
+    timeout_s: float = Field(600.0, gt=0, description="Process-group timeout: a rank that waits longer on a "
+                                                      "collective fails instead of hanging.")
+    gpu: str = Field("h100-80gb", description="GPU catalogue name for MFU and the plan (ignored for the device "
+                                              "itself).")
+    eval_every: int = Field(0, ge=0, description="Validation loss every N optimizer steps and at the end (0: at "
+                                                 "the end only; needs data.val_path).")
+    loggers: list[Literal["tensorboard", "wandb"]] = Field(
+        [], description="Also log each metrics.jsonl record to TensorBoard (event files in the run folder) and/or "
+                        "W&B (offline without an API key); rank 0 only.")
+    sample_prompts: list[str] = Field([], description="Prompts answered greedily at each evaluation, written to "
+                                                      "samples.jsonl.")
+    threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: this node's cores / its "
+                                                        "ranks).")
+    loss_chunks: int | None = Field(None, ge=1, description="Cross-entropy over the vocabulary in this many chunks, "
+                                                            "so full fp32 logits never exist (None: chosen from "
+                                                            "the vocabulary size; 1: one full computation).")
+    compile: bool = Field(False, description="torch.compile each decoder layer before sharding.")
+    max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite "
+                                                    "loss or gradient norm (each is skipped: no optimizer step).")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(0, ge=0, description="Save every N optimizer steps (0: only at the end).")
+    keep: int = Field(2, ge=1, description="Keep the newest K complete checkpoints.")
+    resume: str = Field("auto", description="auto (newest complete checkpoint in the run folder) | never | a "
+                                            "checkpoint path.")
+    export_hf: bool = Field(False, description="Export a Hugging Face folder at the end of training.")
+    save_final: bool = Field(True, description="Save a checkpoint after the last step.")
