@@ -1,0 +1,57 @@
+"""Validation loss: the global token mean over every rank's validation batches (docs/loop.md).
+
+Each rank sums the token losses and counts the target tokens of its own batches (model in eval
+mode, no grad, the run's autocast); one all-reduce of [loss sum, tokens] gives the mean over all
+ranks' tokens, the same number one process would get from all the examples at once. Under FSDP
+every rank must take part in every forward: a rank with fewer batches runs extra forwards on one
+of its batches (or a 2-token dummy) that count nothing.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardtune.train.core.step import IGNORE_INDEX
+
+
+def _forward_loss(model: nn.Module, batch: dict, amp: torch.dtype | None, device: torch.device):
+    """(sum of token losses, target tokens) of one batch; labels are already shifted."""
+    ctx = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
+    with ctx:
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    target = batch["labels"]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss.double(), (target != IGNORE_INDEX).sum().double()
+
+
+def evaluate(model: nn.Module, batches: list[dict], device: torch.device, amp: torch.dtype | None = None,
+             group=None) -> float:
+    """The validation loss over every rank's `batches` (collective: every rank calls it).
+    Returns nan when no rank has a target token."""
+    n_mine = torch.tensor([len(batches)], dtype=torch.int64, device=device)
+    dist.all_reduce(n_mine, op=dist.ReduceOp.MAX, group=group)  # forwards every rank runs
+    n_all = int(n_mine)
+    dummy = {"input_ids": torch.zeros((1, 2), dtype=torch.long, device=device),
+             "position_ids": torch.arange(2, device=device).unsqueeze(0),
+             "labels": torch.full((1, 2), IGNORE_INDEX, dtype=torch.long, device=device)}
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i in range(n_all):
+                mine = i < len(batches)
+                batch = batches[i] if mine else (batches[0] if batches else dummy)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                loss, tokens = _forward_loss(model, batch, amp, device)
+                if mine:
+                    totals += torch.stack([loss, tokens])
+    finally:
+        model.train(was_training)
+    dist.all_reduce(totals, group=group)
+    return float(totals[0] / totals[1]) if float(totals[1]) > 0 else float("nan")
