@@ -13,6 +13,8 @@ batch of 16 one-example rows the same; no packing, so each row is one padded exa
   shardtune-zero3 / shardtune-ddp   `shardtune train` with a generated recipe, then its HF export
   hf-trainer                        transformers.Trainer (DDP via torchrun), its own chat tokenisation
                                     (apply_chat_template, loss on the assistant turn only)
+  hf-trainer-1p                     the same in ONE process, batch 16, rows in file order: the loss
+                                    reference (no side shuffles, so step k is rows 16k..16k+15 for all)
 tokens/s: target tokens per step / the median step time (shardtune: metrics.jsonl step_time_s;
 HF: a callback between on_step_begin and on_step_end), so start-up is excluded for both; the ratio
 is shardtune / HF. The machine is shared: run it twice and read the spread.
@@ -64,7 +66,7 @@ def exact_match(folder: Path, held_out: list[tuple[str, str]]) -> tuple[float, l
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     answers = []
     with torch.no_grad():
         for q, _ in held_out:
@@ -80,9 +82,9 @@ def exact_match(folder: Path, held_out: list[tuple[str, str]]) -> tuple[float, l
 def recipe(work: Path, folder: Path, data: Path, strategy: str, args) -> Path:
     text = f"""name: real-{strategy}
 model: {{name: {json.dumps(str(folder))}, init: pretrained}}
-data: {{path: {json.dumps(str(data))}, format: chat, tokenizer: hf, template: auto, packing: false, shuffle: true}}
+data: {{path: {json.dumps(str(data))}, format: chat, tokenizer: hf, template: auto, packing: false, shuffle: false}}
 parallel: {{strategy: {strategy}, precision: fp32}}
-optim: {{lr: {args.lr}, warmup_steps: 5, schedule: cosine, min_lr_ratio: 0.1, grad_clip: 1.0, weight_decay: 0.0}}
+optim: {{lr: {args.lr}, warmup_steps: 0, schedule: constant, grad_clip: 1.0, weight_decay: 0.0, betas: [0.9, 0.95]}}
 train: {{micro_batch: 8, grad_accum: 1, seq_len: {args.seq_len}, max_steps: {args.steps}, log_every: 1, seed: 0}}
 checkpoint: {{every: 0, save_final: true, export_hf: true}}
 """
@@ -105,10 +107,11 @@ def run_shardtune(work: Path, folder: Path, data: Path, strategy: str, args) -> 
             "tokens": [x["target_tokens"] for x in recs], "folder": str(out / "hf_export"), "wall_s": wall}
 
 
-def run_hf(work: Path, folder: Path, data: Path, args) -> dict:
-    out = work / "hf-trainer"
+def run_hf(work: Path, folder: Path, data: Path, args, nproc: int) -> dict:
+    out = work / ("hf-trainer" if nproc == 2 else "hf-trainer-1p")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__, "--worker-hf",
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if nproc == 2 else []
+    cmd = [PY, *launch, __file__, "--worker-hf",
            "--folder", str(folder), "--data", str(data), "--out", str(out), "--steps", str(args.steps),
            "--lr", str(args.lr), "--seq-len", str(args.seq_len)]
     t0 = time.perf_counter()
@@ -125,6 +128,8 @@ def hf_worker(args) -> None:
     """One rank of the HF Trainer side (torchrun sets the process group up through accelerate)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
 
     tok = AutoTokenizer.from_pretrained(args.folder)
     rows = []
@@ -163,13 +168,20 @@ def hf_worker(args) -> None:
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    model = AutoModelForCausalLM.from_pretrained(args.folder, torch_dtype=torch.float32)
-    targs = TrainingArguments(output_dir=str(Path(args.out) / "tmp"), per_device_train_batch_size=8,
-                              max_steps=args.steps, learning_rate=args.lr, warmup_steps=5,
-                              lr_scheduler_type="cosine", max_grad_norm=1.0, weight_decay=0.0,
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+    class InOrder(Trainer):  # one process: rows in file order, as shardtune's data.shuffle=false
+        def _get_train_sampler(self, *a, **k):
+            if world > 1:
+                return super()._get_train_sampler(*a, **k)
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    targs = TrainingArguments(output_dir=str(Path(args.out) / "tmp"), per_device_train_batch_size=16 // world,
+                              max_steps=args.steps, learning_rate=args.lr, warmup_steps=0,
+                              lr_scheduler_type="constant", max_grad_norm=1.0, weight_decay=0.0,
                               adam_beta1=0.9, adam_beta2=0.95, logging_steps=1, save_strategy="no", report_to=[],
-                              seed=0, use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
+                              seed=0, use_cpu=True, ddp_backend="gloo" if world > 1 else None,
+                              dataloader_num_workers=0)
+    trainer = InOrder(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
     trainer.train()
     per_step = sum(sum(1 for t in r["labels"] if t != -100) for r in rows) / len(rows) * 16
     tokens = [round(per_step)] * len(times)
@@ -198,7 +210,7 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=1200)
     ap.add_argument("--held-out", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
-    ap.add_argument("--contenders", default="shardtune-zero3,shardtune-ddp,hf-trainer")
+    ap.add_argument("--contenders", default="shardtune-zero3,shardtune-ddp,hf-trainer,hf-trainer-1p")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=None)
@@ -222,8 +234,10 @@ def main() -> None:
           f"for {held_out[0][1]!r})", flush=True)
     rows = []
     for name in args.contenders.split(","):
-        res = run_hf(work, folder, data, args) if name == "hf-trainer" else run_shardtune(
-            work, folder, data, name.removeprefix("shardtune-"), args)
+        if name.startswith("hf-trainer"):
+            res = run_hf(work, folder, data, args, nproc=1 if name.endswith("-1p") else 2)
+        else:
+            res = run_shardtune(work, folder, data, name.removeprefix("shardtune-"), args)
         row = summary(name, res, args.warmup)
         if "error" not in res:
             row["exact_match"], answers = exact_match(Path(res["folder"]), held_out)
@@ -233,9 +247,18 @@ def main() -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     ok = {r["contender"]: r for r in rows if "error" not in r}
     ratios = {f"{a}/hf-trainer": ok[a]["tokens_per_s"] / ok["hf-trainer"]["tokens_per_s"]
-              for a in ok if a != "hf-trainer" and "hf-trainer" in ok}
+              for a in ok if a.startswith("shardtune") and "hf-trainer" in ok}
+    ref = ok.get("hf-trainer-1p")
+    curves = {}
+    for a in ok:
+        if a.startswith("shardtune") and ref:
+            d = [abs(x - y) for x, y in zip(ok[a]["losses"], ref["losses"])]
+            curves[a] = {"max_abs_diff_first5": max(d[:5]), "max_abs_diff": max(d),
+                         "mean_abs_diff": statistics.mean(d)}
     result = {"before_exact_match": before, "rows": rows, "ratio_tokens_per_s": ratios,
+              "loss_vs_hf_one_process": curves,
               "load_before": load, "load_after": os.getloadavg(), "steps": args.steps}
+    print(f"loss curves vs HF Trainer in one process: {json.dumps(curves)}")
     print(f"ratios (tokens/s, shardtune / HF Trainer): {json.dumps(ratios)}; load {load[0]:.1f} → "
           f"{result['load_after'][0]:.1f}")
     if args.json:
