@@ -7,18 +7,14 @@ tokens seen, data position, LR scheduler), rng_rank<r>.json, hf/ (config and tok
 and shardtune_checkpoint.json, written last. Every rank writes into `.tmp-step_<N>`; rank 0
 renames it (atomic on POSIX), so resume reads only complete folders. zero1's
 ZeroRedundancyOptimizer has no FQN state dict: its local AdamW states are written under the same
-keys (`zero1_optim_state`). DCP's `.metadata` pickle is read with an allow-list unpickler
-(`SafeFileSystemReader`), non-tensor values with `torch.load(weights_only=True)`.
+keys (`zero1_optim_state`). Reading never runs code: safe_load.py (exact allow-list unpickler for
+`.metadata`, `torch.load(weights_only=True)` for non-tensor values).
 """
 from __future__ import annotations
 
 import base64
-import dataclasses
-import enum
-import io
 import json
 import os
-import pickle
 import shutil
 import time
 from pathlib import Path
@@ -27,8 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint import FileSystemWriter
 
 from shardtune.errors import UserError
 from shardtune.train.durable import integrity
@@ -42,70 +37,12 @@ from shardtune.train.durable.ckpt_files import (
     checkpoints_dir,
     prune,
 )
-
-
-# ---------------------------------------------------------------- safe reading of DCP files
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: its dataclasses, torch sizes/dtypes and plain containers."""
-
-    _MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-    _ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
-                ("builtins", "frozenset"), ("torch._utils", "_rebuild_tensor_v2"),
-                ("torch", "device"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                ("pathlib", "PurePosixPath")}
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        # a DCP class by its own name only: pickle protocol 4 resolves a dotted name through module
-        # attributes (e.g. `torch._strobelight...subprocess.Popen` from a DCP module), so refuse dots,
-        # anything defined elsewhere, and anything but a dataclass or an enum (whose construction
-        # runs no code of the attacker's choosing)
-        if module.startswith(self._MODULE_PREFIXES) and "." not in name:
-            obj = super().find_class(module, name)
-            if (isinstance(obj, type) and obj.__module__ == module
-                    and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))):
-                return obj
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UserError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
-                        "needs; refusing to load it (was the checkpoint tampered with?)")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` pickle is read through an allow-list (caches it)."""
-
-    _cached = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        if self._cached is None:
-            path = Path(self.path) / ".metadata"
-            if not path.is_file():
-                raise UserError(f"{Path(self.path)} is not a DCP checkpoint (no .metadata); give a "
-                                "checkpoints/step_<N> folder")
-            with open(path, "rb") as f:
-                metadata = _AllowListUnpickler(f).load()
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            self._cached = metadata
-        return self._cached
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads non-tensor values with `torch.load(weights_only=True)`."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+from shardtune.train.durable.safe_load import (  # noqa: F401  (export.py imports the reader and planner from here)
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_dcp_metadata,
+    safe_dcp_load,
+)
 
 
 # ---------------------------------------------------------------- model + optimizer state
@@ -332,7 +269,7 @@ def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *,
     reader = SafeFileSystemReader(info.path)
     reader.read_metadata()  # the allow-list's error as itself, before DCP wraps errors in its own
     sd = model_optim_state(model, optimizer, for_load=True)
-    dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner())
+    safe_dcp_load(sd, reader)
     set_model_optim_state(model, optimizer, sd)
     trainer = json.loads((info.path / TRAINER_FILE).read_text())
     scheduler.load_state_dict(trainer["scheduler"])

@@ -1,0 +1,120 @@
+"""Reading a DCP checkpoint without running code: DCP's `.metadata` pickle through an exact
+allow-list of (module, name) pairs, non-tensor values with `torch.load(weights_only=True)` (torch's
+own allow-list), and every refusal as one line (UserError), also from inside `dcp.load`.
+Every path that reads a checkpoint (resume auto, resume by path, export, generate) goes through
+here before torch's own reader touches the file. docs/checkpoints.md, "Safe reading".
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from shardtune.errors import UserError
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+# torch.float32 and the rest, read from the module's own dict (getattr could import a lazy submodule)
+_DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: an exact list of (module, name) pairs, nothing else.
+
+    Every global a pickle names (GLOBAL in protocols 0-3, STACK_GLOBAL in 4-5, INST, OBJ, the
+    extension registry) goes through `find_class`, so a name not in the list is refused before
+    anything is imported or called. No dotted names (protocol 4 resolves them through module
+    attributes: `torch._strobelight...subprocess.Popen` from a DCP module), no prefixes, no tensor
+    rebuilders (DCP metadata holds sizes, never tensors), no persistent ids (no storages)."""
+
+    _ALLOWED = frozenset({(_DCP_METADATA, n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
+        ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"), ("torch", "device"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath")})  # pathlib._local: Python 3.13
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        raise UserError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
+                        "needs; refusing to load it (was the checkpoint tampered with?)")
+
+
+def read_dcp_metadata(path: Path):
+    """A DCP `.metadata` file through the allow-list: a Metadata object, or one line (UserError)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(path, "rb") as f:
+            metadata = _AllowListUnpickler(f).load()
+    except UserError:
+        raise
+    except Exception as e:  # truncated, garbage, an unregistered extension code, a persistent id
+        raise UserError(f"{path} is not a readable DCP metadata file ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:120]}); was the checkpoint damaged or tampered with?") from None
+    if not isinstance(metadata, Metadata):
+        raise UserError(f"{path} holds a {type(metadata).__name__}, not DCP metadata; refusing to load it "
+                        "(was the checkpoint tampered with?)")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` pickle is read through an allow-list (caches it)."""
+
+    _cached = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if self._cached is None:
+            path = Path(self.path) / ".metadata"
+            if not path.is_file():
+                raise UserError(f"{Path(self.path)} is not a DCP checkpoint (no .metadata); give a "
+                                "checkpoints/step_<N> folder")
+            metadata = read_dcp_metadata(path)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._cached = metadata
+        return self._cached
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads non-tensor values with `torch.load(weights_only=True)`."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
+        from torch.distributed.checkpoint._traverse import set_element
+
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # torch's weights_only allow-list refused a global, or the bytes are garbage
+            raise UserError(f"checkpoint value {read_item.dest_index.fqn!r} is not plain data ({type(e).__name__}); "
+                            "refusing to load it (was the checkpoint tampered with?)") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_dcp_load(sd: dict, reader: SafeFileSystemReader, **kw) -> None:
+    """`dcp.load` with the safe planner; a UserError inside it (a refused pickle on some rank) comes
+    out as itself, not inside DCP's CheckpointException with a traceback per rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), **kw)
+    except CheckpointException as e:
+        users = [exc for exc, _ in e.failures.values() if isinstance(exc, UserError)]
+        if users:
+            raise users[0] from None
+        raise
