@@ -49,6 +49,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "shardtune.launch.commands",
     "shardtune.train.commands",
     "shardtune.train.export_commands",
+    "shardtune.train.generate_commands",
     "shardtune.report.commands",
 )
 

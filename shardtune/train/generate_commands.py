@@ -1,0 +1,182 @@
+"""`shardtune generate TARGET --prompt TEXT`: what a trained model answers, in one process.
+
+TARGET is an exported Hugging Face folder, a run folder (its `hf_export` when that is newer than
+its last checkpoint, else the newest checkpoint that verifies) or a `checkpoints/step_<N>` folder.
+A checkpoint is read through the project's safe reader (train/durable/safe_load.py: no pickle
+beyond the allow-list), its checksums checked first, onto the model of its own hf/config.json
+(the run's model); a LoRA checkpoint is merged through a temporary export. The prompt goes
+through the tokenizer's chat template (plain text when it has none); the answer is transformers'
+`generate` (greedy unless --temperature > 0; only the options given here, not the folder's
+generation settings), stopping at the tokenizer's eos and generation_config.json's eos ids.
+Imports no torch at module level (the CLI answers `shardtune plan` without it).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from shardtune.errors import UserError
+
+_ACCEPTS = "give an exported Hugging Face folder, a run folder or a checkpoints/step_<N> folder"
+PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
+def _hf_folder(folder: Path) -> bool:
+    """A model folder transformers can load without pickle: config.json and safetensors."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _verified(info) -> list[str]:
+    from shardtune.train.durable import integrity
+
+    return integrity.problems(info.path, info.files) if info.files is not None else []
+
+
+def resolve_target(target: str) -> tuple[str, Path]:
+    """("hf", folder) or ("checkpoint", step folder) for TARGET; one line (UserError) otherwise."""
+    from shardtune.train.durable.ckpt_files import META_FILE, complete_checkpoints, read_info
+
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        raise UserError(f"TARGET {target!r} is not a folder; {_ACCEPTS}")
+    if (path / META_FILE).is_file():
+        info = read_info(path)
+        if info is None:
+            raise UserError(f"TARGET {target!r} is not a complete shardtune checkpoint; {_ACCEPTS}")
+        bad = _verified(info)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if bad[1:] else ""
+            raise UserError(f"checkpoint {target} is damaged: {bad[0]}{more}")
+        return "checkpoint", path
+    if (path / "config.json").is_file():
+        if _hf_folder(path):
+            return "hf", path
+        pickled = sorted(p.name for pat in PICKLE_WEIGHTS for p in path.glob(pat))
+        why = f"has pickle weights only ({', '.join(pickled[:2])}; a pickle can run code)" if pickled else \
+            "has no *.safetensors weights"
+        raise UserError(f"TARGET {target!r} {why}; {_ACCEPTS}")
+    found = complete_checkpoints(path)
+    export = path / "hf_export"
+    if _hf_folder(export) and (not found or (export / "config.json").stat().st_mtime >= found[-1].saved_at):
+        return "hf", export
+    for info in reversed(found):
+        bad = _verified(info)
+        if not bad:
+            return "checkpoint", info.path
+        print(f"shardtune: skipping {info.path.name}: {bad[0]}", file=sys.stderr, flush=True)
+    if found:
+        raise UserError(f"run folder {target!r}: no checkpoint verifies (all damaged); {_ACCEPTS}")
+    raise UserError(f"TARGET {target!r} holds no model (no config.json, hf_export or complete checkpoint); {_ACCEPTS}")
+
+
+def _load_checkpoint_model(ckpt: Path, device):
+    """The checkpoint's model weights onto its hf/config.json model, in fp32, one process."""
+    import tempfile
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.train.core.lora import CONFIG_KEY
+    from shardtune.train.durable.export import export_checkpoint, hf_name, model_tensors
+    from shardtune.train.durable.safe_load import SafeFileSystemReader, safe_dcp_load
+
+    hf = ckpt / "hf"
+    if json.loads((hf / "config.json").read_text()).get(CONFIG_KEY):  # LoRA: merged by the export
+        with tempfile.TemporaryDirectory(prefix="shardtune-generate-") as tmp:
+            out = export_checkpoint(ckpt, Path(tmp) / "model")
+            return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, use_safetensors=True,
+                                                        local_files_only=True).to(device)
+    reader = SafeFileSystemReader(ckpt)
+    entries = model_tensors(ckpt)  # reads .metadata through the allow-list
+    want = {k: torch.empty(shape, dtype=dt) for k, _, shape, dt in entries}
+    safe_dcp_load(want, reader, no_dist=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf, local_files_only=True),
+                                             dtype=torch.float32)
+    result = model.load_state_dict({hf_name(k): want[k] for k, *_ in entries}, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        names = (result.unexpected_keys or sorted(set(result.missing_keys) - tied))[:2]
+        raise UserError(f"checkpoint {ckpt} does not match its hf/config.json model ({', '.join(names)}); "
+                        "was it written by shardtune train?")
+    model.tie_weights()
+    return model.to(device)
+
+
+def load_for_generation(kind: str, folder: Path):
+    """(model in eval mode, tokenizer, stop ids) for a resolved TARGET."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr stays for errors; stdout holds only the answer
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok_dir = folder / "hf" if kind == "checkpoint" else folder
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    except Exception as e:
+        raise UserError(f"cannot load the tokenizer in {tok_dir}: {' '.join(str(e).split())[:160]}") from None
+    if kind == "checkpoint":
+        model = _load_checkpoint_model(folder, device)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, use_safetensors=True,
+                                                         local_files_only=True).to(device)
+        except Exception as e:
+            raise UserError(f"cannot load the model in {folder}: {' '.join(str(e).split())[:160]}") from None
+    stops = {tok.eos_token_id} - {None}
+    if (tok_dir / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(str(tok_dir), local_files_only=True).eos_token_id
+        stops |= set(eos if isinstance(eos, list) else [eos]) - {None}
+    return model.eval(), tok, sorted(stops)
+
+
+def prompt_ids(tok, prompt: str, system: str | None) -> list[int]:
+    """The chat template with a generation prompt; plain text (system, blank line, prompt) without one."""
+    if tok.chat_template:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(tok((f"{system}\n\n" if system else "") + prompt)["input_ids"])
+
+
+def generate_answer(target: str, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0,
+                    top_p: float = 1.0, system: str | None = None, seed: int = 0) -> str:
+    """TARGET's answer to `prompt` (the decoded new tokens, special tokens dropped)."""
+    import torch
+    from transformers import GenerationConfig
+
+    if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        raise UserError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
+    model, tok, stops = load_for_generation(*resolve_target(target))
+    ids = torch.tensor([prompt_ids(tok, prompt, system)], device=model.device)
+    sample = temperature > 0
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=stops,
+                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else stops[0],
+                           **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sample else {}))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("generate")
+    def generate(
+        target: str = typer.Argument(..., metavar="TARGET", help="An exported HF folder, a run folder (its "
+                                     "hf_export, else its newest checkpoint) or a checkpoints/step_<N> folder"),
+        prompt: str = typer.Option(..., "--prompt", metavar="TEXT", help="The user's message."),
+        max_new_tokens: int = typer.Option(256, "--max-new-tokens", metavar="N", help="Most tokens to generate."),
+        temperature: float = typer.Option(0.0, "--temperature", metavar="T",
+                                          help="0: greedy (the default); > 0: sample at this temperature."),
+        top_p: float = typer.Option(1.0, "--top-p", metavar="P", help="Sampling: keep the most likely tokens "
+                                    "up to this probability mass (1: all)."),
+        system: str | None = typer.Option(None, "--system", metavar="TEXT", help="A system message before "
+                                          "the prompt."),
+        seed: int = typer.Option(0, "--seed", metavar="N", help="Sampling seed."),
+    ) -> int:
+        """Print what a trained model answers to a prompt (chat template applied)."""
+        print(generate_answer(target, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, system=system, seed=seed))
+        return 0
