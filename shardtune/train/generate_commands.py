@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import typer
@@ -27,6 +28,11 @@ PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 def _hf_folder(folder: Path) -> bool:
     """A model folder transformers can load without pickle: config.json and safetensors."""
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _written_at(export: Path) -> float:
+    """When an export was written: its weights' newest mtime (config and tokenizer keep the source's)."""
+    return max(p.stat().st_mtime for p in export.glob("*.safetensors"))
 
 
 def _verified(info) -> list[str]:
@@ -60,7 +66,7 @@ def resolve_target(target: str) -> tuple[str, Path]:
         raise UserError(f"TARGET {target!r} {why}; {_ACCEPTS}")
     found = complete_checkpoints(path)
     export = path / "hf_export"
-    if _hf_folder(export) and (not found or (export / "config.json").stat().st_mtime >= found[-1].saved_at):
+    if _hf_folder(export) and (not found or _written_at(export) >= found[-1].saved_at):
         return "hf", export
     for info in reversed(found):
         bad = _verified(info)
@@ -92,7 +98,9 @@ def _load_checkpoint_model(ckpt: Path, device):
     reader = SafeFileSystemReader(ckpt)
     entries = model_tensors(ckpt)  # reads .metadata through the allow-list
     want = {k: torch.empty(shape, dtype=dt) for k, _, shape, dt in entries}
-    safe_dcp_load(want, reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        safe_dcp_load(want, reader, no_dist=True)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf, local_files_only=True),
                                              dtype=torch.float32)
     result = model.load_state_dict({hf_name(k): want[k] for k, *_ in entries}, strict=False)
@@ -149,7 +157,10 @@ def generate_answer(target: str, prompt: str, *, max_new_tokens: int = 256, temp
 
     if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
         raise UserError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
-    model, tok, stops = load_for_generation(*resolve_target(target))
+    kind, folder = resolve_target(target)
+    print(f"shardtune: generating with the {'checkpoint' if kind == 'checkpoint' else 'model'} in {folder}",
+          file=sys.stderr, flush=True)
+    model, tok, stops = load_for_generation(kind, folder)
     ids = torch.tensor([prompt_ids(tok, prompt, system)], device=model.device)
     sample = temperature > 0
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=stops,

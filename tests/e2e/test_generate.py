@@ -1,0 +1,200 @@
+"""`shardtune generate TARGET --prompt TEXT` against transformers alone.
+
+- The SmolLM2-135M-Instruct fixture (real weights and chat template), through the real CLI: the
+  greedy answer equals transformers' own `apply_chat_template` + `generate(do_sample=False)` on the
+  same folder, and "What is the capital of France?" says Paris.
+- One tiny-llama run (one process, zero3, checkpoints at steps 4 and 5, export at the end): a
+  checkpoint's answer equals transformers' generate on the model torch's own DCP reader loads from
+  it; a run folder answers with its export, or with its newest checkpoint that verifies (a damaged
+  one is skipped and named); a tampered .metadata is refused before it runs; every bad TARGET is
+  one line and exit 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.testing.proc import run_bounded
+from shardtune.testing.smollm2 import full_folder
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e]
+QUESTION = "What is the capital of France?"
+RECIPE = """
+name: gen
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+optim: {lr: 0.002, warmup_steps: 2}
+train: {micro_batch: 4, seq_len: 64, max_steps: 5, timeout_s: 60}
+checkpoint: {every: 4, keep: 3, export_hf: true}
+"""
+
+
+def _hf_answer(model, tok, prompt: str, max_new_tokens: int) -> str:
+    """transformers alone: the chat template with a generation prompt, greedy generate, decode."""
+    enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens)
+    return tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+@pytest.mark.timeout(300)
+def test_real_model_folder_answers_paris_as_transformers_does():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = full_folder()
+    cmd = [sys.executable, "-m", "shardtune.cli", "generate", str(folder), "--prompt", QUESTION,
+           "--max-new-tokens", "30"]
+    proc = run_bounded(cmd, timeout_s=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = _hf_answer(model, AutoTokenizer.from_pretrained(folder), QUESTION, 30)
+    assert proc.stdout.strip() == want, (proc.stdout, want)
+    assert "Paris" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("generate")
+    (tmp / "recipe.yaml").write_text(RECIPE)
+    cmd = [sys.executable, "-m", "shardtune.train", str(tmp / "recipe.yaml"), "--output-dir", str(tmp / "run")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = run_bounded(cmd, timeout_s=150, cwd=REPO, stderr=subprocess.STDOUT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return tmp / "run"
+
+
+def _dcp_model(ckpt: Path):
+    """torch's own DCP reader (default planner) into a plain HF model of the checkpoint's config."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt / "hf"))
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(sd["model"])
+    return model.eval()
+
+
+def _generate(capsys, target, prompt="hello", n=24) -> tuple[int, str, str]:
+    from shardtune import cli
+
+    rc = cli.main(["generate", str(target), "--prompt", prompt, "--max-new-tokens", str(n)])
+    out = capsys.readouterr()
+    return rc, out.out.strip(), out.err
+
+
+@pytest.mark.timeout(200)
+def test_checkpoint_and_run_folder_answers_equal_transformers(run, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run / "checkpoints" / "step_4" / "hf")
+    for step in (4, 5):
+        ckpt = run / "checkpoints" / f"step_{step}"
+        rc, out, err = _generate(capsys, ckpt)
+        assert rc == 0, err
+        assert out == _hf_answer(_dcp_model(ckpt), tok, "hello", 24), (step, out)
+    export = AutoModelForCausalLM.from_pretrained(run / "hf_export").eval()
+    rc, out, err = _generate(capsys, run)
+    assert rc == 0 and f"in {run / 'hf_export'}" in err, err
+    assert out == _hf_answer(export, tok, "hello", 24)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_loads_the_weights_torchs_own_reader_reads(run):
+    """The tiny model answers little (its short answers end at once), so the weights themselves are
+    compared: every tensor of the model generate builds from a checkpoint = torch's DCP reader's."""
+    from shardtune.train.generate_commands import load_for_generation
+
+    got = {}
+    for step in (4, 5):
+        ckpt = run / "checkpoints" / f"step_{step}"
+        model, tok, stops = load_for_generation("checkpoint", ckpt)
+        want = _dcp_model(ckpt).state_dict()
+        got[step] = model.state_dict()
+        assert got[step].keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got[step][k], v), (step, k)
+        assert stops == [tok.eos_token_id]
+    assert not torch.equal(got[4]["model.layers.0.mlp.up_proj.weight"], got[5]["model.layers.0.mlp.up_proj.weight"])
+
+
+@pytest.mark.timeout(200)
+def test_run_folder_without_a_fresh_export_uses_the_newest_checkpoint_that_verifies(run, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    old = (copy / "checkpoints" / "step_5" / "shardtune_checkpoint.json").stat().st_mtime - 3600
+    for f in (copy / "hf_export").glob("*.safetensors"):  # an export older than the last save
+        os.utime(f, (old, old))
+    rc, _, err = _generate(capsys, copy)
+    assert rc == 0 and f"checkpoint in {copy / 'checkpoints' / 'step_5'}" in err, err
+    shard = sorted((copy / "checkpoints" / "step_5").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    rc, out, err = _generate(capsys, copy)
+    assert rc == 0 and "skipping step_5" in err and f"checkpoint in {copy / 'checkpoints' / 'step_4'}" in err, err
+    tok_dir = copy / "checkpoints" / "step_4" / "hf"
+    from transformers import AutoTokenizer
+
+    assert out == _hf_answer(_dcp_model(run / "checkpoints" / "step_4"), AutoTokenizer.from_pretrained(tok_dir),
+                             "hello", 24)
+    rc, _, err = _generate(capsys, copy / "checkpoints" / "step_5")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "damaged" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_tampered_checkpoint_is_refused_before_it_runs(run, tmp_path, capsys):
+    from shardtune.train.durable import integrity
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    ckpt = tmp_path / "step_4"
+    shutil.copytree(run / "checkpoints" / "step_4", ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    meta = json.loads((ckpt / "shardtune_checkpoint.json").read_text())
+    meta["files"][".metadata"] = [(ckpt / ".metadata").stat().st_size, integrity.crc32_file(ckpt / ".metadata")]
+    (ckpt / "shardtune_checkpoint.json").write_text(json.dumps(meta))
+    rc, out, err = _generate(capsys, ckpt)
+    assert rc == 2 and "refusing to load it" in err and out == "", err
+    assert len([line for line in err.splitlines() if line.startswith("shardtune: error")]) == 1
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: d / "missing", "is not a folder"),
+    (lambda d: (d / "f.txt").write_text("x") and d / "f.txt", "is not a folder"),
+    (lambda d: d, "holds no model"),
+    (lambda d: (d / "config.json").write_text("{}") and (d / "pytorch_model.bin").write_bytes(b"x") and d,
+     "pickle weights only"),
+    (lambda d: (d / "shardtune_checkpoint.json").write_text('{"complete": false}') and d,
+     "not a complete shardtune checkpoint"),
+])
+def test_bad_target_is_one_line_exit_2(tmp_path, capsys, make, needle):
+    rc, out, err = _generate(capsys, make(tmp_path))
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", [["--temperature", "-1"], ["--top-p", "0"], ["--max-new-tokens", "0"]])
+def test_bad_option_is_one_line_exit_2(run, capsys, flag):
+    from shardtune import cli
+
+    rc = cli.main(["generate", str(run), "--prompt", "x", *flag])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
