@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from shardtune.testing.proc import run_bounded
+sys.path.insert(0, str(Path(__file__).parent))
+from _runs import dcp_model, one_process_run  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
 name: export
@@ -37,13 +36,7 @@ checkpoint: {every: 4, export_hf: true}
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("export")
-    (tmp / "recipe.yaml").write_text(RECIPE)
-    cmd = [sys.executable, "-m", "shardtune.train", str(tmp / "recipe.yaml"), "--output-dir", str(tmp / "run")]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = run_bounded(cmd, timeout_s=150, cwd=REPO, stderr=subprocess.STDOUT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return tmp / "run"
+    return one_process_run(tmp_path_factory.mktemp("export"), RECIPE)
 
 
 def _step5_batch(run: Path) -> dict:
@@ -55,17 +48,6 @@ def _step5_batch(run: Path) -> dict:
     loader = build_dataloader(cfg.data, cfg.train, build_tokenizer(cfg.data, cfg.model.name), 0, 1, cfg.train.seed)
     loader.load_state_dict(json.loads((run / "checkpoints" / "step_4" / "trainer.json").read_text())["data"])
     return next(loader)
-
-
-def _dcp_reference(ckpt: Path, config_dir: Path):
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
-    sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
-    model.load_state_dict(sd["model"])
-    return model.eval()
 
 
 @pytest.mark.timeout(240)
@@ -88,7 +70,7 @@ def test_export_cli_sharded_folder_loads_with_the_trained_logits(run, tmp_path, 
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-        ref = _dcp_reference(run / "checkpoints" / "step_4", out)(
+        ref = dcp_model(run / "checkpoints" / "step_4", out)(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     logged = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert abs(loss.item() - logged[5]) <= 1e-5, (loss.item(), logged[5])
@@ -106,7 +88,7 @@ def test_export_at_the_end_of_training_and_tokenizer(run):
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.arange(0, 40).reshape(2, 20)
     with torch.no_grad():
-        diff = (model(ids).logits - _dcp_reference(run / "checkpoints" / "step_5", out)(ids).logits).abs().max()
+        diff = (model(ids).logits - dcp_model(run / "checkpoints" / "step_5", out)(ids).logits).abs().max()
     assert diff.item() <= 1e-5
     tok = AutoTokenizer.from_pretrained(out)
     assert tok("héllo")["input_ids"] == [256] + ByteTokenizer().encode("héllo")

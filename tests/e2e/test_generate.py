@@ -15,7 +15,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +24,9 @@ import torch
 from shardtune.testing.proc import run_bounded
 from shardtune.testing.smollm2 import full_folder
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from _runs import REPO, dcp_model, one_process_run  # noqa: E402
+
 pytestmark = [pytest.mark.e2e]
 QUESTION = "What is the capital of France?"
 RECIPE = """
@@ -65,25 +66,11 @@ def test_real_model_folder_answers_paris_as_transformers_does():
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("generate")
-    (tmp / "recipe.yaml").write_text(RECIPE)
-    cmd = [sys.executable, "-m", "shardtune.train", str(tmp / "recipe.yaml"), "--output-dir", str(tmp / "run")]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = run_bounded(cmd, timeout_s=150, cwd=REPO, stderr=subprocess.STDOUT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return tmp / "run"
+    return one_process_run(tmp_path_factory.mktemp("generate"), RECIPE)
 
 
 def _dcp_model(ckpt: Path):
-    """torch's own DCP reader (default planner) into a plain HF model of the checkpoint's config."""
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt / "hf"))
-    sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
-    model.load_state_dict(sd["model"])
-    return model.eval()
+    return dcp_model(ckpt, ckpt / "hf")
 
 
 def _generate(capsys, target, prompt="hello", n=24) -> tuple[int, str, str]:

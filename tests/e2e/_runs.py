@@ -1,0 +1,35 @@
+"""Helpers of the e2e tests that train once and read what the run wrote: a one-process
+`python -m shardtune.train` run, and torch's own DCP reader into a plain transformers model (the
+independent reference for what a checkpoint holds)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shardtune.testing.proc import run_bounded
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def one_process_run(tmp: Path, recipe: str, timeout_s: float = 150) -> Path:
+    """Train `recipe` (YAML text) in one process into tmp/run; returns the run folder."""
+    (tmp / "recipe.yaml").write_text(recipe)
+    cmd = [sys.executable, "-m", "shardtune.train", str(tmp / "recipe.yaml"), "--output-dir", str(tmp / "run")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = run_bounded(cmd, timeout_s=timeout_s, cwd=REPO, stderr=subprocess.STDOUT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return tmp / "run"
+
+
+def dcp_model(ckpt: Path, config_dir: Path):
+    """torch's own DCP reader (default planner) into a plain HF model of `config_dir`'s config."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(sd["model"])
+    return model.eval()
