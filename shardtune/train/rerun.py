@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.errors import UserError
-from shardtune.train.durable.ckpt_files import complete_checkpoints, config_hash, resolve_resume
+from shardtune.train.durable import integrity
+from shardtune.train.durable.ckpt_files import (
+    CheckpointInfo,
+    check_before_launch,
+    check_metadata_pickle,
+    complete_checkpoints,
+    config_hash,
+    resolve_resume,
+)
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
@@ -95,6 +103,20 @@ def check_same_model(ckpt: Path, cfg: RunConfig) -> None:
                         f"({', '.join(diff[:4])}); {WAY_OUT}")
 
 
+def check_checkpoint_files(info: CheckpointInfo, auto: bool) -> None:
+    """Before launch: `--resume PATH` must have every file at its recorded size and a `.metadata`
+    that names only allowed globals (ckpt_files.check_before_launch). `resume: auto`: the newest
+    checkpoint whose sizes are right (the one the ranks will verify and load; a damaged one they
+    skip, naming it) must have such a `.metadata`."""
+    if not auto:
+        check_before_launch(info)
+        return
+    for ckpt in reversed(complete_checkpoints(Path(info.path).parents[1])):
+        if ckpt.files is None or not integrity.problems(ckpt.path, ckpt.files, sizes_only=True):
+            check_metadata_pickle(ckpt.path / ".metadata")
+            return
+
+
 def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
     """None: launch. A string: the run is already complete (print it, exit 0). UserError: refused."""
     run_dir = cfg.run_dir
@@ -113,8 +135,9 @@ def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
         return None
     check_same_model(info.path, cfg)
     old = saved_config(Path(info.path).parents[1], info.config_hash) if info.config_hash else None
-    if old is None:
-        return None  # no saved config to compare with: the ranks' own checks stand
+    if old is None:  # no saved config to compare with: the ranks' own checks stand
+        check_checkpoint_files(info, auto=cfg.checkpoint.resume == "auto")
+        return None
     diff = changes(old, cfg)
     broken = [c for c in diff if c[0] in BREAKING]
     if broken:
@@ -125,6 +148,7 @@ def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
         ignored = f" ({', '.join(_fmt(c) for c in diff)} ignored)" if diff else ""
         return (f"shardtune: {run_dir} is already complete at step {info.step}{ignored}; nothing to do (raise "
                 f"train.max_steps to train on, or {WAY_OUT})")
+    check_checkpoint_files(info, auto=cfg.checkpoint.resume == "auto")
     if diff:
         print(f"shardtune: resuming {info.path} with changed settings: {', '.join(_fmt(c) for c in diff)}")
     return None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
 
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
 from shardtune.config import dump_config, load_recipe
 from shardtune.errors import UserError
@@ -41,7 +43,7 @@ def _finished_run(tmp_path, steps=5):
     cfg = load_recipe(None, [f"output_dir={run}", f"train.max_steps={steps}"])
     ck = run / "checkpoints" / f"step_{steps}"
     ck.mkdir(parents=True)
-    (ck / ".metadata").write_bytes(b"")
+    (ck / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # DCP's own, empty
     (ck / "shardtune_checkpoint.json").write_text(json.dumps(
         {"complete": True, "step": steps, "world_size": 2, "strategy": "zero3", "config_hash": config_hash(cfg)}))
     (run / "config.yaml").write_text(dump_config(cfg))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import shutil
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.errors import UserError
+from shardtune.train.durable import integrity
 
 if TYPE_CHECKING:
     from shardtune.config import CheckpointConfig, RunConfig
@@ -27,6 +29,80 @@ TRAINER_FILE = "trainer.json"
 HF_DIR = "hf"
 FORMAT_VERSION = 1
 OLD_PREFIX = ".old-"  # a re-saved step's previous copy, until the new one is in place
+
+
+# The exact (module, name) pairs a DCP `.metadata` pickle may name, and the torch dtypes it may
+# name: safe_load.py resolves them; `check_metadata_pickle` checks them here, torch-free, before launch.
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS = frozenset({(_DCP_MD, n) for n in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
+    ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"), ("torch", "device"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath")})  # pathlib._local: Python 3.13
+DTYPE_NAMES = frozenset(
+    "float32 float float64 double float16 half bfloat16 complex32 chalf complex64 cfloat complex128 cdouble "
+    "uint8 uint16 uint32 uint64 int8 int16 short int32 int int64 long bool float8_e4m3fn float8_e4m3fnuz "
+    "float8_e5m2 float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2".split())
+
+
+def refused_global(module: str, name: str) -> UserError:
+    return UserError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never needs; "
+                     "refusing to load it (was the checkpoint tampered with?)")
+
+
+class _Stub:
+    """Stands for every allowed class in the launcher's dry run: takes any arguments and state."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+class _DryRun(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and name in DTYPE_NAMES):
+            return _Stub
+        raise refused_global(module, name)
+
+    def persistent_load(self, pid):
+        raise UserError("checkpoint metadata holds a persistent id, which DCP metadata never does; refusing "
+                        "to load it (was the checkpoint tampered with?)")
+
+
+def check_metadata_pickle(path: Path) -> None:
+    """The `.metadata` pickle names only allowed globals (one line if not), checked without torch and
+    without calling anything real: every allowed class is a stub here (the launcher's check)."""
+    try:
+        with open(path, "rb") as f:
+            _DryRun(f).load()
+    except UserError:
+        raise
+    except Exception as e:  # truncated, garbage, an unregistered extension code
+        raise UserError(f"{path} is not a readable DCP metadata file ({type(e).__name__}); was the checkpoint "
+                        "damaged or tampered with?") from None
+
+
+def check_before_launch(info: CheckpointInfo) -> None:
+    """A checkpoint to resume, before any process starts: every recorded file there with its size
+    (a stat each; the ranks verify checksums) and a `.metadata` that names only allowed globals."""
+    bad = integrity.problems(info.path, info.files, sizes_only=True) if info.files is not None else []
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if bad[1:] else ""
+        raise UserError(f"checkpoint {info.path} is damaged: {bad[0]}{more}; resume another checkpoint")
+    check_metadata_pickle(info.path / ".metadata")
 
 
 # ---------------------------------------------------------------- discovery

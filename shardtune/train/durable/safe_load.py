@@ -17,14 +17,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from shardtune.errors import UserError
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-# torch.float32 and the rest, read from the module's own dict (getattr could import a lazy submodule)
-_DTYPES = {k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)}
+from shardtune.train.durable.ckpt_files import DCP_METADATA_GLOBALS, DTYPE_NAMES, refused_global
 
 
 class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: an exact list of (module, name) pairs, nothing else.
+    """Unpickles DCP metadata only: the exact (module, name) pairs of ckpt_files.DCP_METADATA_GLOBALS
+    and torch dtypes by name, nothing else.
 
     Every global a pickle names (GLOBAL in protocols 0-3, STACK_GLOBAL in 4-5, INST, OBJ, the
     extension registry) goes through `find_class`, so a name not in the list is refused before
@@ -32,21 +30,13 @@ class _AllowListUnpickler(pickle.Unpickler):
     attributes: `torch._strobelight...subprocess.Popen` from a DCP module), no prefixes, no tensor
     rebuilders (DCP metadata holds sizes, never tensors), no persistent ids (no storages)."""
 
-    _ALLOWED = frozenset({(_DCP_METADATA, n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict"),
-        ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"), ("torch", "device"),
-        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-        ("pathlib._local", "PosixPath"), ("pathlib._local", "PurePosixPath")})  # pathlib._local: Python 3.13
-
     def find_class(self, module: str, name: str):
-        if (module, name) in self._ALLOWED:
+        if (module, name) in DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and name in _DTYPES:
-            return _DTYPES[name]
-        raise UserError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
-                        "needs; refusing to load it (was the checkpoint tampered with?)")
+        # from torch's own dict: getattr could import a lazy submodule
+        if module == "torch" and name in DTYPE_NAMES and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
+        raise refused_global(module, name)
 
 
 def read_dcp_metadata(path: Path):
