@@ -13,6 +13,7 @@ keys (`zero1_optim_state`). Reading never runs code: safe_load.py (exact allow-l
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune.errors import UserError
 from shardtune.train.durable import integrity
@@ -173,6 +175,12 @@ def check_free_space(ckpt_dir: Path, sd: dict, previous: Path | None) -> None:
                         "output_dir to a larger disk, then resume (the last checkpoint is intact)")
 
 
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT here or on any rank of a DCP save (CheckpointException carries each rank's)."""
+    errs = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    return any(isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT) for x in errs)
+
+
 def integrity_size(previous: Path | None) -> int:
     """Bytes of a previous checkpoint's files (0 when there is none)."""
     if previous is None or not Path(previous).is_dir():
@@ -202,27 +210,39 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
         tmp.mkdir(parents=True)
     dist.barrier()
     sd = model_optim_state(model, optimizer)
-    check_free_space(ckpt_dir, sd, previous)
-    dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True))
-    del sd
-    _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
+    try:
+        check_free_space(ckpt_dir, sd, previous)
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True))
+        del sd
+        _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
+        if rank == 0:
+            _write_json(tmp / TRAINER_FILE, {"step": step, "tokens_seen": int(state.tokens_seen),
+                                             "data": state.data.state_dict() if state.data is not None else None,
+                                             "scheduler": scheduler.state_dict()})
+            if hf_files is not None:
+                (tmp / HF_DIR).mkdir()
+                hf_files(tmp / HF_DIR)
+        if in_save_hook is not None:
+            in_save_hook()
+        dist.barrier()  # every rank's files are on disk
+        files = _all_digests(tmp, rank, world_size) if checksums else None
+        if rank == 0:
+            meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
+                    "config_hash": cfg_hash, "run_id": run_id, "saved_at": time.time(), "complete": True}
+            if files is not None:
+                meta |= {"checksum": integrity.ALGORITHM, "files": files}
+            _write_json(tmp / META_FILE, meta)
+    except (OSError, CheckpointException, UserError) as e:
+        if rank == 0:  # nothing of a failed save is left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not _disk_full(e):
+            raise
+        kept = f"the last checkpoint {Path(previous).name} is intact" if previous else "no checkpoint was lost"
+        st = os.statvfs(ckpt_dir)
+        raise UserError(f"disk full while saving step {step} in {ckpt_dir} ({st.f_bavail * st.f_frsize:,} bytes and "
+                        f"{st.f_favail:,} inodes free after removing the partial save); free space there or set "
+                        f"output_dir to a larger disk, then resume ({kept})") from None
     if rank == 0:
-        _write_json(tmp / TRAINER_FILE, {"step": step, "tokens_seen": int(state.tokens_seen),
-                                         "data": state.data.state_dict() if state.data is not None else None,
-                                         "scheduler": scheduler.state_dict()})
-        if hf_files is not None:
-            (tmp / HF_DIR).mkdir()
-            hf_files(tmp / HF_DIR)
-    if in_save_hook is not None:
-        in_save_hook()
-    dist.barrier()  # every rank's files are on disk
-    files = _all_digests(tmp, rank, world_size) if checksums else None
-    if rank == 0:
-        meta = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "strategy": strategy,
-                "config_hash": cfg_hash, "run_id": run_id, "saved_at": time.time(), "complete": True}
-        if files is not None:
-            meta |= {"checksum": integrity.ALGORITHM, "files": files}
-        _write_json(tmp / META_FILE, meta)
         _fsync_dir(tmp)
         _swap_in(tmp, final)
         prune(run_dir, keep, run_id)
