@@ -185,3 +185,73 @@ def test_metadata_naming_a_non_dcp_class_through_a_dcp_module_is_refused(run, tm
     assert cli.main(["export", str(ckpt), str(tmp_path / "out")]) == 2
     assert "refusing to load it" in capsys.readouterr().err
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- the export never damages what is there
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(120)
+def test_reexport_replaces_only_its_own_files_and_moves_a_users_folder_aside(run, tmp_path, capsys):
+    """A folder holding only an earlier export's files is replaced (its old shards go: they were
+    the export's); one holding a file the export did not write is moved aside whole, with a line,
+    never deleted; the training's end-of-run export (overwrite=True) follows the same rule."""
+    from shardtune.train.durable.export import MANIFEST, export_checkpoint
+
+    out = tmp_path / "hf"
+    export_checkpoint(run / "checkpoints" / "step_4", out, max_shard_bytes=10**6)
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    export_checkpoint(run / "checkpoints" / "step_4", out, overwrite=True)
+    assert not list(out.glob("model-*")) and (out / "model.safetensors").is_file()
+    assert sorted(json.loads((out / MANIFEST).read_text())["files"]) == sorted(set(_tree(out)) - {MANIFEST})
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # nothing aside, no temporary left
+    capsys.readouterr()
+
+    (out / "notes.txt").write_text("my notes")
+    (out / "sub").mkdir()
+    (out / "sub" / "eval.json").write_text("{}")
+    before = _tree(out)
+    export_checkpoint(run / "checkpoints" / "step_5", out, overwrite=True)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("hf.previous-")]
+    assert len(aside) == 1 and _tree(aside[0]) == before  # the whole folder, byte for byte
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "notes.txt" in err and str(aside[0]) in err, err
+    assert "notes.txt" not in _tree(out) and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_export_leaves_the_folder_as_it_was_and_no_temporary(run, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from shardtune.train.durable.export import export_checkpoint
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError):
+        export_checkpoint(run / "checkpoints" / "step_4", out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and _tree(out) == {"notes.txt": b"keep me"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_export_files_have_the_mode_of_any_file_the_user_makes(run, tmp_path, umask):
+    """Every exported file (safetensors writes 0600 by itself) gets the mode a plain `open(..., "w")`
+    gives under the same umask."""
+    from shardtune.train.durable.export import export_checkpoint
+
+    old = os.umask(umask)
+    try:
+        (tmp_path / "reference").write_text("x")
+        export_checkpoint(run / "checkpoints" / "step_4", tmp_path / "hf", max_shard_bytes=10**6)
+    finally:
+        os.umask(old)
+    want = (tmp_path / "reference").stat().st_mode & 0o777
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir() if p.is_file()}
+    assert len(modes) > 4 and set(modes.values()) == {want}, (oct(want), {k: oct(v) for k, v in modes.items()})
