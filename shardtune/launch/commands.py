@@ -13,21 +13,69 @@ from shardtune.strategies import Layout
 launch_app = typer.Typer(no_args_is_help=True, help="Write what a cluster needs to run a recipe on several nodes.")
 
 # Options shared by the three launchers (typer has no option groups: declared once, reused).
-_RECIPE = typer.Argument(..., help="YAML recipe (must exist on every node at this path; k8s embeds it).")
-_OVERRIDES = typer.Argument(None, help="Recipe overrides key.path=value, passed to the trainer.")
-_NODES = typer.Option(1, "--nodes", help="Number of nodes.")
-_GPUS = typer.Option(8, "--gpus-per-node", help="GPUs (trainer processes) per node.")
-_IC = typer.Option("ib", "--interconnect", help="Network between nodes: ib, roce, efa, eth, or nvlink (one node).")
-_IFNAME = typer.Option(None, "--ifname", help="Interface of the training network on every node (eth0, ens5): pins "
-                                              "NCCL and gloo sockets.")
-_HCA = typer.Option(None, "--ib-hca", help="NCCL_IB_HCA: IB/RoCE devices NCCL may use (e.g. mlx5_0,mlx5_1).")
-_LINK = typer.Option(None, "--link", help="Catalogue link for the communication estimate (e.g. eth-100g, "
-                                          "ib-hdr-200); default from --interconnect.")
-_JOB = typer.Option("shardtune", "--job-name", help="Job name (SLURM job, Kubernetes object, rendezvous id).")
-_OUT = typer.Option(None, "-o", "--output", help="Write here instead of printing to stdout.")
-_RESTARTS = typer.Option(0, "--max-restarts", help="torchrun restarts of the worker group after a failure.")
-_GRACE = typer.Option(300, "--checkpoint-grace-s", help="Seconds between SIGTERM and SIGKILL (SLURM: signal this "
-                                                        "long before --time).")
+_RECIPE = typer.Argument(..., metavar="RECIPE",
+                         help="YAML recipe (must exist on every node at this path; k8s embeds it).")
+_OVERRIDES = typer.Argument(None, metavar="[KEY=VALUE]...",
+                            help="Recipe overrides key.path=value, passed to the trainer.")
+_NODES = typer.Option(1, "--nodes", metavar="N", help="Number of nodes.")
+_GPUS = typer.Option(8, "--gpus-per-node", metavar="N", help="GPUs (trainer processes) per node.")
+
+
+def _interconnect_help() -> str:
+    """The help of --interconnect, from the catalogue (plan's vocabulary), so the two cannot drift."""
+    from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS
+
+    links = [n for n, v in INTERCONNECTS.items() if v.scope == "inter"]
+    aliases = [a for a, n in ALIASES.items() if INTERCONNECTS[n].scope == "inter"]
+    return (f"Link between nodes, as in `shardtune plan`: {', '.join(links)} (or {', '.join(aliases)}); "
+            "or a transport: eth (= eth-10g), nvlink (one node). Sets NCCL/gloo's environment and the estimate.")
+
+
+_IC = typer.Option("ib", "--interconnect", metavar="NAME", help=_interconnect_help())
+_IFNAME = typer.Option(None, "--ifname", metavar="IFACE",
+                       help="Interface of the training network on every node (eth0, ens5): pins "
+                            "NCCL and gloo sockets.")
+_HCA = typer.Option(None, "--ib-hca", metavar="LIST",
+                    help="NCCL_IB_HCA: IB/RoCE devices NCCL may use (e.g. mlx5_0,mlx5_1).")
+_LINK = typer.Option(None, "--link", metavar="NAME",
+                     help="Catalogue link for the communication estimate (e.g. eth-100g, "
+                          "ib-hdr-200); default from --interconnect.")
+_JOB = typer.Option("shardtune", "--job-name", metavar="NAME",
+                    help="Job name (SLURM job, Kubernetes object, rendezvous id).")
+_OUT = typer.Option(None, "-o", "--output", metavar="FILE", help="Write here instead of printing to stdout.")
+_RESTARTS = typer.Option(0, "--max-restarts", metavar="N",
+                         help="torchrun restarts of the worker group after a failure.")
+_GRACE = typer.Option(300, "--checkpoint-grace-s", metavar="SECONDS",
+                      help="Seconds between SIGTERM and SIGKILL (SLURM: signal this "
+                           "long before --time).")
+
+
+# transport of a catalogue link, by its name's prefix (what NCCL/gloo are told: launch/network.py)
+_TRANSPORT = (("ib-", "ib"), ("roce-", "roce"), ("efa", "efa"), ("eth-", "eth"), ("nvlink-", "nvlink"),
+              ("pcie-", "nvlink"))
+
+
+def resolve_interconnect(name: str, link: str | None) -> tuple[str, str | None]:
+    """--interconnect NAME (and --link) → (transport for the environment, catalogue link for the
+    estimate). NAME is plan's vocabulary (a catalogue link or alias: ib-ndr-400, ib, roce, 10gbe,
+    nvlink, ...) or a transport (eth, infiniband, tcp, ...: launch/spec.py); --link, when given,
+    is the estimate's link."""
+    from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS, get_interconnect
+    from shardtune.launch.spec import normalize_interconnect
+
+    key = ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
+    if key in INTERCONNECTS:
+        transport = next(t for prefix, t in _TRANSPORT if key.startswith(prefix))
+        named = key if INTERCONNECTS[key].scope == "inter" else None
+    else:
+        try:
+            transport, named = normalize_interconnect(name), None
+        except UserError:
+            get_interconnect(name)  # the catalogue's error: names every link
+            raise
+    if link:
+        get_interconnect(link, scope="inter")  # a mistyped --link is an error, not a missing estimate
+    return transport, link or named
 
 
 def _build(recipe: str, overrides: list[str] | None, **kw):
@@ -36,6 +84,7 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     from shardtune.launch.spec import LaunchSpec, validate
 
     cfg = load_recipe(recipe, tuple(overrides or ()))
+    kw["interconnect"], link = resolve_interconnect(kw["interconnect"], kw.pop("link", None))
     # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
     spec = validate(LaunchSpec(recipe=os.path.abspath(recipe), overrides=tuple(overrides or ()), **kw))
     # the trainer checks its layout on every node; a bad hsdp shard size is refused here, before a
@@ -44,15 +93,12 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     for nodes in range(max(lo, 1), hi + 1):
         Layout.build(cfg.parallel.strategy, nodes * spec.gpus_per_node, spec.gpus_per_node,
                      cfg.parallel.hsdp_shard_size)
-    return cfg, spec
+    return cfg, spec, link
 
 
 def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable: bool) -> None:
-    from shardtune.catalog.interconnects import get_interconnect
     from shardtune.launch.advice import comm_bound_warning
 
-    if link:
-        get_interconnect(link, scope="inter")  # a mistyped --link is an error, not a missing estimate
     warning = comm_bound_warning(cfg, spec.nodes, spec.gpus_per_node, spec.interconnect, link)
     if warning:
         print(warning, file=sys.stderr)
@@ -75,20 +121,24 @@ def torchrun_cmd(
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
-    rdzv_host: str | None = typer.Option(None, "--rdzv-host", help="Address of the node hosting the c10d rendezvous "
-                                                                   "(needed for >1 node)."),
-    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port."),
-    run_id: str | None = typer.Option(None, "--run-id", help="Rendezvous id (default: the job name); unique per "
-                                                             "concurrent job."),
-    venv: str | None = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
+    rdzv_host: str | None = typer.Option(None, "--rdzv-host", metavar="HOST",
+                                         help="Address of the node hosting the c10d rendezvous "
+                                              "(needed for >1 node)."),
+    rdzv_port: int = typer.Option(29500, "--rdzv-port", metavar="PORT", help="Rendezvous TCP port."),
+    run_id: str | None = typer.Option(None, "--run-id", metavar="ID",
+                                      help="Rendezvous id (default: the job name); unique per "
+                                           "concurrent job."),
+    venv: str | None = typer.Option(None, "--venv", metavar="DIR",
+                                    help="Virtual environment to activate on each node."),
 ) -> None:
     """A script to run unchanged on every node: one torchrun agent, c10d rendezvous."""
     from shardtune.launch.torchrun import render_torchrun
 
-    cfg, spec = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node, interconnect=interconnect,
-                       ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
-                       checkpoint_grace_s=checkpoint_grace_s, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
-                       run_id=run_id, venv=venv)
+    cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
+                             interconnect=interconnect, link=link,
+                             ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
+                             checkpoint_grace_s=checkpoint_grace_s, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
+                             run_id=run_id, venv=venv)
     _emit(render_torchrun(spec), output, cfg, spec, link, executable=True)
 
 
@@ -98,22 +148,26 @@ def slurm_cmd(
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
-    partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
-    account: str | None = typer.Option(None, "--account", help="SLURM account."),
-    time: str | None = typer.Option(None, "--time", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
-    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs for each node's torchrun agent and "
-                                                                           "its workers."),
-    log: str | None = typer.Option(None, "--log", help="sbatch --output pattern (default %x-%j.out)."),
-    rdzv_port: int = typer.Option(29500, "--rdzv-port", help="Rendezvous TCP port on the first node."),
-    venv: str | None = typer.Option(None, "--venv", help="Virtual environment to activate on each node."),
+    partition: str | None = typer.Option(None, "--partition", metavar="NAME", help="SLURM partition."),
+    account: str | None = typer.Option(None, "--account", metavar="NAME", help="SLURM account."),
+    time: str | None = typer.Option(None, "--time", metavar="LIMIT", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
+    cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", metavar="N",
+                                             help="CPUs for each node's torchrun agent and "
+                                                  "its workers."),
+    log: str | None = typer.Option(None, "--log", metavar="PATTERN",
+                                   help="sbatch --output pattern (default %x-%j.out)."),
+    rdzv_port: int = typer.Option(29500, "--rdzv-port", metavar="PORT", help="Rendezvous TCP port on the first node."),
+    venv: str | None = typer.Option(None, "--venv", metavar="DIR",
+                                    help="Virtual environment to activate on each node."),
 ) -> None:
     """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
     from shardtune.launch.slurm import render_slurm
 
-    cfg, spec = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node, interconnect=interconnect,
-                       ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
-                       checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
-                       cpus_per_task=cpus_per_task, log=log, rdzv_port=rdzv_port, venv=venv)
+    cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
+                             interconnect=interconnect, link=link,
+                             ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
+                             checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
+                             cpus_per_task=cpus_per_task, log=log, rdzv_port=rdzv_port, venv=venv)
     _emit(render_slurm(spec), output, cfg, spec, link, executable=False)
 
 
@@ -132,31 +186,39 @@ def k8s_cmd(
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
-    image: str | None = typer.Option(None, "--image", help="Container image with shardtune installed."),
-    pvc: str | None = typer.Option(None, "--pvc", help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints "
-                                                       "(default JOB-checkpoints)."),
-    checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", help="Where the claim is mounted; "
-                                                                                    "the run folder goes under it."),
-    elastic: str | None = typer.Option(None, "--elastic", help="MIN:MAX nodes: an elastic job (c10d rendezvous, "
-                                                               "workers only)."),
-    efa_devices: int | None = typer.Option(None, "--efa-devices", help="With --interconnect efa: EFA interfaces per "
-                                                                       "pod (p5 32, p4d 4)."),
+    image: str | None = typer.Option(None, "--image", metavar="IMAGE",
+                                     help="Container image with shardtune installed."),
+    pvc: str | None = typer.Option(None, "--pvc", metavar="CLAIM",
+                                   help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints "
+                                        "(default JOB-checkpoints)."),
+    checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", metavar="PATH",
+                                         help="Where the claim is mounted; "
+                                              "the run folder goes under it."),
+    elastic: str | None = typer.Option(None, "--elastic", metavar="MIN:MAX",
+                                       help="MIN:MAX nodes: an elastic job (c10d rendezvous, "
+                                            "workers only)."),
+    efa_devices: int | None = typer.Option(None, "--efa-devices", metavar="N",
+                                           help="With --interconnect efa: EFA interfaces per "
+                                                "pod (p5 32, p4d 4)."),
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
     from shardtune.launch.k8s import render_k8s
 
     if not checkpoint_mount.startswith("/") or "\n" in checkpoint_mount:
         raise UserError(f"--checkpoint-mount {checkpoint_mount!r} must be an absolute path")
-    cfg, spec = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node, interconnect=interconnect,
-                       ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
-                       checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,
-                       checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic), efa_devices=efa_devices)
+    cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
+                             interconnect=interconnect, link=link,
+                             ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
+                             checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,
+                             checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic),
+                             efa_devices=efa_devices)
     _emit(render_k8s(spec, cfg), output, cfg, spec, link, executable=False)
 
 
 def doctor(
-    rdzv: str | None = typer.Option(None, "--rdzv", help="HOST:PORT of the rendezvous to check."),
-    checkpoint_dir: str | None = typer.Option(None, "--checkpoint-dir", help="Folder checkpoints will be written to."),
+    rdzv: str | None = typer.Option(None, "--rdzv", metavar="HOST:PORT", help="HOST:PORT of the rendezvous to check."),
+    checkpoint_dir: str | None = typer.Option(None, "--checkpoint-dir", metavar="DIR",
+                                              help="Folder checkpoints will be written to."),
 ) -> None:
     """Check this node: torch / CUDA / NCCL, GPUs, network variables, rendezvous, checkpoint folder."""
     from shardtune.launch.doctor import format_checks, run_doctor

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import typer
 
+from shardtune.strategies import PRECISIONS, STRATEGIES
+
 
 @dataclass(frozen=True)
 class Flag:
@@ -19,23 +21,31 @@ class Flag:
     key: str  # the recipe key it overrides
     type: type  # str or int
     help: str
+    metavar: str  # what help shows after the option: `[a|b|c]` for fixed choices, as plan's flags do
 
     @property
     def option(self) -> str:
         return "--" + self.name.replace("_", "-")
 
 
+def _choices(names) -> str:
+    return "[" + "|".join(names) + "]"
+
+
+# the choices are the config's (strategies.py); the recipe's validation refuses anything else in one line
+# (and accepts the seed's FSDP1 aliases such as FULL_SHARD, which the help does not list)
 TRAIN_FLAGS: tuple[Flag, ...] = (
-    Flag("strategy", "parallel.strategy", str, "ddp | zero1 | zero2 | zero3 | hsdp"),
-    Flag("precision", "parallel.precision", str, "bf16-mixed | bf16 | fp32"),
-    Flag("max_steps", "train.max_steps", int, "Optimizer steps."),
-    Flag("seed", "train.seed", int, "Random seed (train.seed)."),
-    Flag("output_dir", "output_dir", str, "Run folder (default runs/<recipe name>)."),
-    Flag("checkpoint_every", "checkpoint.every", int, "Save a checkpoint every N steps (checkpoint.every)."),
-    Flag("keep", "checkpoint.keep", int, "Keep the newest K checkpoints (checkpoint.keep)."),
-    Flag("resume", "checkpoint.resume", str, "auto (newest complete checkpoint) | never | a checkpoints/step_N path."),
+    Flag("strategy", "parallel.strategy", str, "Sharding strategy (parallel.strategy).", _choices(STRATEGIES)),
+    Flag("precision", "parallel.precision", str, "Training precision (parallel.precision).", _choices(PRECISIONS)),
+    Flag("max_steps", "train.max_steps", int, "Optimizer steps (train.max_steps).", "N"),
+    Flag("seed", "train.seed", int, "Random seed: weight init, data order (train.seed).", "N"),
+    Flag("output_dir", "output_dir", str, "Run folder (default runs/<recipe name>).", "DIR"),
+    Flag("checkpoint_every", "checkpoint.every", int, "Save a checkpoint every N steps (checkpoint.every).", "N"),
+    Flag("keep", "checkpoint.keep", int, "Keep the newest K checkpoints of this run (checkpoint.keep).", "K"),
+    Flag("resume", "checkpoint.resume", str, "auto: the newest complete checkpoint that verifies; never: a fresh "
+         "start; or a checkpoints/step_N folder (checkpoint.resume).", "[auto|never|PATH]"),
     Flag("lora_rank", "lora.rank", int,
-         "LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`."),
+         "LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`.", "R"),
 )
 FLAG_BY_NAME = {f.name: f for f in TRAIN_FLAGS}
 
@@ -52,13 +62,14 @@ def flag_argv(flags: dict) -> list[str]:
 
 def add_argparse_flags(parser: argparse.ArgumentParser) -> None:
     for f in TRAIN_FLAGS:
-        parser.add_argument(f.option, dest=f.name, type=f.type, help=f.help)
+        parser.add_argument(f.option, dest=f.name, type=f.type, help=f.help, metavar=f.metavar)
 
 
 def flag_parameters() -> list[inspect.Parameter]:
     """One typer option per flag (default None: the recipe's value), for an explicit signature."""
     return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type | None,
-                              default=typer.Option(None, f.option, help=f.help)) for f in TRAIN_FLAGS]
+                              default=typer.Option(None, f.option, help=f.help, metavar=f.metavar))
+            for f in TRAIN_FLAGS]
 
 
 def with_flags(fn: Callable, params: list[inspect.Parameter]) -> Callable:
