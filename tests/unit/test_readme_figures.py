@@ -1,0 +1,100 @@
+"""The README's planner figures are what the planner prints today (issue 18 item 4): each quoted
+command is run again (in-process, the real CLI) and the README's text compared with its output.
+
+Covered: the tour's `shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb` console block (every
+line shown, in order; the elided communication/time tables excepted), the three 70B recipes'
+row (peak, host RAM, tokens/s/GPU and MFU, global batch from `plan RECIPE --gpus 8 --json`), the
+prose that repeats them (LoRA peak, pure bf16's spare GiB), the blog-table arithmetic (16 B per
+parameter of the catalogue's Ψ over 8 GPUs) and the ZeRO Figure 1 comment of the plan examples.
+Not covered: "pure bf16: 56.9 GiB" for 8-bit AdamW (no quoted command gives it).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from shardtune.cli import main
+from shardtune.config import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+GIB = 2**30
+
+
+def _run(capsys, *args: str) -> str:
+    assert main(list(args)) == 0
+    return capsys.readouterr().out
+
+
+def _plan_json(capsys, *args: str) -> dict:
+    return json.loads(_run(capsys, "plan", *args, "--json"))
+
+
+def test_tour_plan_block_is_what_the_cli_prints(capsys, monkeypatch):
+    block = re.search(r"```console\n\$ (shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb)\n(.*?)```", README, re.S)
+    assert block, "the tour's plan block moved: update this test"
+    monkeypatch.setenv("COLUMNS", "120")  # the width the README's table was printed at (piped default)
+    out = [line.rstrip() for line in _run(capsys, *block.group(1).split()[1:]).splitlines()]
+    shown = [line.rstrip() for line in block.group(2).splitlines() if not line.startswith("...")]
+    at = 0
+    for line in shown:  # every README line appears in the output, in the same order
+        assert line in out[at:], f"README line not printed (or out of order): {line!r}"
+        at = out.index(line, at) + 1
+
+
+def _recipe_rows() -> dict[str, list[str]]:
+    rows = re.findall(r"^\| \[`([\w.-]+)`\]\(recipes/\1\.yaml\) \|(.*)\|$", README, re.M)
+    return {name: [c.strip() for c in cells.split("|")] for name, cells in rows}
+
+
+@pytest.fixture(scope="module")
+def recipe_plans():
+    rows = _recipe_rows()
+    assert set(rows) == {"llama-3-70b-lora-8xh100", "llama-3-70b-8xh100", "llama-3-70b-bf16-8xh100"}
+    return rows
+
+
+@pytest.mark.parametrize("name", ["llama-3-70b-lora-8xh100", "llama-3-70b-8xh100", "llama-3-70b-bf16-8xh100"])
+def test_70b_recipe_row_is_what_plan_recipe_prints(recipe_plans, capsys, name):
+    recipe = REPO / "recipes" / f"{name}.yaml"
+    d = _plan_json(capsys, str(recipe), "--gpus", "8")
+    s = next(x for x in d["strategies"] if x["name"] == load_recipe(recipe).parallel.strategy)
+    _, peak, host, speed, batch = recipe_plans[name]
+    assert s["fits"]
+    assert peak.split(" of ")[0] == f"{s['memory']['total'] / GIB:.1f} GiB"
+    if " of " in peak:
+        assert peak.split(" of ")[1] == f"{d['hardware']['usable_bytes'] / GIB:.1f}"
+    cpu = s["cpu_offload_bytes_per_node"]
+    assert host == (f"{cpu / GIB:,.0f} GiB" if cpu else "—")
+    assert speed == f"{s['tokens_per_s']:,.0f} ({s['mfu'] * 100:.0f} %)"
+    inp = d["inputs"]
+    assert batch == f"{inp['micro_batch'] * inp['grad_accum'] * inp['gpus']} × {inp['seq_len']:,}"
+
+
+def test_prose_repeats_the_recipes_figures(recipe_plans, capsys):
+    lora = recipe_plans["llama-3-70b-lora-8xh100"][1]
+    assert f"(our LoRA plan: {lora})" in README
+    d = _plan_json(capsys, str(REPO / "recipes" / "llama-3-70b-bf16-8xh100.yaml"), "--gpus", "8")
+    spare = next(x for x in d["strategies"] if x["name"] == "zero3")["headroom_bytes"] / GIB
+    assert f"Pure\nbf16 is tight ({spare:.1f} GiB spare" in README
+
+
+def test_blog_table_arithmetic_uses_the_catalogues_parameter_count(capsys):
+    n = _plan_json(capsys, "llama-3-70b", "--gpus", "8")["model"]["params"]
+    per_gpu = 16 * n / 8
+    assert f"16 × {n / 1e9:.2f} × 10^9 / 8 =\n{per_gpu / 1e9:.0f} GB ({per_gpu / GIB:.1f} GiB) per GPU" in README
+
+
+def test_zero_figure_1_comment_is_what_plan_prints(capsys):
+    line = re.search(r"^(shardtune plan --params 7\.5e9 --gpus 64 --accounting paper) +# .*?: ([\d./ ]+) GB$",
+                     README, re.M)
+    assert line
+    d = _plan_json(capsys, *line.group(1).split()[2:])
+    states = {s["name"]: sum(s["memory"][k] for k in ("params", "grads", "optimizer")) / 1e9 for s in d["strategies"]}
+    quoted = line.group(2).split(" / ")
+    for strategy, text in zip(("ddp", "zero1", "zero2", "zero3"), quoted, strict=True):
+        decimals = len(text.partition(".")[2])  # as many as the README shows
+        assert f"{states[strategy]:.{decimals}f}" == text, strategy
