@@ -1,0 +1,56 @@
+"""Validation micro-batches: this rank's share of `data.val_path`, packed like training data.
+
+Every val example lands in exactly one row of exactly one rank (rows dealt round-robin:
+row i → rank i mod world_size, in a fixed unshuffled order); every rank gets the same number
+of micro-batches, the short ones padded with rows whose labels are all -100 (no loss), so the
+global token-mean loss is the sum over ranks of each rank's label sums (train/core/evaluate.py).
+Labels are shifted exactly as the training batches' (dataset.build_row).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardtune.errors import UserError
+from shardtune.train.data.dataset import IGNORE_INDEX, build_row, encode_example, pack_examples, read_records
+
+
+def val_config(data_cfg):
+    """`data_cfg` with `path` = its `val_path` (same format, template and packing options)."""
+    return data_cfg.model_copy(update={"path": data_cfg.val_path})
+
+
+def pack_val(data_cfg, seq_len: int, tokenizer):
+    """The val set read, tokenized and packed in file order (no shuffle: seed 0 packing order)."""
+    encoded = []
+    for k, record in enumerate(read_records(val_config(data_cfg)), 1):
+        try:
+            encoded.append(encode_example(record, tokenizer, data_cfg.template))
+        except UserError:
+            raise
+        except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
+            raise UserError(f"val example {k} cannot be tokenized: {' '.join(str(e).split())[:200]}; fix it or set "
+                            "data.template=plain") from None
+    try:
+        return pack_examples(encoded, seq_len, data_cfg.packing, seed=0)
+    except UserError:
+        raise UserError(f"the val set {data_cfg.val_path!r} has no target token within seq_len={seq_len} (nothing "
+                        "to measure a loss on); give examples with a response, or raise train.seq_len") from None
+
+
+def build_val_batches(data_cfg, train_cfg, tokenizer, rank: int, world_size: int) -> list[dict] | None:
+    """None without `data.val_path`; else this rank's val micro-batches ((micro_batch, seq_len) long)."""
+    if not data_cfg.val_path:
+        return None
+    data = pack_val(data_cfg, train_cfg.seq_len, tokenizer)
+    seq_len, mb = train_cfg.seq_len, train_cfg.micro_batch
+    mine = [build_row(data, data.rows[i], tokenizer.pad_id) for i in range(rank, data.num_rows, world_size)]
+    per_rank = -(-data.num_rows // world_size)
+    n_batches = -(-per_rank // mb)
+    blank = ([tokenizer.pad_id] * seq_len, [IGNORE_INDEX] * seq_len, list(range(seq_len)))
+    mine += [blank] * (n_batches * mb - len(mine))
+    batches = []
+    for b in range(n_batches):
+        rows = mine[b * mb:(b + 1) * mb]
+        batches.append({key: torch.tensor([r[i] for r in rows], dtype=torch.long)
+                        for i, key in enumerate(("input_ids", "labels", "position_ids"))})
+    return batches
