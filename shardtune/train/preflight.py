@@ -133,19 +133,11 @@ def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
     """Tokenizer, template and packing as every rank will: at least one global batch of rows. Rows
     lie between ceil(kept tokens / seq_len) (perfect packing) and the kept examples; the seeded
     packing itself (torch's randperm) runs only when the batch falls between the two."""
-    from shardtune.train.data.dataset import build_tokenizer, encode_example, pack_examples, read_records
+    from shardtune.train.data.dataset import build_tokenizer, encode_records, pack_examples, read_records
 
     tok = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
     seq_len, rows_per_step = cfg.train.seq_len, cfg.train.micro_batch * cfg.train.grad_accum * world_size
-    encoded = []
-    for k, record in enumerate(read_records(cfg.data), 1):
-        try:
-            encoded.append(encode_example(record, tok, cfg.data.template))
-        except UserError:
-            raise
-        except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
-            raise UserError(f"example {k} (the {k}-th non-empty line) cannot be tokenized: "
-                            f"{' '.join(str(e).split())[:200]}; fix it or set data.template=plain") from None
+    encoded = encode_records(read_records(cfg.data), tok, cfg.data.template)
     kept = [min(len(ids), seq_len) for ids, mask in encoded if any(mask[1:seq_len])]
     low = -(-sum(kept) // seq_len) if cfg.data.packing else len(kept)
     rows = len(kept) if kept and low >= rows_per_step else None
@@ -159,6 +151,14 @@ def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
                         "or lower train.micro_batch / grad_accum")
 
 
+def _check_val(cfg: RunConfig) -> None:
+    """data.val_path read, tokenized and packed as the ranks will: at least one target token."""
+    from shardtune.train.data.dataset import build_tokenizer
+    from shardtune.train.data.val import pack_val  # imports torch: only for a run with a val set
+
+    pack_val(cfg.data, cfg.train.seq_len, build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code))
+
+
 def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) -> Layout:
     """The run's layout on `world_size` ranks (`local_world_size` per node), once every check has
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
@@ -169,6 +169,8 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     if cfg.lora.rank > 0:
         _check_lora_targets(cfg)
     _check_data_fills_a_batch(cfg, world_size)
+    if cfg.data.val_path:
+        _check_val(cfg)
     _check_writable(cfg.run_dir)
     resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
     return layout

@@ -292,17 +292,23 @@ class PackedLoader:
         self.position = int(state["epoch"]) * self.num_rows + int(state["index"])
 
 
-def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
-    """Read, tokenize and pack the whole dataset (every rank does the same, deterministically)."""
+def encode_records(records: list[dict], tokenizer, template: str, what: str = "example"):
+    """`encode_example` over the records; a template that raises is one line naming the example."""
     encoded = []
-    for k, record in enumerate(read_records(data_cfg), 1):
+    for k, record in enumerate(records, 1):
         try:
-            encoded.append(encode_example(record, tokenizer, data_cfg.template))
+            encoded.append(encode_example(record, tokenizer, template))
         except UserError:
             raise
         except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
-            raise UserError(f"example {k} (the {k}-th non-empty line) cannot be tokenized: "
+            raise UserError(f"{what} {k} (the {k}-th non-empty line) cannot be tokenized: "
                             f"{' '.join(str(e).split())[:200]}; fix it or set data.template=plain") from None
+    return encoded
+
+
+def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
+    """Read, tokenize and pack the whole dataset (every rank does the same, deterministically)."""
+    encoded = encode_records(read_records(data_cfg), tokenizer, data_cfg.template)
     return pack_examples(encoded, seq_len, data_cfg.packing, seed)
 
 

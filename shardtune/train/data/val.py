@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from shardtune.errors import UserError
-from shardtune.train.data.dataset import IGNORE_INDEX, build_row, encode_example, pack_examples, read_records
+from shardtune.train.data.dataset import IGNORE_INDEX, build_row, encode_records, pack_examples, read_records
 
 
 def val_config(data_cfg):
@@ -21,15 +21,7 @@ def val_config(data_cfg):
 
 def pack_val(data_cfg, seq_len: int, tokenizer):
     """The val set read, tokenized and packed in file order (no shuffle: seed 0 packing order)."""
-    encoded = []
-    for k, record in enumerate(read_records(val_config(data_cfg)), 1):
-        try:
-            encoded.append(encode_example(record, tokenizer, data_cfg.template))
-        except UserError:
-            raise
-        except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
-            raise UserError(f"val example {k} cannot be tokenized: {' '.join(str(e).split())[:200]}; fix it or set "
-                            "data.template=plain") from None
+    encoded = encode_records(read_records(val_config(data_cfg)), tokenizer, data_cfg.template, "val example")
     try:
         return pack_examples(encoded, seq_len, data_cfg.packing, seed=0)
     except UserError:
