@@ -1,34 +1,43 @@
 """A progress watchdog: a hung rank ends the job in about a minute, named, instead of after the
 collective timeout (train.timeout_s, 600 s) with no name.
 
-Every rank's thread publishes a heartbeat in the process group's store each second: a counter,
-the rank's last started step, its phase (step | save), host and pid. Ranks 0 and 1 watch every
-rank's heartbeat (one `multi_get`). A rank is hung when its counter has not moved for `limit_s`
-(the process is stopped, swapped out or gone), or when no rank's step has moved for `limit_s`
-outside a save (a deadlock); the watcher prints one line naming the rank and its last step,
-SIGKILLs it when it runs on this host, and exits 1 (torchrun ends the others; with
-`--max-restarts` the restart resumes from the last checkpoint). Rank 0 acts; rank 1 only when
-rank 0 is the hung one.
+Each rank starts a watcher PROCESS (a thread cannot run while FSDP2's collective wait holds the
+GIL: measured, docs/checkpoints.md). The rank writes its step, phase and longest step time into a
+small file at each step (`beat`: one pwrite, no lock); its watcher reads it every second, reads
+the rank's state from /proc (a stopped, zombie or vanished rank does not count as alive), and
+publishes a heartbeat in the job's TCP store (MASTER_ADDR:MASTER_PORT, key prefix
+`shardtune/watchdog/`): a counter that moves only while the rank is alive, its step, phase, host
+and pid. The watchers of ranks 0 and 1 read every heartbeat. A rank is hung when its counter has
+not moved for `limit_s` (stopped, swapped out or gone), or when no rank's step has moved for
+`limit_s` outside a save (a deadlock). The watcher prints one line naming the rank and its last
+step, dumps the hung rank's Python stacks (faulthandler, SIGUSR2) when it is on this host, then
+SIGKILLs it and its own rank, so torchrun's group fails at once (with `--max-restarts` the restart
+resumes from the last checkpoint). Rank 0's watcher acts; rank 1's only when rank 0 is the hung one.
 
 limit_s = max(floor, 10 × the longest step seen so far), capped at timeout_s / 2; the floor is
-`SHARDTUNE_WATCHDOG_S`. OFF by default: measured through the CLI (2 gloo ranks, rank 1 SIGSTOPped),
-rank 0's thread never ran while its main thread waited in FSDP2's collective (the wait holds the
-GIL), so it cannot act; a watcher outside the GIL (a process) is the fix. docs/checkpoints.md.
+`SHARDTUNE_WATCHDOG_S` (unset: off, as before; tests/e2e/test_watchdog.py measures it).
+
+    python -m shardtune.train.durable.watchdog BEAT_FILE RANK WORLD PID TIMEOUT_S FLOOR_S  # the watcher
 """
 from __future__ import annotations
 
+import datetime
+import faulthandler
 import os
 import signal
 import socket
+import struct
+import subprocess
 import sys
-import threading
+import tempfile
 import time
-
-import torch.distributed as dist
 
 FLOOR_S = 60.0
 STEP_FACTOR = 10.0
 WATCHERS = (0, 1)
+STACK_SIGNAL = signal.SIGUSR2  # faulthandler dumps every thread's stack on it (registered in the rank)
+_BEAT = struct.Struct("<qbd")  # step, phase (0 step, 1 save, 2 stopped), longest step s
+_PHASES = ("step", "save", "stop")
 
 
 def limit_s(floor_s: float, longest_step_s: float, timeout_s: float) -> float:
@@ -37,35 +46,39 @@ def limit_s(floor_s: float, longest_step_s: float, timeout_s: float) -> float:
 
 
 class Watchdog:
+    """The rank's side: `start` spawns the watcher, `beat` records progress, `stop` ends it."""
+
     _current: Watchdog | None = None  # one per process: a new run's start stops an earlier one
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, store=None, poll_s: float = 1.0,
-                 floor_s: float | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, floor_s: float | None = None) -> None:
         env = os.environ.get("SHARDTUNE_WATCHDOG_S")
         self.floor_s = float(env) if env else (0.0 if floor_s is None else floor_s)  # off by default
-        self.rank, self.world_size, self.timeout_s, self.poll_s = rank, world_size, timeout_s, poll_s
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.enabled = world_size > 1 and self.floor_s > 0
         self.step, self.phase, self.longest_step_s = 0, "step", 0.0
         self._step_t0: float | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._store = store
-        self._seen: dict[int, tuple[str, float]] = {}  # rank → (counter, when it last moved)
-        self._progress: tuple[tuple, float] | None = None  # (all ranks' steps, when they last moved)
+        self._fd: int | None = None
+        self._path: str | None = None
+        self._thread: subprocess.Popen | None = None  # the watcher (a process; keeper.py reads this name)
 
-    # ------------------------------------------------------------ main thread
     def start(self) -> Watchdog:
-        if self.enabled:
-            if Watchdog._current is not None:
-                Watchdog._current.stop()
-            Watchdog._current = self
-            if self._store is None:
-                from torch.distributed.distributed_c10d import _get_default_store
-
-                self._store = dist.PrefixStore("shardtune/watchdog", _get_default_store())
-            self._thread = threading.Thread(target=self._run, name="shardtune-watchdog", daemon=True)
-            self._thread.start()
+        if not self.enabled:
+            return self
+        if Watchdog._current is not None:
+            Watchdog._current.stop()
+        Watchdog._current = self
+        faulthandler.register(STACK_SIGNAL, all_threads=True, chain=False)
+        self._fd, self._path = tempfile.mkstemp(prefix=f"shardtune-beat-{self.rank}-")
+        self._write()
+        self._thread = subprocess.Popen(
+            [sys.executable, "-m", "shardtune.train.durable.watchdog", self._path, str(self.rank),
+             str(self.world_size), str(os.getpid()), str(self.timeout_s), str(self.floor_s)],
+            stdin=subprocess.DEVNULL, start_new_session=True)
         return self
+
+    def _write(self) -> None:
+        if self._fd is not None:
+            os.pwrite(self._fd, _BEAT.pack(self.step, _PHASES.index(self.phase), self.longest_step_s), 0)
 
     def beat(self, step: int, phase: str = "step") -> None:
         """The main thread at each step start (and around a save): what the heartbeat says."""
@@ -75,68 +88,116 @@ class Watchdog:
         if phase == "step":
             self._step_t0 = now
         self.step, self.phase = step, phase
+        self._write()
 
     def stop(self) -> None:
-        self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-
-    # ------------------------------------------------------------ its thread
-    def _run(self) -> None:
-        counter, host, failures = 0, socket.gethostname(), 0
-        keys = [f"beat/{r}" for r in range(self.world_size)]
-        while not self._stop.wait(self.poll_s):
-            counter += 1
+            self.phase = "stop"
+            self._write()
             try:
-                self._store.set(keys[self.rank], f"{counter}|{self.step}|{self.phase}|{self.longest_step_s:.3f}|"
-                                                 f"{host}|{os.getpid()}")
-                if self.rank in WATCHERS:
-                    self._check([v.decode() for v in self._store.multi_get(keys)] if self._all_set(keys) else [])
-                failures = 0
-            except Exception:  # the store goes with the process group at the end of the run
-                failures += 1
-                if failures > 3 or self._stop.is_set():
-                    return
+                self._thread.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._thread.kill()
+                self._thread.wait()
+            self._thread = None
+        if self._fd is not None:
+            os.close(self._fd)
+            os.unlink(self._path)
+            self._fd = None
+        if Watchdog._current is self:
+            Watchdog._current = None
 
-    def _all_set(self, keys: list[str]) -> bool:
-        return self._store.check(keys)
 
-    def _check(self, beats: list[str]) -> None:
-        if not beats:
-            return
-        now = time.monotonic()
+# ---------------------------------------------------------------- the watcher process
+def proc_alive(pid: int) -> bool:
+    """The process exists and is neither stopped nor a zombie (/proc/<pid>/stat, field 3)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("T", "t", "Z", "X")
+
+
+class Judge:
+    """Decides from every rank's heartbeat whether one is hung (pure: fed `(now, beats)`)."""
+
+    def __init__(self, rank: int, floor_s: float, timeout_s: float) -> None:
+        self.rank, self.floor_s, self.timeout_s = rank, floor_s, timeout_s
+        self._seen: dict[int, tuple[str, float]] = {}  # rank → (counter, when it last moved)
+        self._progress: tuple[tuple, float] | None = None  # (all ranks' steps, when they last moved)
+
+    def hung(self, now: float, beats: list[str]) -> tuple[int, list[str], str, float] | None:
+        """(rank, its fields, why, limit) when this watcher must end the job, else None."""
         fields = [b.split("|") for b in beats]
-        longest = max([self.longest_step_s] + [float(f[3]) for f in fields])
-        limit = limit_s(self.floor_s, longest, self.timeout_s)
+        limit = limit_s(self.floor_s, max(float(f[3]) for f in fields), self.timeout_s)
         stale = []
         for r, f in enumerate(fields):
-            counter = f[0]
-            if r not in self._seen or self._seen[r][0] != counter:
-                self._seen[r] = (counter, now)
-            elif r != self.rank and now - self._seen[r][1] > limit:
+            if r not in self._seen or self._seen[r][0] != f[0]:
+                self._seen[r] = (f[0], now)
+            elif now - self._seen[r][1] > limit:
                 stale.append(r)
         steps = tuple(int(f[1]) for f in fields)
         if self._progress is None or self._progress[0] != steps or any(f[2] != "step" for f in fields):
             self._progress = (steps, now)
-        if stale:
-            if self.rank == 0 or 0 in stale:  # rank 1 acts only for a hung rank 0
-                r = stale[0]
-                self._end(r, fields[r], f"its heartbeat has not moved for {now - self._seen[r][1]:.0f} s "
-                                        "(stopped, swapped out or gone)", limit)
-        elif now - self._progress[1] > limit and self.rank == 0:
+        if stale and (self.rank == 0 or 0 in stale):  # rank 1 acts only for a hung rank 0
+            r = stale[0]
+            return r, fields[r], (f"its heartbeat has not moved for {now - self._seen[r][1]:.0f} s (stopped, "
+                                  "swapped out or gone)"), limit
+        if not stale and self.rank == 0 and now - self._progress[1] > limit:
             r = min(range(len(steps)), key=lambda i: steps[i])
-            self._end(r, fields[r], f"no rank has finished a step for {now - self._progress[1]:.0f} s", limit)
+            return r, fields[r], f"no rank has finished a step for {now - self._progress[1]:.0f} s", limit
+        return None
 
-    def _end(self, r: int, f: list[str], why: str, limit: float) -> None:
-        step, phase, host, pid = int(f[1]), f[2], f[4], int(f[5])
-        where = f"in its save of step {step}" if phase == "save" else f"last step {max(step - 1, 0)}, in step {step}"
-        print(f"shardtune: rank {r} (pid {pid} on {host}) is hung: {why}; {where}; the other ranks have been "
-              f"waiting for it; ending the job (watchdog limit {limit:.0f} s, docs/checkpoints.md)",
-              file=sys.stderr, flush=True)
-        if host == socket.gethostname():
-            try:
-                os.kill(pid, signal.SIGKILL)
+
+def _end(r: int, f: list[str], why: str, limit: float, own_pid: int) -> None:
+    step, phase, host, pid = int(f[1]), f[2], f[4], int(f[5])
+    where = f"in its save of step {step}" if phase == "save" else f"last step {max(step - 1, 0)}, in step {step}"
+    print(f"shardtune: rank {r} (pid {pid} on {host}) is hung: {why}; {where}; the other ranks have been waiting "
+          f"for it; ending the job (watchdog limit {limit:.0f} s, docs/checkpoints.md)", file=sys.stderr, flush=True)
+    if host == socket.gethostname():
+        for sig, pause in ((signal.SIGCONT, 0.0), (STACK_SIGNAL, 1.0), (signal.SIGKILL, 0.0)):
+            try:  # a stopped rank must run again to dump its stacks
+                os.kill(pid, sig)
             except OSError:
-                pass
-        os._exit(1)
+                break
+            time.sleep(pause)
+    try:
+        os.kill(own_pid, signal.SIGKILL)  # this rank too: torchrun ends the group now
+    except OSError:
+        pass
+
+
+def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float, floor_s: float) -> int:
+    """The watcher's loop; returns when its rank stops the watchdog or is gone."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=30))
+    keys = [f"shardtune/watchdog/beat/{r}" for r in range(world_size)]
+    judge, counter, host = Judge(rank, floor_s, timeout_s), 0, socket.gethostname()
+    with open(beat_file, "rb") as f:
+        while True:
+            time.sleep(1.0)
+            try:
+                step, phase, longest = _BEAT.unpack(os.pread(f.fileno(), _BEAT.size, 0))
+            except (OSError, struct.error):
+                return 0
+            if _PHASES[phase] == "stop" or not os.path.exists(f"/proc/{pid}"):
+                return 0
+            counter += proc_alive(pid)
+            try:
+                store.set(keys[rank], f"{counter}|{step}|{_PHASES[phase]}|{longest:.3f}|{host}|{pid}")
+                if rank in WATCHERS and store.check(keys):
+                    verdict = judge.hung(time.monotonic(), [v.decode() for v in store.multi_get(keys)])
+                    if verdict is not None:
+                        _end(*verdict, own_pid=pid)
+                        return 1
+            except Exception:  # the store goes with the job at its end
+                if not proc_alive(pid):
+                    return 0
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    sys.exit(watch(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5])))

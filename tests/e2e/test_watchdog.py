@@ -1,0 +1,127 @@
+"""The hung-rank watchdog as a watcher process per rank (train/durable/watchdog.py, issue 15 item 5).
+
+Through the real CLI (`shardtune train --nproc 2`, gloo, SHARDTUNE_WATCHDOG_S=5): rank 1 SIGSTOPs
+itself before step 4 (SHARDTUNE_TEST_STOP), so rank 0 waits in FSDP2's collective; the job must end
+well before the collective timeout (train.timeout_s 120 s) with one line naming rank 1 and its last
+step, and the hung rank's Python stacks. A run that ends normally leaves no watcher and no beat
+file behind. The judge and /proc reading are checked alone too (a process really stopped).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardtune.testing.proc import run_bounded
+from shardtune.train.durable.watchdog import Judge, Watchdog, limit_s, proc_alive
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _runs import REPO  # noqa: E402
+
+pytestmark = [pytest.mark.e2e]
+RECIPE = """
+name: watchdog
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+train: {micro_batch: 2, seq_len: 64, max_steps: 30, timeout_s: 120}
+checkpoint: {every: 0, save_final: false}
+"""
+
+
+def _train(tmp: Path, env: dict, *args: str):
+    (tmp / "recipe.yaml").write_text(RECIPE)
+    (tmp / "tmp").mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", "2",
+           "--output-dir", str(tmp / "run"), *args]
+    t0 = time.monotonic()
+    proc = run_bounded(cmd, 150, cwd=REPO, stderr=subprocess.STDOUT,
+                       env={**os.environ, "TMPDIR": str(tmp / "tmp"), "SHARDTUNE_WATCHDOG_S": "5", **env})
+    return proc.returncode, proc.stdout, time.monotonic() - t0
+
+
+def _watchers_of(tmp: Path) -> list[int]:
+    """Live watcher processes whose beat file is under `tmp`."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shardtune.train.durable.watchdog" in cmd and any(str(tmp).encode() in c for c in cmd):
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_stopped_in_a_collective_ends_the_job_named_long_before_the_timeout(tmp_path):
+    rc, out, took = _train(tmp_path, {"SHARDTUNE_TEST_STOP": "4:1"})
+    lines = [line for line in out.splitlines() if "is hung" in line]
+    assert rc != 0 and len(lines) == 1, out[-3000:]
+    assert lines[0].startswith("shardtune: rank 1 (pid ") and "last step 3, in step 4" in lines[0], lines[0]
+    assert "most recent call first" in out  # the hung rank's stacks (faulthandler)
+    assert took < 60, took  # the collective timeout alone would take 120 s after step 4
+    time.sleep(1.5)
+    assert _watchers_of(tmp_path) == []
+
+
+@pytest.mark.timeout(200)
+def test_a_normal_run_with_the_watchdog_on_leaves_nothing_behind(tmp_path):
+    rc, out, _ = _train(tmp_path, {}, "--max-steps", "6")
+    assert rc == 0 and "is hung" not in out, out[-3000:]
+    time.sleep(1.5)  # a watcher notices its rank's end within a second
+    assert _watchers_of(tmp_path) == [] and list((tmp_path / "tmp").glob("shardtune-beat-*")) == []
+
+
+def test_proc_alive_reads_a_stopped_process_as_not_alive():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert proc_alive(p.pid)
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while proc_alive(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not proc_alive(p.pid)
+        os.kill(p.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        assert proc_alive(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    assert not proc_alive(p.pid)
+
+
+def _beat(counter, step, phase="step", longest=0.5):
+    return f"{counter}|{step}|{phase}|{longest}|host|{100 + counter}"
+
+
+def test_judge_names_a_stale_heartbeat_and_a_deadlock_after_the_limit():
+    assert limit_s(5, 0.5, 120) == 5 and limit_s(5, 2.0, 120) == 20 and limit_s(5, 30, 120) == 60
+    j = Judge(0, floor_s=5, timeout_s=120)
+    assert j.hung(0.0, [_beat(1, 3), _beat(1, 3)]) is None
+    assert j.hung(4.0, [_beat(5, 4), _beat(1, 3)]) is None  # rank 1 stale for 4 s < 5 s
+    r, _, why, limit = j.hung(6.0, [_beat(7, 4), _beat(1, 3)])
+    assert r == 1 and "heartbeat has not moved for 6 s" in why and limit == 5
+    j = Judge(0, floor_s=5, timeout_s=120)  # both alive, no step moves: a deadlock
+    for t in range(6):
+        assert j.hung(float(t), [_beat(t, 7), _beat(t, 6)]) is None
+    assert j.hung(6.5, [_beat(7, 7), _beat(7, 6)])[0] == 1  # the rank that is behind
+    j = Judge(0, floor_s=5, timeout_s=120)  # a long save is no deadlock
+    assert all(j.hung(float(t), [_beat(t, 7, "save"), _beat(t, 7)]) is None for t in range(20))
+    j1 = Judge(1, floor_s=5, timeout_s=120)  # rank 1's watcher acts only for rank 0
+    j1.hung(0.0, [_beat(1, 3), _beat(1, 3), _beat(1, 3)])
+    assert j1.hung(6.0, [_beat(7, 4), _beat(7, 4), _beat(1, 3)]) is None
+    assert j1.hung(12.0, [_beat(7, 4), _beat(13, 4), _beat(1, 3)])[0] == 0
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("SHARDTUNE_WATCHDOG_S", raising=False)
+    w = Watchdog(0, 2, 600).start()
+    assert not w.enabled and w._thread is None
+    w.beat(3)
+    w.stop()
