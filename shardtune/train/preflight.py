@@ -137,7 +137,7 @@ def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
 
     tok = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
     seq_len, rows_per_step = cfg.train.seq_len, cfg.train.micro_batch * cfg.train.grad_accum * world_size
-    encoded = encode_records(read_records(cfg.data), tok, cfg.data.template)
+    encoded = encode_records(read_records(cfg.data), tok, cfg.data)
     kept = [min(len(ids), seq_len) for ids, mask in encoded if any(mask[1:seq_len])]
     low = -(-sum(kept) // seq_len) if cfg.data.packing else len(kept)
     rows = len(kept) if kept and low >= rows_per_step else None

@@ -182,8 +182,8 @@ def test_bad_datasets_are_one_line_user_errors(tmp_path, lines, match):
 def test_missing_and_unsupported_and_format_mismatch(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         check_dataset(DataConfig(path=str(tmp_path / "nope.jsonl")))
-    with pytest.raises(UserError, match="unsupported format '.csv'"):
-        check_dataset(DataConfig(path=_write(tmp_path, ["a,b"], name="d.csv")))
+    with pytest.raises(UserError, match=r"files must be one of .*got \['.xml'\]"):
+        check_dataset(DataConfig(path=_write(tmp_path, ["<a/>"], name="d.xml")))
     with pytest.raises(UserError, match="line 2: is 'text' but data.format=prompt_response"):
         check_dataset(DataConfig(path=_write(tmp_path, [{"prompt": "a", "response": "b"}, {"text": "c"}]),
                                  format="prompt_response"))

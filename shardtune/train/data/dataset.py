@@ -15,103 +15,14 @@ seeded row stream (D = data-parallel size), the same at any world size (docs/che
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.train.data.sources import GENERATED, read_records  # noqa: F401 (re-exported)
 from shardtune.train.data.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
-GENERATED = "generated"
-FORMATS = ("text", "prompt_response", "chat")
-ROLES = ("system", "user", "assistant", "tool")
-
-
-# ---------------------------------------------------------------- reading and validation
-def _line_format(obj, lineno: int, where: str, want: str) -> str:
-    if not isinstance(obj, dict):
-        raise UserError(f"{where} line {lineno}: expected a JSON object, got {type(obj).__name__}; each line must be "
-                        "an object with 'text', 'prompt'+'response' or 'messages'")
-    if "messages" in obj:
-        fmt = "chat"
-    elif "prompt" in obj and ("response" in obj or "completion" in obj):
-        fmt = "prompt_response"
-    elif "text" in obj:
-        fmt = "text"
-    else:
-        raise UserError(f"{where} line {lineno}: unknown format (keys {sorted(obj)[:5]}); give 'text', "
-                        "'prompt'+'response' or 'messages'")
-    if want != "auto" and fmt != want:
-        raise UserError(f"{where} line {lineno}: is {fmt!r} but data.format={want}; fix the line or set "
-                        "data.format=auto")
-    if fmt == "chat":
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise UserError(f"{where} line {lineno}: 'messages' must be a non-empty list of {{role, content}}")
-        for m in msgs:
-            if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
-                raise UserError(f"{where} line {lineno}: each message needs a 'role' ({', '.join(ROLES)}) and a "
-                                "string 'content'")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise UserError(f"{where} line {lineno}: chat example has no assistant turn, so nothing to learn; add one")
-    else:
-        keys = ("text",) if fmt == "text" else ("prompt", "response" if "response" in obj else "completion")
-        for k in keys:
-            if not isinstance(obj[k], str):
-                raise UserError(f"{where} line {lineno}: {k!r} must be a string")
-    return fmt
-
-
-def _normalize(obj: dict, fmt: str) -> dict:
-    if fmt == "chat":
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]}
-    if fmt == "prompt_response":
-        return {"prompt": obj["prompt"], "response": obj.get("response", obj.get("completion"))}
-    return {"text": obj["text"]}
-
-
-def read_records(data_cfg) -> list[dict]:
-    """The dataset's examples as dicts with `text`, or `prompt`+`response`, or `messages`.
-
-    `data_cfg.path` None or 'generated' gives the built-in generated dataset. A missing or empty
-    file, a line that is not a JSON object of a known format, names the file and line number.
-    """
-    if data_cfg.path in (None, GENERATED):
-        from shardtune.train.data.datagen import generate_examples
-
-        return generate_examples(data_cfg.generated_examples, data_cfg.generated_seed)
-    path = Path(data_cfg.path).expanduser()
-    where = repr(str(data_cfg.path))
-    if not path.exists():
-        raise UserError(f"dataset {where} does not exist; set data.path to a JSONL file (or leave it empty for the "
-                        "built-in generated dataset)")
-    if path.is_dir():
-        raise UserError(f"dataset {where} is a folder; set data.path to a JSONL file")
-    if path.suffix.lower() not in (".jsonl", ".json", ".ndjson", ""):
-        raise UserError(f"dataset {where}: unsupported format {path.suffix!r}; give JSON Lines (.jsonl), one example "
-                        "per line")
-    records = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line.rstrip("\r\n"))  # so the column is within the line
-                except json.JSONDecodeError as e:
-                    raise UserError(f"dataset {where} line {lineno}: malformed JSON ({e.msg} at column {e.colno}); "
-                                    "fix or remove the line") from None
-                records.append(_normalize(obj, _line_format(obj, lineno, f"dataset {where}", data_cfg.format)))
-    except UnicodeDecodeError as e:
-        raise UserError(f"dataset {where} is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 JSONL "
-                        "file") from None
-    except OSError as e:
-        raise UserError(f"dataset {where} cannot be read: {e.strerror}") from None
-    if not records:
-        raise UserError(f"dataset {where} is empty; give a JSONL file with at least one example")
-    return records
 
 
 def check_dataset(data_cfg) -> int:
@@ -136,7 +47,8 @@ def build_tokenizer(data_cfg, model_name: str, trust_remote_code: bool = False):
     return tok
 
 
-def encode_example(record: dict, tokenizer, template: str = "auto") -> tuple[list[int], list[bool]]:
+def encode_example(record: dict, tokenizer, template: str = "auto", train_on_inputs: bool = False,
+                   system_prompt: str | None = None) -> tuple[list[int], list[bool]]:
     """(ids, is_target) of one example: is_target[i] says token i is predicted (gets a loss).
 
     text: bos + text + eos, every token after the first is a target.
@@ -144,7 +56,21 @@ def encode_example(record: dict, tokenizer, template: str = "auto") -> tuple[lis
     template is chat (or auto and the tokenizer has one); else plain: bos + prompt + response +
     eos with the response and eos as targets (the prompt carries its own separator).
     chat: the chat template, or the plain chat template (tokenizer.py); assistant turns are targets.
+    system_prompt: a system turn put first in prompt_response and chat examples that have none.
+    train_on_inputs: every token after the first is a target (prompts and user turns too).
     """
+    if system_prompt and "text" not in record:
+        msgs = record.get("messages") or [{"role": "user", "content": record["prompt"]},
+                                          {"role": "assistant", "content": record["response"]}]
+        if msgs[0]["role"] != "system":
+            record = {"messages": [{"role": "system", "content": system_prompt}, *msgs]}
+    ids, mask = _encode(record, tokenizer, template)
+    if train_on_inputs:
+        mask = [False] + [True] * (len(ids) - 1)
+    return ids, mask
+
+
+def _encode(record: dict, tokenizer, template: str) -> tuple[list[int], list[bool]]:
     use_chat = template == "chat" or (template == "auto" and tokenizer.chat_template)
     if template == "chat" and not tokenizer.chat_template:
         raise UserError("data.template=chat but the tokenizer has no chat template; set data.template=auto or plain")
@@ -292,12 +218,14 @@ class PackedLoader:
         self.position = int(state["epoch"]) * self.num_rows + int(state["index"])
 
 
-def encode_records(records: list[dict], tokenizer, template: str, what: str = "example"):
-    """`encode_example` over the records; a template that raises is one line naming the example."""
+def encode_records(records: list[dict], tokenizer, data_cfg, what: str = "example"):
+    """`encode_example` over the records with data_cfg's template, train_on_inputs and system
+    prompt; a template that raises is one line naming the example."""
     encoded = []
+    opts = {"train_on_inputs": data_cfg.train_on_inputs, "system_prompt": data_cfg.system_prompt}
     for k, record in enumerate(records, 1):
         try:
-            encoded.append(encode_example(record, tokenizer, template))
+            encoded.append(encode_example(record, tokenizer, data_cfg.template, **opts))
         except UserError:
             raise
         except Exception as e:  # e.g. a chat template that raises on this conversation (jinja)
@@ -308,7 +236,7 @@ def encode_records(records: list[dict], tokenizer, template: str, what: str = "e
 
 def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
     """Read, tokenize and pack the whole dataset (every rank does the same, deterministically)."""
-    encoded = encode_records(read_records(data_cfg), tokenizer, data_cfg.template)
+    encoded = encode_records(read_records(data_cfg), tokenizer, data_cfg)
     return pack_examples(encoded, seq_len, data_cfg.packing, seed)
 
 

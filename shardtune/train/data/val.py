@@ -21,7 +21,7 @@ def val_config(data_cfg):
 
 def pack_val(data_cfg, seq_len: int, tokenizer):
     """The val set read, tokenized and packed in file order (no shuffle: seed 0 packing order)."""
-    encoded = encode_records(read_records(val_config(data_cfg)), tokenizer, data_cfg.template, "val example")
+    encoded = encode_records(read_records(val_config(data_cfg)), tokenizer, data_cfg, "val example")
     try:
         return pack_examples(encoded, seq_len, data_cfg.packing, seed=0)
     except UserError:
