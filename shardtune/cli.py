@@ -54,6 +54,26 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+def _conventional_arguments() -> None:
+    """Arguments in help as a POSIX usage writes them: `RECIPE [OVERRIDES]...`, listed as `RECIPE`,
+    not typer 0.29's `{recipe}` and `recipe <str>` / `<list[str]>` (issue 18 item 7). Three small
+    methods of typer's TyperArgument (presentation only; tests/unit/test_cli_vocab.py checks them)."""
+    from typer.core import TyperArgument
+
+    def name(arg) -> str:
+        return arg.metavar or arg.name.upper()
+
+    def usage(arg) -> str:
+        return (name(arg) if arg.required else f"[{name(arg)}]") + ("..." if arg.nargs != 1 else "")
+
+    TyperArgument._usage_display_name = usage
+    TyperArgument._rich_display_name = lambda arg: name(arg) + ("..." if arg.nargs != 1 else "")
+    TyperArgument.display_type_rich = lambda arg, ctx: None
+
+
+_conventional_arguments()
+
+
 def _register_commands() -> None:
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(app)

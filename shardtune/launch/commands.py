@@ -15,7 +15,7 @@ launch_app = typer.Typer(no_args_is_help=True, help="Write what a cluster needs 
 # Options shared by the three launchers (typer has no option groups: declared once, reused).
 _RECIPE = typer.Argument(..., metavar="RECIPE",
                          help="YAML recipe (must exist on every node at this path; k8s embeds it).")
-_OVERRIDES = typer.Argument(None, metavar="[KEY=VALUE]...",
+_OVERRIDES = typer.Argument(None, metavar="KEY=VALUE",
                             help="Recipe overrides key.path=value, passed to the trainer.")
 _NODES = typer.Option(1, "--nodes", metavar="N", help="Number of nodes.")
 _GPUS = typer.Option(8, "--gpus-per-node", metavar="N", help="GPUs (trainer processes) per node.")

@@ -85,3 +85,18 @@ def test_train_flags_show_their_choices_and_metavars(capsys):
         assert flag.help and f"{flag.option} {flag.metavar}" in typer_help, flag.option
         assert f"{flag.option} {flag.metavar}" in argparse_help, flag.option
         assert "<" not in flag.metavar
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["train"], "Usage: shardtune train [OPTIONS] RECIPE [OVERRIDES]..."),
+    (["launch", "k8s"], "Usage: shardtune launch k8s [OPTIONS] RECIPE [KEY=VALUE]..."),
+    (["export"], "Usage: shardtune export [OPTIONS] CHECKPOINT_DIR OUT_DIR"),
+    (["generate"], "Usage: shardtune generate [OPTIONS] TARGET"),
+    (["plan"], "Usage: shardtune plan [OPTIONS] [MODEL]"),
+])
+def test_arguments_read_as_a_posix_usage(capsys, argv, usage):
+    assert main([*argv, "-h"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == usage
+    arguments = out[out.index("Arguments:"):out.index("Options:")]
+    assert not re.search(r"[{}]|<(str|int|float|list\[str\])>", arguments), arguments
