@@ -114,22 +114,27 @@ def _read_jsonl(path: Path, where: str, data_cfg) -> list[dict]:
 def _load_hf(spec: str, split: str):
     """A `datasets.Dataset` for a file / glob / save_to_disk folder / cached dataset id (offline)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never the network at run time
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
+        from huggingface_hub import snapshot_download
     except ImportError:
         raise UserError(f"dataset {spec!r} needs Hugging Face datasets; pip install 'shardtune[data]' (or give a "
                         "JSONL file)") from None
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors become our one line
     path = Path(spec).expanduser()
     files = sorted(glob.glob(str(path))) if any(c in spec for c in "*?[") else [str(path)] if path.is_file() else []
     try:
         if path.is_dir():
             if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
-                raise UserError(f"dataset {spec!r} is a folder but not a datasets save_to_disk folder; give a file, "
-                                "a glob or a saved dataset")
+                return _folder_split(datasets, str(path), split, spec)  # a folder of data files (a Hub layout)
             ds = datasets.load_from_disk(str(path))
             if isinstance(ds, datasets.DatasetDict):
-                ds = _split(ds, split, spec)
+                if split not in ds:
+                    raise UserError(f"dataset {spec!r} has no split {split!r} (splits: {', '.join(ds)}); set "
+                                    "data.split")
+                ds = ds[split]
             return ds
         if files:
             kinds = {BUILDERS.get(Path(f).suffix.lower()) for f in files}
@@ -137,17 +142,19 @@ def _load_hf(spec: str, split: str):
                 raise UserError(f"dataset {spec!r}: files must be one of {', '.join(BUILDERS)} (or JSON Lines), "
                                 f"all alike; got {sorted({Path(f).suffix for f in files})}")
             kind = kinds.pop()
+            if kind == "parquet" and not sum(_parquet_rows(f) for f in files):  # datasets fails on 0 rows
+                return []
             return datasets.load_dataset(kind, data_files=files, split="train",
                                          **({"delimiter": "\t"} if files[0].endswith(".tsv") else {}))
         if spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") > 1:
             raise UserError(f"dataset {spec!r} does not exist; set data.path to a file, a glob, a folder, or a "
                             "dataset id in the local Hugging Face cache")
         try:
-            return datasets.load_dataset(spec, split=split)
-        except (FileNotFoundError, ConnectionError, ValueError) as e:
-            raise UserError(f"dataset {spec!r} is not a file and not in the local Hugging Face cache (read offline: "
-                            f"{' '.join(str(e).split())[:120]}); download it first: huggingface-cli download "
-                            f"--repo-type dataset {spec}") from None
+            folder = snapshot_download(spec, repo_type="dataset", local_files_only=True)
+        except Exception:  # not in the cache (or not a valid id): nothing to read offline
+            raise UserError(f"dataset {spec!r} is not a file and not in the local Hugging Face cache (read offline); "
+                            f"download it first: huggingface-cli download --repo-type dataset {spec}") from None
+        return _folder_split(datasets, folder, split, spec)
     except UserError:
         raise
     except Exception as e:  # pyarrow / datasets parse errors: one line naming the dataset
@@ -155,10 +162,20 @@ def _load_hf(spec: str, split: str):
                         ) from None
 
 
-def _split(dd, split: str, spec: str):
-    if split not in dd:
-        raise UserError(f"dataset {spec!r} has no split {split!r} (splits: {', '.join(dd)}); set data.split")
-    return dd[split]
+def _parquet_rows(file: str) -> int:
+    import pyarrow.parquet as pq  # with datasets
+
+    return pq.ParquetFile(file).metadata.num_rows
+
+
+def _folder_split(datasets, folder: str, split: str, spec: str):
+    try:
+        return datasets.load_dataset(folder, split=split)
+    except ValueError as e:
+        if "split" not in str(e).lower():
+            raise
+        raise UserError(f"dataset {spec!r} has no split {split!r} ({' '.join(str(e).split())[:160]}); set "
+                        "data.split") from None
 
 
 def read_records(data_cfg) -> list[dict]:
@@ -179,9 +196,10 @@ def read_records(data_cfg) -> list[dict]:
         records = _read_jsonl(path, where, data_cfg)
     else:
         ds = _load_hf(spec, getattr(data_cfg, "split", "train"))
-        missing = sorted(set((columns or {}).values()) - set(ds.column_names))
+        names = list(ds[0]) if isinstance(ds, list) and ds else getattr(ds, "column_names", [])
+        missing = sorted(set((columns or {}).values()) - set(names)) if names else []
         if missing:
-            raise UserError(f"data.columns names {missing} but dataset {where} has columns {ds.column_names}; fix "
+            raise UserError(f"data.columns names {missing} but dataset {where} has columns {names}; fix "
                             "data.columns")
         records = [normalize(row, f"dataset {where} row {i + 1}", data_cfg.format, columns)
                    for i, row in enumerate(ds)]
