@@ -93,8 +93,13 @@ def normalize(obj, where: str, want: str, columns: dict[str, str] | None) -> dic
 def _read_jsonl(path: Path, where: str, data_cfg) -> list[dict]:
     records = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"dataset {where} line {lineno}: not UTF-8 ({e.reason} at byte {e.start + 1} of "
+                                    "the line); give UTF-8 text") from None
                 if not line.strip():
                     continue
                 try:
@@ -103,9 +108,6 @@ def _read_jsonl(path: Path, where: str, data_cfg) -> list[dict]:
                     raise UserError(f"dataset {where} line {lineno}: malformed JSON ({e.msg} at column {e.colno}); "
                                     "fix or remove the line") from None
                 records.append(normalize(obj, f"dataset {where} line {lineno}", data_cfg.format, None))
-    except UnicodeDecodeError as e:
-        raise UserError(f"dataset {where} is not UTF-8 text ({e.reason} at byte {e.start}); give a UTF-8 JSONL "
-                        "file") from None
     except OSError as e:
         raise UserError(f"dataset {where} cannot be read: {e.strerror}") from None
     return records

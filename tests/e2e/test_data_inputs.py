@@ -1,0 +1,61 @@
+"""Bad data through the real CLI (`shardtune train`, in process, torchrun's start forbidden): each is
+exit 2 and exactly one stderr line naming the problem, before any process starts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
+pytestmark = [pytest.mark.e2e]
+
+
+def _jsonl(root: Path, name: str, rows: list) -> str:
+    p = root / name
+    p.write_bytes(b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows))
+    return str(p)
+
+
+def _cases(root: Path) -> list[tuple[list[str], str]]:
+    good = _jsonl(root, "good.jsonl", [{"text": f"example {i}"} for i in range(200)])
+    pq.write_table(pa.table({"q": ["a"] * 50, "a": ["b"] * 50}), root / "qa.parquet")
+    latin1 = _jsonl(root, "latin1.jsonl", [{"text": "a"}, b'{"text": "caf\xe9"}'])
+    broken = _jsonl(root, "broken.jsonl", [{"text": "a"}, b'{"text": '])
+    return [
+        ([f"data.path={_jsonl(root, 'unknown.jsonl', [{'text': 'a'}, {'question': 'x', 'answer': 'y'}])}"],
+         "unknown.jsonl' line 2: unknown format (keys ['answer', 'question']); give 'text',"),
+        ([f"data.path={root / 'qa.parquet'}", "data.columns={prompt: q, response: nope}"],
+         "data.columns names ['nope'] but dataset"),
+        ([f"data.path={_jsonl(root, 'empty.jsonl', [])}"], "empty.jsonl' is empty"),
+        ([f"data.path={_jsonl(root, 'small.jsonl', [{'text': 'a'}, {'text': 'b'}, {'text': 'c'}])}",
+          "data.packing=false"], "fills 3 rows of seq_len 128, fewer than one global batch (16 ="),
+        ([f"data.path={latin1}"],
+         "latin1.jsonl' line 2: not UTF-8"),
+        ([f"data.path={broken}"],
+         "broken.jsonl' line 2: malformed JSON"),
+        ([f"data.path={good}", "data.template=plain",
+          f"data.val_path={_jsonl(root, 'val.jsonl', [{'prompt': 'x' * 300, 'response': 'y'}])}"],
+         "has no target token within seq_len=128"),
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_bad_data_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from shardtune import cli
+    from shardtune.train import commands
+
+    def no_torchrun(*a, **k):
+        raise AssertionError("torchrun was started for bad input")
+
+    monkeypatch.setattr(commands, "run_process_group", no_torchrun)
+    failures = []
+    for args, needle in _cases(tmp_path):
+        rc = cli.main(["train", str(RECIPE), "--nproc", "2", "--output-dir", str(tmp_path / "run"), *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        if rc != 2 or len(err) != 1 or needle not in err[0]:
+            failures.append((args, rc, err))
+    assert not failures, failures
