@@ -1,6 +1,7 @@
 """`train:` and `checkpoint:` — batch, steps, logging, process group; saving and resuming."""
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field
@@ -37,6 +38,13 @@ class TrainConfig(_Section):
     compile: bool = Field(False, description="torch.compile each decoder layer before sharding.")
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite "
                                                     "loss or gradient norm (each is skipped: no optimizer step).")
+
+    def threads_per_rank(self, local_world_size: int) -> int:
+        """`threads`, else the cores this process may run on / the ranks on its node (at least 1)."""
+        if self.threads:
+            return self.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // max(1, local_world_size))
 
 
 class CheckpointConfig(_Section):

@@ -41,10 +41,14 @@ def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
 PREFLIGHT_ENV = "SHARDTUNE_PREFLIGHT"  # "done": the launcher validated this exact run; ranks skip it
 
 
-def run_process_group(cmd: list[str]) -> int:
-    """Run torchrun in its own session. Ctrl-C or SIGTERM here: SIGTERM to its process group
-    (torchrun then stops its workers, which sit in sessions of their own), SIGKILL after 30 s."""
-    proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, PREFLIGHT_ENV: "done"})
+def run_process_group(cmd: list[str], threads: int | None = None) -> int:
+    """Run torchrun in its own session (OMP_NUM_THREADS=`threads` for it and its ranks, which also
+    call torch.set_num_threads). Ctrl-C or SIGTERM here: SIGTERM to its process group (torchrun
+    then stops its workers, which sit in sessions of their own), SIGKILL after 30 s."""
+    env = {**os.environ, PREFLIGHT_ENV: "done"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
 
     def _on_term(signum, frame):
         raise SystemExit(128 + signum)
@@ -93,7 +97,10 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
         raise UserError(f"--nproc {nproc}: give at least 1 process")
     if max_restarts < 0:
         raise UserError(f"--max-restarts {max_restarts}: give 0 or more")
+    from shardtune.train.core.loggers import check_loop_options
+
     cfg = resolve_config(recipe, overrides, **flags)
+    check_loop_options(cfg)
     validate_for_launch(cfg, nproc, nproc)
     with RunLock(cfg.run_dir) as lock:
         done = check_rerun(cfg, move_aside)
@@ -108,7 +115,7 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
                *torchrun_command(nproc, recipe, overrides, flags, max_restarts)[3:]]
         started = time.time()
         try:
-            rc = run_process_group(cmd)
+            rc = run_process_group(cmd, cfg.train.threads_per_rank(nproc))
         except (SystemExit, KeyboardInterrupt):
             if stopped_by_signal(cfg.run_dir, started):
                 return 0

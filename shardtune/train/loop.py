@@ -1,14 +1,18 @@
 """`train()` as set-up → loop → finish: `set_up` builds a `Run`, `loop` advances it, `finish` saves
 the final checkpoint, memory.json and the summary.
 
-The step returns device tensors; the loop turns them into Python numbers on logging steps only
-(every `train.log_every` steps and the last), and adds no collective of its own to a step: the
-ranks' peak-memory MAX all-reduce runs on logged steps only. tokens_seen stays a device tensor
-between logs (a checkpoint converts it to an exact int).
+The step returns device tensors; the loop turns them into Python numbers on logged steps only
+(every `train.log_every` steps, every `train.eval_every` steps and the last) and adds no
+collective of its own to the other steps: a logged step gathers [loss part, peak bytes, signal]
+from every rank in ONE small all-gather (the loss, the ranks' max peak, and the preemption flag),
+so a SIGTERM is acted on (saved, stopped) within `log_every` steps; a `checkpoint.every` step
+agrees on it too. tokens_seen stays a device tensor between logs (a checkpoint converts it to an
+exact int). `iterate(run)` is the loop as a generator (one `next()` per step: bench/ drives it).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +22,8 @@ import torch.distributed as dist
 
 from shardtune.errors import UserError
 from shardtune.parallel.apply import autocast_dtype
+from shardtune.train.core.evaluate import evaluate
+from shardtune.train.core.loggers import Loggers, check_loop_options
 from shardtune.train.core.metrics import (
     MetricsWriter,
     SavedActivations,
@@ -61,6 +67,11 @@ class Run:
     activations: SavedActivations | None
     amp: torch.dtype | None
     writer: MetricsWriter | None
+    val_batches: list[dict] | None = None  # this rank's validation batches (data.val_path)
+    loggers: Loggers | None = None  # train.loggers, rank 0
+    threads: int = 1  # intra-op threads of this rank
+    last_record: dict | None = None  # iterate(): the last logged record
+    rank_bytes: dict | None = None  # iterate(): this rank's bytes of its last logged (or stopping) step
 
 
 def now_s(device: torch.device) -> float:
@@ -87,9 +98,13 @@ def _progress(enabled: bool):
 
 def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None) -> Run:
     """Tokenizer, data, model, optimizer, scheduler, resume; prints the start-up line (rank 0)."""
+    check_loop_options(cfg)  # the launcher checked it too; a by-hand torchrun gets the same line
+    threads = cfg.train.threads_per_rank(ctx.local_world_size)
+    torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
     loader = build_dataloader(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, cfg.train.seed)
+    val_batches = _val_batches(cfg, tokenizer, ctx)
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
     total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
     model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed, cfg.lora)
@@ -107,15 +122,28 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
               rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len),
               None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
-              autocast_dtype(cfg.parallel), MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None)
+              autocast_dtype(cfg.parallel), MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None,
+              val_batches, None, threads)
     if ctx.rank == 0:
-        print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s) ({ctx.device.type}), "
+        if cfg.train.loggers:
+            run.loggers = Loggers(cfg.train.loggers, run_dir, cfg.name, cfg.model_dump(mode="json"))
+        print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s) ({ctx.device.type}, "
+              f"{threads} thread{'s' if threads > 1 else ''} per rank), "
               f"{num_params:,} params, global batch {rows_per_step} x {cfg.train.seq_len} tokens "
               f"(micro {cfg.train.micro_batch} x accum {cfg.train.grad_accum} x ranks {ctx.world_size}), "
               f"{total_steps} steps -> {run_dir}", flush=True)
         print(f"shardtune: weights: {describe_weights(cfg.model)} | tokenizer: "
               f"{describe_tokenizer(tokenizer, cfg.model.name)} | trained: {_trained_dtypes(run)}", flush=True)
     return run
+
+
+def _val_batches(cfg: RunConfig, tokenizer, ctx: DistContext) -> list[dict] | None:
+    """This rank's validation batches (data.val_path; helper of train/data/val.py), or None."""
+    if not cfg.data.val_path:
+        return None
+    from shardtune.train.data.val import build_val_batches
+
+    return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size)
 
 
 def describe_tokenizer(tok, model_name: str) -> str:
@@ -158,16 +186,18 @@ def _rank_bytes(run: Run, tracked: dict | None) -> tuple[int, dict]:
     return peak, rank_bytes
 
 
-def _record(run: Run, r: StepResult, peak: int, dt: float) -> dict:
-    """The metrics line of a logged step: the only place the step's tensors reach the host."""
-    # logged steps only: ONE small gather of [this rank's loss part, its peak bytes] → the loss
-    # (sum over ranks) and the ranks' max peak (float64: exact for bytes below 2**53)
-    mine = torch.stack([r.loss_part.detach().double(), torch.tensor(float(peak), dtype=torch.float64,
-                                                                      device=run.ctx.device)])
-    gathered = torch.empty(run.ctx.world_size * 2, dtype=torch.float64, device=run.ctx.device)
+def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
+    """(the metrics line of a logged step, the signal the ranks agreed on): the only place the
+    step's tensors reach the host."""
+    # logged steps only: ONE small gather of [this rank's loss part, its peak bytes, its signal]
+    # → the loss (sum over ranks), the ranks' max peak and max signal (float64: exact below 2**53)
+    mine = torch.cat([r.loss_part.detach().double().reshape(1),
+                      torch.tensor([float(peak), float(run.keeper.signal.signum)], dtype=torch.float64,
+                                   device=run.ctx.device)])
+    gathered = torch.empty(run.ctx.world_size * 3, dtype=torch.float64, device=run.ctx.device)
     dist.all_gather_into_tensor(gathered, mine)
-    per_rank = gathered.view(run.ctx.world_size, 2)
-    loss, peak_all = float(per_rank[:, 0].sum()), int(per_rank[:, 1].max())
+    per_rank = gathered.view(run.ctx.world_size, 3)
+    loss, peak_all, signum = float(per_rank[:, 0].sum()), int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
     tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
     record = {"step": run.state.step, "loss": loss, "lr": r.lr, "grad_norm": float(r.grad_norm),
@@ -175,14 +205,21 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> dict:
               "mfu": tflops * 1e12 / run.peak_flops if run.peak_flops else None,
               "peak_mem_bytes": peak_all, "step_time_s": dt, "target_tokens": int(r.num_tokens)}
     record.update(run.keeper.record_extra(run.state.step, r))
-    return record
+    return record, signum
 
 
-def loop(run: Run) -> tuple[dict, dict]:
-    """Steps until total_steps or preemption; (the last logged record, this rank's last-step bytes)."""
+def _eval_due(run: Run, step: int) -> bool:
+    """Validation at every `train.eval_every` steps and after the last step (with data.val_path)."""
+    every = run.cfg.train.eval_every
+    return run.val_batches is not None and (step == run.total_steps or bool(every and step % every == 0))
+
+
+def iterate(run: Run) -> Iterator[dict | None]:
+    """The loop as a generator: one step per `next()`, yielding that step's metrics record (None
+    on a step that is not logged). Ends at total_steps or after a preemption save; then
+    `run.last_record` and `run.rank_bytes` hold the last logged record and this rank's bytes."""
     cfg, ctx, state = run.cfg, run.ctx, run.state
-    record: dict = {}
-    rank_bytes: dict = {}
+    run.last_record, run.rank_bytes = {}, {}
     tracked: dict | None = None  # the tracked CPU step's bytes, kept in every later step's rank_bytes
     with _progress(ctx.rank == 0) as bar:
         task = bar.add_task("train", total=run.total_steps, completed=state.step, info="")
@@ -195,22 +232,37 @@ def loop(run: Run) -> tuple[dict, dict]:
             dt = now_s(ctx.device) - t0
             state.step += 1
             state.tokens_seen = state.tokens_seen + r.num_tokens  # a device tensor until a checkpoint
-            logged = state.step % cfg.train.log_every == 0 or state.step == run.total_steps
+            evaluating = _eval_due(run, state.step)
+            logged = state.step % cfg.train.log_every == 0 or state.step == run.total_steps or evaluating
+            record, signum = None, None
             if logged:  # the state bytes are read where they are written: logged steps (the last too)
-                peak, rank_bytes = _rank_bytes(run, tracked)
-                record = _record(run, r, peak, dt)
+                peak, run.rank_bytes = _rank_bytes(run, tracked)
+                record, signum = _record(run, r, peak, dt)
+                if evaluating:
+                    record["val_loss"] = evaluate(run.model, run.val_batches, ctx.device, run.amp)
                 if run.writer:
                     run.writer.write(record)
+                if run.loggers:
+                    run.loggers.log(record)
+                run.last_record = record
                 # the step's own loss (a skipped step's record carries None, the bar shows nan)
                 shown = float("nan") if record["loss"] is None else record["loss"]
                 info = f"loss {shown:.4f}  lr {r.lr:.2e}  {record['tokens_per_s']:,.0f} tok/s"
                 bar.update(task, info=info)
             bar.update(task, advance=1)
-            if run.keeper.after_step(state.step, r, run.total_steps):
-                if not logged:  # memory.json describes the step the run stopped at
-                    _, rank_bytes = _rank_bytes(run, tracked)
-                break  # preempted: checkpoint saved, stop cleanly
-    return record, rank_bytes
+            stop = run.keeper.after_step(state.step, r, run.total_steps, signum)
+            if stop and not logged:  # memory.json describes the step the run stopped at
+                _, run.rank_bytes = _rank_bytes(run, tracked)
+            yield record
+            if stop:
+                return  # preempted: checkpoint saved, stop cleanly
+
+
+def loop(run: Run) -> tuple[dict, dict]:
+    """Steps until total_steps or preemption; (the last logged record, this rank's last-step bytes)."""
+    for _ in iterate(run):
+        pass
+    return run.last_record, run.rank_bytes
 
 
 def finish(run: Run, rank_bytes: dict) -> None:
@@ -221,6 +273,8 @@ def finish(run: Run, rank_bytes: dict) -> None:
     dist.all_gather_object(all_bytes, rank_bytes)
     if ctx.rank == 0:
         run.writer.close()
+        if run.loggers:
+            run.loggers.close()
         write_memory_json(run.run_dir, ctx.device, all_bytes)
         print_summary(run.run_dir, all_bytes, run.planned, run.cfg.parallel.strategy)
     run.keeper.export_hf()  # rank 0 alone, after the last collective (checkpoint.export_hf)

@@ -144,20 +144,28 @@ class RunKeeper:
             extra["resumed_from"] = self.resumed_from
         return extra
 
-    def after_step(self, step: int, result, total_steps: int) -> bool:
-        """Count a skipped step (raises after too many), agree on preemption, save when due.
-        True: stop now (preempted, checkpoint saved)."""
-        with self._stopping_watchdog_on_error():
-            return self._after_step(step, result, total_steps)
+    def checkpoint_due(self, step: int, total_steps: int) -> bool:
+        """A periodic save (`checkpoint.every`) falls on this step (the final one is `finish`'s)."""
+        every = self.cfg.checkpoint.every
+        return bool(every and step % every == 0 and step < total_steps)
 
-    def _after_step(self, step: int, result, total_steps: int) -> bool:
+    def after_step(self, step: int, result, total_steps: int, signum: int | None = None) -> bool:
+        """Count a skipped step (raises after too many), save when due or preempted. `signum`: the
+        signal the ranks agreed on in the loop's gather of a logged step (None: not a logged step;
+        then only a checkpoint step agrees, by one all-reduce of its own, so a signal is acted on
+        within `train.log_every` steps). True: stop now (preempted, checkpoint saved)."""
+        with self._stopping_watchdog_on_error():
+            return self._after_step(step, result, total_steps, signum)
+
+    def _after_step(self, step: int, result, total_steps: int, signum: int | None) -> bool:
         skipped = bool(getattr(result, "skipped", False))
         if skipped and self.ctx.rank == 0:
             ckpt_files.append_event(self.run_dir, {"event": "skipped_step", "step": step})
         self.bad.update(step, skipped, str(self.last_saved) if self.last_saved else None, self.ctx.rank)
-        signum = agree_max(self.signal.signum, self.ctx.device)
-        every = self.cfg.checkpoint.every
-        if signum or (every and step % every == 0 and step < total_steps):
+        due = self.checkpoint_due(step, total_steps)
+        if signum is None:
+            signum = agree_max(self.signal.signum, self.ctx.device) if due else 0
+        if signum or due:
             self.save(step)
         if signum:
             self.preempted = True
