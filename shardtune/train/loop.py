@@ -39,6 +39,7 @@ from shardtune.train.core.model import build_model, describe_weights, unwrap
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepResult, TrainState, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
+from shardtune.train.data.val import build_val_batches
 from shardtune.train.durable.keeper import RunKeeper
 
 if TYPE_CHECKING:
@@ -138,11 +139,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
 
 
 def _val_batches(cfg: RunConfig, tokenizer, ctx: DistContext) -> list[dict] | None:
-    """This rank's validation batches (data.val_path; helper of train/data/val.py), or None."""
-    if not cfg.data.val_path:
-        return None
-    from shardtune.train.data.val import build_val_batches
-
+    """This rank's validation batches (data.val_path, train/data/val.py), or None."""
     return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size)
 
 
