@@ -3,9 +3,28 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from shardtune.config.base import _Section
+
+FORMAT = Literal["auto", "text", "prompt_response", "chat", "alpaca", "sharegpt"]
+
+
+class SourceConfig(_Section):
+    """One dataset of a mix (`data.sources`); template, packing and the other options are data's."""
+
+    path: str = Field(description="Any source `data.path` takes (file, glob, folder, cached dataset id).")
+    weight: float = Field(1.0, description="Sampling weight: the share of rows drawn from this source is "
+                                           "weight / sum of weights. 0 leaves it out.")
+    format: FORMAT = Field("auto", description="As data.format, for this source.")
+    split: str = Field("train", description="As data.split, for this source.")
+    columns: dict[str, str] | None = Field(None, description="As data.columns, for this source.")
+
+    @model_validator(mode="after")
+    def _weight(self):
+        if self.weight < 0:
+            raise ValueError(f"data.sources weight {self.weight} of {self.path!r} is negative; give a weight >= 0")
+        return self
 
 
 class DataConfig(_Section):
@@ -18,7 +37,7 @@ class DataConfig(_Section):
                                                     "loss is the global token mean over every rank.")
     split: str = Field("train", description="The split to read from a save_to_disk DatasetDict or a cached "
                                             "dataset id.")
-    format: Literal["auto", "text", "prompt_response", "chat", "alpaca", "sharegpt"] = Field(
+    format: FORMAT = Field(
         "auto", description="auto: each row's keys decide (messages → chat, conversations → sharegpt, "
                             "instruction+output → alpaca, prompt+response/completion → prompt_response, "
                             "text → text); otherwise every row must have that format.")
@@ -44,3 +63,16 @@ class DataConfig(_Section):
     generated_examples: int = Field(4000, ge=1, description="Size of the built-in generated dataset.")
     generated_seed: int = Field(1234, description="Seed of the built-in generated dataset (independent of "
                                                   "train.seed, so runs with different seeds see the same data).")
+    sources: list[SourceConfig] | None = Field(
+        None, description="Several datasets mixed by weight instead of `path`: a list of {path, weight, format, "
+                          "split, columns}. Rows are drawn in a seeded order (train.seed); the checkpoint keeps "
+                          "each source's position, so a resume at any world size continues every source exactly.")
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self):
+        if self.sources is not None:
+            if self.path not in (None, "generated"):
+                raise ValueError("give data.path or data.sources, not both")
+            if not self.sources or sum(s.weight for s in self.sources) <= 0:
+                raise ValueError("data.sources weights sum to 0; give at least one source a weight > 0")
+        return self

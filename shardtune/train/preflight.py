@@ -130,25 +130,34 @@ def _check_backend(backend: str) -> None:
 
 
 def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
-    """Tokenizer, template and packing as every rank will: at least one global batch of rows. Rows
-    lie between ceil(kept tokens / seq_len) (perfect packing) and the kept examples; the seeded
-    packing itself (torch's randperm) runs only when the batch falls between the two."""
-    from shardtune.train.data.dataset import build_tokenizer, encode_records, pack_examples, read_records
+    """Tokenizer, template and packing as every rank will: at least one global batch of rows (over
+    every source of a mix with weight > 0)."""
+    from shardtune.train.data.dataset import build_tokenizer
+    from shardtune.train.data.sources import source_configs
 
     tok = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
     seq_len, rows_per_step = cfg.train.seq_len, cfg.train.micro_batch * cfg.train.grad_accum * world_size
-    encoded = encode_records(read_records(cfg.data), tok, cfg.data)
-    kept = [min(len(ids), seq_len) for ids, mask in encoded if any(mask[1:seq_len])]
-    low = -(-sum(kept) // seq_len) if cfg.data.packing else len(kept)
-    rows = len(kept) if kept and low >= rows_per_step else None
-    if rows is None and (not kept or len(kept) >= rows_per_step):  # no target at all: pack_examples says so
-        rows = pack_examples(encoded, seq_len, cfg.data.packing, cfg.train.seed).num_rows
-    if rows is None:  # even one example per row is too few: pack for the exact count in the message
-        rows = pack_examples(encoded, seq_len, cfg.data.packing, cfg.train.seed).num_rows
+    seed = cfg.train.seed if not cfg.data.sources else None
+    rows = sum(_source_rows(data, tok, seq_len, rows_per_step, cfg.train.seed + k if seed is None else seed)
+               for k, (data, weight) in enumerate(source_configs(cfg.data)) if weight > 0)
     if rows < rows_per_step:
         raise UserError(f"the dataset fills {rows} rows of seq_len {seq_len}, fewer than one "
                         f"global batch ({rows_per_step} = micro_batch × grad_accum × {world_size} ranks); add data "
                         "or lower train.micro_batch / grad_accum")
+
+
+def _source_rows(data, tok, seq_len: int, rows_per_step: int, seed: int) -> int:
+    """The rows one source packs into, or a bound >= rows_per_step when that is sure. Rows lie
+    between ceil(kept tokens / seq_len) (perfect packing) and the kept examples; the seeded
+    packing itself (torch's randperm) runs only when the batch falls between the two."""
+    from shardtune.train.data.dataset import encode_records, pack_examples, read_records
+
+    encoded = encode_records(read_records(data), tok, data)
+    kept = [min(len(ids), seq_len) for ids, mask in encoded if any(mask[1:seq_len])]
+    low = -(-sum(kept) // seq_len) if data.packing else len(kept)
+    if kept and low >= rows_per_step:
+        return len(kept)
+    return pack_examples(encoded, seq_len, data.packing, seed).num_rows  # no target at all: it says so
 
 
 def _check_val(cfg: RunConfig) -> None:

@@ -19,15 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardtune.errors import UserError
-from shardtune.train.data.sources import GENERATED, read_records  # noqa: F401 (re-exported)
+from shardtune.train.data.sources import GENERATED, read_records, source_configs  # noqa: F401 (GENERATED re-exported)
 from shardtune.train.data.tokenizer import load_tokenizer
 
 IGNORE_INDEX = -100
 
 
 def check_dataset(data_cfg) -> int:
-    """Validate the dataset (no torch, no tokenizer); returns the number of examples."""
-    return len(read_records(data_cfg))
+    """Validate the dataset, or each of data.sources (no torch, no tokenizer); returns the examples."""
+    return sum(len(read_records(cfg)) for cfg, _ in source_configs(data_cfg))
 
 
 # ---------------------------------------------------------------- tokenization
@@ -242,13 +242,23 @@ def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
 
 def build_dataloader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, seed: int) -> PackedLoader:
     """This data-parallel rank's loader (see the module docstring for the order guarantee)."""
+    if data_cfg.sources:
+        from shardtune.train.data.mix import build_mixed_loader  # mix.py imports this module
+
+        loader = build_mixed_loader(data_cfg, train_cfg, tokenizer, dp_rank, dp_size, seed)
+        _check_fills(loader.num_rows, train_cfg, dp_size)
+        return loader
     data = build_dataset(data_cfg, train_cfg.seq_len, tokenizer, seed)
+    _check_fills(data.num_rows, train_cfg, dp_size)
+    return PackedLoader(data, train_cfg.micro_batch, dp_rank, dp_size, seed, data_cfg.shuffle, tokenizer.pad_id)
+
+
+def _check_fills(num_rows: int, train_cfg, dp_size: int) -> None:
     rows_per_step = train_cfg.micro_batch * train_cfg.grad_accum * dp_size
-    if data.num_rows < rows_per_step:  # else one step would hold the same row twice
-        raise UserError(f"the dataset fills {data.num_rows} rows of seq_len {train_cfg.seq_len}, fewer than one "
+    if num_rows < rows_per_step:  # else one step would hold the same row twice
+        raise UserError(f"the dataset fills {num_rows} rows of seq_len {train_cfg.seq_len}, fewer than one "
                         f"global batch ({rows_per_step} = micro_batch × grad_accum × {dp_size} ranks); add data or "
                         "lower train.micro_batch / grad_accum")
-    return PackedLoader(data, train_cfg.micro_batch, dp_rank, dp_size, seed, data_cfg.shuffle, tokenizer.pad_id)
 
 
 def steps_for_epochs(num_rows: int, epochs: float, rows_per_step: int) -> int:

@@ -208,3 +208,12 @@ def read_records(data_cfg) -> list[dict]:
     if not records:
         raise UserError(f"dataset {where} is empty; give a dataset with at least one example")
     return records
+
+
+def source_configs(data_cfg) -> list[tuple[object, float]]:
+    """(a data config reading one source, its weight) for each of `data.sources`, or [(data_cfg, 1)]."""
+    if not getattr(data_cfg, "sources", None):
+        return [(data_cfg, 1.0)]
+    return [(data_cfg.model_copy(update={"path": s.path, "format": s.format, "split": s.split,
+                                         "columns": s.columns, "sources": None}), s.weight)
+            for s in data_cfg.sources]
