@@ -178,7 +178,8 @@ DEVICES = ("cpu", "cuda")
 def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed", offload: str = "none",
                       optimizer: str = "adamw", optimizer_impl: str = "auto", lora_rank: int = 0,
                       hsdp_shard_size: int | None = None, activation_checkpointing: str = "none",
-                      ac_every: int = 2, device: str | None = None, planner_modes: bool = False) -> None:
+                      ac_every: int = 2, device: str | None = None, planner_modes: bool = False,
+                      quantize_base: str = "none") -> None:
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
@@ -224,3 +225,12 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
         raise UserError(f"ac_every {ac_every!r} is not a positive integer (parallel.ac_every / --ac-every)")
     if not isinstance(lora_rank, int) or lora_rank < 0:
         raise UserError(f"lora rank {lora_rank!r} is not a non-negative integer (lora.rank / --lora-rank)")
+    if quantize_base not in ("none", "nf4"):
+        raise UserError(f"unknown quantize_base {quantize_base!r}; choose none or nf4 "
+                        "(lora.quantize_base / --quantize-base)")
+    if quantize_base != "none" and lora_rank == 0:
+        raise UserError(f"quantize_base {quantize_base!r} freezes the base in 4 bits: it needs LoRA adapters "
+                        "(lora.rank / --lora-rank > 0)")
+    if quantize_base != "none":
+        raise UserError(f"quantize_base {quantize_base!r} (QLoRA) is not implemented yet "
+                        "(lora.quantize_base / --quantize-base none)")
