@@ -40,6 +40,8 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
         ([f"data.path={good}", "data.template=plain",
           f"data.val_path={_jsonl(root, 'val.jsonl', [{'prompt': 'x' * 300, 'response': 'y'}])}"],
          "has no target token within seq_len=128"),
+        ([f"data.sources=[{{path: {good}, weight: 1}}, {{path: {good}, weight: -2}}]"], "weight -2.0 of"),
+        ([f"data.sources=[{{path: {good}, weight: 0}}]"], "data.sources weights sum to 0"),
     ]
 
 
