@@ -23,6 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from shardtune.errors import UserError
+from shardtune.train.durable.ckpt_files import check_metadata_pickle
 from shardtune.train.durable.safe_load import SafeLoadPlanner, read_dcp_metadata
 
 
@@ -94,12 +95,14 @@ def marker(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("sentinel") / "pwned"
 
 
+@pytest.mark.parametrize("reader", [read_dcp_metadata, check_metadata_pickle], ids=["reader", "launcher"])
 @pytest.mark.parametrize("label", list(_payloads(Path("/x"))))
-def test_gadget_metadata_is_refused_and_never_runs(label, marker, tmp_path):
+def test_gadget_metadata_is_refused_and_never_runs(label, reader, marker, tmp_path):
+    """Both the ranks' reader and the launcher's torch-free dry run refuse every payload."""
     payload = _payloads(marker)[label]
     (tmp_path / ".metadata").write_bytes(payload)
     with pytest.raises(UserError) as e:
-        read_dcp_metadata(tmp_path / ".metadata")
+        reader(tmp_path / ".metadata")
     assert "\n" not in str(e.value) and ("refusing" in str(e.value) or "not a readable" in str(e.value))
     assert not marker.exists(), label
 
@@ -132,6 +135,7 @@ def test_real_dcp_metadata_of_every_dtype_still_loads(tmp_path):
     sd["lr"], sd["betas"], sd["name"] = 0.1, (0.9, 0.95), "adamw"
     dcp.save(sd, checkpoint_id=str(tmp_path), no_dist=True)
     md = read_dcp_metadata(tmp_path / ".metadata")
+    check_metadata_pickle(tmp_path / ".metadata")  # the launcher's dry run accepts it too
     assert isinstance(md, Metadata) and set(md.state_dict_metadata) == set(sd)
     assert pickle.loads((tmp_path / ".metadata").read_bytes()).state_dict_metadata.keys() == sd.keys()
 

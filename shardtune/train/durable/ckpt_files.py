@@ -74,7 +74,7 @@ class _Stub:
 class _DryRun(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in DCP_METADATA_GLOBALS or (module == "torch" and name in DTYPE_NAMES):
-            return _Stub
+            return type(name, (_Stub,), {"pickled_as": (module, name)})  # one stub class per global
         raise refused_global(module, name)
 
     def persistent_load(self, pid):
@@ -87,12 +87,15 @@ def check_metadata_pickle(path: Path) -> None:
     without calling anything real: every allowed class is a stub here (the launcher's check)."""
     try:
         with open(path, "rb") as f:
-            _DryRun(f).load()
+            root = _DryRun(f).load()
     except UserError:
         raise
     except Exception as e:  # truncated, garbage, an unregistered extension code
         raise UserError(f"{path} is not a readable DCP metadata file ({type(e).__name__}); was the checkpoint "
                         "damaged or tampered with?") from None
+    if getattr(root, "pickled_as", None) != (_DCP_MD, "Metadata"):
+        raise UserError(f"{path} holds a {type(root).__name__}, not DCP metadata; refusing to load it "
+                        "(was the checkpoint tampered with?)")
 
 
 def check_before_launch(info: CheckpointInfo) -> None:
