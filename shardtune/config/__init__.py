@@ -47,7 +47,7 @@ class RunConfig(_Section):
         check_combination(par.strategy, precision=par.precision, offload=par.offload, optimizer=self.optim.name,
                           optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
-                          ac_every=par.ac_every)
+                          ac_every=par.ac_every, quantize_base=self.lora.quantize_base)
         if self.optim.name == "adamw-8bit" and STRATEGY[self.parallel.strategy].fsdp:
             # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
             # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
