@@ -145,7 +145,13 @@ def prompt_ids(tok, prompt: str, system: str | None) -> list[int]:
     """The chat template with a generation prompt; plain text (system, blank line, prompt) without one."""
     if tok.chat_template:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        try:
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False))
+        except Exception as e:  # a template that refuses a system turn, or a broken one: jinja's own words
+            hint = "; try without --system" if system else ""
+            raise UserError(f"the tokenizer's chat template cannot render this prompt ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:160]}){hint}") from None
     return list(tok((f"{system}\n\n" if system else "") + prompt)["input_ids"])
 
 

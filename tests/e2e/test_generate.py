@@ -185,3 +185,38 @@ def test_bad_option_is_one_line_exit_2(run, capsys, flag):
     rc = cli.main(["generate", str(run), "--prompt", "x", *flag])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.timeout(120)
+def test_system_message_and_a_template_that_refuses_it(tmp_path, capsys):
+    """--system goes through the template as transformers renders it; a template that raises on a
+    system turn is one line, exit 2 (the cut fixture: real weights, two layers)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.testing.smollm2 import cut_folder
+
+    from shardtune import cli
+
+    folder = cut_folder(2)
+    assert cli.main(["generate", str(folder), "--prompt", QUESTION, "--system", "Answer in French.",
+                     "--max-new-tokens", "12"]) == 0
+    got = capsys.readouterr().out.strip()
+    tok = AutoTokenizer.from_pretrained(folder)
+    enc = tok.apply_chat_template([{"role": "system", "content": "Answer in French."},
+                                   {"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=False, max_new_tokens=12)
+    assert got == tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+    strict = tmp_path / "strict"
+    shutil.copytree(folder, strict)
+    cfg = json.loads((strict / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                            "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (strict / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert cli.main(["generate", str(strict), "--prompt", "hi", "--system", "x"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("shardtune: error")]
+    assert len(errors) == 1 and "System role not supported" in errors[0] and "--system" in errors[0], err
