@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from shardtune.testing.proc import run_bounded
-from shardtune.testing.smollm2 import full_folder
+from shardtune.testing.smollm2 import cut_folder, full_folder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _runs import REPO, dcp_model, one_process_run  # noqa: E402
@@ -192,8 +192,6 @@ def test_system_message_and_a_template_that_refuses_it(tmp_path, capsys):
     """--system goes through the template as transformers renders it; a template that raises on a
     system turn is one line, exit 2 (the cut fixture: real weights, two layers)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardtune.testing.smollm2 import cut_folder
 
     from shardtune import cli
 
