@@ -34,14 +34,13 @@ def _strategy_memory(plan_json: dict | None, strategy: str | None) -> tuple[dict
     return s.get("memory"), sim if sim and sim.get("status") == "traced" else None
 
 
-def _run_strategy(run_dir: Path) -> str | None:
+def _run_config(run_dir: Path) -> dict:
     cfg = run_dir / "config.yaml"
     if not cfg.is_file():
-        return None
+        return {}
     import yaml  # inside: CLI start-up imports no yaml
 
-    data = yaml.safe_load(cfg.read_text()) or {}
-    return (data.get("parallel") or {}).get("strategy")
+    return yaml.safe_load(cfg.read_text()) or {}
 
 
 def load_run(run_dir: Path) -> dict:
@@ -51,7 +50,8 @@ def load_run(run_dir: Path) -> dict:
                         "(runs/<name>)")
     from shardtune.verify.compare import measured_memory
 
-    strategy = _run_strategy(run_dir)
+    config = _run_config(run_dir)
+    strategy = (config.get("parallel") or {}).get("strategy")
     plan_json = _read_json(run_dir / "plan.json", "plan")
     predicted, sim_in_plan = _strategy_memory(plan_json, strategy)
     _, simulated = _strategy_memory(_read_json(run_dir / "simulated.json", "simulation"), strategy)
@@ -63,7 +63,9 @@ def load_run(run_dir: Path) -> dict:
                         "give a run folder written by `shardtune train`")
     return {"strategy": strategy, "predicted": predicted, "simulated": simulated or sim_in_plan,
             "measured": measured_memory(memory_json) if memory_json else None,
-            "measured_method": (memory_json or {}).get("method"), "records": records, "notes": notes}
+            "measured_method": (memory_json or {}).get("method"), "records": records, "notes": notes,
+            "name": config.get("name") or run_dir.name,
+            "world_size": len((memory_json or {}).get("per_rank") or []) or None}
 
 
 def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
@@ -91,7 +93,7 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
 def report(run_dir: Path, console=None) -> list[Path]:
     """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
     from shardtune.plan.report import make_console
-    from shardtune.report.plots import plot_memory, plot_series
+    from shardtune.report.plots import plot_loss, plot_memory, plot_throughput
     from shardtune.verify.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
 
     console = console or make_console(140)
@@ -100,11 +102,12 @@ def report(run_dir: Path, console=None) -> list[Path]:
     plots.mkdir(exist_ok=True)
     sources = {k: run[k] for k in ("predicted", "simulated", "measured") if run[k]}
     written = []
-    if sources:
+    if sources:  # the title names what is drawn; CPU runs have ranks, not GPUs
+        where = "per-rank (CPU)" if run["measured_method"] and "cuda" not in run["measured_method"] else "per-GPU"
         written.append(plot_memory(sources, plots / "memory.png",
-                                   f"per-GPU memory ({run['strategy'] or 'run'}): predicted / simulated / measured"))
-    for key, name, label in (("loss", "loss.png", "loss"), ("tokens_per_s", "throughput.png", "tokens/s")):
-        p = plot_series(run["records"], key, plots / name, label, f"{label} per step")
+                                   f"{where} memory ({run['strategy'] or 'run'}): {' / '.join(sources)}"))
+    for p in (plot_loss(run["records"], plots / "loss.png", run["name"]),
+              plot_throughput(run["records"], plots / "throughput.png", run["name"], run["world_size"])):
         if p:
             written.append(p)
     rows = []
@@ -130,9 +133,11 @@ def report(run_dir: Path, console=None) -> list[Path]:
     if run["simulated"] and run["measured"] and "cuda" not in (run["measured_method"] or ""):
         console.print("note: the simulation follows a CUDA run (foreach AdamW); a CPU run's AdamW loops over "
                       "tensors, so its optimizer-step temporaries are smaller (docs/calibration.md)")
+    if run["measured"] and run["measured"].get("total"):  # the same line as the train summary's
+        console.print(f"measured peak (largest rank): {run['measured']['total'] / 2**20:,.2f} MiB")
     for note in run["notes"]:
         console.print(f"note: {note}")
-    recs = run["records"]
+    recs = [r for r in run["records"] if r.get("loss") is not None]  # skipped steps carry no loss
     if recs:
         tps = sum(r.get("tokens_per_s", 0) for r in recs) / len(recs)
         console.print(f"loss {recs[0].get('loss', float('nan')):.4f} (step {recs[0].get('step')}) → "

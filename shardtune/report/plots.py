@@ -3,8 +3,8 @@
 memory.png      stacked bars per source (predicted = plan.json, simulated = simulated.json,
                 measured = memory.json's largest rank) by category, each source's peak as a
                 marker; GiB = 2^30 bytes (MiB when the peak is under 1 GiB)
-loss.png        loss per step (metrics.jsonl)
-throughput.png  tokens/s per step (metrics.jsonl)
+loss.png        training loss per step, its moving average, validation loss, resume markers
+throughput.png  global tokens/s (all ranks) per step and its mean (metrics.jsonl)
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import matplotlib.pyplot as plt
 
 matplotlib.use("Agg")  # files only, no display (report/commands.py imports this module lazily)
 
-STACK = ("params", "grads", "optimizer", "activations", "buffers")
+STACK = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp")  # the table's
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
-          "buffers": "#8172b3"}
+          "buffers": "#8172b3", "optimizer_step_temp": "#937860"}
+LABELS = {"optimizer_step_temp": "opt tmp"}  # as the report's table names it
 
 
 def plot_memory(sources: dict[str, dict], path: Path, title: str) -> Path:
@@ -31,34 +32,83 @@ def plot_memory(sources: dict[str, dict], path: Path, title: str) -> Path:
         bottom = 0.0
         for k in STACK:
             v = (sources[name].get(k) or 0) / unit
-            ax.bar(i, v, bottom=bottom, color=COLORS[k], label=k if i == 0 else None, width=0.6)
+            ax.bar(i, v, bottom=bottom, color=COLORS[k], label=LABELS.get(k, k) if i == 0 else None, width=0.6)
             bottom += v
         if sources[name].get("total"):
             ax.plot([i - 0.35, i + 0.35], [sources[name]["total"] / unit] * 2, color="black", lw=2,
                     label="peak (one moment)" if i == 0 else None)
     ax.set_xticks(range(len(names)), names)
     ax.set_xlabel("bars: each category's own maximum over the step (they need not coincide)", fontsize="small")
-    ax.set_ylabel(f"per-GPU memory, {unit_name}")
+    ax.set_ylabel(f"memory, {unit_name}")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def plot_series(records: list[dict], key: str, path: Path, ylabel: str, title: str) -> Path | None:
-    """One line of `key` against `step` (None, and no file, when no record has the key)."""
-    points = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
-    if not points:
+def smooth(values: list[float], alpha: float = 0.9) -> list[float]:
+    """Exponential moving average (TensorBoard's smoothing, debiased like Adam's moments)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = alpha * avg + (1 - alpha) * v
+        out.append(avg / (1 - alpha ** i))
+    return out
+
+
+def draw_loss(records: list[dict], run_name: str):
+    """The loss figure: training loss per step, its moving average, validation loss, and a dashed
+    line at each resume (None when no record has a loss)."""
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None and "step" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None and "step" in r]
+    if not train and not val:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.5)
+    if train:
+        steps, losses = [p[0] for p in train], [p[1] for p in train]
+        ax.plot(steps, losses, lw=1, alpha=0.35, color="#4c72b0", label="training loss")
+        if len(train) > 2:
+            ax.plot(steps, smooth(losses), lw=1.8, color="#4c72b0", label="training loss, smoothed (EMA 0.9)")
+    if val:
+        ax.plot([p[0] for p in val], [p[1] for p in val], "o-", lw=1.5, color="#c44e52", label="validation loss")
+    for i, step in enumerate(r["step"] for r in records if r.get("resumed_from") is not None):
+        ax.axvline(step - 0.5, ls="--", color="gray", lw=1, label="resumed" if i == 0 else None)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_ylabel("loss (token mean)")
+    ax.set_title(f"{run_name}: loss per step")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_loss(records: list[dict], path: Path, run_name: str) -> Path | None:
+    fig = draw_loss(records, run_name)
+    return _save(fig, path) if fig is not None else None
+
+
+def draw_throughput(records: list[dict], run_name: str, world_size: int | None):
+    """Global tokens/s (all ranks together) per step and its mean over the steps drawn."""
+    points = [(r["step"], r["tokens_per_s"]) for r in records if r.get("tokens_per_s") is not None]
+    if not points:
+        return None
+    mean = sum(p[1] for p in points) / len(points)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.5, label="tokens/s, global (all ranks)")
+    ax.axhline(mean, ls="--", color="black", lw=1, label=f"mean {mean:,.0f} tokens/s")
+    ranks = f" over {world_size} rank(s)" if world_size else ""
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("tokens/s, global")
+    ax.set_title(f"{run_name}: global throughput{ranks} (train_step time)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def plot_throughput(records: list[dict], path: Path, run_name: str, world_size: int | None) -> Path | None:
+    fig = draw_throughput(records, run_name, world_size)
+    return _save(fig, path) if fig is not None else None

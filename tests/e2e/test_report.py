@@ -27,9 +27,9 @@ def _run(cmd: list[str], timeout_s: float, stdout=subprocess.PIPE, env=None) -> 
 def test_report_after_train_and_simulate(tmp_path):
     run = tmp_path / "run"
     shardtune = [sys.executable, "-m", "shardtune.cli"]
-    rc, log = _run([*shardtune, "train", str(RECIPE), "--nproc", "2", "--max-steps", "4",
-                    "--output-dir", str(run)], 200)
-    assert rc == 0, log[-3000:]
+    rc, train_log = _run([*shardtune, "train", str(RECIPE), "--nproc", "2", "--max-steps", "4",
+                          "--output-dir", str(run)], 200, env=dict(os.environ, COLUMNS="140"))
+    assert rc == 0, train_log[-3000:]
     memory = json.loads((run / "memory.json").read_text())
     # every CPU run carries the tracker's categories of one step, per rank
     assert all({"params", "activations", "buffers", "total"} <= set(r["tracked"]) for r in memory["per_rank"])
@@ -46,6 +46,10 @@ def test_report_after_train_and_simulate(tmp_path):
         data = (run / "plots" / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, name
     assert "Δ measured vs predicted" in out and "Δ measured vs simulated" in out
+    # the train summary and the report print the same measured peak: memory.json's largest tracked step
+    peak_mib = f"{max(r['tracked']['total'] for r in memory['per_rank']) / 2**20:,.2f} MiB"
+    assert f"measured peak (largest rank): {peak_mib}" in train_log, train_log[-2000:]
+    assert f"measured peak (largest rank): {peak_mib}" in out
     # the measured row shows the run's own largest-rank params (memory.json), in MiB
     params_mib = max(r["tracked"]["params"] for r in memory["per_rank"]) / 2**20
     measured_row = next(line for line in out.splitlines() if " measured " in f" {line} " and "Δ" not in line)
@@ -81,3 +85,32 @@ def test_report_skips_a_last_line_cut_by_a_kill_with_a_note(tmp_path, capsys):
     (run / "metrics.jsonl").write_text('{"step": 1, "lo\n' + text)  # damaged in the middle: refused
     assert main(["report", str(run)]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_loss_and_throughput_plots_draw_what_their_labels_say():
+    import pandas as pd
+
+    from shardtune.report.plots import draw_loss, draw_throughput
+
+    losses = [5.0, 4.0, 4.5, 3.0, 2.5, 2.75]
+    records = [{"step": s, "loss": v, "tokens_per_s": 100.0 * s} for s, v in enumerate(losses, 1)]
+    records[3]["val_loss"], records[5]["val_loss"] = 3.5, 3.25
+    records[4]["resumed_from"] = 4  # the first step after a resume
+    fig = draw_loss(records, "my-run")
+    ax = fig.axes[0]
+    assert "my-run" in ax.get_title()
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert list(lines["validation loss"].get_xdata()) == [4, 6]
+    assert list(lines["validation loss"].get_ydata()) == [3.5, 3.25]
+    assert list(lines["training loss"].get_ydata()) == losses
+    want = pd.Series(losses).ewm(alpha=0.1, adjust=True).mean().tolist()  # pandas' debiased EMA
+    assert list(lines["training loss, smoothed (EMA 0.9)"].get_ydata()) == pytest.approx(want)
+    assert list(lines["resumed"].get_xdata()) == [4.5, 4.5]  # between step 4 and step 5
+    legend = {t.get_text() for t in ax.get_legend().get_texts()}
+    assert legend == set(lines)
+    fig = draw_throughput(records, "my-run", 2)
+    ax = fig.axes[0]
+    assert "global" in ax.get_title() and "2 rank(s)" in ax.get_title() and "global" in ax.get_ylabel()
+    mean_line = next(ln for ln in ax.get_lines() if ln.get_label().startswith("mean"))
+    assert list(mean_line.get_ydata()) == [350.0, 350.0]  # (100 + ... + 600) / 6
+    assert mean_line.get_label() == "mean 350 tokens/s"
