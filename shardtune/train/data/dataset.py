@@ -153,6 +153,8 @@ def build_row(data: PackedData, row: list[int], pad_id: int) -> tuple[list[int],
     for k in row:
         a, b = data.offsets[k], data.offsets[k + 1]
         ex, tg = data.tokens[a:b], data.targets[a:b]
+        if not isinstance(ex, list):  # numpy views of the memory-mapped cache
+            ex, tg = ex.tolist(), tg.tolist()
         ids += ex
         labels += [ex[i + 1] if tg[i + 1] else IGNORE_INDEX for i in range(len(ex) - 1)] + [IGNORE_INDEX]
         pos += range(len(ex))
@@ -236,8 +238,15 @@ def encode_records(records: list[dict], tokenizer, data_cfg, what: str = "exampl
 
 def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
     """Read, tokenize and pack the whole dataset (every rank does the same, deterministically)."""
-    encoded = encode_records(read_records(data_cfg), tokenizer, data_cfg)
-    return pack_examples(encoded, seq_len, data_cfg.packing, seed)
+    def build() -> PackedData:
+        return pack_examples(encode_records(read_records(data_cfg), tokenizer, data_cfg), seq_len, data_cfg.packing,
+                             seed)
+
+    if not data_cfg.cache_dir:
+        return build()
+    from shardtune.train.data.cache import cache_key, cached_packed  # cache.py imports this module
+
+    return cached_packed(data_cfg.cache_dir, cache_key(data_cfg, seq_len, tokenizer, seed), build)
 
 
 def build_dataloader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, seed: int) -> PackedLoader:

@@ -1,0 +1,97 @@
+"""The tokenised cache (train/data/cache.py): the memory-mapped loader gives the same batches as
+the in-memory one, a second start does not tokenise, a change of data or seq_len rebuilds, a
+corrupt cache is named and rebuilt, and concurrent starters build once."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import torch
+
+from shardtune.config import DataConfig, TrainConfig
+from shardtune.train.data import cache, dataset
+from shardtune.train.data.dataset import build_dataloader
+from shardtune.train.data.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def _data(tmp_path, n=300):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"q{i}\n", "response": "x" * (i % 17)}) + "\n" for i in range(n)))
+    return str(p)
+
+
+def _batches(cfg, seq_len=64, n=6):
+    ld = build_dataloader(cfg, TrainConfig(seq_len=seq_len, micro_batch=4), TOK, 1, 2, 3)
+    return [next(ld) for _ in range(n)], ld.num_rows
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert all(torch.equal(x[k], y[k]) for k in ("input_ids", "labels", "position_ids"))
+
+
+def test_cached_equals_in_memory_and_is_reused(tmp_path, monkeypatch):
+    path = _data(tmp_path)
+    ref, ref_rows = _batches(DataConfig(path=path, template="plain"))
+    cfg = DataConfig(path=path, template="plain", cache_dir=str(tmp_path / "cache"))
+    first, rows = _batches(cfg)
+    assert rows == ref_rows
+    _same(first, ref)
+    (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert isinstance(cache.load_cache(folder).tokens, __import__("numpy").ndarray)
+
+    def no_tokenising(*a, **k):
+        raise AssertionError("tokenised again")
+
+    monkeypatch.setattr(dataset, "encode_records", no_tokenising)
+    again, _ = _batches(cfg)
+    _same(again, ref)
+    monkeypatch.undo()
+    _batches(cfg, seq_len=32)  # another seq_len: another key
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    _batches(cfg)  # the file changed: another key
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 3
+
+
+def test_corrupt_cache_is_named_and_rebuilt(tmp_path, capsys):
+    path = _data(tmp_path)
+    ref, _ = _batches(DataConfig(path=path, template="plain"))
+    cfg = DataConfig(path=path, template="plain", cache_dir=str(tmp_path / "cache"))
+    _batches(cfg)
+    (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    tokens = folder / "tokens.arrow"
+    raw = bytearray(tokens.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    tokens.write_bytes(bytes(raw))
+    capsys.readouterr()
+    again, _ = _batches(cfg)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is corrupt (tokens.arrow does not match meta.json); rebuilding it" in err[0]
+    _same(again, ref)
+    assert cache.check_cache(folder) is None
+
+
+def test_concurrent_starters_build_once(tmp_path):
+    pk = dataset.pack_examples([([1, 2, 3], [False, True, True])] * 5, 8, True, 0)
+    builds = []
+
+    def build():
+        builds.append(os.getpid())
+        time.sleep(0.3)
+        return pk
+
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(cache.cached_packed(str(tmp_path), "k", build)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(builds) == 1 and len(out) == 4
+    assert all(list(o.rows) == pk.rows and o.tokens.tolist() == pk.tokens for o in out)
