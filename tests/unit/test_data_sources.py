@@ -73,7 +73,8 @@ def test_cached_dataset_id_offline(tmp_path):
 def test_alpaca_sharegpt_and_column_mapping(tmp_path):
     alpaca = [{"instruction": "Add", "input": "1 2", "output": "3"}, {"instruction": "Hi", "input": "", "output": "Yo"}]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in alpaca))
-    assert _read(tmp_path / "a.jsonl") == [{"prompt": "Add\n\n1 2", "response": "3"}, {"prompt": "Hi", "response": "Yo"}]
+    assert _read(tmp_path / "a.jsonl") == [{"prompt": "Add\n\n1 2", "response": "3"},
+                                           {"prompt": "Hi", "response": "Yo"}]
     share = [{"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q"},
                                 {"from": "gpt", "value": "A"}]}]
     (tmp_path / "s.jsonl").write_text(json.dumps(share[0]) + "\n")
