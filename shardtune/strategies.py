@@ -114,12 +114,14 @@ def normalize_optimizer_impl(name: str) -> str:
 
 
 def resolve_optimizer_impl(impl: str, offload: str, cuda: bool = True) -> str:
-    """The kernel `auto` gets: torch's own choice (torch/optim/optimizer.py
-    `_default_to_fused_or_foreach`), foreach for CUDA tensors, for-loop for CPU ones (a CPU run,
-    or the params that `offload all` keeps on the CPU). Other names stand as given."""
+    """The kernel `auto` gets: torch's fused AdamW, which torch 2.13 has for CUDA and for CPU
+    tensors (so also for the params `offload all` keeps on the CPU), on plain and DTensor params;
+    torch's own default would be foreach on CUDA, for-loop on CPU (`_default_to_fused_or_foreach`),
+    slower and with temporaries (docs/qlora.md "Fused AdamW by default"). `cuda`, `offload`: kept
+    for callers; every device here has the fused kernel. Other names stand as given."""
     if impl != "auto":
         return impl
-    return "foreach" if cuda and offload != "all" else "for-loop"
+    return "fused"
 
 
 @dataclass(frozen=True)

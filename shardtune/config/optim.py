@@ -16,7 +16,7 @@ class OptimConfig(_Section):
                              "blockwise: 2 B/param instead of 8; needs bitsandbytes; ddp and zero1 only, it does "
                              "not take FSDP2's DTensor parameters).")
     implementation: str = Field(
-        "auto", description="torch AdamW kernel: auto (torch's choice: foreach on CUDA, for-loop on CPU) | "
+        "auto", description="torch AdamW kernel: auto (torch's fused kernel, CUDA and CPU) | "
                             "foreach (a temporary the size of the rank's states) | fused (no temporary) | "
                             "for-loop (temporaries of the largest tensor only) | bf16-stochastic (pure bf16 "
                             "only: the update in fp32, weights rounded stochastically, train/core/optim.py). "

@@ -108,7 +108,8 @@ def step_counter_bytes(num_tensors: int, optimizer: str) -> int:
 def optimizer_temp_bytes(state_numel: int, largest_numel: int, optimizer: str, state_bytes: int,
                          impl: str = "foreach") -> int:
     """The AdamW step's temporaries for the rank's `state_numel` state elements, the largest
-    tensor `largest_numel` of them, under kernel `impl` (module doc; `auto` plans foreach)."""
+    tensor `largest_numel` of them, under kernel `impl` (module doc; callers resolve `auto` first:
+    strategies.resolve_optimizer_impl, fused)."""
     if optimizer != "adamw" or impl == "fused":
         return 0
     if impl == "bf16-stochastic":

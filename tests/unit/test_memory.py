@@ -52,15 +52,18 @@ def test_zero3_fp32_exact_shards_with_padding():
     # N = 3 pads: 128 → 43 rows (129), 64 → 22 (66), 344 → 115 (345); 264 → 88 (exact).
     local = _tiny_shards_by_hand(lambda d: -(-d // 3))
     assert local == 88 * 128 + 4 * (43 * 128 + 44 * 128 + 43 * 128 + 230 * 128 + 43 * 344 + 86) + 43 + 88 * 128
-    s = plan("tiny-llama", 3, precision="fp32", seq_len=16).strategy("zero3")
+    s = plan("tiny-llama", 3, precision="fp32", seq_len=16, optimizer_impl="foreach").strategy("zero3")
     assert (s.memory.params, s.memory.grads, s.memory.optimizer) == (4 * local, 4 * local, 8 * local)
     assert s.memory.optimizer_step_temp == 4 * local  # foreach AdamW's sqrt(v) copy
+    auto = plan("tiny-llama", 3, precision="fp32", seq_len=16).strategy("zero3")  # auto: fused, no temporary
+    # fused keeps each tensor's fp32 `step` counter beside the params: 4 B × 39 tensors
+    assert auto.memory.optimizer_step_temp == 0 and auto.memory.optimizer == 8 * local + 4 * 39
 
 
 def test_fsdp2_per_rank_local_bytes_by_hand():
     # rank 2 of 3 holds the remainders: 264 → 88 rows, 128 → 42, 64 → 20, 344 → 114
     rank2 = 88 * 128 + 4 * (42 * 128 + 2 * 20 * 128 + 42 * 128 + 2 * 114 * 128 + 42 * 344 + 2 * 42) + 42 + 88 * 128
-    s = plan("tiny-llama", 3, precision="fp32", seq_len=16).strategy("zero3")
+    s = plan("tiny-llama", 3, precision="fp32", seq_len=16, optimizer_impl="foreach").strategy("zero3")
     per_rank = s.state_bytes_per_rank
     assert per_rank["params"][2] == 4 * rank2 and per_rank["optimizer"][2] == 8 * rank2
     assert per_rank["params"][0] == s.memory.params  # rank 0 = the padded allocation
@@ -85,9 +88,9 @@ def test_zero1_partition_greedy_by_hand():
 def test_ddp_and_zero1_bf16_mixed_by_hand():
     psi = 264 * 128 * 2 + 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 344 + 2 * 128) + 128
     matrices_but_embedding = 264 * 128 + 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 344)
-    r = plan("tiny-llama", 2, seq_len=16)
+    r = plan("tiny-llama", 2, seq_len=16)  # auto: fused AdamW, a 4 B step counter per tensor (39) on device
     ddp = r.strategy("ddp").memory
-    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * psi, 4 * psi, 8 * psi + 4 * 39)
     assert ddp.buffers == 2 * matrices_but_embedding  # autocast's bf16 weight cache
     z1 = r.strategy("zero1").memory
     assert (z1.params, z1.grads) == (4 * psi, 4 * psi)
@@ -106,14 +109,14 @@ def test_lora_frozen_weights_carry_no_grads_or_states():
     # adapters on q,k,v,o,gate,up,down: r·(in + out) each, 4 layers
     adapters = 4 * 8 * ((128 + 128) + 2 * (128 + 64) + (128 + 128) + 2 * (128 + 344) + (344 + 128))
     assert r.model["trainable_params"] == adapters
-    ddp = r.strategy("ddp").memory
-    assert (ddp.grads, ddp.optimizer) == (4 * adapters, 8 * adapters)
+    ddp = r.strategy("ddp").memory  # + fused AdamW's on-device step counters, 4 B × 56 adapter tensors
+    assert (ddp.grads, ddp.optimizer) == (4 * adapters, 8 * adapters + 4 * 56)
     assert ddp.params == 4 * r.model["params"]
     # bf16-mixed: the frozen base is stored in bf16 (2 B), the adapters keep fp32 masters (4 B)
     mixed = plan("tiny-llama", 1, precision="bf16-mixed", lora_rank=8, seq_len=16).strategy("ddp").memory
     base = r.model["params"] - adapters
     assert mixed.params == 2 * base + 4 * adapters
-    assert (mixed.grads, mixed.optimizer) == (4 * adapters, 8 * adapters)
+    assert (mixed.grads, mixed.optimizer) == (4 * adapters, 8 * adapters + 4 * 56)
 
 
 def test_hsdp_shards_over_the_group_and_offload_reports_cpu_ram():
@@ -122,7 +125,7 @@ def test_hsdp_shards_over_the_group_and_offload_reports_cpu_ram():
     assert hsdp.params == 4 * 16e9 / 8 and z3.params == 4 * 16e9 / 16
     off = plan(params=16e9, gpus=16, gpus_per_node=8, precision="fp32", offload="all").strategy("zero3")
     assert off.memory.params == off.memory.grads == off.memory.optimizer == 0
-    per_rank = (4 + 4 + 8 + 4) * 16e9 / 16  # params, grads, Adam m and v, the step's temporary
+    per_rank = (4 + 4 + 8) * 16e9 / 16  # params, grads, Adam m and v; auto = fused: no step temporary
     assert off.cpu_offload_bytes_per_node == 8 * per_rank
     assert [s.name for s in plan(params=1e9, gpus=8, offload="all").strategies] == ["zero2", "zero3", "hsdp"]
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardtune.parallel.build import build_strategy_optimizer
+from shardtune.strategies import resolve_optimizer_impl
 from shardtune.train.core.metrics import local_tensor
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ _IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": Tru
 
 def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
                     dp_group=None) -> torch.optim.Optimizer:
-    """AdamW over the trainable params: torch's (kernel per `optim.implementation`) or
+    """AdamW over the trainable params: torch's (kernel per `optim.implementation`; auto: fused) or
     bitsandbytes' AdamW8bit (`optim.name` adamw-8bit; config.py allows it under ddp/zero1 only);
     the strategy holds its states (zero1: sharded across `dp_group`, `build_strategy_optimizer`)."""
     kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
@@ -109,7 +110,8 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: Para
         cls = AdamWStochasticBF16
     else:
         cls = torch.optim.AdamW
-        kwargs.update(_IMPL_KWARGS[optim_cfg.implementation])
+        impl = resolve_optimizer_impl(optim_cfg.implementation, parallel_cfg.offload)
+        kwargs.update(_IMPL_KWARGS[impl])
     params = [p for p in model.parameters() if p.requires_grad]
     return build_strategy_optimizer(parallel_cfg, cls, params, dp_group, **kwargs)
 
