@@ -3,6 +3,13 @@
     .venv/bin/python bench/throughput.py      # shardtune zero3 + ddp, limit zero3, hf-trainer, fabric-fsdp2
     .venv/bin/python bench/throughput.py --contenders shardtune-zero3,limit-zero3,shardtune-zero2,limit-zero2
     .venv/bin/python bench/throughput.py --pairs 5 --steps 12 --json /tmp/tp.json
+    .venv/bin/python bench/throughput.py --mode interleaved --contenders shardtune-zero3,limit-zero3 --steps 40
+
+--mode interleaved (bench/interleaved.py): both sides built in the same 2 ranks, steps alternated,
+each timed between barriers; the ratio is the median of per-step hand/shardtune time ratios. It
+resolves ~1 % where process against process cannot (each run's tokens/s moves 1.5-2x with the
+load). Pairs: shardtune-S with limit-S (S = zero2 | zero3); shardtune runs its whole loop at
+the recipe's log_every (--log-every).
 
 Every contender is its own `torch.distributed.run --standalone --nproc-per-node 2` job (gloo, CPU,
 OMP_NUM_THREADS=1 for all: torchrun's default, set explicitly so that no launcher differs):
@@ -164,6 +171,43 @@ def run_one(name: str, inputs: dict, work: Path, nproc: int, timeout_s: float) -
     return result
 
 
+def run_interleaved(args, work: Path) -> dict:
+    """--mode interleaved: one 2-rank job per shardtune-S/limit-S pair; ratios over the timed steps."""
+    inputs = write_inputs(work, args)
+    names = args.contenders.split(",")
+    pairs = [(n, "limit-" + n.partition("-")[2]) for n in names if n.startswith("shardtune-")]
+    missing = [lim for _, lim in pairs if lim not in names]
+    if missing or not pairs or any("+" in n for n, _ in pairs):
+        raise SystemExit(f"--mode interleaved takes pairs shardtune-S,limit-S (S = zero2 | zero3); got {args.contenders}")
+    out: dict = {"ratio": {}, "load_avg": list(os.getloadavg()), "steps": {}}
+    for ours, lim in pairs:
+        run_dir = Path(tempfile.mkdtemp(prefix=f"{ours}-interleaved-", dir=work))
+        spec = dict(inputs["spec"], out=str(run_dir), strategy=ours.partition("-")[2], recipe=str(inputs["recipe"]),
+                    log_every=args.log_every)
+        (run_dir / "spec.json").write_text(json.dumps(spec))
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+                str(ROOT / "bench" / "interleaved.py"), str(run_dir / "spec.json")]
+        with (run_dir / "log.txt").open("w") as log:
+            rc = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=args.timeout).returncode
+        res = run_dir / "interleaved.json"
+        if rc or not res.exists():
+            raise SystemExit(f"{ours} vs {lim} failed (rc {rc}); see {run_dir / 'log.txt'}")
+        t = json.loads(res.read_text())
+        hand, mine = t["hand_s"][args.warmup:], t["shardtune_s"][args.warmup:]
+        rs = [h / o for h, o in zip(hand, mine)]
+        out["ratio"][f"{ours}/{lim}"] = {"median": statistics.median(rs), "min": min(rs), "max": max(rs),
+                                         "total": sum(hand) / sum(mine), "steps": len(rs)}
+        out["steps"][f"{ours}/{lim}"] = t
+        r = out["ratio"][f"{ours}/{lim}"]
+        print(f"  {ours} / {lim}: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}; "
+              f"time ratio {r['total']:.3f}) over {len(rs)} interleaved steps, log_every {args.log_every}", flush=True)
+    out["load_avg_after"] = list(os.getloadavg())
+    return out
+
+
 def throughputs(r: dict, warmup: int, tokens_per_step: int) -> dict | None:
     """{'step', 'loop'} tokens/s over the steps after warm-up (None if the run did not get there)."""
     steps = [s for s in r["steps"] if s["step"] > warmup]
@@ -220,6 +264,9 @@ def add_run_args(ap: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("process", "interleaved"), default="process",
+                    help="process: each contender its own job (default); interleaved: bench/interleaved.py")
+    ap.add_argument("--log-every", type=int, default=1, help="interleaved: shardtune's train.log_every")
     ap.add_argument("--contenders", default="shardtune-zero3,limit-zero3,hf-trainer,fabric-fsdp2,shardtune-ddp")
     ap.add_argument("--pairs", type=int, default=3, help="rounds (each runs every contender once)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps after warm-up")
@@ -243,6 +290,12 @@ def main() -> None:
     print(f"torch {torch.__version__}; Llama {args.layers} × {args.hidden} ({n_params / 1e6:.1f} M params), fp32, "
           f"{args.nproc} gloo ranks, micro-batch {args.micro_batch} × {args.seq_len} tokens per rank, "
           f"{args.warmup} + {args.steps} steps per run; work dir {work}", flush=True)
+    if args.mode == "interleaved":
+        result = run_interleaved(args, work)
+        print(f"load average before {result['load_avg']}, after {result['load_avg_after']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(result, args=vars(args), params=n_params), indent=1))
+        return
     rounds, inputs = run_rounds(args, work)
     print_tables(rounds, args)
     if args.json:
