@@ -178,7 +178,8 @@ def run_interleaved(args, work: Path) -> dict:
     pairs = [(n, "limit-" + n.partition("-")[2]) for n in names if n.startswith("shardtune-")]
     missing = [lim for _, lim in pairs if lim not in names]
     if missing or not pairs or any("+" in n for n, _ in pairs):
-        raise SystemExit(f"--mode interleaved takes pairs shardtune-S,limit-S (S = zero2 | zero3); got {args.contenders}")
+        raise SystemExit("--mode interleaved takes pairs shardtune-S,limit-S (S = zero2 | zero3); "
+                         f"got {args.contenders}")
     out: dict = {"ratio": {}, "load_avg": list(os.getloadavg()), "steps": {}}
     for ours, lim in pairs:
         run_dir = Path(tempfile.mkdtemp(prefix=f"{ours}-interleaved-", dir=work))
