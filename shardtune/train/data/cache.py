@@ -124,8 +124,12 @@ class MappedRows:
 
 
 def _column(folder: Path, name: str, column: str) -> np.ndarray:
-    table = pa.ipc.open_file(pa.memory_map(str(folder / name), "r")).read_all()
-    return table.column(column).chunk(0).to_numpy(zero_copy_only=True)
+    """A zero-copy numpy view of one primitive column (one record batch, no nulls) of a mapped file.
+    Through the buffer, not `to_numpy`, which imports pandas (0.6 s of a start)."""
+    reader = pa.ipc.open_file(pa.memory_map(str(folder / name), "r"))
+    arr = reader.get_batch(0).column(column)
+    return np.frombuffer(arr.buffers()[1], dtype=arr.type.to_pandas_dtype(), count=len(arr), offset=arr.offset *
+                         arr.type.bit_width // 8)
 
 
 def load_cache(folder: Path):
