@@ -11,6 +11,7 @@ exact int). `iterate(run)` is the loop as a generator (one `next()` per step: be
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,15 +101,18 @@ def _progress(enabled: bool):
 def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None) -> Run:
     """Tokenizer, data, model, optimizer, scheduler, resume; prints the start-up line (rank 0)."""
     check_loop_options(cfg)  # the launcher checked it too; a by-hand torchrun gets the same line
+    marks = [("imports and process group", time.perf_counter())]
     threads = cfg.train.threads_per_rank(ctx.local_world_size)
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
     loader = build_dataloader(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, cfg.train.seed)
     val_batches = _val_batches(cfg, tokenizer, ctx)
+    marks.append(("tokenizer and data", time.perf_counter()))
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
     total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
     model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed, cfg.lora)
+    marks.append(("model", time.perf_counter()))
     hf_config = unwrap(model).config
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
@@ -118,6 +122,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     state = TrainState(data=loader)
     keeper = RunKeeper(cfg, ctx, run_dir, model, optimizer, scheduler, state, tokenizer)
     keeper.resume()  # newest complete checkpoint (checkpoint.resume), resharded to this layout
+    marks.append(("optimizer and resume", time.perf_counter()))
     num_params = sum(p.numel() for p in unwrap(model).parameters())
     on_cpu = ctx.device.type == "cpu"
     run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
@@ -135,7 +140,27 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
               f"{total_steps} steps -> {run_dir}", flush=True)
         print(f"shardtune: weights: {describe_weights(cfg.model)} | tokenizer: "
               f"{describe_tokenizer(tokenizer, cfg.model.name)} | trained: {_trained_dtypes(run)}", flush=True)
+        print(f"shardtune: start-up {_startup(marks)}", flush=True)
     return run
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), None elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _startup(marks: list[tuple[str, float]]) -> str:
+    """'4.1 s since the process started: imports and process group 2.3 s, data 0.1 s, ...'."""
+    age = _process_age_s()
+    first = age - (time.perf_counter() - marks[0][1]) if age is not None else None
+    parts = ([f"{marks[0][0]} {first:.2f} s"] if first is not None else []) + [
+        f"{name} {t - marks[i][1]:.2f} s" for i, (name, t) in enumerate(marks[1:])]
+    total = f"{age:.2f} s since the process started: " if age is not None else ""
+    return total + ", ".join(parts)
 
 
 def _val_batches(cfg: RunConfig, tokenizer, ctx: DistContext) -> list[dict] | None:
