@@ -1,4 +1,4 @@
-"""One rank of tests/dist/test_sampling.py: generate_ids on a zero3-sharded model of the cut SmolLM2
+"""One rank of tests/dist/test_sharded_sampling.py: generate_ids on a zero3-sharded model of the cut SmolLM2
 fixture, every rank in lockstep with the same prompt. argv: folder prompt.json out_dir; prompt.json
 holds {ids, max_new_tokens, stop_ids}. Writes rank<r>.json: the greedy and a sampled answer."""
 from __future__ import annotations
