@@ -7,6 +7,7 @@ trainer all read these two. Imports no torch.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from shardtune.errors import UserError, suggest
@@ -200,18 +201,19 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
             raise UserError(f"optimizer {optimizer!r} is a planner-only mode; the trainer runs adamw or "
                             "adamw-8bit (optim.name / --optimizer)")
     fsdp = ", ".join(FSDP_STRATEGIES)
-    ddp_like = " or ".join(x.name for x in STRATEGY.values() if not x.fsdp)
     if offload == "all" and not s.fsdp:
         raise UserError(f"offload 'all' needs an FSDP strategy ({fsdp}), not {s.name!r} "
                         "(FSDP2 CPUOffloadPolicy; DDP has no offload): parallel.offload / --offload")
     if offload == "optimizer" and not s.shards_optimizer:
         raise UserError(f"offload 'optimizer' (DeepSpeed ZeRO-Offload) needs a ZeRO stage of 1 or more, "
                         f"not {s.name!r}: --offload / --strategy")
-    if optimizer == "adamw-8bit" and s.fsdp:
-        # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
-        # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
-        raise UserError(f"optimizer 'adamw-8bit' runs under {ddp_like} only: bitsandbytes does not take "
-                        f"FSDP2's DTensor parameters (strategy {s.name!r}; optim.name / --optimizer)")
+    if optimizer == "adamw-8bit":
+        # bitsandbytes 0.50.2 refuses FSDP2's DTensor params ("got mixed torch.Tensor and
+        # DTensor", measured); torchao's AdamW8bit takes them, so FSDP strategies use torchao
+        package = "torchao" if s.fsdp else "bitsandbytes"
+        if importlib.util.find_spec(package) is None:
+            raise UserError(f"optimizer 'adamw-8bit' under {s.name} needs {package} "
+                            f"(pip install 'shardtune[8bit]'), or optim.name / --optimizer adamw")
     if optimizer != "adamw" and impl != "auto":
         raise UserError(f"optimizer implementation {impl!r} applies to torch's AdamW; leave it 'auto' with "
                         f"{optimizer} (optim.implementation / --optimizer-impl)")

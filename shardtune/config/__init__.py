@@ -24,7 +24,7 @@ from shardtune.config.optim import OptimConfig
 from shardtune.config.parallel import ParallelConfig
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
-from shardtune.strategies import STRATEGY, check_combination
+from shardtune.strategies import check_combination
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -48,12 +48,6 @@ class RunConfig(_Section):
                           optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base)
-        if self.optim.name == "adamw-8bit" and STRATEGY[self.parallel.strategy].fsdp:
-            # measured (bitsandbytes 0.50.2, torch 2.13): "optimizer_update_8bit_blockwise got
-            # mixed torch.Tensor and DTensor" on FSDP2's sharded parameters
-            ddp_like = " or ".join(s.name for s in STRATEGY.values() if not s.fsdp)
-            raise ValueError(f"optim.name 'adamw-8bit' runs under {ddp_like} only: bitsandbytes does "
-                             f"not take FSDP2's DTensor parameters (strategy {self.parallel.strategy!r})")
         if self.optim.implementation == "bf16-stochastic" and self.parallel.precision != "bf16":
             raise ValueError("optim.implementation 'bf16-stochastic' rounds bf16 weights: it needs "
                              f"parallel.precision bf16, not {self.parallel.precision!r}")

@@ -1,7 +1,6 @@
 """`optim:` — optimizer, its kernel and the learning-rate schedule."""
 from __future__ import annotations
 
-import importlib.util
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -12,9 +11,9 @@ from shardtune.strategies import normalize_optimizer_impl
 
 class OptimConfig(_Section):
     name: Literal["adamw", "adamw-8bit"] = Field(
-        "adamw", description="adamw: torch.optim.AdamW | adamw-8bit: bitsandbytes' AdamW8bit (m and v in 8 bits, "
-                             "blockwise: 2 B/param instead of 8; needs bitsandbytes; ddp and zero1 only, it does "
-                             "not take FSDP2's DTensor parameters).")
+        "adamw", description="adamw: torch.optim.AdamW | adamw-8bit: m and v in 8 bits, blockwise (2 B/param "
+                             "instead of 8): torchao's AdamW8bit under zero2/zero3/hsdp (FSDP2's DTensors), "
+                             "bitsandbytes' under ddp/zero1 (the `8bit` extra).")
     implementation: str = Field(
         "auto", description="torch AdamW kernel: auto (torch's fused kernel, CUDA and CPU) | "
                             "foreach (a temporary the size of the rank's states) | fused (no temporary) | "
@@ -44,7 +43,5 @@ class OptimConfig(_Section):
         if self.name == "adamw-8bit":
             if self.implementation != "auto":
                 raise ValueError("optim.implementation applies to torch's AdamW; leave it 'auto' with adamw-8bit")
-            if importlib.util.find_spec("bitsandbytes") is None:
-                raise ValueError("optim.name 'adamw-8bit' needs bitsandbytes (pip install bitsandbytes); "
-                                 "it is not installed")
+            # the package it needs depends on the strategy: strategies.check_combination
         return self

@@ -99,9 +99,20 @@ def optimizer_state_bytes(numel: int, optimizer: str, state_bytes: int) -> int:
 QMAP_BYTES = 2 * 256 * 4  # adamw-8bit: the signed and unsigned dynamic maps, fp32, per optimizer
 
 
+def torchao_8bit_state_bytes(numel: int, state_bytes: int) -> int:
+    """torchao 0.18 AdamW8bit's m and v for one local tensor (FSDP strategies): `_new_buffer`
+    quantises a local shard of ≥ 4,096 elements divisible by the 256-element block into an
+    OptimState8bit each (uint8 codes, one fp32 scale per block, its own 256-entry fp32 qmap);
+    any other shard gets zeros_like (the param's dtype)."""
+    if numel >= 4096 and numel % 256 == 0:
+        return 2 * (numel + 4 * (numel // 256) + 4 * 256)
+    return 2 * state_bytes * numel
+
+
 def step_counter_bytes(num_tensors: int, optimizer: str) -> int:
     """AdamW's per-tensor `step` counters: 4 bytes (fp32, torch.optim.optimizer `_get_scalar_dtype`)
-    per tensor with optimizer state; none for sgd and adamw-8bit (a Python int)."""
+    per tensor with optimizer state; none for sgd and bitsandbytes' adamw-8bit (a Python int);
+    torchao's (FSDP strategies) is added by `shardtune_states`."""
     return 4 * num_tensors if optimizer == "adamw" else 0
 
 
@@ -176,11 +187,15 @@ def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, s
     counters = step_counter_bytes(sum(opt.values()), optimizer)
     qmaps = QMAP_BYTES if optimizer == "adamw-8bit" and any(n >= 4096 for n in opt) else 0
     on_device = impl == "fused"  # torch puts fused AdamW's counters beside the params
+    if optimizer == "adamw-8bit" and STRATEGY[strategy].fsdp:  # torchao's, a CPU fp32 `step` per tensor
+        opt_bytes, counters, qmaps, on_device = (sum(c * torchao_8bit_state_bytes(n, dt.state) for n, c in opt.items()),
+                                                 4 * sum(opt.values()), 0, False)
+    else:
+        opt_bytes = sum(c * optimizer_state_bytes(n, optimizer, dt.state) for n, c in opt.items())
     return States(
         params=g * dt.param + (p - g) * dt.frozen,  # the trainable local elements are the grads'
         grads=g * dt.grad,
-        optimizer=sum(c * optimizer_state_bytes(n, optimizer, dt.state) for n, c in opt.items())
-        + (counters if on_device else 0) + qmaps,
+        optimizer=opt_bytes + (counters if on_device else 0) + qmaps,
         optimizer_step_temp=optimizer_temp_bytes(sum(n * c for n, c in opt.items()), max(opt, default=0),
                                                  optimizer, dt.state, impl),
         optimizer_host=0 if on_device else counters,

@@ -13,8 +13,9 @@ from shardtune.strategies import check_combination
 @pytest.mark.parametrize("strategy,kw,expected", [
     ("ddp", dict(offload="all"), "needs an FSDP strategy"),
     ("zero1", dict(offload="all"), "needs an FSDP strategy"),
-    ("zero3", dict(optimizer="adamw-8bit"), "runs under ddp or zero1 only"),
-    ("hsdp", dict(optimizer="adamw-8bit"), "runs under ddp or zero1 only"),
+    ("zero3", dict(quantize_base="nf4"), "needs LoRA adapters"),
+    ("zero3", dict(lora_rank=8, quantize_base="nf4"), "not implemented yet"),
+    ("zero3", dict(lora_rank=8, quantize_base="int3"), "unknown quantize_base"),
     ("ddp", dict(optimizer="adamw-8bit", optimizer_impl="fused"), "leave it 'auto'"),
     ("zero3", dict(optimizer_impl="bf16-stochastic"), "needs parallel.precision bf16"),
     ("zero3", dict(precision="fp32", optimizer_impl="bf16-stochastic"), "not 'fp32'"),
@@ -34,6 +35,7 @@ def test_refused_combinations_are_one_line(strategy, kw, expected):
 
 @pytest.mark.parametrize("strategy,kw", [
     ("zero3", {}), ("ddp", dict(optimizer="adamw-8bit")), ("zero1", dict(optimizer="adamw-8bit")),
+    ("zero3", dict(optimizer="adamw-8bit")), ("zero2", dict(optimizer="adamw-8bit")),
     ("zero3", dict(precision="bf16", optimizer_impl="bf16-stochastic")), ("zero3", dict(offload="all")),
     ("hsdp", dict(hsdp_shard_size=2)), ("ddp", dict(optimizer_impl="for-loop", device="cpu")),
     ("FULL_SHARD", dict(lora_rank=8, activation_checkpointing="selective", ac_every=3)),
@@ -49,3 +51,16 @@ def test_planner_modes_accept_what_ifs_with_their_own_rules():
         check_combination("ddp", offload="optimizer", planner_modes=True)
     with pytest.raises(UserError, match="leave it 'auto'"):
         check_combination("zero3", optimizer="sgd", optimizer_impl="fused", planner_modes=True)
+
+
+@pytest.mark.parametrize("strategy,package", [("zero3", "torchao"), ("hsdp", "torchao"), ("zero2", "torchao"),
+                                              ("ddp", "bitsandbytes"), ("zero1", "bitsandbytes")])
+def test_adamw_8bit_without_its_package_is_one_line(monkeypatch, strategy, package):
+    """FSDP strategies run torchao's AdamW8bit, ddp/zero1 bitsandbytes': the missing one is named."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    with pytest.raises(UserError, match=f"needs {package} "):
+        check_combination(strategy, optimizer="adamw-8bit")
+    check_combination(strategy)  # adamw needs neither

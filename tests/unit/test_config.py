@@ -63,7 +63,6 @@ def test_recipe_file_name_and_override_order(tmp_path):
     (["parallel.strategy=ddp", "parallel.offload=all"], "needs an FSDP strategy"),
     (["nodots"], "is not key.path=value"),
     (["optim.implementation=fuse"], "unknown optimizer implementation 'fuse'"),
-    (["optim.name=adamw-8bit"], "runs under ddp or zero1 only"),  # default strategy zero3
     (["optim.name=adamw-8bit", "parallel.strategy=ddp", "optim.implementation=fused"], "leave it 'auto'"),
     (["optim.name=sgd"], "'optim.name' = 'sgd'"),
     (["optim.implementation=bf16-stochastic"], "needs parallel.precision bf16"),
@@ -196,4 +195,5 @@ def test_adamw_8bit_without_bitsandbytes_is_a_one_line_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    assert "needs bitsandbytes (pip install bitsandbytes)" in _err(["optim.name=adamw-8bit", "parallel.strategy=ddp"])
+    assert "needs bitsandbytes (pip install 'shardtune[8bit]')" in _err(["optim.name=adamw-8bit",
+                                                                          "parallel.strategy=ddp"])

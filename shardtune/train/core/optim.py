@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shardtune.parallel.build import build_strategy_optimizer
-from shardtune.strategies import resolve_optimizer_impl
+from shardtune.strategies import STRATEGY, resolve_optimizer_impl
 from shardtune.train.core.metrics import local_tensor
 
 if TYPE_CHECKING:
@@ -98,12 +98,16 @@ _IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": Tru
 def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: ParallelConfig,
                     dp_group=None) -> torch.optim.Optimizer:
     """AdamW over the trainable params: torch's (kernel per `optim.implementation`; auto: fused) or
-    bitsandbytes' AdamW8bit (`optim.name` adamw-8bit; config.py allows it under ddp/zero1 only);
+    an 8-bit AdamW (`optim.name` adamw-8bit: torchao's under FSDP strategies, bitsandbytes' under ddp/zero1);
     the strategy holds its states (zero1: sharded across `dp_group`, `build_strategy_optimizer`)."""
     kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
                   weight_decay=optim_cfg.weight_decay)
-    if optim_cfg.name == "adamw-8bit":
-        import bitsandbytes as bnb
+    if optim_cfg.name == "adamw-8bit" and STRATEGY[parallel_cfg.strategy].fsdp:
+        from torchao.optim import AdamW8bit  # optional dependency (`8bit` extra): imported on use
+
+        cls = AdamW8bit  # takes FSDP2's DTensor params: states quantised per local shard
+    elif optim_cfg.name == "adamw-8bit":
+        import bitsandbytes as bnb  # optional dependency (`8bit` extra): imported on use
 
         cls = bnb.optim.AdamW8bit
     elif optim_cfg.implementation == "bf16-stochastic":
