@@ -5,8 +5,9 @@ processes build rank 0's loader of 2 ranks and take one micro-batch, side by sid
   lists   today's path: read, tokenise and pack into Python lists (no data.cache_dir)
   first   with data.cache_dir, the cache absent: tokenise, pack, write Arrow, memory-map
   second  with the cache present: check it and memory-map it (no tokenising)
-RSS growth = VmRSS after the batch − VmRSS after the imports (the mapped pages a rank touches
-count; the cache's file pages it never reads do not). Rounds alternate the order.
+Private RSS growth = RssAnon after the batch − after the imports (/proc/self/status): what each
+rank holds alone. The mapped cache pages a rank touches (page-cache pages, with the kernel's
+readahead) are RssFile, shared by every rank of the node; printed beside. Rounds alternate order.
 
     .venv/bin/python bench/data_cache.py [--tokens 1e6 1e7] [--rounds 1]
 """
@@ -28,13 +29,15 @@ from shardtune.config import DataConfig, TrainConfig
 from shardtune.train.data.dataset import build_dataloader
 from shardtune.train.data.tokenizer import ByteTokenizer
 def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+    st = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("Rss")}
+    return st["RssAnon"], st["RssFile"] + st["RssShmem"]
 path, cache = sys.argv[1], sys.argv[2] or None
-r0, t0 = rss(), time.perf_counter()
+(a0, f0), t0 = rss(), time.perf_counter()
 ld = build_dataloader(DataConfig(path=path, cache_dir=cache), TrainConfig(seq_len=512, micro_batch=4),
                       ByteTokenizer(), 0, 2, 0)
 next(ld)
-print(json.dumps({"s": time.perf_counter() - t0, "rss": rss() - r0, "rows": ld.num_rows}))
+t, (a1, f1) = time.perf_counter() - t0, rss()
+print(json.dumps({"s": t, "rss": a1 - a0, "file": f1 - f0, "rows": ld.num_rows}))
 """
 
 
@@ -78,7 +81,8 @@ def main() -> None:
             med = {k: sorted(v, key=lambda x: x["s"])[len(v) // 2] for k, v in res.items()}
             print(f"{tokens:.0e} tokens ({med['lists']['rows']} rows of 512):")
             for k, v in med.items():
-                print(f"  {k:7s} start {v['s']:7.2f} s   RSS growth {v['rss'] / 2**20:8.1f} MiB")
+                print(f"  {k:7s} start {v['s']:7.2f} s   private RSS growth {v['rss'] / 2**20:8.1f} MiB   "
+                      f"(mapped file pages {v['file'] / 2**20:6.1f} MiB, shared)")
             print(f"  lists/second start {med['lists']['s'] / med['second']['s']:.1f}x, first/second "
                   f"{med['first']['s'] / med['second']['s']:.1f}x; RSS lists/second "
                   f"{med['lists']['rss'] / max(med['second']['rss'], 1):.1f}x", flush=True)
