@@ -115,6 +115,12 @@ def _read_jsonl(path: Path, where: str, data_cfg) -> list[dict]:
 
 def _load_hf(spec: str, split: str):
     """A `datasets.Dataset` for a file / glob / save_to_disk folder / cached dataset id (offline)."""
+    path = Path(spec).expanduser()
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") > 1 or path.suffix.lower() in (
+        *BUILDERS, *JSONL[:-1])
+    if not path.exists() and looks_like_path and not any(c in spec for c in "*?["):
+        raise UserError(f"dataset {spec!r} does not exist; set data.path to a file, a glob, a folder, or a "
+                        "dataset id in the local Hugging Face cache")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # never the network at run time
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -125,8 +131,9 @@ def _load_hf(spec: str, split: str):
                         "JSONL file)") from None
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors become our one line
-    path = Path(spec).expanduser()
     files = sorted(glob.glob(str(path))) if any(c in spec for c in "*?[") else [str(path)] if path.is_file() else []
+    if not files and any(c in spec for c in "*?["):
+        raise UserError(f"dataset glob {spec!r} matches no file; check the pattern")
     try:
         if path.is_dir():
             if not (path / "dataset_info.json").exists() and not (path / "dataset_dict.json").exists():
@@ -148,9 +155,6 @@ def _load_hf(spec: str, split: str):
                 return []
             return datasets.load_dataset(kind, data_files=files, split="train",
                                          **({"delimiter": "\t"} if files[0].endswith(".tsv") else {}))
-        if spec.startswith((".", "/", "~")) or os.sep in spec and spec.count("/") > 1:
-            raise UserError(f"dataset {spec!r} does not exist; set data.path to a file, a glob, a folder, or a "
-                            "dataset id in the local Hugging Face cache")
         try:
             folder = snapshot_download(spec, repo_type="dataset", local_files_only=True)
         except Exception:  # not in the cache (or not a valid id): nothing to read offline
