@@ -55,6 +55,9 @@ class DataConfig(_Section):
         "auto", description="How prompt/response and chat examples become text. auto: the tokenizer's chat "
                             "template if it has one, else plain; plain: bos+prompt+response+eos, chat turns "
                             "as '<|role|>\\n' + content.")
+    chat_template: str | None = Field(
+        None, description="Override the tokenizer's chat template: a Jinja template, or a .jinja file holding one "
+                          "(needs the model folder's tokenizer). Used where data.template is auto or chat.")
     packing: bool = Field(
         True, description="Pack several examples into each seq_len row (position ids restart per example; no "
                           "attention across examples, see train/data/dataset.py). False: one example per row, "

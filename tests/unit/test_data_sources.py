@@ -107,3 +107,24 @@ def test_train_on_inputs_and_system_prompt():
     hdr = [ord(c) for c in "<|system|>\n"], [ord(c) for c in "<|user|>\n"], [ord(c) for c in "<|assistant|>\n"]
     want = [BOS, *hdr[0], 83, 10, *hdr[1], 97, 10, 10, *hdr[2], 98, EOS]
     assert ids == want and mask == [False] * (len(want) - 2) + [True, True]
+
+
+def test_chat_template_override_is_the_one_transformers_renders(tmp_path):
+    from transformers import AutoTokenizer
+
+    from shardtune.testing.smollm2 import cut_folder
+    from shardtune.train.data.dataset import build_tokenizer
+
+    folder = str(cut_folder(2))
+    tpl = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+           "{% if add_generation_prompt %}[assistant] {% endif %}")
+    (tmp_path / "t.jinja").write_text(tpl)
+    msgs = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+    hf = AutoTokenizer.from_pretrained(folder)
+    for spec in (tpl, str(tmp_path / "t.jinja")):
+        tok = build_tokenizer(DataConfig(chat_template=spec), folder)
+        ids, mask = encode_example({"messages": msgs}, tok, "auto")
+        assert hf.decode(ids) == hf.apply_chat_template(msgs, chat_template=tpl, tokenize=False)
+        assert hf.decode([i for i, m in zip(ids, mask) if m]) == "Paris.\n"  # "[assistant] " is the prompt
+    with pytest.raises(UserError, match="needs the model folder's tokenizer"):
+        build_tokenizer(DataConfig(chat_template=tpl, tokenizer="byte"), folder)

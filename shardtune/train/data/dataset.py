@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardtune.errors import UserError
 from shardtune.train.data.sources import GENERATED, read_records, source_configs  # noqa: F401 (GENERATED re-exported)
@@ -39,12 +40,28 @@ def build_tokenizer(data_cfg, model_name: str, trust_remote_code: bool = False):
     from shardtune.catalog.models import resolve_model_config
 
     tok = load_tokenizer(data_cfg.tokenizer, model_name, trust_remote_code)
+    if data_cfg.chat_template:
+        _override_template(tok, data_cfg.chat_template)
     model_vocab = resolve_model_config(model_name).get("vocab_size")
     if model_vocab is not None and tok.vocab_size > model_vocab:
         raise UserError(f"the {tok.name} tokenizer has {tok.vocab_size} ids but model {model_name!r} has vocab_size "
                         f"{model_vocab}; use the model's own tokenizer (data.tokenizer=auto) or a model with a "
                         "larger vocabulary")
     return tok
+
+
+def _override_template(tok, spec: str) -> None:
+    """data.chat_template: a Jinja template, or a .jinja file holding one, replaces the tokenizer's."""
+    path = Path(spec).expanduser()
+    if spec.endswith((".jinja", ".j2")):
+        if not path.is_file():
+            raise UserError(f"data.chat_template file {spec!r} does not exist; give a .jinja file or the template")
+        spec = path.read_text(encoding="utf-8")
+    if tok.name == "byte":
+        raise UserError("data.chat_template needs the model folder's tokenizer (data.tokenizer=auto/hf with a model "
+                        "folder); the byte tokenizer uses the plain template")
+    tok.tok.chat_template = spec
+    tok.chat_template = spec
 
 
 def encode_example(record: dict, tokenizer, template: str = "auto", train_on_inputs: bool = False,
