@@ -131,15 +131,24 @@ def _check_backend(backend: str) -> None:
 
 def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
     """Tokenizer, template and packing as every rank will: at least one global batch of rows (over
-    every source of a mix with weight > 0)."""
+    every source of a mix with weight > 0). With data.cache_dir the launcher builds the cache (a
+    corrupt one is named and rebuilt here), so the ranks of this node only map it."""
     from shardtune.train.data.dataset import build_tokenizer
     from shardtune.train.data.sources import source_configs
 
     tok = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
     seq_len, rows_per_step = cfg.train.seq_len, cfg.train.micro_batch * cfg.train.grad_accum * world_size
     seed = cfg.train.seed if not cfg.data.sources else None
-    rows = sum(_source_rows(data, tok, seq_len, rows_per_step, cfg.train.seed + k if seed is None else seed)
-               for k, (data, weight) in enumerate(source_configs(cfg.data)) if weight > 0)
+    rows = 0
+    for k, (data, weight) in enumerate(source_configs(cfg.data)):
+        seed_k = cfg.train.seed + k if seed is None else seed  # the seeds the ranks pack with (mix.py)
+        if cfg.data.cache_dir:  # build (or check and reuse) the ranks' cache now: they only map it
+            from shardtune.train.data.dataset import build_dataset
+
+            n = build_dataset(data, seq_len, tok, seed_k).num_rows
+        else:
+            n = _source_rows(data, tok, seq_len, rows_per_step, seed_k)
+        rows += n if weight > 0 else 0
     if rows < rows_per_step:
         raise UserError(f"the dataset fills {rows} rows of seq_len {seq_len}, fewer than one "
                         f"global batch ({rows_per_step} = micro_batch × grad_accum × {world_size} ranks); add data "

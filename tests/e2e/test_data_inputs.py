@@ -61,3 +61,29 @@ def test_bad_data_one_line_exit_2(tmp_path, monkeypatch, capsys):
         if rc != 2 or len(err) != 1 or needle not in err[0]:
             failures.append((args, rc, err))
     assert not failures, failures
+
+
+@pytest.mark.timeout(300)
+def test_corrupt_cache_is_named_and_rebuilt_before_launch(tmp_path, monkeypatch, capsys):
+    """The launcher builds data.cache_dir; a damaged cache is named in one line and rebuilt to the
+    bytes a fresh build writes, before the ranks (not started here) would map it."""
+    from shardtune import cli
+    from shardtune.train import commands
+
+    launched = []
+    monkeypatch.setattr(commands, "run_process_group", lambda *a, **k: launched.append(a) or 0)
+    data = _jsonl(tmp_path, "d.jsonl", [{"prompt": f"q{i}\n", "response": "r" * (i % 9)} for i in range(300)])
+    args = [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=1"]
+
+    def train(run):
+        rc = cli.main(["train", str(RECIPE), "--nproc", "2", "--output-dir", str(tmp_path / run), *args])
+        return rc, capsys.readouterr().err.strip().splitlines()
+
+    assert train("r1") == (0, [])
+    (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    fresh = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (folder / "rows.arrow").write_bytes(fresh["rows.arrow"][:-7])  # truncated
+    rc, err = train("r2")
+    assert rc == 0 and len(err) == 1 and "is corrupt (rows.arrow does not match meta.json); rebuilding" in err[0]
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == fresh
+    assert len(launched) == 2
