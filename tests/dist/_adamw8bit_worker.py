@@ -1,0 +1,82 @@
+"""adamw-8bit on gloo ranks (tests/dist/test_adamw8bit.py): tiny-llama under a strategy, a few steps
+with torchao's AdamW8bit (FSDP) or bitsandbytes' (ddp), and each state's real storage bytes: an
+OptimState8bit's codes, scales and qmap counted from its own inner tensors (__tensor_flatten__)."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _batches import global_batch, rank_micro_batches  # noqa: E402
+
+from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
+from shardtune.train.core.model import build_model  # noqa: E402
+from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
+from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # a tensor subclass
+        names, _ = t.__tensor_flatten__()
+        return [s for n in names for s in _storages(getattr(t, n))]
+    return [t.untyped_storage()]
+
+
+def state_bytes(opt) -> dict[str, int]:
+    inner = getattr(opt, "optim", opt)
+    dev, host = {}, {}
+    for state in inner.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                for s in _storages(v):
+                    (host if k == "step" else dev)[s.data_ptr()] = s.nbytes()
+    return {"optimizer": sum(dev.values()), "step_counters": sum(host.values()),
+            "quantised_states": sum(type(local).__name__ == "OptimState8bit" for st in inner.state.values()
+                                    for v in st.values() for local in [v.to_local() if hasattr(v, "to_local") else v])}
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    pcfg = ParallelConfig(**case["parallel"])
+    mesh = build_mesh(pcfg, world, world, "cpu")
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(), pcfg, mesh, torch.device("cpu"), seed=0)
+    ocfg = OptimConfig(lr=case["lr"], warmup_steps=0, schedule="constant", grad_clip=1.0, weight_decay=0.0,
+                       name=case["optimizer"])
+    opt = build_optimizer(model, ocfg, pcfg, mesh.get_group() if mesh.ndim == 1 else None)
+    sched = build_scheduler(opt, ocfg, case["steps"])
+    out: dict = {"losses": []}
+    for step in range(case["steps"]):
+        batch = global_batch(step, case["rows"], case["seq_len"])
+        r = train_step(model, opt, sched, rank_micro_batches(batch, rank, world, 1), dp_group=None, dp_size=world,
+                       grad_clip=1.0, autocast_dtype=autocast_dtype(pcfg))
+        out["losses"].append(global_loss(r))
+        if step == 0:
+            out["bytes"] = state_bytes(opt)
+    del model, opt, sched
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        results = {c["name"]: run_case(c, rank, world) for c in cases}
+    finally:
+        dist.destroy_process_group()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
