@@ -4,6 +4,7 @@ the same state; the ranks share one tokenised cache, built once."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from shardtune.config import DataConfig, TrainConfig
 from shardtune.train.data.dataset import build_dataloader
 from shardtune.train.data.tokenizer import ByteTokenizer
-from tests.dist._harness import launch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import launch  # noqa: E402
 
 WORKER = Path(__file__).with_name("_data_mix_worker.py")
 
