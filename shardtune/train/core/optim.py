@@ -106,6 +106,8 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: Para
         from torchao.optim import AdamW8bit  # optional dependency (`8bit` extra): imported on use
 
         cls = AdamW8bit  # takes FSDP2's DTensor params: states quantised per local shard
+        # pure bf16 weights: its own stochastic rounding, as bf16-stochastic does for torch's AdamW
+        kwargs["bf16_stochastic_round"] = parallel_cfg.precision == "bf16"
     elif optim_cfg.name == "adamw-8bit":
         import bitsandbytes as bnb  # optional dependency (`8bit` extra): imported on use
 
