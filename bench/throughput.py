@@ -297,10 +297,14 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(dict(result, args=vars(args), params=n_params), indent=1))
         return
+    load_before = list(os.getloadavg())
     rounds, inputs = run_rounds(args, work)
     print_tables(rounds, args)
+    load_after = list(os.getloadavg())
+    print(f"load average before {load_before}, after {load_after}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds, "params": n_params}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rounds": rounds, "params": n_params,
+                                               "load_avg": load_before, "load_avg_after": load_after}, indent=1))
 
 
 def _param_count(cfg: dict) -> int:
