@@ -211,8 +211,8 @@ class PackedLoader:
             return self.data.rows[index]
         if epoch != self._perm_epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
-            self._perm, self._perm_epoch = torch.randperm(self.num_rows, generator=gen).tolist(), epoch
-        return self.data.rows[self._perm[index]]
+            self._perm, self._perm_epoch = torch.randperm(self.num_rows, generator=gen), epoch  # 8 B a row
+        return self.data.rows[int(self._perm[index])]
 
     def __iter__(self) -> Iterator[dict]:
         return self
