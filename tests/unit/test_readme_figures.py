@@ -33,8 +33,6 @@ def _plan_json(capsys, *args: str) -> dict:
     return json.loads(_run(capsys, "plan", *args, "--json"))
 
 
-@pytest.mark.xfail(strict=True, reason="README's tour block predates e7e15af (fused AdamW: opt tmp 0.0, ddp "
-                   "peak 1,261.6 GiB, offload 1,051 GiB); README.md regeneration REQUESTed (then drop this mark)")
 def test_tour_plan_block_is_what_the_cli_prints(capsys, monkeypatch):
     block = re.search(r"```console\n\$ (shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb)\n(.*?)```", README, re.S)
     assert block, "the tour's plan block moved: update this test"

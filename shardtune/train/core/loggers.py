@@ -32,6 +32,10 @@ def check_loop_options(cfg) -> None:
     if cfg.train.sample_prompts:
         raise UserError("train.sample_prompts is not implemented yet; remove it (use `shardtune generate` "
                         "on a checkpoint)")
+    if cfg.train.loss_chunks is not None:
+        raise UserError("train.loss_chunks (chunked cross-entropy) is not implemented yet; remove it")
+    if cfg.train.compile:
+        raise UserError("train.compile is not implemented yet; remove it (or train.compile=false)")
 
 
 def _numbers(record: dict) -> dict[str, float]:
