@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import tempfile
 import warnings
 from pathlib import Path
@@ -116,9 +117,17 @@ def _check_lora_targets(cfg: RunConfig) -> None:
     from shardtune.train.core.lora import apply_lora  # torch: only for a LoRA run
     from shardtune.train.core.model import build_meta_model
 
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # PEFT's notices: not a line
-        warnings.simplefilter("ignore")
-        apply_lora(build_meta_model(cfg.model), cfg.lora)
+    # PEFT's notices are not a line of ours; nor are torch's logged warnings when PEFT imports torchao
+    # (torch.utils._pytree's handler holds the real stderr, so redirecting sys.stderr misses them)
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            apply_lora(build_meta_model(cfg.model), cfg.lora)
+    finally:
+        pytree.setLevel(level)
 
 
 def _check_backend(backend: str) -> None:
