@@ -78,12 +78,17 @@ def draw_loss(records: list[dict], run_name: str):
         ax.plot([p[0] for p in val], [p[1] for p in val], "o-", lw=1.5, color="#c44e52", label="validation loss")
     for i, step in enumerate(r["step"] for r in records if r.get("resumed_from") is not None):
         ax.axvline(step - 0.5, ls="--", color="gray", lw=1, label="resumed" if i == 0 else None)
+    _per_step_axes(ax, "loss (token mean)", f"{run_name}: loss per step")
+    return fig
+
+
+def _per_step_axes(ax, ylabel: str, title: str) -> None:
+    """Labels, grid and legend of a curve over optimizer steps."""
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (token mean)")
-    ax.set_title(f"{run_name}: loss per step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return fig
 
 
 def plot_loss(records: list[dict], path: Path, run_name: str) -> Path | None:
@@ -101,11 +106,7 @@ def draw_throughput(records: list[dict], run_name: str, world_size: int | None):
     ax.plot([p[0] for p in points], [p[1] for p in points], lw=1.5, label="tokens/s, global (all ranks)")
     ax.axhline(mean, ls="--", color="black", lw=1, label=f"mean {mean:,.0f} tokens/s")
     ranks = f" over {world_size} rank(s)" if world_size else ""
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("tokens/s, global")
-    ax.set_title(f"{run_name}: global throughput{ranks} (train_step time)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _per_step_axes(ax, "tokens/s, global", f"{run_name}: global throughput{ranks} (train_step time)")
     return fig
 
 

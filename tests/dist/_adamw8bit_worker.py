@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
+from _rank import process_group, write_result  # noqa: E402
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
@@ -69,13 +67,9 @@ def run_case(case: dict, rank: int, world: int) -> dict:
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    try:
+    with process_group(timeout_s=120) as (rank, world):
         results = {c["name"]: run_case(c, rank, world) for c in cases}
-    finally:
-        dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    write_result(out_dir, rank, results)
 
 
 if __name__ == "__main__":

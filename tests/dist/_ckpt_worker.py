@@ -11,11 +11,11 @@ import gc
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _rank import process_group, write_result
 
 from shardtune.config import load_recipe
 from shardtune.errors import UserError
@@ -43,17 +43,12 @@ def run_case(case: dict, out_dir: Path, rank: int, world: int) -> dict:
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     results = {}
-    try:
+    with process_group() as (rank, world):
         for case in cases:
             results[case["name"]] = run_case(case, out_dir, rank, world)
             dist.barrier()
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    write_result(out_dir, rank, results)
 
 
 if __name__ == "__main__":

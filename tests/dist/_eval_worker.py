@@ -5,13 +5,11 @@ Writes rank<r>.json: the validation loss and whether the model is back in train 
 from __future__ import annotations
 
 import json
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from _rank import process_group, write_result
 
 from shardtune.config import ModelConfig, ParallelConfig
 from shardtune.parallel.apply import build_mesh
@@ -21,8 +19,12 @@ from shardtune.train.core.model import build_model
 
 def main() -> None:
     folder, spec, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    with process_group() as (rank, world):
+        out = _run(folder, spec, rank, world)
+    write_result(out_dir, rank, out)
+
+
+def _run(folder, spec, rank, world) -> dict:
     batches = [{k: torch.tensor(v) for k, v in b.items()} for b in json.loads(spec.read_text())[rank]]
     pcfg = ParallelConfig(strategy="zero3", precision="fp32")
     mesh = build_mesh(pcfg, world, world, "cpu")
@@ -31,8 +33,7 @@ def main() -> None:
     loss = evaluate(model, batches, torch.device("cpu"))
     out = {"val_loss": loss, "training_after": model.training,
            "empty": evaluate(model, [], torch.device("cpu"))}  # every rank without a batch: nan, no hang
-    dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ otherwise wait for the process-group timeout).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,3 +48,8 @@ def launch(script: Path, nproc: int, args: list[str], timeout_s: float, log_dir:
         kill_groups(procs)
         for log in logs:
             log.close()
+
+
+def rank_results(out_dir: Path, nproc: int) -> list:
+    """Each rank's `rank<R>.json` (written by `_rank.write_result`), rank 0 first."""
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -4,14 +4,12 @@ fp32 (2 rows per rank, no packing, no shuffle) and the dtypes of the optimizer-o
 shards under bf16-mixed."""
 from __future__ import annotations
 
-import json
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _rank import process_group, write_result
 
 from shardtune.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from shardtune.parallel.apply import autocast_dtype, build_mesh
@@ -23,8 +21,12 @@ from shardtune.train.data.dataset import build_dataloader, build_tokenizer
 
 def main() -> None:
     folder, data, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    with process_group() as (rank, world):
+        out = _run(folder, data, rank, world)
+    write_result(out_dir, rank, out)
+
+
+def _run(folder, data, rank, world) -> dict:
     out: dict = {}
     dcfg = DataConfig(path=data, packing=False, shuffle=False)
     tcfg = TrainConfig(seq_len=64, micro_batch=2, grad_accum=1)
@@ -48,8 +50,7 @@ def main() -> None:
                                                   if k != "step" and torch.is_tensor(v)})}
         dist.barrier()
         del model, opt
-    dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

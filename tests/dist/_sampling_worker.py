@@ -4,13 +4,11 @@ holds {ids, max_new_tokens, stop_ids}. Writes rank<r>.json: the greedy and a sam
 from __future__ import annotations
 
 import json
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from _rank import process_group, write_result
 
 from shardtune.config import ModelConfig, ParallelConfig
 from shardtune.parallel.apply import build_mesh
@@ -20,8 +18,12 @@ from shardtune.train.core.sampling import generate_ids
 
 def main() -> None:
     folder, spec, out_dir = sys.argv[1], json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    with process_group() as (rank, world):
+        out = _run(folder, spec, rank, world)
+    write_result(out_dir, rank, out)
+
+
+def _run(folder, spec, rank, world) -> dict:
     pcfg = ParallelConfig(strategy="zero3", precision="fp32")
     mesh = build_mesh(pcfg, world, world, "cpu")
     model = build_model(ModelConfig(name=folder), pcfg, mesh, torch.device("cpu"), seed=0)
@@ -30,8 +32,7 @@ def main() -> None:
     greedy = generate_ids(model, spec["ids"], **kw)
     sampled = generate_ids(model, spec["ids"], temperature=0.9, top_p=0.9, seed=3, **kw)
     out = {"greedy": greedy, "sampled": sampled, "training_after": model.training}
-    dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

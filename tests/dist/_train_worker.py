@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
 from _lora_checks import LoraProbe  # noqa: E402
+from _rank import process_group, write_result  # noqa: E402
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
@@ -96,10 +95,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     results = {}
-    try:
+    with process_group() as (rank, world):
         for case in cases:
             if case.get("crash") and rank == 1:
                 raise RuntimeError("rank 1 crashes on purpose")
@@ -112,10 +109,7 @@ def main() -> None:
             else:
                 results[case["name"]] = run_case(case, rank, world)
             dist.barrier()
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    write_result(out_dir, rank, results)
 
 
 if __name__ == "__main__":

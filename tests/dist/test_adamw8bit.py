@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch  # noqa: E402
+from _harness import launch, rank_results  # noqa: E402
 
 pytest.importorskip("torchao")
 pytestmark = [pytest.mark.dist]
@@ -37,7 +37,7 @@ def world2(tmp_path_factory):
              _case("zero2", "zero2", "adamw-8bit"), _case("ddp", "ddp", "adamw-8bit")]
     (d / "cases.json").write_text(json.dumps(cases))
     launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=420, log_dir=d / "logs")
-    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+    return rank_results(d, 2)
 
 
 @pytest.mark.timeout(480)

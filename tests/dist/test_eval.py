@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch  # noqa: E402
+from _harness import launch, rank_results  # noqa: E402
 from test_real_model import reference_example  # noqa: E402
 
 from shardtune.testing.smollm2 import cut_folder  # noqa: E402
@@ -60,7 +60,7 @@ def test_zero3_val_loss_is_the_global_token_mean_of_transformers_loss(tmp_path):
     (tmp_path / "batches.json").write_text(json.dumps(per_rank))
     launch(WORKER, 2, [str(folder), str(tmp_path / "batches.json"), str(tmp_path)], timeout_s=240,
            log_dir=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = rank_results(tmp_path, 2)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():  # one process, all five examples in one call: HF's mean over every target token
         want = model(input_ids=ids, labels=labels).loss.item()

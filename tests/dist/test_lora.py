@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch  # noqa: E402
-from _harness import launch  # noqa: E402
+from _harness import launch, rank_results  # noqa: E402
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_train_worker.py"
@@ -111,7 +111,7 @@ def world2(tmp_path_factory):
     ]
     (d / "cases.json").write_text(json.dumps(cases))
     launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=240, log_dir=d / "logs")
-    return d, [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+    return d, rank_results(d, 2)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def world4(tmp_path_factory):
              _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
     (d / "cases.json").write_text(json.dumps(cases))
     launch(WORKER, 4, [str(d / "cases.json"), str(d)], timeout_s=240, log_dir=d / "logs")
-    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(4)]
+    return rank_results(d, 4)
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch  # noqa: E402
+from _harness import launch, rank_results  # noqa: E402
 
 from shardtune.testing.smollm2 import cut_folder  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_zero3_step1_loss_and_bf16_mixed_masters(folder, hf_tok, tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
     launch(WORKER, 2, [str(folder), str(data), str(tmp_path)], timeout_s=240, log_dir=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = rank_results(tmp_path, 2)
 
     rows = [reference_example(hf_tok, m) for m in CHATS]
     ids = torch.full((len(rows), SEQ), hf_tok.pad_token_id)

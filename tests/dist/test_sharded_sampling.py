@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch  # noqa: E402
+from _harness import launch, rank_results  # noqa: E402
 
 from shardtune.testing.smollm2 import cut_folder  # noqa: E402
 from shardtune.train.core.sampling import generate_ids  # noqa: E402
@@ -34,7 +34,7 @@ def test_zero3_greedy_equals_transformers_generate_and_sampling_agrees_across_ra
     (tmp_path / "prompt.json").write_text(json.dumps({"ids": list(ids), "max_new_tokens": NEW, "stop_ids": stop}))
     launch(WORKER, 2, [str(folder), str(tmp_path / "prompt.json"), str(tmp_path)], timeout_s=240,
            log_dir=tmp_path / "logs")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = rank_results(tmp_path, 2)
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     x = torch.tensor([ids])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch  # noqa: E402
-from _harness import launch  # noqa: E402
+from _harness import launch, rank_results  # noqa: E402
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_train_worker.py"
@@ -82,7 +82,7 @@ def _run(tmp: Path, nproc: int, cases: list[dict]) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "cases.json").write_text(json.dumps(cases))
     launch(WORKER, nproc, [str(tmp / "cases.json"), str(tmp)], timeout_s=240, log_dir=tmp / "logs")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+    return rank_results(tmp, nproc)
 
 
 @pytest.fixture(scope="module")
