@@ -175,7 +175,7 @@ def _source_rows(data, tok, seq_len: int, rows_per_step: int, seed: int) -> int:
     low = -(-sum(kept) // seq_len) if data.packing else len(kept)
     if kept and low >= rows_per_step:
         return len(kept)
-    return pack_examples(encoded, seq_len, data.packing, seed).num_rows  # no target at all: it says so
+    return pack_examples(encoded, seq_len, data.packing, seed, data.shuffle).num_rows  # no target at all: it says so
 
 
 def _check_val(cfg: RunConfig) -> None:

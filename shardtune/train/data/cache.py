@@ -56,7 +56,7 @@ def _tokenizer_fingerprint(tok) -> list:
 def cache_key(data_cfg, seq_len: int, tok, seed: int) -> str:
     """The sha256 (first 24 hex digits) of everything the packed data depends on."""
     opts = {k: getattr(data_cfg, k) for k in ("path", "format", "split", "columns", "template", "packing",
-                                                "train_on_inputs", "system_prompt", "generated_examples",
+                                                "shuffle", "train_on_inputs", "system_prompt", "generated_examples",
                                                 "generated_seed")}
     doc = [VERSION, opts, _files_fingerprint(data_cfg.path), _tokenizer_fingerprint(tok), seq_len, seed]
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -130,8 +130,10 @@ class PackedData:
         return len(self.rows)
 
 
-def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, packing: bool, seed: int) -> PackedData:
-    """Truncate to seq_len, drop examples without a target, pack next-fit in a seeded order."""
+def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, packing: bool, seed: int,
+                  shuffle: bool = True) -> PackedData:
+    """Truncate to seq_len, drop examples without a target, pack next-fit in a seeded order
+    (`shuffle` False: in file order, so rows keep the examples' order)."""
     import torch
 
     tokens, targets, offsets = [], [], [0]
@@ -151,7 +153,8 @@ def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pac
     if not lengths:
         raise UserError(f"no example has a target token within seq_len={seq_len} (all {dropped} too long or without "
                         "response); raise train.seq_len or check the data")
-    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = (torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist() if shuffle
+             else range(len(lengths)))
     rows: list[list[int]] = []
     fill = seq_len
     for k in order:
@@ -257,7 +260,7 @@ def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
     """Read, tokenize and pack the whole dataset (every rank does the same, deterministically)."""
     def build() -> PackedData:
         return pack_examples(encode_records(read_records(data_cfg), tokenizer, data_cfg), seq_len, data_cfg.packing,
-                             seed)
+                             seed, data_cfg.shuffle)
 
     if not data_cfg.cache_dir:
         return build()

@@ -20,10 +20,10 @@ def val_config(data_cfg):
 
 
 def pack_val(data_cfg, seq_len: int, tokenizer):
-    """The val set read, tokenized and packed in file order (no shuffle: seed 0 packing order)."""
+    """The val set read, tokenized and packed in file order (no shuffle)."""
     encoded = encode_records(read_records(val_config(data_cfg)), tokenizer, data_cfg, "val example")
     try:
-        return pack_examples(encoded, seq_len, data_cfg.packing, seed=0)
+        return pack_examples(encoded, seq_len, data_cfg.packing, seed=0, shuffle=False)
     except UserError:
         raise UserError(f"the val set {data_cfg.val_path!r} has no target token within seq_len={seq_len} (nothing "
                         "to measure a loss on); give examples with a response, or raise train.seq_len") from None
