@@ -14,7 +14,13 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from shardtune.parallel.apply import apply_activation_checkpointing, apply_ddp, apply_fsdp, apply_precision
+from shardtune.parallel.apply import (
+    apply_activation_checkpointing,
+    apply_ddp,
+    apply_fsdp,
+    apply_precision,
+    decoder_layers,
+)
 from shardtune.strategies import STRATEGY
 
 if TYPE_CHECKING:
@@ -24,20 +30,25 @@ if TYPE_CHECKING:
 
 
 def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh,
-                         device: torch.device | str, fill: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                         device: torch.device | str, fill: Callable[[nn.Module], None] | None = None,
+                         compile: bool = False) -> nn.Module:
     """The model to train: `meta_model` itself for FSDP strategies (sharded in place), a DDP wrapper
-    for ddp/zero1. `fill(model)` gets the materialised (sharded) model, before any DDP wrap."""
+    for ddp/zero1. `fill(model)` gets the materialised (sharded) model, before any DDP wrap.
+    `compile` (train.compile): each decoder layer's training forward torch.compile'd (`apply_compile`)."""
     s = STRATEGY[parallel_cfg.strategy]
     # Order, and why. 1. Precision once, first: FSDP then shards the stored (bf16) storage and DDP
     # buckets bf16 grads. 2. Activation checkpointing before sharding: FSDP's pre/post-forward hooks
     # then wrap the checkpointed region, so the recompute in backward re-gathers the parameters
-    # (torchtitan's order: TP → AC → compile → FSDP). 3. FSDP strategies shard on meta, then
-    # materialise (`to_empty`: each rank allocates its shard only; on the CPU under offload all,
-    # where CPUOffloadPolicy keeps the shards, as torchtitan does) and fill. ddp/zero1
-    # (`materialise_before_wrap`): DDP broadcasts rank 0's parameters when built, so materialise
-    # and fill first and wrap last.
+    # (torchtitan's order: TP → AC → compile → FSDP). 3. Compile inside the checkpointed region
+    # (`apply_compile`: AC's and FSDP's hooks stay eager around the compiled forward). 4. FSDP
+    # strategies shard on meta, then materialise (`to_empty`: each rank allocates its shard only;
+    # on the CPU under offload all, where CPUOffloadPolicy keeps the shards, as torchtitan does)
+    # and fill. ddp/zero1 (`materialise_before_wrap`): DDP broadcasts rank 0's parameters when
+    # built, so materialise and fill first and wrap last.
     apply_precision(meta_model, parallel_cfg)
     apply_activation_checkpointing(meta_model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)
+    if compile:
+        apply_compile(meta_model)
     if s.materialise_before_wrap:
         meta_model.to_empty(device=device)
         # to_empty gives lm_head and embed_tokens storages of their own; without re-tying, a tied
@@ -51,6 +62,24 @@ def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, me
     if fill is not None:
         fill(meta_model)
     return meta_model
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each decoder layer's forward (docs/compile.md), in place: parameter names and
+    state-dict keys stay HF's (no `_orig_mod.` wrapper). Static shapes (`dynamic=False`: training
+    batches are always (micro_batch, seq_len)), one graph per layer (`fullgraph=True`), shared by all
+    layers. Only forwards that record autograd (training, and AC's recompute) run compiled;
+    no-grad forwards (validation, its (1, 2) dummy batch, sample generation) run eager, so their
+    shapes never trigger a recompile. The hooks stay outside the compiled code: FSDP2's all-gather
+    and the activation-checkpoint context run eager around it."""
+    for layer in decoder_layers(model):
+        eager = layer.forward  # bound before fully_shard, which swaps the class but keeps forward
+        compiled = torch.compile(eager, dynamic=False, fullgraph=True)
+
+        def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
+            return (_compiled if torch.is_grad_enabled() else _eager)(*args, **kwargs)
+
+        layer.forward = forward
 
 
 def build_strategy_optimizer(parallel_cfg: ParallelConfig, optimizer_class: type[torch.optim.Optimizer],
