@@ -8,6 +8,9 @@ trainer all read these two. Imports no torch.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 
 from shardtune.errors import UserError, suggest
@@ -182,7 +185,7 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                       optimizer: str = "adamw", optimizer_impl: str = "auto", lora_rank: int = 0,
                       hsdp_shard_size: int | None = None, activation_checkpointing: str = "none",
                       ac_every: int = 2, device: str | None = None, planner_modes: bool = False,
-                      quantize_base: str = "none") -> None:
+                      quantize_base: str = "none", compile: bool = False) -> None:
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
@@ -200,6 +203,14 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
         if optimizer in PLANNER_ONLY["optimizer"]:
             raise UserError(f"optimizer {optimizer!r} is a planner-only mode; the trainer runs adamw or "
                             "adamw-8bit (optim.name / --optimizer)")
+    if compile:
+        # torch's inductor builds its CPU kernels with $CXX, else g++ (clang++ on macOS):
+        # torch/_inductor/config.py `cpp.cxx`, cpp_builder.py `get_cpp_compiler`
+        cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+        if shutil.which(cxx) is None:
+            raise UserError(f"train.compile needs a C++ compiler for torch.compile (inductor runs {cxx!r}, from "
+                            "$CXX or the default, and it is not on PATH): install g++ or set CXX, or "
+                            "train.compile=false")
     fsdp = ", ".join(FSDP_STRATEGIES)
     if offload == "all" and not s.fsdp:
         raise UserError(f"offload 'all' needs an FSDP strategy ({fsdp}), not {s.name!r} "
