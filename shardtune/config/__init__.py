@@ -47,7 +47,8 @@ class RunConfig(_Section):
         check_combination(par.strategy, precision=par.precision, offload=par.offload, optimizer=self.optim.name,
                           optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
-                          ac_every=par.ac_every, quantize_base=self.lora.quantize_base)
+                          ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
+                          compile=self.train.compile)
         if self.optim.implementation == "bf16-stochastic" and self.parallel.precision != "bf16":
             raise ValueError("optim.implementation 'bf16-stochastic' rounds bf16 weights: it needs "
                              f"parallel.precision bf16, not {self.parallel.precision!r}")
