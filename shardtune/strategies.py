@@ -64,7 +64,10 @@ STRATEGY_ALIASES = {
 }
 
 PRECISIONS = ("bf16-mixed", "bf16", "fp32")
-AC_MODES = ("none", "full", "selective")
+# none | full (every decoder layer recomputed) | op (every layer, matmul outputs kept: torch's
+# selective checkpoint, docs/ac.md) | layer (every `ac_every`-th layer, full recompute)
+AC_MODES = ("none", "full", "op", "layer")
+AC_ALIASES = {"selective": "layer"}  # the old name of `layer` (before op AC), still accepted
 OFFLOAD_MODES = ("none", "optimizer", "all")
 OPTIMIZERS = ("adamw", "sgd", "adamw-8bit")
 # torch AdamW's kernels; "auto" is torch's own choice (foreach on CUDA, for-loop on CPU)
@@ -102,7 +105,8 @@ def normalize_precision(name: str) -> str:
 
 
 def normalize_ac(name: str) -> str:
-    return _pick("activation checkpointing mode", name, AC_MODES)
+    """Canonical AC mode; `selective` (this project's old name of every-k-th-layer AC) → layer."""
+    return _pick("activation checkpointing mode", name, AC_MODES, AC_ALIASES)
 
 
 def normalize_offload(name: str) -> str:

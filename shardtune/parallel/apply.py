@@ -15,6 +15,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardtune.errors import UserError
 from shardtune.strategies import STRATEGY, Layout
@@ -49,22 +50,46 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def checkpointed_layer_indices(num_layers: int, mode: str, every: int) -> list[int]:
-    """Which decoder layers recompute their activations: full → all; selective → every k-th layer,
-    layers 0, k, 2k, ... (⌈L/k⌉ layers, as plan/activations.py and plan/compute.py count them;
-    torchtitan's `ac_freq` picks k-1, 2k-1, ... instead); none → []."""
-    if mode == "full":
+    """Which decoder layers recompute (part of) their activations: full and op → all; layer →
+    every k-th layer, layers 0, k, 2k, ... (⌈L/k⌉ layers, as plan/activations.py and
+    plan/compute.py count them; torchtitan's `ac_freq` picks k-1, 2k-1, ... instead); none → []."""
+    if mode in ("full", "op"):
         return list(range(num_layers))
-    if mode == "selective":
+    if mode == "layer":
         return [i for i in range(num_layers) if i % every == 0]
     return []
 
 
+def _op_saved_ops() -> frozenset:
+    """The ops whose outputs op AC keeps (docs/ac.md): the matmuls and SDPA's fused kernels,
+    as torchtitan's `_save_list`; every other op is recomputed in backward."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+_OP_SAVED = _op_saved_ops()
+
+
+def op_ac_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """op AC's policy: keep the outputs of `_op_saved_ops`, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if func in _OP_SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def op_ac_context():
+    """A fresh pair of contexts per checkpointed forward (torch's selective checkpoint API)."""
+    return create_selective_checkpoint_contexts(op_ac_policy)
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
     """Non-reentrant checkpoint per chosen decoder layer (composable API: parameter names stay
-    the same, so state dicts keep HF names)."""
+    the same, so state dicts keep HF names); `op` adds torch's selective-checkpoint policy."""
     layers = decoder_layers(model)
+    kwargs = {"context_fn": op_ac_context} if mode == "op" else {}
     for i in checkpointed_layer_indices(len(layers), mode, every):
-        checkpoint(layers[i])
+        checkpoint(layers[i], **kwargs)
 
 
 def autocast_dtype(parallel_cfg: ParallelConfig) -> torch.dtype | None:
