@@ -23,13 +23,14 @@ class TrainConfig(_Section):
                                                       "collective fails instead of hanging.")
     gpu: str = Field("h100-80gb", description="GPU catalogue name for MFU and the plan (ignored for the device "
                                               "itself).")
-    eval_every: int = Field(0, ge=0, description="Validation loss every N optimizer steps and at the end (0: at "
-                                                 "the end only; needs data.val_path).")
+    eval_every: int = Field(0, ge=0, description="Validation loss (data.val_path) and sample prompts every N "
+                                                 "optimizer steps and at the end (0: at the end only).")
     loggers: list[Literal["tensorboard", "wandb"]] = Field(
         [], description="Also log each metrics.jsonl record to TensorBoard (event files in the run folder) and/or "
                         "W&B (offline without an API key); rank 0 only.")
     sample_prompts: list[str] = Field([], description="Prompts answered greedily at each evaluation, written to "
                                                       "samples.jsonl.")
+    sample_max_new_tokens: int = Field(64, ge=1, description="Most tokens each sample prompt's answer gets.")
     threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: this node's cores / its "
                                                         "ranks).")
     loss_chunks: int | None = Field(None, ge=1, description="Cross-entropy over the vocabulary in this many chunks, "

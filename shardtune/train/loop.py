@@ -38,6 +38,7 @@ from shardtune.train.core.metrics import (
 )
 from shardtune.train.core.model import build_model, describe_weights, unwrap
 from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.samples import Sampler
 from shardtune.train.core.step import StepResult, TrainState, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
 from shardtune.train.data.val import build_val_batches
@@ -72,6 +73,7 @@ class Run:
     val_batches: list[dict] | None = None  # this rank's validation batches (data.val_path)
     loggers: Loggers | None = None  # train.loggers, rank 0
     threads: int = 1  # intra-op threads of this rank
+    sampler: Sampler | None = None  # train.sample_prompts
     last_record: dict | None = None  # iterate(): the last logged record
     rank_bytes: dict | None = None  # iterate(): this rank's bytes of its last logged (or stopping) step
 
@@ -130,6 +132,9 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
               None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
               autocast_dtype(cfg.parallel), MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None,
               val_batches, None, threads)
+    if cfg.train.sample_prompts:
+        run.sampler = Sampler(cfg.train.sample_prompts, tokenizer, cfg.data, cfg.train.sample_max_new_tokens,
+                              run_dir / "samples.jsonl" if ctx.rank == 0 else None)
     if ctx.rank == 0:
         if cfg.train.loggers:
             run.loggers = Loggers(cfg.train.loggers, run_dir, cfg.name, cfg.model_dump(mode="json"))
@@ -230,10 +235,15 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
     return record, signum
 
 
-def _eval_due(run: Run, step: int) -> bool:
-    """Validation at every `train.eval_every` steps and after the last step (with data.val_path)."""
+def _eval_step(run: Run, step: int) -> bool:
+    """Every `train.eval_every` steps and the last step: validation and sample prompts."""
     every = run.cfg.train.eval_every
-    return run.val_batches is not None and (step == run.total_steps or bool(every and step % every == 0))
+    return step == run.total_steps or bool(every and step % every == 0)
+
+
+def _eval_due(run: Run, step: int) -> bool:
+    """Validation at evaluation steps (with data.val_path)."""
+    return run.val_batches is not None and _eval_step(run, step)
 
 
 def iterate(run: Run) -> Iterator[dict | None]:
@@ -271,6 +281,8 @@ def iterate(run: Run) -> Iterator[dict | None]:
                 shown = float("nan") if record["loss"] is None else record["loss"]
                 info = f"loss {shown:.4f}  lr {r.lr:.2e}  {record['tokens_per_s']:,.0f} tok/s"
                 bar.update(task, info=info)
+            if run.sampler is not None and _eval_step(run, state.step):
+                run.sampler.write(unwrap(run.model), state.step)  # DDP: its module, on every rank
             bar.update(task, advance=1)
             stop = run.keeper.after_step(state.step, r, run.total_steps, signum)
             if stop and not logged:  # memory.json describes the step the run stopped at

@@ -23,12 +23,14 @@ def one_process_run(tmp: Path, recipe: str, timeout_s: float = 150) -> Path:
     return tmp / "run"
 
 
-def dcp_model(ckpt: Path, config_dir: Path):
-    """torch's own DCP reader (default planner) into a plain HF model of `config_dir`'s config."""
+def dcp_model(ckpt: Path, config_dir: Path, dtype=None):
+    """torch's own DCP reader (default planner) into a plain HF model of `config_dir`'s config
+    (in `dtype`, else the config's own)."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    cfg = AutoConfig.from_pretrained(config_dir)
+    model = AutoModelForCausalLM.from_config(cfg, **({"dtype": dtype} if dtype is not None else {}))
     sd = {"model": model.state_dict()}
     dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(sd["model"])

@@ -21,17 +21,14 @@ PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger → the pa
 
 def check_loop_options(cfg) -> None:
     """The loop's options that cannot run, as one UserError before any process starts: a logger
-    whose package is missing, validation asked for without validation data, sample prompts."""
+    whose package is missing, validation asked for without validation data."""
     for name in cfg.train.loggers:
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise UserError(f"train.loggers: {name} needs the {PACKAGES[name]} package; "
                             f"pip install 'shardtune[{name}]' (or drop it from train.loggers)")
-    if cfg.train.eval_every and not cfg.data.val_path:
-        raise UserError(f"train.eval_every={cfg.train.eval_every} needs validation data: set data.val_path "
-                        "(or train.eval_every=0)")
-    if cfg.train.sample_prompts:
-        raise UserError("train.sample_prompts is not implemented yet; remove it (use `shardtune generate` "
-                        "on a checkpoint)")
+    if cfg.train.eval_every and not cfg.data.val_path and not cfg.train.sample_prompts:
+        raise UserError(f"train.eval_every={cfg.train.eval_every} needs validation data or sample prompts: set "
+                        "data.val_path or train.sample_prompts (or train.eval_every=0)")
     if cfg.train.loss_chunks is not None:
         raise UserError("train.loss_chunks (chunked cross-entropy) is not implemented yet; remove it")
     if cfg.train.compile:

@@ -1,0 +1,60 @@
+"""`train.sample_prompts` against transformers alone: a 2-rank zero3 run of the cut SmolLM2 fixture
+(real weights, real chat template) through the real CLI answers its prompts at steps 1 and 2; each
+answer equals transformers' `apply_chat_template(add_generation_prompt=True)` + greedy `generate`
+on the weights torch's own DCP reader loads from that step's checkpoint. One launch."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.testing.proc import run_bounded
+from shardtune.testing.smollm2 import cut_folder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _runs import REPO, dcp_model  # noqa: E402
+
+pytestmark = [pytest.mark.e2e]
+PROMPTS = ["What is the capital of France?", "Write the date 2024-03-05 in words."]
+NEW = 10
+
+
+@pytest.mark.timeout(400)
+def test_samples_at_each_evaluation_equal_transformers_generate_on_that_steps_checkpoint(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = cut_folder(2)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {i}", "response": f"{i} {i}"}) + "\n" for i in range(16)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"name: samples\nmodel: {{name: {json.dumps(str(folder))}}}\ndata: {{path: {json.dumps(str(data))}}}\n"
+        "parallel: {strategy: zero3, precision: fp32}\noptim: {lr: 0.001, warmup_steps: 0}\n"
+        f"train: {{micro_batch: 2, seq_len: 64, max_steps: 2, eval_every: 1, timeout_s: 120, "
+        f"sample_prompts: {json.dumps(PROMPTS)}, sample_max_new_tokens: {NEW}}}\n"
+        "checkpoint: {every: 1, keep: 2}\n")
+    proc = run_bounded([sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2",
+                        "--output-dir", str(tmp_path / "run")], timeout_s=360, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in rows] == [(s, p) for s in (1, 2) for p in PROMPTS]
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    answers = {}
+    for step in (1, 2):
+        model = dcp_model(tmp_path / "run" / "checkpoints" / f"step_{step}", folder, torch.float32)
+        for r in (r for r in rows if r["step"] == step):
+            ids = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            assert r["prompt_ids"] == list(ids)  # the prompt as transformers renders a generation prompt
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW,
+                                     eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+            want = out[0, len(ids):].tolist()
+            assert r["completion_ids"] == want, (step, r["prompt"], r["completion_ids"], want)
+            assert r["completion"] == tok.decode([t for t in want if t != tok.eos_token_id], skip_special_tokens=True)
+            answers[step, r["prompt"]] = want
+    assert any(len(a) > 1 for a in answers.values())  # real answers, not an immediate stop
