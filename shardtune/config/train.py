@@ -33,9 +33,10 @@ class TrainConfig(_Section):
     sample_max_new_tokens: int = Field(64, ge=1, description="Most tokens each sample prompt's answer gets.")
     threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: this node's cores / its "
                                                         "ranks).")
-    loss_chunks: int | None = Field(None, ge=1, description="Cross-entropy over the vocabulary in this many chunks, "
-                                                            "so full fp32 logits never exist (None: chosen from "
-                                                            "the vocabulary size; 1: one full computation).")
+    loss_chunks: int | None = Field(None, ge=1, description="Cross-entropy (with the LM head's projection) over this "
+                                                            "many token chunks, so the full fp32 logits never exist "
+                                                            "(None: 8 above a 32k vocabulary, else 1; 1: the full "
+                                                            "computation; docs/loss.md).")
     compile: bool = Field(False, description="torch.compile each decoder layer before sharding.")
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite "
                                                     "loss or gradient norm (each is skipped: no optimizer step).")

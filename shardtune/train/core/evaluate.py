@@ -8,29 +8,23 @@ of its batches (or a 2-token dummy) that count nothing.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from shardtune.train.core.step import IGNORE_INDEX
+from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
 
 
-def _forward_loss(model: nn.Module, batch: dict, amp: torch.dtype | None, device: torch.device):
-    """(sum of token losses, target tokens) of one batch; labels are already shifted."""
-    ctx = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
-    with ctx:
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    target = batch["labels"]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss.double(), (target != IGNORE_INDEX).sum().double()
+def _forward_loss(model: nn.Module, batch: dict, amp: torch.dtype | None, device: torch.device,
+                  loss_chunks: int | None = None):
+    """(sum of token losses, target tokens) of one batch; labels are already shifted. The loss is
+    the step's (`lm_token_loss_sum`: full logits, or chunked per train.loss_chunks)."""
+    loss = lm_token_loss_sum(model, batch, loss_chunks, amp)
+    return loss.double(), (batch["labels"] != IGNORE_INDEX).sum().double()
 
 
 def evaluate(model: nn.Module, batches: list[dict], device: torch.device, amp: torch.dtype | None = None,
-             group=None) -> float:
+             group=None, loss_chunks: int | None = None) -> float:
     """The validation loss over every rank's `batches` (collective: every rank calls it).
     Returns nan when no rank has a target token."""
     n_mine = torch.tensor([len(batches)], dtype=torch.int64, device=device)
@@ -48,7 +42,7 @@ def evaluate(model: nn.Module, batches: list[dict], device: torch.device, amp: t
                 mine = i < len(batches)
                 batch = batches[i] if mine else (batches[0] if batches else dummy)
                 batch = {k: v.to(device) for k, v in batch.items()}
-                loss, tokens = _forward_loss(model, batch, amp, device)
+                loss, tokens = _forward_loss(model, batch, amp, device, loss_chunks)
                 if mine:
                     totals += torch.stack([loss, tokens])
     finally:

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-IGNORE_INDEX = -100  # labels with this value carry no loss (HF / torch cross_entropy convention)
+from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
 
 
 @dataclass
@@ -52,9 +51,10 @@ class TrainState:
 
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], *, dp_group,
                dp_size: int, grad_clip: float, autocast_dtype: torch.dtype | None,
-               activations=None, skip_non_finite: bool = True) -> StepResult:
+               activations=None, skip_non_finite: bool = True, loss_chunks: int | None = None) -> StepResult:
     """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step.
-    `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given."""
+    `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given;
+    `loss_chunks`: train.loss_chunks (None: the vocabulary's default, plan/loss.py)."""
     optimizer.zero_grad(set_to_none=True)  # here, not after the step: grads stay measurable at rest
     device = micro_batches[0]["input_ids"].device
     # already shifted: labels[t] follows input[t] (train/data/dataset.py)
@@ -65,7 +65,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     loss_sum = torch.zeros((), device=device)
     is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
     is_fsdp = isinstance(model, FSDPModule)
-    for i, (mb, target) in enumerate(zip(micro_batches, targets)):
+    for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = not is_ddp or last  # DDP: all-reduce grads on the last only
         if is_fsdp:
@@ -73,17 +73,10 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
             # shards), all-reduce across replicas on the last only. Set on every micro-batch so an
             # interrupted step leaves nothing behind; no-op without a replicate dimension.
             model.set_requires_all_reduce(last)
-        amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
         with (nullcontext() if sync else model.no_sync()):
             with activations.micro_batch() if activations else nullcontext():
-                with amp:
-                    logits = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"]).logits
-                token_loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(),
-                                                 ignore_index=IGNORE_INDEX, reduction="sum")
-                # nothing in backward needs the logits (the loss saved its own fp32 log-softmax):
-                # dropping the last name frees e·T·V bytes (1 GiB at seq 4096, 128k vocabulary)
-                # before backward instead of after the optimizer step (docs/calibration.md)
-                del logits
+                # full logits (1 chunk) or chunked cross-entropy (train.loss_chunks, docs/loss.md)
+                token_loss_sum = lm_token_loss_sum(model, mb, loss_chunks, autocast_dtype)
             (token_loss_sum * dp_size / denom).backward()
         loss_sum += token_loss_sum.detach()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
