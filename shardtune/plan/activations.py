@@ -5,8 +5,9 @@ s·b·h·(34 + 5·a·s/h) bytes per GPT layer at 16 bit. A transformers Llama / 
 saves instead, with T = b·s tokens, e bytes per element, h_kv = KV width, I intermediate, n heads:
   per layer  T·(2(4 + e)·h + 8 + 4e·h + 2e·h_kv + 4e·I + 4n)  (SDPA keeps no s×s matrix);
   head       final RMSNorm ((4 + e)·h + 4)·T + e·T·h + logits (e + 4 + 4)·T·V;
-  AC         none: L layers; full: each layer's input + one recomputed layer; selective: every
-             k-th layer (i % k == 0) checkpointed.
+  AC         none: L layers; full: each layer's input + one recomputed layer; layer (old name
+             selective): every k-th layer (i % k == 0) checkpointed; op: each layer's input and
+             matmul/SDPA outputs + one layer's recomputed rest (docs/ac.md).
 `calibrated=True` adds what the trainer does beyond the paper (packed-row mask, autocast casts,
 the AC peak). Checked tensor by tensor against saved-tensor hooks (tests/unit/test_memory.py).
 Derivation, MoE and calibration: docs/planner.md "Activations: derivation". Imports no torch.
@@ -44,16 +45,36 @@ def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2,
     return tokens * (norms + attn + mlp)
 
 
-def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, autocast: bool = False) -> int:
-    """Final norm, LM-head input and the logits/loss tensors over the vocabulary (module doc)."""
+def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, autocast: bool = False,
+                          loss_chunks: int = 1) -> int:
+    """Final norm, LM-head input and the logits/loss tensors over the vocabulary (module doc).
+    K = `loss_chunks` > 1 (train/core/chunked_loss.py): the logits tensors of one chunk of
+    ⌈T/K⌉ rows are alive at a time, plus a 4-byte log-sum-exp a token (docs/loss.md)."""
     e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size
     logits = (e + 4 + 4) * V if e != 4 else 8 * V
-    return tokens * ((4 + (4 if autocast else e)) * h + 4 + e * h + logits)
+    norm_and_input = tokens * ((4 + (4 if autocast else e)) * h + 4 + e * h)
+    if loss_chunks > 1:
+        return norm_and_input + 4 * tokens + ceil(tokens / loss_chunks) * logits
+    return norm_and_input + tokens * logits
+
+
+def op_kept_layer_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> tuple[int, int]:
+    """op AC, one layer: (bytes its matmul and SDPA outputs keep beyond the layer's input, the part
+    of them backward saves anyway: SDPA's output and log-sum-exp, the gate and up outputs) —
+    docs/ac.md. Dense: e·T·(2h_q + 2h_kv + 2h + 2I) + 4·T·n (q, k, v, SDPA out, o, gate, up,
+    down; fp32 lse per head). MoE: the router logits and k experts' three matmuls (unchecked)."""
+    e, h, I, n = elem_bytes, arch.hidden_size, arch.intermediate_size, arch.num_heads
+    h_q, h_kv = n * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    k = arch.experts_per_token if arch.num_experts else 1
+    router = e * arch.num_experts if arch.num_experts else 0
+    kept = e * (2 * h_q + 2 * h_kv + h) + router + k * e * (2 * I + h) + 4 * n
+    shared = e * h_q + 4 * n + k * 2 * e * I
+    return tokens * kept, tokens * shared
 
 
 def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
                      ac: str = "none", ac_every: int = 2, calibrated: bool = False,
-                     autocast: bool = False) -> int:
+                     autocast: bool = False, loss_chunks: int = 1) -> int:
     """Peak saved activations of one micro-batch on one rank, with activation checkpointing.
     `calibrated`: the trainer's masked attention and AC peak; `autocast`: an fp32 model under
     torch.autocast (ddp/zero1 with bf16-mixed), whose residual stream stays fp32 (module doc)."""
@@ -64,14 +85,18 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     L = arch.num_layers
     if ac == "none":
         checkpointed = 0
-    elif ac == "full":
+    elif ac in ("full", "op"):
         checkpointed = L
-    else:
+    else:  # layer (old name selective): every k-th layer
         checkpointed = ceil(L / ac_every)
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
+    if ac == "op":  # + each layer's matmul/SDPA outputs; the recompute rebuilds the rest (docs/ac.md)
+        kept, shared = op_kept_layer_bytes(arch, tokens, elem_bytes)
+        body += L * kept
+        recompute = layer - shared
     rope = 2 * stream * tokens * arch.head_dim  # cos, sin
-    head = head_activation_bytes(arch, tokens, elem_bytes, autocast)
+    head = head_activation_bytes(arch, tokens, elem_bytes, autocast, loss_chunks)
     if calibrated and recompute:
         return body + rope + max(head, recompute)
     return body + recompute + rope + head
