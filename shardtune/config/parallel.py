@@ -21,9 +21,10 @@ class ParallelConfig(_Section):
                                                                 "world size). None: processes per node.")
     precision: str = Field("bf16-mixed", description="bf16-mixed (bf16 compute, fp32 master weights and "
                                                      "gradient reduction) | bf16 | fp32.")
-    activation_checkpointing: str = Field("none", description="none | full (every decoder layer) | selective "
-                                                              "(every `ac_every`-th layer).")
-    ac_every: int = Field(2, ge=1, description="selective AC: checkpoint every k-th decoder layer.")
+    activation_checkpointing: str = Field("none", description="none | full (every decoder layer) | op (every "
+                                          "layer, matmul outputs kept, the rest recomputed; docs/ac.md) | "
+                                          "layer (every `ac_every`-th layer; `selective` is its old name).")
+    ac_every: int = Field(2, ge=1, description="layer AC: checkpoint every k-th decoder layer.")
     offload: str = Field("none", description="none | all (FSDP2 CPUOffloadPolicy: params, grads and optimizer "
                                              "on CPU; FSDP strategies only).")
 
@@ -43,8 +44,8 @@ class ParallelConfig(_Section):
         if self.hsdp_shard_size is not None and not STRATEGY[self.strategy].hybrid:
             raise ValueError(f"parallel.hsdp_shard_size {self.hsdp_shard_size} applies to hsdp only and would be "
                              f"ignored by {self.strategy!r}; drop it or use parallel.strategy=hsdp")
-        if self.ac_every != 2 and self.activation_checkpointing != "selective":
-            raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=selective only "
+        if self.ac_every != 2 and self.activation_checkpointing != "layer":
+            raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=layer only "
                              f"and would be ignored with {self.activation_checkpointing!r}; drop it or set "
-                             "parallel.activation_checkpointing=selective")
+                             "parallel.activation_checkpointing=layer")
         return self
