@@ -12,6 +12,7 @@ from shardtune.catalog.models import MODELS, resolve_model_config
 from shardtune.errors import UserError
 from shardtune.plan import comm, memory
 from shardtune.plan.activations import activation_bytes
+from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.plan.params import (
     ParamShape,
     architecture_from_config,
@@ -160,7 +161,8 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> int:
     autocast = (inp.precision == "bf16-mixed" and not STRATEGY[strategy].fsdp
                 and not inp.lora_rank)
     return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
-                            inp.ac, inp.ac_every, calibrated=True, autocast=autocast)
+                            inp.ac, inp.ac_every, calibrated=True, autocast=autocast,
+                            loss_chunks=resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size))
 
 
 def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:

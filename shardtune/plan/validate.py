@@ -48,6 +48,7 @@ class PlanInputs:
     ac_every: int = 2  # selective AC: every k-th decoder layer
     offload: str = "none"
     lora_rank: int = 0
+    loss_chunks: int | None = None  # train.loss_chunks; default: plan/loss.py (8 above a 32k vocabulary)
     accounting: str = "shardtune"
     hsdp_shard_size: int | None = None  # default: gpus_per_node
     params: float | None = None  # a bare parameter count instead of a model
@@ -118,6 +119,8 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.grad_accum = _int_in("grad_accum", inp.grad_accum, 1, 1_000_000)
     inp.ac_every = _int_in("ac_every", inp.ac_every, 1, 100_000)
     inp.lora_rank = _int_in("lora_rank", inp.lora_rank, 0, 65_536)
+    if inp.loss_chunks is not None:
+        inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, MAX_SEQ_LEN * MAX_MICRO_BATCH)
     _layout(inp)
     inp.precision = normalize_precision(inp.precision)
     inp.optimizer = normalize_optimizer(inp.optimizer)
