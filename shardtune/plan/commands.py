@@ -61,6 +61,9 @@ def plan_cmd(
         help="none | optimizer | all (CPU RAM per node is reported)."),
     lora_rank: int = typer.Option(_D.lora_rank, "--lora-rank", metavar="R",
                                   help="LoRA rank on all attention and MLP projections (0: full fine-tune)."),
+    loss_chunks: int | None = typer.Option(
+        _D.loss_chunks, "--loss-chunks", metavar="K",
+        help="Cross-entropy over K token chunks (train.loss_chunks; default 8 above a 32k vocabulary, else 1)."),
     accounting: str = typer.Option(_D.accounting, "--accounting", metavar="[shardtune|paper]",
                                    help="shardtune (what the trainer holds) | paper (ZeRO §5)."),
     hsdp_shard_size: int | None = typer.Option(_D.hsdp_shard_size, "--hsdp-shard-size", metavar="N",
@@ -111,7 +114,8 @@ def plan_cmd(
         model=model, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, seq_len=seq_len,
         micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
         optimizer_impl=optimizer_impl, ac=ac, ac_every=ac_every, offload=offload, lora_rank=lora_rank,
-        accounting=accounting, hsdp_shard_size=hsdp_shard_size, params=params, reserve_gib=reserve_gib,
+        loss_chunks=loss_chunks, accounting=accounting, hsdp_shard_size=hsdp_shard_size, params=params,
+        reserve_gib=reserve_gib,
         strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,
         nics_per_node=nics_per_node, network_profile=network_profile, mfu=mfu, tokens=tokens)
     if model and model.endswith((".yaml", ".yml")):

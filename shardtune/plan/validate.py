@@ -120,7 +120,7 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.ac_every = _int_in("ac_every", inp.ac_every, 1, 100_000)
     inp.lora_rank = _int_in("lora_rank", inp.lora_rank, 0, 65_536)
     if inp.loss_chunks is not None:
-        inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, MAX_SEQ_LEN * MAX_MICRO_BATCH)
+        inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
     _layout(inp)
     inp.precision = normalize_precision(inp.precision)
     inp.optimizer = normalize_optimizer(inp.optimizer)
