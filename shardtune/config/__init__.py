@@ -67,7 +67,8 @@ class RunConfig(_Section):
             precision=self.parallel.precision, optimizer=self.optim.name,
             optimizer_impl=self.optim.implementation, ac=self.parallel.activation_checkpointing,
             ac_every=self.parallel.ac_every, offload=self.parallel.offload,
-            hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank)
+            hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank,
+            loss_chunks=self.train.loss_chunks)
 
 
 
