@@ -189,7 +189,8 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                       optimizer: str = "adamw", optimizer_impl: str = "auto", lora_rank: int = 0,
                       hsdp_shard_size: int | None = None, activation_checkpointing: str = "none",
                       ac_every: int = 2, device: str | None = None, planner_modes: bool = False,
-                      quantize_base: str = "none", compile: bool = False) -> None:
+                      quantize_base: str = "none", compile: bool = False,
+                      loss_chunks: int | None = None) -> None:
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
@@ -207,6 +208,10 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
         if optimizer in PLANNER_ONLY["optimizer"]:
             raise UserError(f"optimizer {optimizer!r} is a planner-only mode; the trainer runs adamw or "
                             "adamw-8bit (optim.name / --optimizer)")
+    if loss_chunks is not None and (isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int)
+                                    or loss_chunks < 1):
+        raise UserError(f"loss chunks must be a positive integer (or unset: from the vocabulary), got "
+                        f"{loss_chunks!r}: train.loss_chunks / --loss-chunks")
     if compile:
         # torch's inductor builds its CPU kernels with $CXX, else g++ (clang++ on macOS):
         # torch/_inductor/config.py `cpp.cxx`, cpp_builder.py `get_cpp_compiler`

@@ -220,7 +220,8 @@ def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
     try:
         check_combination(strategy, precision=inp.precision, offload=inp.offload, optimizer=inp.optimizer,
                           optimizer_impl=inp.optimizer_impl, lora_rank=inp.lora_rank,
-                          activation_checkpointing=inp.ac, ac_every=inp.ac_every, planner_modes=True)
+                          activation_checkpointing=inp.ac, ac_every=inp.ac_every, planner_modes=True,
+                          loss_chunks=inp.loss_chunks)
     except UserError as e:
         return e
     return None
