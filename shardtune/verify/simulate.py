@@ -122,7 +122,8 @@ def _ddp_fake_patches(model) -> None:
 
 
 def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, micro_batch: int,
-              grad_accum: int, world_size: int, autocast_dtype, grad_clip: float = 1.0) -> Callable[[], None]:
+              grad_accum: int, world_size: int, autocast_dtype, grad_clip: float = 1.0,
+              loss_chunks: int | None = None) -> Callable[[], None]:
     """One `train_step` on random token ids, two documents packed per row (position ids
     0..S/2-1, 0..S/2-1) as the trainer's packed data has them (train/data/dataset.py). Packed position
     ids make transformers build a block-diagonal mask (masking_utils.find_packed_sequence_indices;
@@ -139,7 +140,8 @@ def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, mic
         # the step returns tensors; only its non-finite check reads a value, which fake tensors
         # cannot answer: the trace always takes the update
         train_step(model, optimizer, scheduler, batches, dp_group=None, dp_size=world_size,
-                   grad_clip=grad_clip, autocast_dtype=autocast_dtype, skip_non_finite=False)
+                   grad_clip=grad_clip, autocast_dtype=autocast_dtype, skip_non_finite=False,
+                   loss_chunks=loss_chunks)
     return step
 
 
@@ -197,7 +199,7 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
                       ac: str = "none", ac_every: int = 2, seq_len: int = 2048, micro_batch: int = 1,
                       grad_accum: int = 1, gpus_per_node: int | None = None,
                       hsdp_shard_size: int | None = None, target: str = "cuda",
-                      optimizer_impl: str = "auto") -> dict:
+                      optimizer_impl: str = "auto", loss_chunks: int | None = None) -> dict:
     """Rank 0's bytes by planner key (`track_step`) for one strategy, traced on fake tensors.
 
     `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
@@ -226,7 +228,7 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             vocab = getattr(net, "module", net).config.vocab_size
             step = make_step(net, optimizer, scheduler, vocab_size=vocab, seq_len=seq_len,
                              micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus,
-                             autocast_dtype=autocast_dtype(parallel_cfg))
+                             autocast_dtype=autocast_dtype(parallel_cfg), loss_chunks=loss_chunks)
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
@@ -276,7 +278,7 @@ def attach_simulation(result, model: Any, console=None) -> None:
                     model, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
                     ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
                     grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
-                    optimizer_impl=inp["optimizer_impl"],
+                    optimizer_impl=inp["optimizer_impl"], loss_chunks=inp.get("loss_chunks"),
                     hsdp_shard_size=sp.shard_degree if STRATEGY[sp.name].hybrid else None)
                 sp.simulated = {"status": "traced", **sim}
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan
