@@ -1,11 +1,12 @@
 """train.compile (parallel/build.py `apply_compile`) on 2 gloo ranks, in ONE launch of _compile_worker.py.
 
 Each case builds the same model eager and compiled in the same ranks and steps both on the same
-batches (fp32, 4 steps): the eager side is the reference (its own parity with one process is
-tests/dist/test_train_parity.py). Checked: losses and grad norms within 1e-5; state-dict keys
-are a plain transformers model's (no `_orig_mod.`); the compile really ran (dynamo's graph
-count); validation with the (1, 2) dummy batch and sample generation add no graph (no
-recompiles); activation checkpointing still recomputes under compile (bytes saved for backward).
+batches (fp32, 4 steps; AC none / full / op / every 2nd layer; LoRA): the eager side is the
+reference (its own parity with one process is tests/dist/test_train_parity.py). Checked: losses
+and grad norms within 1e-5; state-dict keys are a plain transformers model's (no `_orig_mod.`);
+the compile really ran (dynamo's graph count); validation with the (1, 2) dummy batch and sample
+generation add no graph (no recompiles); activation checkpointing still recomputes under compile
+(bytes saved for backward).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def _case(name, strategy, ac="none", **kw):
             "steps": 4, "rows": 8, "seq_len": 32, **kw}
 
 
-CASES = [_case("zero3", "zero3"), _case("zero3_full_ac", "zero3", "full"),
-         _case("ddp_every_2nd_layer_ac", "ddp", "selective"), _case("zero2_lora", "zero2", lora=LORA)]
+CASES = [_case("zero3", "zero3"), _case("zero3_full_ac", "zero3", "full"), _case("zero3_op_ac", "zero3", "op"),
+         _case("ddp_every_2nd_layer_ac", "ddp", "layer"), _case("zero2_lora", "zero2", lora=LORA)]
 
 
 @pytest.fixture(scope="module")
