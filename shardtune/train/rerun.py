@@ -17,57 +17,15 @@ from shardtune.train.durable.ckpt_files import (
     check_before_launch,
     check_metadata_pickle,
     complete_checkpoints,
-    config_hash,
     resolve_resume,
 )
+from shardtune.train.durable.compat import WAY_OUT, fmt, resume_changes
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
 
-# Settings whose change makes a checkpoint meaningless for the new run (weights, data position or
-# optimizer state would belong to another run). Strategy and world size reshard (docs/checkpoints.md).
-BREAKING = ("model.name", "model.trust_remote_code", "data.path", "data.format", "data.tokenizer", "data.template",
-            "data.packing", "data.generated_examples", "data.generated_seed", "train.seq_len", "optim.name",
-            "lora.rank", "lora.alpha", "lora.target_modules")
-IGNORED = ("name", "output_dir", "checkpoint.resume")
 MOVED = ("checkpoints", "metrics.jsonl", "events.jsonl", "memory.json", "config.yaml", "plan.json", "hf_export",
          "stopped.json")
-WAY_OUT = "give a new --output-dir, or --resume never --move-aside to start afresh here"
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def saved_config(run_dir: Path, cfg_hash: str) -> RunConfig | None:
-    """The config the checkpoint was trained with: config.yaml (or an earlier segment's) whose hash matches."""
-    from shardtune.config import load_recipe
-
-    for path in [run_dir / "config.yaml", *sorted((run_dir / "segments").glob("*/config.yaml"), reverse=True)]:
-        try:
-            old = load_recipe(path)
-        except UserError:
-            continue
-        if config_hash(old) == cfg_hash:
-            return old
-    return None
-
-
-def changes(old: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
-    a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
-    return [(k, a.get(k), b.get(k)) for k in b if k not in IGNORED and a.get(k) != b.get(k)]
-
-
-def _fmt(change: tuple[str, object, object]) -> str:
-    return f"{change[0]} {change[1]} → {change[2]}"
-
-
 def move_aside(run_dir: Path) -> Path:
     """The old run's checkpoints, metrics and config into <run_dir>/previous-<time>/ (nothing deleted)."""
     dest = run_dir / time.strftime("previous-%Y%m%d-%H%M%S")
@@ -134,21 +92,16 @@ def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
     if info is None:
         return None
     check_same_model(info.path, cfg)
-    old = saved_config(Path(info.path).parents[1], info.config_hash) if info.config_hash else None
-    if old is None:  # no saved config to compare with: the ranks' own checks stand
+    diff = resume_changes(info.path, info.config_hash, cfg)
+    if diff is None:  # no saved config to compare with: the ranks' own checks stand
         check_checkpoint_files(info, auto=cfg.checkpoint.resume == "auto")
         return None
-    diff = changes(old, cfg)
-    broken = [c for c in diff if c[0] in BREAKING]
-    if broken:
-        raise UserError(f"cannot resume {info.path}: {', '.join(_fmt(c) for c in broken)} would not continue that "
-                        f"run; {WAY_OUT}")
     total = cfg.train.max_steps
     if total is not None and info.step >= total:
-        ignored = f" ({', '.join(_fmt(c) for c in diff)} ignored)" if diff else ""
+        ignored = f" ({', '.join(fmt(c) for c in diff)} ignored)" if diff else ""
         return (f"shardtune: {run_dir} is already complete at step {info.step}{ignored}; nothing to do (raise "
                 f"train.max_steps to train on, or {WAY_OUT})")
     check_checkpoint_files(info, auto=cfg.checkpoint.resume == "auto")
     if diff:
-        print(f"shardtune: resuming {info.path} with changed settings: {', '.join(_fmt(c) for c in diff)}")
+        print(f"shardtune: resuming {info.path} with changed settings: {', '.join(fmt(c) for c in diff)}")
     return None

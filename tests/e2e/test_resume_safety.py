@@ -163,3 +163,19 @@ def test_a_rank_refuses_a_tampered_checkpoint_and_a_gadget_value(copy, tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     _one_line(proc.stderr, f"checkpoint value {key!r} is not plain data")
     assert not marker.exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_names_the_changed_settings_and_refuses_a_breaking_one(copy):
+    """By hand (a multi-node script runs so: no launcher check), the ranks apply the launcher's
+    rule: a changed data seed cannot continue the checkpoint (one line, exit 2); a changed
+    learning rate resumes and is named with its old and new value."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "shardtune.train", str(copy.parent / "recipe.yaml"), "--output-dir", str(copy),
+           "--max-steps", "5"]
+    proc = run_bounded([*cmd, "data.generated_seed=7"], timeout_s=90, cwd=REPO, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    _one_line(proc.stderr, "data.generated_seed 1234 → 7 would not continue that run")
+    proc = run_bounded([*cmd, "optim.lr=0.0005"], timeout_s=120, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(step 4," in proc.stdout and "changed: optim.lr 0.0003 → 0.0005" in proc.stdout, proc.stdout

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from shardtune.errors import UserError
-from shardtune.train.durable import ckpt_files
+from shardtune.train.durable import ckpt_files, compat
 from shardtune.train.durable.resilience import BadStepCounter, DebugHooks, PreemptionSignal, agree_max
 from shardtune.train.durable.watchdog import Watchdog
 
@@ -37,6 +37,7 @@ class RunKeeper:
         self.bad = BadStepCounter(cfg.train.max_bad_steps)
         self.signal = PreemptionSignal().install()
         self.cfg_hash = ckpt_files.config_hash(cfg)
+        self.resume_diff: list[str] = []  # rank 0: the settings changed since the resumed checkpoint
         self.resumed_from: int | None = None
         self.last_saved: Path | None = None
         self.last_saved_step = -1
@@ -60,6 +61,9 @@ class RunKeeper:
                 info = ckpt_files.resolve_resume(self.cfg.checkpoint, self.run_dir)
                 older = [i for i in ckpt_files.complete_checkpoints(self.run_dir)[::-1]
                          if info is not None and i.path != info.path] if how == "auto" else []
+                # the launcher's rule (compat.py), here too: a by-hand or multi-node torchrun skips it
+                diff = compat.resume_changes(info.path, info.config_hash, self.cfg) if info else None
+                self.resume_diff = [compat.fmt(c) for c in diff or []]
                 choice[0] = ("ok", [str(i.path) for i in ([info] if info else []) + older], uuid.uuid4().hex[:12])
             except Exception as e:  # every rank raises the same error, nobody waits
                 choice[0] = ("error", str(e), "")
@@ -76,8 +80,10 @@ class RunKeeper:
         load_checkpoint(info, self.model, self.optimizer, self.scheduler, self.state, rank=self.ctx.rank)
         self.resumed_from, self.last_saved, self.last_saved_step = info.step, info.path, info.step
         if self.ctx.rank == 0:
-            changed = [] if info.config_hash == self.cfg_hash else ["model/data/optim settings differ"]
-            note = f" ({'; '.join(changed)})" if changed else ""
+            changed = self.resume_diff if info.config_hash != self.cfg_hash else []
+            if info.config_hash != self.cfg_hash and not changed:
+                changed = ["settings differ from the checkpoint's; its config.yaml is not in the run folder"]
+            note = f" (changed: {', '.join(changed)})" if changed else ""
             print(f"shardtune: resuming from {info.path} (step {info.step}, saved by {info.world_size} "
                   f"rank(s) with {info.strategy}; now {self.ctx.world_size} with "
                   f"{self.cfg.parallel.strategy}){note}", flush=True)
