@@ -65,16 +65,17 @@ def recompute_flops_per_token(ac: str, layer_matmul_params: int, num_layers: int
     recomputing once every saved tensor backward needs is back (`torch.utils.checkpoint`, early
     stop on by default), so a layer's last matmul — whose output nothing saves — is not re-run:
     pass its size as `unrecomputed_params_per_layer` (Llama: the MLP down projection, I×d).
-    `selective` (this project's meaning, as torchtitan's layer-selective AC) wraps every
-    `ac_every`-th layer: layers 0, k, 2k, ... → ceil(L/k) of L layers are recomputed.
+    `layer` (old name `selective`; torchtitan's layer-selective AC) wraps every `ac_every`-th
+    layer: layers 0, k, 2k, ... → ceil(L/k) of L layers are recomputed. `op` keeps every matmul
+    and SDPA output: it re-runs norms, RoPE, SiLU and adds only, no matmul FLOPs (docs/ac.md).
     """
-    if ac == "none":
+    if ac in ("none", "op"):
         return 0.0
     recomputed = layer_matmul_params / num_layers - unrecomputed_params_per_layer
     per_layer = 2.0 * recomputed + 4.0 * num_heads * head_dim * seq_len
     if ac == "full":
         return per_layer * num_layers
-    if ac == "selective":
+    if ac == "layer":
         return per_layer * math.ceil(num_layers / max(1, ac_every))
     raise ValueError(f"unknown activation checkpointing mode {ac!r}")
 
