@@ -53,10 +53,11 @@ def plan_cmd(
         _D.optimizer_impl, "--optimizer-impl", metavar="[auto|foreach|fused|for-loop|bf16-stochastic]",
         help="AdamW kernel: auto (torch's choice: foreach on GPUs, for-loop with --offload all) | foreach | fused "
         "| for-loop | bf16-stochastic; sets the step's temporaries."),
-    ac: str = typer.Option(_D.ac, "--ac", metavar="[none|full|selective]",
-        help="Activation checkpointing: none | full | selective."),
+    ac: str = typer.Option(_D.ac, "--ac", metavar="[none|full|op|layer]",
+        help="Activation checkpointing: none | full | op (matmul outputs kept) | layer (every k-th; "
+             "old name selective)."),
     ac_every: int = typer.Option(_D.ac_every, "--ac-every", metavar="K",
-        help="selective AC: checkpoint every k-th layer."),
+        help="layer AC: checkpoint every k-th layer."),
     offload: str = typer.Option(_D.offload, "--offload", metavar="[none|optimizer|all]",
         help="none | optimizer | all (CPU RAM per node is reported)."),
     lora_rank: int = typer.Option(_D.lora_rank, "--lora-rank", metavar="R",

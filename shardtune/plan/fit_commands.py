@@ -79,7 +79,7 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
              str(base.gpus_per_node)])
     flags, overrides = [], []
     for key, (flag, recipe_key) in _KEYS.items():
-        if want[key] == have[key] or (key == "ac_every" and want["ac"] != "selective"):
+        if want[key] == have[key] or (key == "ac_every" and want["ac"] != "layer"):
             continue
         if flag and one_node:
             flags += [flag, str(want[key])]
