@@ -48,13 +48,14 @@ def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2,
 def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, autocast: bool = False,
                           loss_chunks: int = 1) -> int:
     """Final norm, LM-head input and the logits/loss tensors over the vocabulary (module doc).
-    K = `loss_chunks` > 1 (train/core/chunked_loss.py): the logits tensors of one chunk of
-    ⌈T/K⌉ rows are alive at a time, plus a 4-byte log-sum-exp a token (docs/loss.md)."""
+    K = `loss_chunks` > 1 (train/core/chunked_loss.py): one chunk of ⌈T/K⌉ rows' logits (e) and
+    their fp32 upcast (4) at a time, plus a 4-byte log-sum-exp a token (docs/loss.md)."""
     e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size
     logits = (e + 4 + 4) * V if e != 4 else 8 * V
     norm_and_input = tokens * ((4 + (4 if autocast else e)) * h + 4 + e * h)
     if loss_chunks > 1:
-        return norm_and_input + 4 * tokens + ceil(tokens / loss_chunks) * logits
+        chunk_row = (e + 4) * V if e != 4 else 4 * V
+        return norm_and_input + 4 * tokens + ceil(tokens / loss_chunks) * chunk_row
     return norm_and_input + tokens * logits
 
 
