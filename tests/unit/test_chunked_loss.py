@@ -129,3 +129,25 @@ def test_saved_and_peak_bytes_drop_by_the_logits_term():
 def test_default_chunks_follow_the_vocabulary():
     assert default_loss_chunks(32_000) == 1 and default_loss_chunks(32_768) == 1  # Llama-2, Mistral
     assert default_loss_chunks(49_152) == 8 and default_loss_chunks(128_256) == 8  # SmolLM2, Llama-3
+
+
+def test_planner_head_term_follows_the_chunks_by_hand():
+    from shardtune.plan import plan
+    from shardtune.plan.activations import head_activation_bytes
+    from shardtune.plan.params import Architecture
+
+    arch = Architecture(model_type="llama", hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=4, vocab_size=10, tie_embeddings=False)
+    T = 5
+    norm_and_input = T * 8 * 4 + T * 4 + T * 8 * 2 + T * 8 * 2  # fp32 input, rstd, bf16 normalised, head input
+    assert head_activation_bytes(arch, T, 2) == norm_and_input + T * 10 * (2 + 4 + 4)
+    # K = 2: rows of ⌈5/2⌉ = 3 — their bf16 logits and fp32 upcast — and a fp32 log-sum-exp a token
+    assert head_activation_bytes(arch, T, 2, loss_chunks=2) == norm_and_input + 3 * 10 * (2 + 4) + 4 * T
+    assert head_activation_bytes(arch, T, 4, loss_chunks=2) - head_activation_bytes(arch, T, 4) == \
+        3 * 10 * 4 + 4 * T - T * 10 * 8  # fp32: no upcast copy
+    # the plan's default for a 128k vocabulary is 8 chunks, for tiny-llama (V 264) 1
+    big = {k: plan("llama-3-8b", 8, seq_len=4096, loss_chunks=k, strategies=["zero3"]).strategy("zero3")
+           for k in (None, 1, 8)}
+    assert big[None].memory.activations == big[8].memory.activations < big[1].memory.activations
+    T, V = 4096, 128_256
+    assert big[1].memory.activations - big[8].memory.activations == T * V * 10 - (512 * V * 6 + 4 * T)
