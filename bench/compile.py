@@ -122,7 +122,9 @@ def rank_main(args: argparse.Namespace) -> None:
             times[tag].append(timed(tag, mbs))
     if rank == 0:
         e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
-        ratio = statistics.median(a / b for a, b in zip(times["eager"], times["compiled"]))
+        pairs = [a / b for a, b in zip(times["eager"], times["compiled"])]
+        ratio = statistics.median(pairs)
+        q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else (ratio, ratio, ratio)
         tokens = args.micro_batch * args.seq_len * world
         print(f"bench model {args.layers} layers × hidden {args.hidden}, {args.strategy}, AC {args.ac}, "
               f"{args.precision}, {world} rank(s) on {args.device}, "
@@ -131,7 +133,7 @@ def rank_main(args: argparse.Namespace) -> None:
               f"(compile ≈ {first_compiled - e:.1f} s)")
         print(f"median step over {args.steps} pairs: eager {e:.3f} s ({tokens / e:,.0f} tokens/s), "
               f"compiled {c:.3f} s ({tokens / c:,.0f} tokens/s)")
-        print(f"tokens/s compiled / eager: {ratio:.3f} (median of per-pair ratios)")
+        print(f"tokens/s compiled / eager: {ratio:.3f} (median of per-pair ratios; quartiles {q1:.3f}-{q3:.3f})")
         if args.json:
             Path(args.json).write_text(json.dumps({"first_eager_s": first_eager, "first_compiled_s": first_compiled,
                                                    **{f"{k}_s": v for k, v in times.items()}, "ratio": ratio}))
