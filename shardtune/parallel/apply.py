@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardtune.errors import UserError
 from shardtune.strategies import STRATEGY, Layout
@@ -83,13 +84,30 @@ def op_ac_context():
     return create_selective_checkpoint_contexts(op_ac_policy)
 
 
+def _op_checkpoint_forward(layer: nn.Module) -> None:
+    """op AC on one layer: its forward function runs under non-reentrant checkpoint with the op
+    policy, inside the module call, so FSDP2's hooks (input casts, profiler ranges) stay outside
+    the selective region in forward and in recompute alike (composable `checkpoint` re-runs them
+    inside it, where SAC finds ops its forward never saw). No-grad forwards run plain."""
+    inner = layer.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return torch_checkpoint(inner, *args, use_reentrant=False, context_fn=op_ac_context, **kwargs)
+
+    layer.forward = forward
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> None:
     """Non-reentrant checkpoint per chosen decoder layer (composable API: parameter names stay
-    the same, so state dicts keep HF names); `op` adds torch's selective-checkpoint policy."""
+    the same, so state dicts keep HF names); `op`: torch's selective checkpoint per layer."""
     layers = decoder_layers(model)
-    kwargs = {"context_fn": op_ac_context} if mode == "op" else {}
     for i in checkpointed_layer_indices(len(layers), mode, every):
-        checkpoint(layers[i], **kwargs)
+        if mode == "op":
+            _op_checkpoint_forward(layers[i])
+        else:
+            checkpoint(layers[i])
 
 
 def autocast_dtype(parallel_cfg: ParallelConfig) -> torch.dtype | None:
