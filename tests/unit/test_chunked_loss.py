@@ -151,3 +151,22 @@ def test_planner_head_term_follows_the_chunks_by_hand():
     assert big[None].memory.activations == big[8].memory.activations < big[1].memory.activations
     T, V = 4096, 128_256
     assert big[1].memory.activations - big[8].memory.activations == T * V * 10 - (512 * V * 6 + 4 * T)
+
+
+@pytest.mark.parametrize("argv", [["--loss-chunks", "0"], ["--loss-chunks", "-2"]])
+def test_bad_chunks_on_the_plan_flag_are_one_line_exit_2(argv, capsys):
+    from shardtune.cli import main
+
+    rc = main(["plan", "llama-3-8b", "--gpus", "8", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--loss-chunks" in err[0], err
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_bad_chunks_in_the_recipe_are_one_line(value):
+    from shardtune.config import build_config
+    from shardtune.errors import UserError
+
+    with pytest.raises(UserError, match="loss_chunks") as e:
+        build_config({"train": {"loss_chunks": int(value)}})
+    assert "\n" not in str(e.value)
