@@ -55,8 +55,8 @@ def test_palm_flops_match_torch_flop_counter(tiny):
     assert matmul_params(total, c.vocab_size, c.hidden_size, False) - linear == 2 * L * c.hidden_size + c.hidden_size
 
 
-@pytest.mark.parametrize("ac,every,wrapped", [("full", 1, [0, 1, 2, 3]), ("selective", 2, [0, 2]),
-                                              ("selective", 3, [0, 3])])
+@pytest.mark.parametrize("ac,every,wrapped", [("full", 1, [0, 1, 2, 3]), ("layer", 2, [0, 2]),
+                                              ("layer", 3, [0, 3])])
 def test_recompute_flops_match_torch_checkpoint(tiny, ac, every, wrapped):
     torch, c, base = tiny
     import copy
@@ -82,7 +82,7 @@ def test_recompute_by_hand():
     # 2 layers of 100 matmul params, H·Q = 8, T = 10, full AC, nothing skipped:
     # per layer 2·100 + 4·8·10 = 520 → 1040 per token.
     assert recompute_flops_per_token("full", 200, 2, 2, 4, 10) == 1040
-    assert recompute_flops_per_token("selective", 200, 2, 2, 4, 10, ac_every=2) == 520
+    assert recompute_flops_per_token("layer", 200, 2, 2, 4, 10, ac_every=2) == 520
     assert recompute_flops_per_token("none", 200, 2, 2, 4, 10) == 0
 
 
