@@ -123,8 +123,11 @@ def test_world_errors(tmp_path, overrides, world, per_node, expected):
 def test_options_the_strategy_would_ignore_are_refused(tmp_path):
     # issue 15: hsdp_shard_size under zero3 was silently ignored; ac_every without selective AC too
     assert "applies to hsdp only" in _launch_err(tmp_path, ["parallel.hsdp_shard_size=2"], 4, 4)
-    assert "selective" in _err(["parallel.ac_every=3"])
-    assert load_recipe(None, ["parallel.ac_every=3", "parallel.activation_checkpointing=selective"])
+    assert "activation_checkpointing=layer" in _err(["parallel.ac_every=3"])
+    assert load_recipe(None, ["parallel.ac_every=3", "parallel.activation_checkpointing=layer"])
+    # `selective`, the old name of layer AC, is still accepted and normalised
+    old = load_recipe(None, ["parallel.ac_every=3", "parallel.activation_checkpointing=selective"])
+    assert old.parallel.activation_checkpointing == "layer"
 
 
 @pytest.mark.parametrize("overrides,expected", [
