@@ -127,3 +127,29 @@ def test_op_planner_within_10_percent_of_simulated_reduced_llama3_8b():
     none = plan(cfg, gpus=8, seq_len=512, ac="none", strategies=["zero3"]).strategy("zero3").memory
     full = plan(cfg, gpus=8, seq_len=512, ac="full", strategies=["zero3"]).strategy("zero3").memory
     assert full.activations < mem.activations < none.activations
+
+
+def test_layer_ac_keeps_selective_as_its_old_name(capsys):
+    import json
+
+    from shardtune.cli import main
+    from shardtune.config import load_recipe
+    from shardtune.plan import plan
+    from shardtune.strategies import check_combination
+
+    got = {}
+    for ac in ("selective", "layer", "op", "none", "full"):
+        assert main(["plan", "tiny-llama", "--gpus", "2", "--seq-len", "64", "--ac", ac, "--json"]) == 0
+        got[ac] = json.loads(capsys.readouterr().out)
+    assert got["selective"]["inputs"]["ac"] == "layer" and got["op"]["inputs"]["ac"] == "op"
+    assert got["selective"]["strategies"] == got["layer"]["strategies"]
+    act = {ac: next(s for s in got[ac]["strategies"] if s["name"] == "zero3")["memory"]["activations"]
+           for ac in got}
+    assert act["full"] < act["op"] < act["none"]
+    assert plan("tiny-llama", 2, ac="selective").strategy("zero3").memory.activations == \
+        plan("tiny-llama", 2, ac="layer").strategy("zero3").memory.activations
+    assert load_recipe(None, ["parallel.activation_checkpointing=op"]).parallel.activation_checkpointing == "op"
+    for ac in ("op", "layer", "selective"):
+        check_combination("zero3", activation_checkpointing=ac)
+    assert main(["plan", "tiny-llama", "--gpus", "2", "--ac", "opp"]) == 2
+    assert "did you mean 'op'" in capsys.readouterr().err
