@@ -1,4 +1,4 @@
-"""One rank of tests/dist/test_chunked_loss.py: each case builds the same model twice in these
+"""One rank of tests/dist/test_chunked_loss_ranks.py: each case builds the same model twice in these
 ranks and steps both on the same batches, with train.loss_chunks 1 (the full logits) and K; then
 both run validation (rank 1 has no batch: it runs the (1, 2) dummy, which also has fewer rows
 than K chunks).

@@ -5,7 +5,7 @@ Forward: per chunk of rows, logits = h·Wᵀ in the compute dtype, upcast to fp3
 the target's logit; only the per-row log-sum-exp (4 B a token) is kept. Backward recomputes each
 chunk's logits (one more head matmul: Liger's fused linear cross-entropy does the gradient in
 forward instead, which keeps a V×h weight gradient alive across the forward peak) and forms
-softmax − onehot one chunk at a time, accumulating dW in the weight's dtype (as Liger does).
+softmax − onehot one chunk at a time, accumulating dW in the compute dtype (as Liger does).
 Under FSDP2 the root reshards the head (and tied embedding) after its forward, so the loss runs
 in a forward hook on the root that fires before FSDP's own post-forward hook: the all-gathered
 weight is live, and its gradient lands in the unsharded parameter FSDP reduce-scatters.
@@ -49,7 +49,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         k = ctx.num_chunks
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # dW summed in the compute dtype, as Liger does (an fp32 weight under autocast: one bf16
+        # V×h buffer, not an fp32 one plus a bf16 product per chunk; cast once at the end)
+        grad_w = torch.zeros_like(weight, dtype=hidden.dtype) if need_w else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(hidden.dtype)
             rows = zip(hidden.tensor_split(k), target.tensor_split(k), lse.tensor_split(k),
@@ -65,10 +67,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if need_h:
                     gh_c.copy_(d_logits @ w)
                 if need_w:
-                    if grad_w.dtype == d_logits.dtype:
-                        grad_w.addmm_(d_logits.t(), h_c)
-                    else:  # an fp32 weight under autocast: bf16 matmul, fp32 sum
-                        grad_w.add_(d_logits.t() @ h_c)
+                    grad_w.addmm_(d_logits.t(), h_c)
+            del w
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None
 
 
