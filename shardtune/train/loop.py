@@ -222,7 +222,8 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
                       torch.tensor([float(peak), float(run.keeper.signal.signum)], dtype=torch.float64,
                                    device=run.ctx.device)])
     gathered = torch.empty(run.ctx.world_size * 3, dtype=torch.float64, device=run.ctx.device)
-    dist.all_gather_into_tensor(gathered, mine)
+    # torch 2.13 renames all_gather_into_tensor (deprecated, a FutureWarning a run) all_gather_single
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)
     per_rank = gathered.view(run.ctx.world_size, 3)
     loss, peak_all, signum = float(per_rank[:, 0].sum()), int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
     tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
