@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh,
                          device: torch.device | str, fill: Callable[[nn.Module], None] | None = None,
-                         compile: bool = False) -> nn.Module:
+                         compile: bool = False, quantize: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """The model to train: `meta_model` itself for FSDP strategies (sharded in place), a DDP wrapper
     for ddp/zero1. `fill(model)` gets the materialised (sharded) model, before any DDP wrap.
     `compile` (train.compile): each decoder layer's training forward torch.compile'd (`apply_compile`)."""
@@ -46,6 +46,8 @@ def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, me
     # and fill. ddp/zero1 (`materialise_before_wrap`): DDP broadcasts rank 0's parameters when
     # built, so materialise and fill first and wrap last.
     apply_precision(meta_model, parallel_cfg)
+    if quantize is not None:  # QLoRA (helper D, train/core/qlora.py): NF4 base after precision, before shard
+        quantize(meta_model)
     apply_activation_checkpointing(meta_model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)
     if compile:
         apply_compile(meta_model)

@@ -24,7 +24,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardtune.catalog.models import resolve_model_config, safetensors_files
 from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
+from shardtune.strategies import STRATEGY
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, base_pointer, is_adapter
+from shardtune.train.core.qlora import fill_nf4, is_nf4, quantize_base
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -171,6 +173,9 @@ def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> N
     params = dict(model.named_parameters())
     for name, make in itertools.chain(source, adapter_full_tensors(model, seed, _tensor_seed)):
         param = params[name]
+        if is_nf4(param):  # QLoRA: quantise the full tensor, keep this rank's chunk
+            fill_nf4(param, make())
+            continue
         rows = _local_rows(param)
         if rows is None:
             _copy_full_into(param, make())
@@ -192,10 +197,15 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: Devi
     AC, shard, materialise on `device`, fill with `init_model_weights`; DDP after the fill)."""
     model = build_meta_model(model_cfg)
     lora = lora_cfg is not None and lora_cfg.rank > 0
+    quantize = None
     if lora:
         apply_lora(model, lora_cfg)
+        if lora_cfg.quantize_base == "nf4":  # QLoRA: shard size S of train/core/qlora.py's rule
+            shard = mesh.size(mesh.ndim - 1) if STRATEGY[parallel_cfg.strategy].fsdp else 1
+            model.config.shardtune_lora.update(quantize_base="nf4", nf4_shard=shard)
+            quantize = lambda m: quantize_base(m, shard)  # noqa: E731
     model = build_parallel_model(model, parallel_cfg, mesh, device,
-                                 fill=lambda m: init_model_weights(m, model_cfg, seed))
+                                 fill=lambda m: init_model_weights(m, model_cfg, seed), quantize=quantize)
     if lora:  # the frozen params' dtype as stored (apply_precision), which a resume must match
         hf = unwrap(model)
         frozen = next(p.dtype for p in hf.parameters() if not p.requires_grad)
