@@ -78,11 +78,14 @@ def main() -> None:
     e = h.element_size()
     full_term = (e + 8 if e != 4 else 8) * a.vocab
     print(f"head T={a.tokens} h={a.hidden} V={a.vocab} {a.dtype} on {dev.type}, {a.rounds} interleaved rounds")
+    # peak: forward and backward, above the inputs and their grads; planner: the forward-peak
+    # activations term of the logits (the backward's chunk temporaries are beyond it)
     print(f"{'K':>4} {'median s':>9} {'time/K=1':>9} {'peak MiB':>9} {'peak/K=1':>9} {'planner logits MiB':>19}")
     base_t, base_p = statistics.median(times[1]), peak_bytes(1, h, w, t)
     for k in ks:
         med, peak = statistics.median(times[k]), peak_bytes(k, h, w, t)
-        planned = (a.tokens * full_term if k == 1 else 4 * a.tokens + -(-a.tokens // k) * full_term)
+        chunk_row = (e + 4) * a.vocab if e != 4 else 4 * a.vocab  # plan/activations.py head_activation_bytes
+        planned = a.tokens * full_term if k == 1 else 4 * a.tokens + -(-a.tokens // k) * chunk_row
         print(f"{k:>4} {med:>9.4f} {med / base_t:>9.2f} {peak / 2**20:>9.1f} {peak / base_p:>9.3f} "
               f"{planned / 2**20:>19.1f}")
 
