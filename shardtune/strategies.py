@@ -255,6 +255,9 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     if quantize_base != "none" and lora_rank == 0:
         raise UserError(f"quantize_base {quantize_base!r} freezes the base in 4 bits: it needs LoRA adapters "
                         "(lora.rank / --lora-rank > 0)")
-    if quantize_base != "none":
-        raise UserError(f"quantize_base {quantize_base!r} (QLoRA) is not implemented yet "
-                        "(lora.quantize_base / --quantize-base none)")
+    if quantize_base != "none" and importlib.util.find_spec("torchao") is None:
+        raise UserError(f"quantize_base {quantize_base!r} (QLoRA) needs torchao's NF4Tensor "
+                        "(pip install 'shardtune[8bit]'), or lora.quantize_base / --quantize-base none")
+    if quantize_base != "none" and compile:  # torch.compile over NF4's dequantising linear: not tried
+        raise UserError(f"quantize_base {quantize_base!r} with train.compile is not implemented yet: "
+                        "train.compile=false, or lora.quantize_base none")

@@ -109,7 +109,7 @@ class _Model:
     buffer_cache: dict = field(default_factory=dict)
 
 
-def _load_model(model, params: float | None, lora_rank: int) -> _Model:
+def _load_model(model, params: float | None, lora_rank: int, quantize_base: str = "none") -> _Model:
     if params is not None:
         n = int(params)
         return _Model(f"{params:g} parameters", "--params (model states only)", n, n, None, None, n)
@@ -117,7 +117,7 @@ def _load_model(model, params: float | None, lora_rank: int) -> _Model:
     arch = architecture_from_config(cfg)
     if lora_rank > arch.hidden_size:
         raise UserError(f"--lora-rank {lora_rank} exceeds the hidden size {arch.hidden_size}; use a rank such as 8-64")
-    shapes = model_shapes(arch, lora_rank)
+    shapes = model_shapes(arch, lora_rank, quantize_base)
     name = model if isinstance(model, str) else "config"
     source = MODELS[name]["source"] if name in MODELS else name
     total = sum(p.numel for p in shapes)  # with LoRA: the frozen base and the adapters
@@ -221,7 +221,7 @@ def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
         check_combination(strategy, precision=inp.precision, offload=inp.offload, optimizer=inp.optimizer,
                           optimizer_impl=inp.optimizer_impl, lora_rank=inp.lora_rank,
                           activation_checkpointing=inp.ac, ac_every=inp.ac_every, planner_modes=True,
-                          loss_chunks=inp.loss_chunks)
+                          loss_chunks=inp.loss_chunks, quantize_base=inp.quantize_base)
     except UserError as e:
         return e
     return None
@@ -331,7 +331,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
         raise UserError(f"--reserve-gib {inp.reserve_gib} leaves nothing of the {gpu.name}'s "
                         f"{gpu.memory_bytes / GIB:.1f} GiB; give a smaller reserve")
     usable = gpu.memory_bytes - reserve
-    m = _load_model(inp.model, inp.params, inp.lora_rank)
+    m = _load_model(inp.model, inp.params, inp.lora_rank, inp.quantize_base)
     names, omitted = _applicable(inp)
     plans = [_plan_strategy(m, s, inp, usable) for s in names]
     ddp_bytes = comm.bytes_per_step(comm.collectives(

@@ -62,6 +62,8 @@ def plan_cmd(
         help="none | optimizer | all (CPU RAM per node is reported)."),
     lora_rank: int = typer.Option(_D.lora_rank, "--lora-rank", metavar="R",
                                   help="LoRA rank on all attention and MLP projections (0: full fine-tune)."),
+    quantize_base: str = typer.Option(_D.quantize_base, "--quantize-base", metavar="[none|nf4]",
+                                      help="nf4: the LoRA base in 4-bit NF4 (QLoRA; needs --lora-rank)."),
     loss_chunks: int | None = typer.Option(
         _D.loss_chunks, "--loss-chunks", metavar="K",
         help="Cross-entropy over K token chunks (train.loss_chunks; default 8 above a 32k vocabulary, else 1)."),
@@ -115,6 +117,7 @@ def plan_cmd(
         model=model, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, seq_len=seq_len,
         micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
         optimizer_impl=optimizer_impl, ac=ac, ac_every=ac_every, offload=offload, lora_rank=lora_rank,
+        quantize_base=quantize_base,
         loss_chunks=loss_chunks, accounting=accounting, hsdp_shard_size=hsdp_shard_size, params=params,
         reserve_gib=reserve_gib,
         strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,

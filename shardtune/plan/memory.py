@@ -173,6 +173,29 @@ def local_numels(shapes: list[ParamShape], strategy: str, world_size: int, shard
     return params, grads, trainable
 
 
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao to_nf4's defaults (train/core/qlora.py)
+
+
+def nf4_stored(shape: tuple[int, ...], shard: int) -> bool:
+    """QLoRA's rule (train/core/qlora.py `quantizable`): whole blocks and scaler blocks per shard."""
+    return len(shape) == 2 and shape[0] % shard == 0 and prod(shape) % (NF4_BLOCK * NF4_SCALER_BLOCK * shard) == 0
+
+
+def nf4_bytes(numel: int, dtype_bytes: int) -> int:
+    """Bytes of a (local) torchao NF4Tensor of `numel` weights: 4-bit codes (2 a byte), one int8
+    scale per 64-weight block, one factor per 256 scales, the scalers' mean and the 16-entry
+    code table, the last three in the weight's dtype (`__tensor_flatten__`'s five tensors)."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + (blocks // NF4_SCALER_BLOCK + 1 + 16) * dtype_bytes
+
+
+def _nf4_local(shapes: list[ParamShape], strategy: str, shard_degree: int, frozen_bytes: int) -> tuple[int, int]:
+    """(local elements stored as NF4, their bytes) on any rank: the rule's shards are even."""
+    shard = shard_degree if STRATEGY[strategy].fsdp else 1
+    numels = [p.numel // shard for p in shapes if p.nf4 and nf4_stored(p.shape, shard)]
+    return sum(numels), sum(nf4_bytes(n, frozen_bytes) for n in numels)
+
+
 def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, shard_degree: int,
                      precision: str, optimizer: str, rank: int = 0, padded: bool = True,
                      impl: str = "foreach") -> States:
@@ -192,8 +215,9 @@ def shardtune_states(shapes: list[ParamShape], strategy: str, world_size: int, s
                                                  4 * sum(opt.values()), 0, False)
     else:
         opt_bytes = sum(c * optimizer_state_bytes(n, optimizer, dt.state) for n, c in opt.items())
+    q_numel, q_bytes = _nf4_local(shapes, strategy, shard_degree, dt.frozen)  # QLoRA's NF4 base
     return States(
-        params=g * dt.param + (p - g) * dt.frozen,  # the trainable local elements are the grads'
+        params=g * dt.param + (p - g - q_numel) * dt.frozen + q_bytes,  # trainable local elements = grads'
         grads=g * dt.grad,
         optimizer=opt_bytes + (counters if on_device else 0) + qmaps,
         optimizer_step_temp=optimizer_temp_bytes(sum(n * c for n, c in opt.items()), max(opt, default=0),

@@ -47,12 +47,14 @@ class Architecture:
 
 @dataclass(frozen=True)
 class ParamShape:
-    """One parameter tensor: its name, shape, FSDP group ("root" or the layer index), trainable."""
+    """One parameter tensor: its name, shape, FSDP group ("root" or the layer index), trainable;
+    `nf4`: a QLoRA base weight, stored in NF4 where memory.nf4_stored's rule allows."""
 
     name: str
     shape: tuple[int, ...]
     group: str | int
     trainable: bool = True
+    nf4: bool = False
 
     @property
     def numel(self) -> int:
@@ -155,14 +157,17 @@ def lora_shapes(arch: Architecture, rank: int, targets=LORA_TARGETS) -> list[Par
 
 
 def model_shapes(arch: Architecture, lora_rank: int = 0, quantize_base: str = "none") -> list[ParamShape]:
-    """All tensors the trained model holds; with LoRA the base weights are frozen.
-    `quantize_base` "nf4" (QLoRA) is not planned yet: NotImplementedError (check_combination refuses it)."""
-    if quantize_base != "none":
-        raise NotImplementedError(f"quantize_base {quantize_base!r} is not planned yet")
+    """All tensors the trained model holds; with LoRA the base weights are frozen. `quantize_base`
+    "nf4" (QLoRA) marks each adapted base weight `nf4` (train/core/qlora.py: the target nn.Linear
+    weights; embeddings, norms, head and biases stay in their dtype)."""
+    if quantize_base not in ("none", "nf4"):
+        raise ValueError(f"quantize_base {quantize_base!r}")
     base = param_shapes(arch)
     if lora_rank <= 0:
         return base
-    frozen = [ParamShape(p.name, p.shape, p.group, trainable=False) for p in base]
+    targets = {f"{a.name.split('.lora_A.')[0]}.weight" for a in lora_shapes(arch, lora_rank) if ".lora_A." in a.name}
+    frozen = [ParamShape(p.name, p.shape, p.group, trainable=False,
+                         nf4=quantize_base == "nf4" and p.name in targets) for p in base]
     return frozen + lora_shapes(arch, lora_rank)
 
 

@@ -48,6 +48,7 @@ class PlanInputs:
     ac_every: int = 2  # selective AC: every k-th decoder layer
     offload: str = "none"
     lora_rank: int = 0
+    quantize_base: str = "none"  # lora.quantize_base: nf4 stores the LoRA base in 4 bits (QLoRA)
     loss_chunks: int | None = None  # train.loss_chunks; default: plan/loss.py (8 above a 32k vocabulary)
     accounting: str = "shardtune"
     hsdp_shard_size: int | None = None  # default: gpus_per_node

@@ -14,7 +14,7 @@ from shardtune.strategies import check_combination
     ("ddp", dict(offload="all"), "needs an FSDP strategy"),
     ("zero1", dict(offload="all"), "needs an FSDP strategy"),
     ("zero3", dict(quantize_base="nf4"), "needs LoRA adapters"),
-    ("zero3", dict(lora_rank=8, quantize_base="nf4"), "not implemented yet"),
+    ("zero3", dict(lora_rank=8, quantize_base="nf4", compile=True), "not implemented yet"),
     ("zero3", dict(lora_rank=8, quantize_base="int3"), "unknown quantize_base"),
     ("ddp", dict(optimizer="adamw-8bit", optimizer_impl="fused"), "leave it 'auto'"),
     ("zero3", dict(optimizer_impl="bf16-stochastic"), "needs parallel.precision bf16"),
