@@ -174,4 +174,21 @@ def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
         meta = build_meta_model(ModelConfig(name=str(ckpt_hf_dir), init="random"))
         made = random_full_tensors(meta, int(base["seed"]))
     shapes = {n: p.shape for n, p in meta.named_parameters()}
-    return {name: (shapes[name], dtype, lambda make=make: make().to(dtype)) for name, make in made}
+    out = {name: (shapes[name], dtype, lambda make=make: make().to(dtype)) for name, make in made}
+    if lora.get("quantize_base") == "nf4":  # QLoRA: the base the forward saw, NF4 codes dequantised
+        from shardtune.train.core.qlora import dequantized, quantizable  # lazy: torchao only for QLoRA
+
+        targets = {f"{n.split('.lora_A.')[0]}.weight" for n in _adapter_names(lora, meta)}
+        for name in targets:
+            shape, _, read = out[name]
+            if quantizable(tuple(shape), int(lora["nf4_shard"])):
+                out[name] = (shape, dtype, lambda read=read: dequantized(read(), dtype))
+    return out
+
+
+def _adapter_names(lora: dict, meta: nn.Module) -> list[str]:
+    """The lora_A names PEFT would give `meta` for this run's target modules."""
+    names = {m.rsplit(".", 1)[-1] for m, _ in meta.named_modules()}
+    wanted = set(lora["target_modules"]) & names
+    return [f"{m}.lora_A.default.weight" for m, mod in meta.named_modules()
+            if isinstance(mod, nn.Linear) and m.rsplit(".", 1)[-1] in wanted]

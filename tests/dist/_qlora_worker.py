@@ -1,0 +1,74 @@
+"""QLoRA cases for tests/dist/test_qlora.py, on gloo ranks: the trainer's build (train/core/model.py
+build_model with lora.quantize_base nf4), optimizer and train_step over the shared global batches.
+Per case: the global losses, and this rank's parameter bytes measured from the storages themselves
+(an NF4Tensor's inner tensors through torchao's `__tensor_flatten__`, a DTensor's local part)."""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _batches import global_batch, rank_micro_batches  # noqa: E402
+from _rank import process_group, write_result  # noqa: E402
+
+from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
+from shardtune.train.core.model import build_model, unwrap  # noqa: E402
+from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
+from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+
+
+def _storages(t: torch.Tensor) -> list:
+    t = getattr(t, "_local_tensor", t)
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return [s for n in t.__tensor_flatten__()[0] for s in _storages(getattr(t, n))]
+    if isinstance(t, torch.nn.Parameter) and type(t.data) is not torch.Tensor:
+        return _storages(t.data)
+    return [t.untyped_storage()]
+
+
+def param_bytes(model) -> dict:
+    seen, nf4 = {}, 0
+    for p in unwrap(model).parameters():
+        local = getattr(p, "_local_tensor", p.data)
+        nf4 += type(local).__name__ == "NF4Tensor"
+        for s in _storages(local):
+            seen[s.data_ptr()] = s.nbytes()
+    return {"params_bytes": sum(seen.values()), "nf4_params": nf4}
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    pcfg = ParallelConfig(**case["parallel"])
+    mesh = build_mesh(pcfg, world, world, "cpu")
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**case["model"]), pcfg, mesh, torch.device("cpu"), seed=0,
+                        lora_cfg=LoraConfig(**case["lora"]))
+    out = param_bytes(model)
+    ocfg = OptimConfig(lr=case["lr"], warmup_steps=0, schedule="constant", grad_clip=1.0, weight_decay=0.0)
+    opt = build_optimizer(model, ocfg, pcfg, mesh.get_group() if mesh.ndim == 1 else None)
+    sched = build_scheduler(opt, ocfg, case["steps"])
+    out["losses"] = []
+    for step in range(case["steps"]):
+        mbs = rank_micro_batches(global_batch(step, case["rows"], case["seq_len"]), rank, world, 1)
+        r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
+                       autocast_dtype=autocast_dtype(pcfg))
+        out["losses"].append(global_loss(r))
+    out["grad_params"] = sorted(n for n, p in unwrap(model).named_parameters() if p.grad is not None)
+    del model, opt, sched
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    with process_group() as (rank, world):
+        results = {c["name"]: run_case(c, rank, world) for c in cases}
+    write_result(sys.argv[2], rank, results)
+
+
+if __name__ == "__main__":
+    main()
