@@ -11,7 +11,8 @@ parallel/apply.py `apply_activation_checkpointing` (layer: every `--ac-every`-th
 round times one forward+backward of every mode on the same batch (packed rows: position ids
 restart mid-row, as the trainer packs, so transformers builds its block mask), in an order that
 rotates round by round so a shared machine's drift hits all alike; ratios are taken within a
-round and the median over rounds printed, beside the planner's FLOP-based prediction
+round and the median over rounds printed (CPU: the process's CPU time, one thread, so a shared
+machine's other jobs do not enter it; CUDA: wall time), beside the planner's FLOP-based prediction
 (plan/compute.py `recompute_flops_per_token` over PaLM's 6N + 12·L·H·Q·T). docs/ac.md.
 """
 from __future__ import annotations
@@ -87,15 +88,19 @@ def main() -> None:
     pos = torch.cat([torch.arange(half), torch.arange(s - half)]).repeat(b, 1).to(args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
+    # CPU: this process's CPU time (one thread: the work itself, blind to the time a shared
+    # machine's other jobs take the core away); CUDA: wall time between synchronisations
+    clock = time.perf_counter if args.device == "cuda" else time.process_time
+
     def step(model) -> float:
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         logits = model(input_ids=ids, position_ids=pos).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
         del logits
         loss.backward()
         sync()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         model.zero_grad(set_to_none=True)
         return dt
 
@@ -110,7 +115,8 @@ def main() -> None:
     pred = predicted(cfg, args)
     print(f"torch {torch.__version__}; Llama {args.layers} x {args.hidden}, {args.dtype}, {args.device}, "
           f"{args.threads} thread(s), micro-batch {b} x {s} tokens (packed rows), layer AC every "
-          f"{args.ac_every}; {args.rounds} rounds, order rotating")
+          f"{args.ac_every}; {args.rounds} rounds, order rotating; "
+          f"{'wall' if args.device == 'cuda' else 'process CPU'} time")
     print(f"{'mode':6} {'median s':>9} {'ratio vs none':>14} {'planner predicts':>17}")
     for m in MODES:
         print(f"{m:6} {statistics.median(times[m]):9.3f} {ratios[m]:14.3f} {pred[m]:17.3f}")
