@@ -288,18 +288,23 @@ def fsdp_buffer_bytes(shapes: list[ParamShape], strategy: str, precision: str) -
         if p.group != "root":
             layers.setdefault(p.group, []).append(p)
     root = [p for p in shapes if p.group == "root"]
-    layer_numel = max((sum(p.numel for p in ps) for ps in layers.values()), default=0)
+    # QLoRA: a gathered NF4 weight is its codes and scales (nf4_bytes, rule taken at shard 1: the
+    # caller's shard degree is not known here), plus one weight dequantised at a time by the matmul
+    gathered = lambda ps: sum(nf4_bytes(p.numel, dt.frozen) if p.nf4 and nf4_stored(p.shape, 1)  # noqa: E731
+                              else dt.compute * p.numel for p in ps)
+    dequant = max((p.numel for p in shapes if p.nf4 and nf4_stored(p.shape, 1)), default=0)
+    layer_bytes = max((gathered(ps) for ps in layers.values()), default=0)
     layer_trainable = max((sum(p.numel for p in ps if p.trainable) for ps in layers.values()), default=0)
     if not STRATEGY[strategy].reshard_after_forward:  # zero2: gathered from forward to backward
-        unsharded = sum(p.numel for p in shapes)
+        unsharded = gathered(shapes)
     else:
-        unsharded = sum(p.numel for p in root) + 2 * layer_numel
+        unsharded = gathered(root) + 2 * layer_bytes
     # The root's grads wait for the end of backward; the embedding's arrives last (unless tied).
     root_grads = sum(p.numel for p in root if p.trainable and p.name != "model.embed_tokens.weight")
     if any(p.name == "model.embed_tokens.weight" and p.trainable for p in root) and not any(
             p.name == "lm_head.weight" for p in root):
         root_grads += next(p.numel for p in root if p.name == "model.embed_tokens.weight")
-    return dt.compute * (unsharded + root_grads) + (dt.compute + dt.reduce) * layer_trainable
+    return unsharded + dt.compute * (root_grads + dequant) + (dt.compute + dt.reduce) * layer_trainable
 
 
 def ddp_buffer_bytes(shapes: list[ParamShape], precision: str) -> int:
