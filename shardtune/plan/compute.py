@@ -55,6 +55,11 @@ def forward_flops_per_token(matmul_params_count: int, num_layers: int, num_heads
     return 2.0 * matmul_params_count + 4.0 * num_layers * num_heads * head_dim * seq_len
 
 
+# op AC's recompute time / the no-AC forward+backward time, measured by bench/recompute.py on the
+# CPU: +5.8 % (Llama 8 × 512) and +5.9 % (4 × 1024), fp32, one thread (docs/ac.md "Measured")
+OP_RECOMPUTE_SHARE = 0.058
+
+
 def recompute_flops_per_token(ac: str, layer_matmul_params: int, num_layers: int, num_heads: int,
                               head_dim: int, seq_len: int, ac_every: int = 2,
                               unrecomputed_params_per_layer: int = 0) -> float:
@@ -67,10 +72,13 @@ def recompute_flops_per_token(ac: str, layer_matmul_params: int, num_layers: int
     pass its size as `unrecomputed_params_per_layer` (Llama: the MLP down projection, I×d).
     `layer` (old name `selective`; torchtitan's layer-selective AC) wraps every `ac_every`-th
     layer: layers 0, k, 2k, ... → ceil(L/k) of L layers are recomputed. `op` keeps every matmul
-    and SDPA output: it re-runs norms, RoPE, SiLU and adds only, no matmul FLOPs (docs/ac.md).
+    and SDPA output and re-runs no matmul; its element-wise recompute (norms, RoPE, SiLU, adds)
+    is priced as OP_RECOMPUTE_SHARE of the layers' training FLOPs: its measured time (docs/ac.md).
     """
-    if ac in ("none", "op"):
+    if ac == "none":
         return 0.0
+    if ac == "op":
+        return OP_RECOMPUTE_SHARE * (6.0 * layer_matmul_params + 12.0 * num_layers * num_heads * head_dim * seq_len)
     recomputed = layer_matmul_params / num_layers - unrecomputed_params_per_layer
     per_layer = 2.0 * recomputed + 4.0 * num_heads * head_dim * seq_len
     if ac == "full":
