@@ -202,6 +202,10 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: Devi
         apply_lora(model, lora_cfg)
         if lora_cfg.quantize_base == "nf4":  # QLoRA: shard size S of train/core/qlora.py's rule
             shard = mesh.size(mesh.ndim - 1) if STRATEGY[parallel_cfg.strategy].fsdp else 1
+            if STRATEGY[parallel_cfg.strategy].fsdp and shard == 1:  # FSDP2 skips NF4's all-gather hooks
+                raise UserError(f"lora.quantize_base nf4 under {parallel_cfg.strategy} needs 2 or more ranks "
+                                "per shard group (FSDP2 on one rank fails in torchao's NF4 post-all-gather); "
+                                "use parallel.strategy ddp for one process")
             model.config.shardtune_lora.update(quantize_base="nf4", nf4_shard=shard)
             quantize = lambda m: quantize_base(m, shard)  # noqa: E731
     model = build_parallel_model(model, parallel_cfg, mesh, device,
