@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from shardtune.catalog.chat_templates import CHAT_TEMPLATES, is_template_name, unknown_template_message
 from shardtune.config.base import _Section
 
 FORMAT = Literal["auto", "text", "prompt_response", "chat", "alpaca", "sharegpt"]
@@ -56,7 +57,8 @@ class DataConfig(_Section):
                             "template if it has one, else plain; plain: bos+prompt+response+eos, chat turns "
                             "as '<|role|>\\n' + content.")
     chat_template: str | None = Field(
-        None, description="Override the tokenizer's chat template: a Jinja template, or a .jinja file holding one "
+        None, description=f"Override the tokenizer's chat template: a named one ({', '.join(CHAT_TEMPLATES)}; "
+                          "shardtune/catalog/chat_templates.py), a Jinja template, or a .jinja file holding one "
                           "(needs the model folder's tokenizer). Used where data.template is auto or chat.")
     packing: bool = Field(
         True, description="Pack several examples into each seq_len row (position ids restart per example; no "
@@ -75,6 +77,13 @@ class DataConfig(_Section):
         None, description="Several datasets mixed by weight instead of `path`: a list of {path, weight, format, "
                           "split, columns}. Rows are drawn in a seeded order (train.seed); the checkpoint keeps "
                           "each source's position, so a resume at any world size continues every source exactly.")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, v: str | None) -> str | None:
+        if v is not None and is_template_name(v) and v not in CHAT_TEMPLATES:
+            raise ValueError(unknown_template_message(v))
+        return v
 
     @model_validator(mode="after")
     def _one_kind_of_source(self):

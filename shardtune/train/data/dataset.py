@@ -51,9 +51,16 @@ def build_tokenizer(data_cfg, model_name: str, trust_remote_code: bool = False):
 
 
 def _override_template(tok, spec: str) -> None:
-    """data.chat_template: a Jinja template, or a .jinja file holding one, replaces the tokenizer's."""
+    """data.chat_template: a named template (catalog/chat_templates.py), a Jinja template, or a
+    .jinja file holding one, replaces the tokenizer's."""
+    from shardtune.catalog.chat_templates import CHAT_TEMPLATES, is_template_name, unknown_template_message
+
     path = Path(spec).expanduser()
-    if spec.endswith((".jinja", ".j2")):
+    if is_template_name(spec):
+        if spec not in CHAT_TEMPLATES:  # the config refuses it first; a DataConfig built by hand too
+            raise UserError(unknown_template_message(spec))
+        spec = CHAT_TEMPLATES[spec].jinja
+    elif spec.endswith((".jinja", ".j2")):
         if not path.is_file():
             raise UserError(f"data.chat_template file {spec!r} does not exist; give a .jinja file or the template")
         spec = path.read_text(encoding="utf-8")

@@ -171,7 +171,16 @@ def _render_with_template(tok: HFTokenizer, messages: list[dict]) -> list[tuple[
     Llama-3, Qwen2 and Mistral templates). A template whose renderings are not prefixes of one
     another (some rewrite earlier turns) is refused with a fix.
     """
-    render = tok.tok.apply_chat_template
+    from jinja2 import TemplateError
+
+    def render(msgs, **kw):
+        try:
+            return tok.tok.apply_chat_template(msgs, **kw)
+        except TemplateError as e:  # the template's raise_exception: e.g. Gemma's "System role not supported"
+            roles = "/".join(m["role"] for m in messages)
+            raise UserError(f"the chat template refuses a conversation ({roles}): {e}; fix the data or "
+                            "data.system_prompt, or choose another data.chat_template") from None
+
     segs: list[tuple[list[int], bool]] = []
     done = ""
     for i, m in enumerate(messages):
