@@ -93,7 +93,7 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
 def report(run_dir: Path, console=None) -> list[Path]:
     """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
     from shardtune.plan.report import make_console
-    from shardtune.report.plots import plot_loss, plot_memory, plot_throughput
+    from shardtune.report.plots import memory_title, per_device, plot_loss, plot_memory, plot_throughput
     from shardtune.verify.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
 
     console = console or make_console(140)
@@ -102,10 +102,9 @@ def report(run_dir: Path, console=None) -> list[Path]:
     plots.mkdir(exist_ok=True)
     sources = {k: run[k] for k in ("predicted", "simulated", "measured") if run[k]}
     written = []
-    if sources:  # the title names what is drawn; CPU runs have ranks, not GPUs
-        where = "per-rank (CPU)" if run["measured_method"] and "cuda" not in run["measured_method"] else "per-GPU"
+    if sources:
         written.append(plot_memory(sources, plots / "memory.png",
-                                   f"{where} memory ({run['strategy'] or 'run'}): {' / '.join(sources)}"))
+                                   memory_title(sources, run["strategy"], run["measured_method"])))
     for p in (plot_loss(run["records"], plots / "loss.png", run["name"]),
               plot_throughput(run["records"], plots / "throughput.png", run["name"], run["world_size"])):
         if p:
@@ -124,7 +123,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
     if rows:
         peak = max(r[2].get("total") or 0 for r in rows if not r[1].startswith("Δ"))
         unit, unit_name = (2**30, "GiB (2^30 bytes)") if peak >= 2**30 else (2**20, "MiB (2^20 bytes)")
-        title = f"Per-GPU memory of the largest rank, {unit_name}; Δ = relative difference"
+        title = f"Memory {per_device(run['measured_method'])}, largest rank, {unit_name}; Δ = relative difference"
         console.print(memory_table(title, rows, unit))
     if run["measured_method"]:
         tracked = "buffers" in (run["measured"] or {})
@@ -142,7 +141,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
         tps = sum(r.get("tokens_per_s", 0) for r in recs) / len(recs)
         console.print(f"loss {recs[0].get('loss', float('nan')):.4f} (step {recs[0].get('step')}) → "
                       f"{recs[-1].get('loss', float('nan')):.4f} (step {recs[-1].get('step')}); "
-                      f"{tps:,.0f} tokens/s mean")
+                      f"{tps:,.0f} tokens/s mean (global: all ranks)")
     for p in written:
         console.print(f"wrote {p}")
     return written

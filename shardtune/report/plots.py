@@ -1,8 +1,8 @@
 """PNG plots of a run folder with matplotlib (Agg: no display needed).
 
-memory.png      stacked bars per source (predicted = plan.json, simulated = simulated.json,
-                measured = memory.json's largest rank) by category, each source's peak as a
-                marker; GiB = 2^30 bytes (MiB when the peak is under 1 GiB)
+memory.png      stacked bars per source drawn (predicted = plan.json, simulated = simulated.json,
+                measured = memory.json's largest rank) by the table's categories, each source's
+                peak as a marker; per rank on CPU; GiB = 2^30 bytes (MiB under 1 GiB)
 loss.png        training loss per step, its moving average, validation loss, resume markers
 throughput.png  global tokens/s (all ranks) per step and its mean (metrics.jsonl)
 """
@@ -18,12 +18,24 @@ matplotlib.use("Agg")  # files only, no display (report/commands.py imports this
 STACK = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp")  # the table's
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
           "buffers": "#8172b3", "optimizer_step_temp": "#937860"}
-LABELS = {"optimizer_step_temp": "opt tmp"}  # as the report's table names it
 
 
-def plot_memory(sources: dict[str, dict], path: Path, title: str) -> Path:
-    """Stacked bars of `sources` (name → memory dict with the planner's keys; missing keys are 0)
-    and a black marker at each source's `total` (its peak)."""
+def per_device(measured_method: str | None) -> str:
+    """'per rank (CPU)' when the run measured on CPU (ranks, not GPUs), else 'per GPU'."""
+    return "per rank (CPU)" if measured_method and "cuda" not in measured_method else "per GPU"
+
+
+def memory_title(sources: dict[str, dict], strategy: str | None, measured_method: str | None) -> str:
+    """What memory.png draws: per rank or per GPU, the strategy, the sources drawn."""
+    return f"Memory {per_device(measured_method)}, largest rank ({strategy or 'run'}): {' / '.join(sources)}"
+
+
+def draw_memory(sources: dict[str, dict], title: str):
+    """Stacked bars of `sources` (name → memory dict with the planner's keys; missing keys are 0),
+    one legend entry per category of the report's table (its column names), and a black marker at
+    each source's `total` (its peak)."""
+    from shardtune.verify.compare import LABELS  # the table's column names
+
     peak = max((m.get("total") or sum(m.get(k) or 0 for k in STACK) for m in sources.values()), default=0)
     unit, unit_name = (2**30, "GiB (2^30 B)") if peak >= 2**30 else (2**20, "MiB (2^20 B)")
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -32,17 +44,22 @@ def plot_memory(sources: dict[str, dict], path: Path, title: str) -> Path:
         bottom = 0.0
         for k in STACK:
             v = (sources[name].get(k) or 0) / unit
-            ax.bar(i, v, bottom=bottom, color=COLORS[k], label=LABELS.get(k, k) if i == 0 else None, width=0.6)
+            ax.bar(i, v, bottom=bottom, color=COLORS[k], label=LABELS[k] if i == 0 else None, width=0.6)
             bottom += v
-        if sources[name].get("total"):
-            ax.plot([i - 0.35, i + 0.35], [sources[name]["total"] / unit] * 2, color="black", lw=2,
-                    label="peak (one moment)" if i == 0 else None)
+    marked = [i for i, name in enumerate(names) if sources[name].get("total")]
+    for j, i in enumerate(marked):
+        ax.plot([i - 0.35, i + 0.35], [sources[names[i]]["total"] / unit] * 2, color="black", lw=2,
+                label=f"{LABELS['total']} (one moment)" if j == 0 else None)
     ax.set_xticks(range(len(names)), names)
     ax.set_xlabel("bars: each category's own maximum over the step (they need not coincide)", fontsize="small")
     ax.set_ylabel(f"memory, {unit_name}")
     ax.set_title(title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    return _save(fig, path)
+    return fig
+
+
+def plot_memory(sources: dict[str, dict], path: Path, title: str) -> Path:
+    return _save(draw_memory(sources, title), path)
 
 
 def _save(fig, path: Path) -> Path:

@@ -46,6 +46,7 @@ def test_report_after_train_and_simulate(tmp_path):
         data = (run / "plots" / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, name
     assert "Δ measured vs predicted" in out and "Δ measured vs simulated" in out
+    assert "Memory per rank (CPU), largest rank" in out and "per GPU" not in out  # gloo ranks, not GPUs
     # the train summary and the report print the same measured peak: memory.json's largest tracked step
     peak_mib = f"{max(r['tracked']['total'] for r in memory['per_rank']) / 2**20:,.2f} MiB"
     assert f"measured peak (largest rank): {peak_mib}" in train_log, train_log[-2000:]
@@ -114,3 +115,35 @@ def test_loss_and_throughput_plots_draw_what_their_labels_say():
     mean_line = next(ln for ln in ax.get_lines() if ln.get_label().startswith("mean"))
     assert list(mean_line.get_ydata()) == [350.0, 350.0]  # (100 + ... + 600) / 6
     assert mean_line.get_label() == "mean 350 tokens/s"
+
+
+def test_memory_plot_draws_what_its_title_and_legend_say():
+    from matplotlib.patches import Rectangle
+
+    from shardtune.report.plots import draw_memory, memory_title
+
+    mib = 2**20
+    predicted = {"params": 4 * mib, "grads": 4 * mib, "optimizer": 8 * mib, "activations": 2 * mib,
+                 "buffers": 1 * mib, "optimizer_step_temp": 3 * mib, "total": 20 * mib}
+    measured = {"params": 4 * mib, "grads": 4 * mib, "optimizer": 8 * mib, "activations": 3 * mib, "total": 19 * mib}
+    sources = {"predicted": predicted, "measured": measured}
+    title = memory_title(sources, "zero3", "cpu: torch's memory tracker")
+    assert "simulated" not in title and "per rank (CPU)" in title and "per GPU" not in title
+    assert "per GPU" in memory_title(sources, "zero3", "cuda max_memory_allocated")
+    fig = draw_memory(sources, title)
+    ax = fig.axes[0]
+    assert ax.get_title() == title
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["predicted", "measured"]  # one bar per source named
+    # the legend holds exactly the report table's memory columns (verify/compare.py prints them)
+    table_columns = ["params", "grads", "optim", "activ", "buffers", "opt tmp"]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert sorted(legend) == sorted([*table_columns, "peak (one moment)"])  # each once
+    # stacked heights in MiB: the predicted bar reaches 4+4+8+2+1+3 = 22, the measured one 4+4+8+3 = 19
+    tops = {}
+    for r in (p for p in ax.patches if isinstance(p, Rectangle) and p.get_height() > 0):
+        x = round(r.get_x() + r.get_width() / 2)
+        tops[x] = max(tops.get(x, 0), r.get_y() + r.get_height())
+    assert tops == pytest.approx({0: 22.0, 1: 19.0})
+    peaks = [list(ln.get_ydata()) for ln in ax.get_lines()]
+    assert peaks == [[20.0, 20.0], [19.0, 19.0]]
+    assert "MiB" in ax.get_ylabel()
