@@ -90,6 +90,7 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
                   **flags) -> int:
     """Validate everything, own the run folder (train/runlock.py), decide re-runs and resumes
     (train/rerun.py), then start torchrun with `nproc` processes on this machine."""
+    from shardtune.train.durable.diskfull import on_full_disk
     from shardtune.train.rerun import check_rerun
     from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
@@ -109,7 +110,9 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
             return 0
         os.environ[RUN_LOCK_ENV] = str(lock.path)  # the ranks: held by this launcher
         log = cfg.run_dir / "logs" / "torchrun.log"
-        log.parent.mkdir(exist_ok=True)
+        with on_full_disk("creating logs/", cfg.run_dir):
+            log.parent.mkdir(exist_ok=True)
+            log.touch()
         # torchrun under train/agent.py: its own stderr goes to `log`, a rank's UserError is one line
         cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--",
                *torchrun_command(nproc, recipe, overrides, flags, max_restarts)[3:]]

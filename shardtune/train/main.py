@@ -74,8 +74,8 @@ def setup_distributed(cfg: RunConfig) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, device, mesh)
 
 
-def write_plan(cfg: RunConfig, world_size: int, run_dir: Path) -> dict | None:
-    """The planner's prediction for this exact run → plan.json (None if it cannot plan it)."""
+def plan_dict(cfg: RunConfig, world_size: int) -> dict:
+    """The planner's prediction for this exact run (plan.json); {"error": ...} if it cannot plan it."""
     try:
         from shardtune.plan import plan
         from shardtune.strategies import resolve_optimizer_impl
@@ -85,11 +85,9 @@ def write_plan(cfg: RunConfig, world_size: int, run_dir: Path) -> dict | None:
                                                           cuda=torch.cuda.is_available())
         p = plan(gpus=world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                  strategies=[cfg.parallel.strategy], **inputs)
-        d = p.to_dict()
+        return p.to_dict()
     except Exception as e:  # the run goes on without a prediction, and says why
-        d = {"error": f"{type(e).__name__}: {e}"}
-    (run_dir / "plan.json").write_text(json.dumps(d, indent=1))
-    return d if "error" not in d else None
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 TEARDOWN_LIMIT_S = 30.0  # a healthy destroy_process_group takes well under a second
@@ -113,27 +111,46 @@ def run(cfg: RunConfig) -> dict:
             guard.cancel()
 
 
-def keep_segment(run_dir: Path) -> None:
-    """An earlier segment's config.yaml and plan.json → segments/<n>/ (so `report` sees the whole run)."""
-    if not (run_dir / "config.yaml").is_file():
-        return
+def write_run_files(run_dir: Path, config_text: str, plan_text: str) -> None:
+    """An earlier segment's config.yaml and plan.json → segments/<n>/ (so `report` sees the whole run),
+    then this segment's, each swapped in whole. A full disk: one line with the bytes needed and
+    free, the new segment folder removed, config.yaml and plan.json as they were."""
+    from shardtune.train.durable.diskfull import check_room, on_full_disk, write_atomic
+
+    earlier = [run_dir / n for n in ("config.yaml", "plan.json") if (run_dir / n).is_file()]
+    earlier = earlier if (run_dir / "config.yaml").is_file() else []
+    needed = len(config_text.encode()) + len(plan_text.encode()) + sum(p.stat().st_size for p in earlier)
     seg = run_dir / "segments" / f"{len(list((run_dir / 'segments').glob('*'))) + 1:03d}"
-    seg.mkdir(parents=True, exist_ok=True)
-    for name in ("config.yaml", "plan.json"):
-        if (run_dir / name).is_file():
-            shutil.copy2(run_dir / name, seg / name)
+    what = "writing the run's config.yaml, plan.json and segments/"
+    check_room(what, run_dir, needed)
+    with on_full_disk(what, run_dir, needed, cleanup=lambda: shutil.rmtree(seg, ignore_errors=True)):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if earlier:
+            seg.mkdir(parents=True, exist_ok=True)
+            for path in earlier:
+                shutil.copy2(path, seg / path.name)
+        # metrics.jsonl is truncated or removed by RunKeeper.resume (a resumed run continues it)
+        write_atomic({run_dir / "config.yaml": config_text, run_dir / "plan.json": plan_text})
 
 
 def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None]:
-    """Rank 0 writes config.yaml and plan.json; every rank gets the planner's prediction."""
+    """Rank 0 writes config.yaml and plan.json (its UserError, e.g. a full disk, is every rank's:
+    they stop together); rank 0 gets the planner's prediction."""
     run_dir = cfg.run_dir
-    planned = None
+    planned, error = None, None
     if ctx.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        keep_segment(run_dir)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        # metrics.jsonl is truncated or removed by RunKeeper.resume (a resumed run continues it)
-        planned = write_plan(cfg, ctx.world_size, run_dir)
+        d = plan_dict(cfg, ctx.world_size)
+        planned = d if "error" not in d else None
+        try:
+            write_run_files(run_dir, dump_config(cfg), json.dumps(d, indent=1))
+        except UserError as e:
+            error = str(e)
+    if ctx.world_size > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise UserError(error)
     return run_dir, planned
 
 

@@ -55,9 +55,13 @@ class RunLock:
         return holder
 
     def acquire(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from shardtune.train.durable.diskfull import on_full_disk
+
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}")
-        tmp.write_text(json.dumps(self.me))
+        with on_full_disk("taking the run folder's lock", self.path.parent,
+                          cleanup=lambda: tmp.unlink(missing_ok=True)):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.me))
         try:
             for _ in range(2):
                 try:

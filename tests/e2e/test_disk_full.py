@@ -47,6 +47,32 @@ iused=$(df --output=iused $M | tail -1)
 mount -o remount,nr_inodes=$((iused + 7)) $M  # a resume start makes ~4 (segments/N, its config and plan, the lock)
 train 2>{out}/inodes.err; echo $? >{out}/inodes.rc
 cp -a $M/run {out}/after_inodes
+# start-up: a resume's segments/ copy has no inode left (the lock takes the one free before it)
+mount -o remount,nr_inodes=100000 $M; rm -f $M/run/shardtune.lock; cp -a $M/run {out}/before_start
+mount -o remount,nr_inodes=$(($(df --output=iused $M | tail -1) + 2)) $M
+train 2>{out}/start_inodes.err; echo $? >{out}/start_inodes.rc
+cp -a $M/run {out}/after_start_inodes
+# start-up: one page free, which the lock takes: config.yaml, plan.json and segments/ are refused
+mount -o remount,nr_inodes=100000 $M
+mount -o remount,size=$(($(df -B1 --output=used $M | tail -1) + 4096)) $M
+train 2>{out}/start_bytes.err; echo $? >{out}/start_bytes.rc
+cp -a $M/run {out}/after_start_bytes
+# the launcher's own lock with no byte free
+mount -o remount,size=$(($(df -B1 --output=used $M | tail -1))) $M
+{st} train {recipe} --output-dir $M/run 2>{out}/start_lock.err; echo $? >{out}/start_lock.rc
+cp -a $M/run {out}/after_start_lock
+# export: a first one fits; then a second into a new folder: too few bytes (refused before writing),
+# then too few inodes (the disk fills midway): no new folder, no temporary, the first one as it was
+mount -o remount,size=200m $M
+{st} export $M/run/checkpoints/step_2 $M/out 2>{out}/export_ok.err || exit 92
+cp -a $M/out {out}/export_first
+mount -o remount,size=$(($(df -B1 --output=used $M | tail -1) + $(du -sb $M/out | cut -f1) / 2)) $M
+{st} export $M/run/checkpoints/step_2 $M/new 2>{out}/export_bytes.err; echo $? >{out}/export_bytes.rc
+ls -A $M >{out}/export_bytes.ls; cp -a $M/out {out}/export_after_bytes
+mount -o remount,size=200m $M
+mount -o remount,nr_inodes=$(($(df --output=iused $M | tail -1) + 2)) $M
+{st} export $M/run/checkpoints/step_2 $M/new 2>{out}/export_inodes.err; echo $? >{out}/export_inodes.rc
+ls -A $M >{out}/export_inodes.ls; cp -a $M/out {out}/export_after_inodes
 """
 
 
@@ -57,13 +83,14 @@ def _unshare_reason() -> str | None:
     return None if probe.returncode == 0 else f"unshare -m fails here: {probe.stderr.strip()[:100]}"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 @pytest.mark.skipif(_unshare_reason() is not None, reason=str(_unshare_reason()))
 def test_disk_full_before_and_during_a_save_is_one_line_and_the_last_checkpoint_is_intact(tmp_path):
     (tmp_path / "recipe.yaml").write_text(RECIPE)
     (tmp_path / "mnt").mkdir()
-    script = SCRIPT.format(mnt=tmp_path / "mnt", py=sys.executable, recipe=tmp_path / "recipe.yaml", out=tmp_path)
-    proc = run_bounded(["unshare", "-m", "sh", "-c", script], timeout_s=200, cwd=REPO)
+    script = SCRIPT.format(mnt=tmp_path / "mnt", py=sys.executable, recipe=tmp_path / "recipe.yaml", out=tmp_path,
+                           st=Path(sys.executable).parent / "shardtune")
+    proc = run_bounded(["unshare", "-m", "sh", "-c", script], timeout_s=360, cwd=REPO)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:], (tmp_path / "first.err").read_text()[-2000:]
                                   if (tmp_path / "first.err").exists() else "")
     for case, needle in (("bytes", "not enough space to save a checkpoint"),
@@ -76,3 +103,32 @@ def test_disk_full_before_and_during_a_save_is_one_line_and_the_last_checkpoint_
         assert sorted(p.name for p in ckpts.iterdir()) == ["step_2"]  # no partial save, nothing lost
         info = read_info(ckpts / "step_2")
         assert info is not None and info.files and integrity.problems(info.path, info.files) == []
+    # start-up writes on a full disk: one line with the bytes, nothing half-written, nothing lost
+    before = _files(tmp_path / "before_start")
+    for case, needle in (("start_inodes", "disk full while writing the run's config.yaml, plan.json and segments/"),
+                         ("start_bytes", "not enough space for writing the run's config.yaml, plan.json and segm"),
+                         ("start_lock", "disk full while taking the run folder's lock")):
+        _one_line(tmp_path, case, needle)
+        assert "bytes" in (tmp_path / f"{case}.err").read_text()
+        assert _files(tmp_path / f"after_{case}") == before  # config.yaml, plan.json, segments/, checkpoints
+    # the export: no new folder, no temporary folder, the first export byte for byte
+    first = _files(tmp_path / "export_first")
+    assert "model.safetensors" in first and "config.json" in first
+    for case, needle in (("export_bytes", "not enough space for the export"),
+                         ("export_inodes", "disk full while writing the export")):
+        _one_line(tmp_path, case, needle)
+        assert _files(tmp_path / f"export_after_{case.split('_')[1]}") == first
+        assert sorted((tmp_path / f"{case}.ls").read_text().split()) == ["out", "run"]
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (the run lock aside: it is the writer's, not the run's) and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "shardtune.lock"}
+
+
+def _one_line(tmp_path: Path, case: str, needle: str) -> None:
+    err = (tmp_path / f"{case}.err").read_text()
+    errors = [line for line in err.splitlines() if line.startswith("shardtune: error")]
+    assert (tmp_path / f"{case}.rc").read_text().strip() == "2", err[-2000:]
+    assert len(errors) == 1 and needle in errors[0] and "Traceback" not in err, err[-2000:]

@@ -26,6 +26,7 @@ from shardtune.errors import UserError
 from shardtune.train.core import lora as lora_mod
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info
+from shardtune.train.durable.diskfull import check_room, is_disk_full, on_full_disk
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -206,15 +207,22 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as e:
-        raise UserError(f"export folder {out_dir} cannot be written ({e.strerror or e}); give another folder") from None
-    try:
-        _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # the new folder is written whole before the old one goes: both must fit
+    needed = sum(n for _, n in sizes) + sum(f.stat().st_size for f in (ckpt / HF_DIR).iterdir() if f.is_file())
+    check_room("the export", out_dir, needed)
+    with on_full_disk("writing the export", out_dir, needed, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            if is_disk_full(e):
+                raise
+            raise UserError(f"export folder {out_dir} cannot be written ({e.strerror or e}); "
+                            "give another folder") from None
+        try:
+            _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return swap_in_export(tmp, out_dir)
 
 
