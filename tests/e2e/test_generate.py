@@ -218,3 +218,61 @@ def test_system_message_and_a_template_that_refuses_it(tmp_path, capsys):
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("shardtune: error")]
     assert len(errors) == 1 and "System role not supported" in errors[0] and "--system" in errors[0], err
+
+
+LORA_RECIPE = """
+name: gen-lora
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+optim: {lr: 0.01, warmup_steps: 0, schedule: constant}
+train: {micro_batch: 4, seq_len: 64, max_steps: 4, timeout_s: 60}
+checkpoint: {every: 4}
+lora: {rank: 4, alpha: 8}
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_lora_checkpoint_answers_as_peft_and_as_its_merged_export(tmp_path, capsys):
+    """A LoRA checkpoint holds adapters only: generate merges them onto the base. References: PEFT's
+    own merge (`PeftModel.from_pretrained(base, adapter folder).merge_and_unload()`) for the weights
+    and the answer, and the merged export loaded with transformers for the answer."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune import cli
+    from shardtune.config import ModelConfig
+    from shardtune.train.core.model import build_hf_config, init_model_weights
+    from shardtune.train.generate_commands import load_for_generation
+
+    ckpt = one_process_run(tmp_path, LORA_RECIPE) / "checkpoints" / "step_4"
+    assert cli.main(["export", str(ckpt), str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    assert cli.main(["export", str(ckpt), str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    base = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()))
+    init_model_weights(base, ModelConfig(), seed=0)  # the run's frozen base (train.seed 0)
+    ref = PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().eval()
+    model, tok, _ = load_for_generation("checkpoint", ckpt)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-6, msg=k)
+    trained = "model.layers.0.self_attn.q_proj.weight"  # a LoRA target: merged, so not the base
+    assert not torch.allclose(got[trained], _fresh_base()[trained], atol=1e-4)
+    tok = AutoTokenizer.from_pretrained(ckpt / "hf")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    for prompt in ("hello", "What is 2 + 3?"):
+        rc, out, err = _generate(capsys, ckpt, prompt, 24)
+        assert rc == 0, err
+        assert out == _hf_answer(merged, tok, prompt, 24) == _hf_answer(ref, tok, prompt, 24), (prompt, out)
+
+
+def _fresh_base() -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ModelConfig
+    from shardtune.train.core.model import build_hf_config, init_model_weights
+
+    base = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()))
+    init_model_weights(base, ModelConfig(), seed=0)
+    return base.state_dict()
