@@ -69,10 +69,11 @@ class DataConfig(_Section):
     generated_seed: int = Field(1234, description="Seed of the built-in generated dataset (independent of "
                                                   "train.seed, so runs with different seeds see the same data).")
     cache_dir: str | None = Field(
-        None, description="Tokenise once: the packed data is cached under this folder (Arrow files, memory-mapped "
-                          "by every rank; keyed by the data files, tokenizer, template, seq_len, packing, format "
-                          "options and seed; one process builds it, the others wait on a file lock). None: "
-                          "tokenise in memory at every start.")
+        "auto", description="Tokenise once: the packed data is cached under this folder (Arrow files, memory-mapped "
+                            "by every rank; keyed by the data files, tokenizer, template, seq_len, packing, format "
+                            "options and seed; one process per node builds it, the others wait on a file lock). "
+                            "auto: $XDG_CACHE_HOME/shardtune/data (~/.cache/shardtune/data), each node's own, when "
+                            "pyarrow is installed and the folder writable; null: tokenise in memory at every start.")
     sources: list[SourceConfig] | None = Field(
         None, description="Several datasets mixed by weight instead of `path`: a list of {path, weight, format, "
                           "split, columns}. Rows are drawn in a seeded order (train.seed); the checkpoint keeps "

@@ -140,8 +140,10 @@ def _check_backend(backend: str) -> None:
 
 def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
     """Tokenizer, template and packing as every rank will: at least one global batch of rows (over
-    every source of a mix with weight > 0). With data.cache_dir the launcher builds the cache (a
-    corrupt one is named and rebuilt here), so the ranks of this node only map it."""
+    every source of a mix with weight > 0). With a data.cache_dir folder the launcher builds the
+    cache (a corrupt one is named and rebuilt here), so the ranks of this node only map it; with
+    `auto` (the default) it reads a whole cache's rows, else counts without torch and one rank per
+    node builds the cache."""
     from shardtune.train.data.dataset import build_tokenizer
     from shardtune.train.data.sources import source_configs
 
@@ -151,7 +153,12 @@ def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
     rows = 0
     for k, (data, weight) in enumerate(source_configs(cfg.data)):
         seed_k = cfg.train.seed + k if seed is None else seed  # the seeds the ranks pack with (mix.py)
-        if cfg.data.cache_dir:  # build (or check and reuse) the ranks' cache now: they only map it
+        if cfg.data.cache_dir == "auto":  # torch-free: a whole cache's rows, else counted here; a rank builds it
+            from shardtune.train.data.dataset import cached_rows
+
+            n = cached_rows(data, seq_len, tok, seed_k)
+            n = _source_rows(data, tok, seq_len, rows_per_step, seed_k) if n is None else n
+        elif cfg.data.cache_dir:  # build (or check and reuse) the ranks' cache now: they only map it
             from shardtune.train.data.dataset import build_dataset
 
             n = build_dataset(data, seq_len, tok, seed_k).num_rows

@@ -41,8 +41,8 @@ def test_two_sources_resume_on_one_and_three_ranks(tmp_path):
     sources = [{"path": _src(tmp_path, "a", 40), "weight": 2.0}, {"path": _src(tmp_path, "b", 15), "weight": 1.0}]
     cfg = DataConfig(packing=False, sources=sources, cache_dir=str(tmp_path / "cache"))
     first, state = _run(tmp_path, "two", cfg, 2, 6, 2)  # 24 rows: source b (15 rows) wraps its epoch
-    ref_ld = build_dataloader(DataConfig(packing=False, sources=sources), TrainConfig(seq_len=16, micro_batch=1),
-                              ByteTokenizer(), 0, 1, 7)
+    ref_cfg = DataConfig(packing=False, sources=sources, cache_dir=None)  # in memory: not the code path under test
+    ref_ld = build_dataloader(ref_cfg, TrainConfig(seq_len=16, micro_batch=1), ByteTokenizer(), 0, 1, 7)
     reference = [bytes(i for i in next(ref_ld)["input_ids"][0].tolist() if i < 256).decode() for _ in range(60)]
     assert first == reference[:24]
     one, _ = _run(tmp_path, "one", cfg, 1, 3, 4, str(state))

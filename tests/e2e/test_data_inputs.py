@@ -87,3 +87,36 @@ def test_corrupt_cache_is_named_and_rebuilt_before_launch(tmp_path, monkeypatch,
     assert rc == 0 and len(err) == 1 and "is corrupt (rows.arrow does not match meta.json); rebuilding" in err[0]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == fresh
     assert len(launched) == 2
+
+
+@pytest.mark.timeout(300)
+def test_default_cache_is_built_by_a_rank_once_and_reused_by_the_next_run(tmp_path):
+    """data.cache_dir unset (auto): the first `shardtune train` on 2 processes leaves one whole cache
+    in $XDG_CACHE_HOME/shardtune/data; a second run maps that same folder (not rebuilt) and trains
+    on the same rows (the same losses)."""
+    import os
+    import subprocess
+    import sys
+
+    from shardtune.testing.proc import run_bounded
+    from shardtune.train.data.cache import check_cache
+
+    data = _jsonl(tmp_path, "d.jsonl", [{"prompt": f"q{i}\n", "response": "r" * (i % 9)} for i in range(300)])
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    root = tmp_path / "xdg" / "shardtune" / "data"
+
+    def train(run: str) -> list[float]:
+        cmd = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "2", "--output-dir",
+               str(tmp_path / run), f"data.path={data}", "train.max_steps=2", "checkpoint.save_final=false",
+               "checkpoint.export_hf=false"]
+        proc = run_bounded(cmd, 150, cwd=REPO, stderr=subprocess.STDOUT, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    first = train("r1")
+    (folder,) = [p for p in root.iterdir() if p.is_dir()]  # one key, no .tmp- folder left
+    assert check_cache(folder) is None
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [folder, *folder.iterdir()]}
+    assert train("r2") == first
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in [folder, *folder.iterdir()]} == before

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 
 from shardtune.config import DataConfig, TrainConfig
@@ -37,7 +38,7 @@ def _same(a, b):
 
 def test_cached_equals_in_memory_and_is_reused(tmp_path, monkeypatch):
     path = _data(tmp_path)
-    ref, ref_rows = _batches(DataConfig(path=path, template="plain"))
+    ref, ref_rows = _batches(DataConfig(path=path, template="plain", cache_dir=None))  # in memory
     cfg = DataConfig(path=path, template="plain", cache_dir=str(tmp_path / "cache"))
     first, rows = _batches(cfg)
     assert rows == ref_rows
@@ -61,7 +62,7 @@ def test_cached_equals_in_memory_and_is_reused(tmp_path, monkeypatch):
 
 def test_corrupt_cache_is_named_and_rebuilt(tmp_path, capsys):
     path = _data(tmp_path)
-    ref, _ = _batches(DataConfig(path=path, template="plain"))
+    ref, _ = _batches(DataConfig(path=path, template="plain", cache_dir=None))  # in memory
     cfg = DataConfig(path=path, template="plain", cache_dir=str(tmp_path / "cache"))
     _batches(cfg)
     (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
@@ -95,3 +96,47 @@ def test_concurrent_starters_build_once(tmp_path):
         t.join(timeout=30)
     assert len(builds) == 1 and len(out) == 4
     assert all(list(o.rows) == pk.rows and o.tokens.tolist() == pk.tokens for o in out)
+
+
+def test_default_caches_in_the_user_cache_folder_and_null_keeps_memory(tmp_path, monkeypatch, capsys):
+    path = _data(tmp_path)
+    ref, _ = _batches(DataConfig(path=path, template="plain", cache_dir=None))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cfg = DataConfig(path=path, template="plain")
+    assert cfg.cache_dir == "auto"  # tokenise once is the default
+    _same(_batches(cfg)[0], ref)
+    (folder,) = [p for p in (tmp_path / "xdg" / "shardtune" / "data").iterdir() if p.is_dir()]
+    assert cache.check_cache(folder) is None
+    monkeypatch.setattr(dataset, "encode_records", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
+    _same(_batches(cfg)[0], ref)  # the second start maps it, no tokenising
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "off"))
+    _same(_batches(DataConfig(path=path, template="plain", cache_dir=None))[0], ref)
+    assert not (tmp_path / "off").exists()  # null: in memory, nothing written
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # the folder cannot be made: in memory, said once
+    capsys.readouterr()
+    _same(_batches(cfg)[0], ref)
+    _batches(cfg)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not writable; tokenising in memory" in err[0], err
+
+
+def test_launch_check_counts_rows_from_a_whole_default_cache_without_tokenising(tmp_path, monkeypatch):
+    from shardtune.config import load_recipe
+    from shardtune.errors import UserError
+    from shardtune.train import preflight
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "xdg" / "shardtune" / "data"
+    cfg = load_recipe(None, [f"data.path={_data(tmp_path)}", "data.template=plain", "train.micro_batch=4",
+                             "train.seq_len=64"])
+    preflight._check_data_fills_a_batch(cfg, 2)  # no cache yet: counted in memory (no torch), nothing built here
+    assert not root.exists() or not [p for p in root.iterdir() if p.is_dir()]
+    ld = build_dataloader(cfg.data, cfg.train, TOK, 0, 2, cfg.train.seed)  # a rank builds the run's cache
+    monkeypatch.setattr(dataset, "encode_records", lambda *a, **k: (_ for _ in ()).throw(AssertionError("again")))
+    preflight._check_data_fills_a_batch(cfg, 2)  # now the launcher reads the whole cache's rows
+    cfg.train.micro_batch = ld.num_rows  # a global batch of 2 × num_rows: refused from the cache's count
+    with pytest.raises(UserError, match=f"fills {ld.num_rows} rows"):
+        preflight._check_data_fills_a_batch(cfg, 2)

@@ -1,8 +1,9 @@
 """Tokenise once: packed data cached on disk as Arrow IPC files, memory-mapped by every rank.
 
-`data.cache_dir` set: the folder <cache_dir>/<key> holds tokens.arrow (token ids + target flags,
-flat), examples.arrow (example offsets) and rows.arrow (each row's examples), and meta.json (the
-counts and every file's size and sha256), written last into a temporary folder renamed into
+`data.cache_dir` (default `auto`: the user's cache folder, dataset.resolve_cache_dir): the
+folder <cache_dir>/<key> holds tokens.arrow (token ids + target flags, flat), examples.arrow
+(example offsets), rows.arrow (each row's examples) and meta.json (the counts and every file's
+size and sha256), written last into a temporary folder renamed into
 place. The key hashes everything the packing depends on: each data file's path, size and mtime,
 the tokenizer (its files, special ids, a probe encoding), template, seq_len, packing, format
 options and seed. One process builds while the others wait on a file lock (flock; no collective,

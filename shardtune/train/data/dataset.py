@@ -269,11 +269,54 @@ def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
         return pack_examples(encode_records(read_records(data_cfg), tokenizer, data_cfg), seq_len, data_cfg.packing,
                              seed, data_cfg.shuffle)
 
-    if not data_cfg.cache_dir:
+    cache_dir = resolve_cache_dir(data_cfg.cache_dir)
+    if cache_dir is None:
         return build()
     from shardtune.train.data.cache import cache_key, cached_packed  # cache.py imports this module
 
-    return cached_packed(data_cfg.cache_dir, cache_key(data_cfg, seq_len, tokenizer, seed), build)
+    return cached_packed(cache_dir, cache_key(data_cfg, seq_len, tokenizer, seed), build)
+
+
+def resolve_cache_dir(spec: str | None) -> str | None:
+    """data.cache_dir → the folder of the tokenised cache, None for in memory. `auto`: the user's
+    cache folder ($XDG_CACHE_HOME/shardtune/data, else ~/.cache/shardtune/data), as Hugging Face
+    datasets keeps ~/.cache/huggingface/datasets; in memory without pyarrow (shardtune[data]) or
+    when that folder cannot be written (said once per process)."""
+    import importlib.util
+    import os
+    import sys
+
+    if spec != "auto":
+        return spec or None
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardtune" / "data"
+    if importlib.util.find_spec("pyarrow") is None:
+        return None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        writable = os.access(root, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        if root not in _NOTED:
+            _NOTED.add(root)
+            print(f"shardtune: data cache {str(root)!r} is not writable; tokenising in memory (set data.cache_dir "
+                  "to a writable folder)", file=sys.stderr, flush=True)
+        return None
+    return str(root)
+
+
+_NOTED: set[Path] = set()
+
+
+def cached_rows(data_cfg, seq_len: int, tokenizer, seed: int) -> int | None:
+    """The rows of this data's whole tokenised cache if one is there (no building, no torch), else None."""
+    cache_dir = resolve_cache_dir(data_cfg.cache_dir)
+    if cache_dir is None:
+        return None
+    from shardtune.train.data.cache import cache_key, check_cache, load_cache
+
+    folder = Path(cache_dir) / cache_key(data_cfg, seq_len, tokenizer, seed)
+    return load_cache(folder).num_rows if folder.is_dir() and check_cache(folder) is None else None
 
 
 def build_dataloader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, seed: int) -> PackedLoader:
