@@ -74,6 +74,12 @@ def apply_compile(model: nn.Module) -> None:
     no-grad forwards (validation, its (1, 2) dummy batch, sample generation) run eager, so their
     shapes never trigger a recompile. The hooks stay outside the compiled code: FSDP2's all-gather
     and the activation-checkpoint context run eager around it."""
+    # transformers >= 5.25 routes attention through the `kernels` package, whose forward wrapper
+    # sets and resets a module-level variable: a side effect dynamo refuses inside op AC's
+    # checkpoint region (fullgraph). It is undone within the same forward, so not replaying it in
+    # the recompute changes nothing; torch names this switch in its own error message.
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in decoder_layers(model):
         eager = layer.forward  # bound before fully_shard, which swaps the class but keeps forward
         compiled = torch.compile(eager, dynamic=False, fullgraph=True)
