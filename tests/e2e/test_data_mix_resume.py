@@ -46,7 +46,8 @@ def _write_sources(tmp: Path) -> tuple[Path, Path]:
 def _train(tmp: Path, out: str, nproc: int, *args: str) -> Path:
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", str(nproc),
            "--output-dir", str(tmp / out), f"train.micro_batch={GLOBAL_BATCH // nproc}", *args]
-    proc = run_bounded(cmd, 150, cwd=REPO, stderr=subprocess.STDOUT, env=dict(os.environ))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg")}  # the default tokenised cache, shared by the runs
+    proc = run_bounded(cmd, 150, cwd=REPO, stderr=subprocess.STDOUT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return tmp / out
 
@@ -79,5 +80,6 @@ def test_mixed_run_resumed_at_another_world_size_continues_every_source(tmp_path
         for step in (5, 6, 7, 8):
             assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), (nproc, step, got, want)
         assert _data_position(run, 8) == ref_pos, nproc
+    assert len([p for p in (tmp_path / "xdg" / "shardtune" / "data").iterdir() if p.is_dir()]) == 2  # one a source
     # the resumed steps are not a flat curve that any rows would give: the data moved the loss
     assert len({round(want[s], 3) for s in (5, 6, 7, 8)}) == 4
