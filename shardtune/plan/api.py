@@ -180,14 +180,18 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
     grads_in_forward = not (fsdp and inp.grad_accum == 1
                             and inp.accounting == "shardtune")
     reduce = 0
-    if m.shapes is not None and inp.accounting == "shardtune" and fsdp:
-        # the root's sharded grads are not there yet, unless a previous micro-batch made them
-        # or they live on the host (offload all)
-        net_of = shard if not grads_in_forward and inp.offload != "all" else 0
-        reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision, net_of)
     unsynced = 0  # DDP's fresh grads beside its buckets under accumulation (memory.peak_bytes)
     if not fsdp and inp.grad_accum > 1 and inp.accounting == "shardtune":
         unsynced = st.grads
+    if m.shapes is not None and inp.accounting == "shardtune":
+        # the root's sharded grads are not there yet, unless a previous micro-batch made them
+        # or they live on the host (offload all)
+        net_of = shard if fsdp and not grads_in_forward and inp.offload != "all" else 0
+        if fsdp:
+            reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision, net_of)
+        chunks = resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size) if m.arch else 1
+        tied = memory.tied_backward_bytes(m.shapes, strategy, inp.precision, chunks, net_of)
+        reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced)
     colls = comm.collectives(strategy, num_params=m.num_params,
                              trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,

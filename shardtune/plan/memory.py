@@ -323,6 +323,34 @@ def ddp_buffer_bytes(shapes: list[ParamShape], precision: str) -> int:
     return dtypes(precision).compute * cached
 
 
+def tied_backward_bytes(shapes: list[ParamShape], strategy: str, precision: str, loss_chunks: int,
+                        shard_degree: int = 0) -> int:
+    """Bytes above the states at the embedding's backward, for a tied, trained embedding
+    (Llama-3.2-1B, Qwen2.5-0.5B; untied: 0). The head's gradient of the shared weight waits in
+    autograd's input buffer while the embedding's is made: two (V, h) grads (FSDP2: compute dtype;
+    ddp/zero1: the grads'), summed in place, or into a third when the head's is a view (one loss
+    chunk, no autocast cast: input_buffer.cpp `can_accumulate_inplace`). FSDP2 also holds the
+    unsharded root and the last layer's reduce-scatter input, and (`shard_degree` > 0, as
+    `fsdp_root_reduce_bytes`) not yet the root's grad shard. Calibrated against `plan --simulate`
+    (docs/calibration.md, tied embeddings)."""
+    embed = next((p for p in shapes if p.name == "model.embed_tokens.weight" and p.trainable), None)
+    if embed is None or any(p.name == "lm_head.weight" for p in shapes):
+        return 0
+    dt, fsdp = dtypes(precision), STRATEGY[strategy].fsdp
+    view = loss_chunks == 1 and (fsdp or precision != "bf16-mixed")
+    grads = (3 if view else 2) * (dt.compute if fsdp else dt.grad) * embed.numel
+    if not fsdp:
+        return grads
+    layer_trainable = Counter()
+    for p in shapes:
+        if p.group != "root" and p.trainable:
+            layer_trainable[p.group] += p.numel
+    root = [p for p in shapes if p.group == "root"]
+    own_shard = dt.grad * sum(fsdp2_shard_numel(p.shape, shard_degree) for p in root if p.trainable and shard_degree)
+    return (grads + dt.compute * sum(p.numel for p in root) + dt.reduce * max(layer_trainable.values(), default=0)
+            - own_shard)
+
+
 def fsdp_root_reduce_bytes(shapes: list[ParamShape], precision: str, shard_degree: int = 0) -> int:
     """The end of backward under FSDP2: the root group's (embedding, final norm, LM head)
     unsharded grads in the compute dtype and the reduce-scatter input in the reduce dtype, alive

@@ -31,7 +31,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import _sharding_prop
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
 from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group
@@ -173,6 +173,25 @@ def module_stats_per_micro_batch(model):
         handle.remove()
 
 
+class TiedGradSumInPlace(TorchDispatchMode):
+    """Sum a tied embedding's two gradients in place where autograd does on real tensors.
+
+    A weight used twice (embedding and LM head) gets its gradients summed in autograd's input
+    buffer when the embedding's, the last, arrives. On plain tensors that sum is `old.add_(new)`
+    when `old` is a dense tensor of its own, not a view (the chunked loss's dW; one chunk's
+    nn.Linear head hands a view: `old + new`); a tensor subclass, FakeTensor included, always gets
+    `old + new` (torch/csrc/autograd/input_buffer.cpp `can_accumulate_inplace`): one more (V, h)
+    tensor the trace counted and a real run never makes (docs/calibration.md, tied embeddings).
+    The embedding's own backward makes no `add`: one under EmbeddingBackward0 is that sum."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is torch.ops.aten.add.Tensor and not kwargs and args[0]._base is None
+                and args[0].is_contiguous()
+                and type(torch._C._current_autograd_node()).__name__ == "EmbeddingBackward0"):
+            return args[0].add_(args[1])
+        return func(*args, **(kwargs or {}))
+
+
 def make_optimizer_states(model, optimizer) -> None:
     """AdamW makes its states in its first step: one step on zero grads makes them without a
     forward and backward (the states' bytes do not depend on the values). The tracked step then
@@ -232,8 +251,11 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
-            with module_stats_per_micro_batch(net):
-                result = track_step(net, optimizer, step, fsdp=s.fsdp, warmup_steps=0 if s.fsdp else 1)
+            with module_stats_per_micro_batch(net), TiedGradSumInPlace():
+                # zero1: the tracker tags the local AdamW's states (ZeroRedundancyOptimizer.state is
+                # empty), or they would count only from the step on: a backward peak without them
+                local = getattr(optimizer, "optim", optimizer)
+                result = track_step(net, local, step, fsdp=s.fsdp, warmup_steps=0 if s.fsdp else 1)
         del meta, net, optimizer, scheduler, step
         gc.collect()  # drop DDP's reducer before the fake group goes (PYTORCH-NOTES: gloo exit hang)
     result["tracker"] = "FSDPMemTracker" if s.fsdp else "MemTracker"

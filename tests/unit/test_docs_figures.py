@@ -42,3 +42,19 @@ def test_scaling_md_psi_is_the_catalogue_count():
     assert m and float(m.group(1)) == round(psi / 1e9, 2)
     assert f"8Ψ = {8 * psi / 1e9:.0f} GB" in text
     assert f"(15/16) × {8 * psi / 1e9:.0f} = {15 / 16 * 8 * psi / 1e9:.0f} GB" in text
+
+
+def test_planner_md_70b_prose_fits_match_the_quoted_flags():
+    # each figure of the prose below the 70B table, re-planned with the flags it quotes (zero3)
+    sec = " ".join(_section((DOCS / "planner.md").read_text(), "## Llama-3-70B on 8 × H100 80 GB, corrected").split())
+
+    def zero3(**kw):
+        return plan("llama-3-70b", 8, gpu="h100-80gb", strategies=["zero3"], **kw).strategy("zero3")
+
+    off = zero3(ac="full", offload="all")
+    assert off.fits and (f"`--ac full --offload all`, which fits at {off.memory.total / GIB:.1f} GiB per GPU but needs "
+                         f"{off.cpu_offload_bytes_per_node / GIB:,.0f} GiB of CPU RAM") in sec
+    lora = zero3(lora_rank=16, ac="full")
+    assert lora.fits and f"(`--lora-rank 16 --ac full`) fits zero3 at {lora.memory.total / GIB:.1f} GiB" in sec
+    bf16 = zero3(precision="bf16", ac="full", seq_len=4096, optimizer_impl="bf16-stochastic")
+    assert bf16.fits and f"--optimizer-impl bf16-stochastic`) fits at {bf16.memory.total / GIB:.1f} GiB" in sec
