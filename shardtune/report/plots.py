@@ -100,7 +100,10 @@ def draw_loss(records: list[dict], run_name: str):
 
 
 def _per_step_axes(ax, ylabel: str, title: str) -> None:
-    """Labels, grid and legend of a curve over optimizer steps."""
+    """Labels, grid and legend of a curve over optimizer steps (whole numbers on the step axis)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
