@@ -84,6 +84,9 @@ _register_commands()
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: a UserError or a usage error is one line on stderr and exit code 2."""
+    from shardtune.errors import quiet_library_notices
+
+    quiet_library_notices()
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="shardtune")
     except UserError as e:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 from pathlib import Path
 
 
@@ -29,3 +30,15 @@ def read_json_object(path, what: str, fix: str) -> dict:
     if not isinstance(obj, dict):
         raise UserError(f"malformed {what} {str(p)!r}: not a JSON object; {fix}")
     return obj
+
+
+# Libraries' notices about themselves, logged while they import (torchao: "Failed to load <CUDA
+# kernel .so>" on a machine without those kernels; torch's pytree: an Enum deprecation torchao
+# triggers): not lines for the user, who would read them before a one-line error.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_library_notices() -> None:
+    """Only errors from QUIET_LOGGERS: called by each entry point (the CLI, a rank) before heavy imports."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from shardtune.config.base import _Section
 from shardtune.config.data import DataConfig
@@ -30,6 +30,10 @@ __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "Optim
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
 
 
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 class RunConfig(_Section):
     name: str = Field("run", description="Run name; the run folder defaults to runs/<name>.")
     output_dir: str | None = Field(None, description="Run folder (default runs/<name>).")
@@ -40,6 +44,22 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        """A run name is a folder name under runs/: no path, no control characters."""
+        if not v.strip() or v in (".", "..") or "/" in v or v.startswith("-") or _has_control(v):
+            raise ValueError(f"{v!r} is not a run name: give a folder name (no '/', '..', leading '-', line breaks "
+                             "or control characters), or set output_dir for a path")
+        return v
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir(cls, v: str | None) -> str | None:
+        if v is not None and _has_control(v):
+            raise ValueError(f"{v!r} holds a line break or control character; give a plain path")
+        return v
 
     @model_validator(mode="after")
     def _check(self):

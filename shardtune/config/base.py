@@ -1,7 +1,28 @@
-"""The base of every recipe section: unknown keys, inf/nan and booleans-as-counts refused."""
+"""The base of every recipe section: unknown keys, inf/nan, booleans and quoted text as counts refused."""
 from __future__ import annotations
 
+import types
+import typing
+
 from pydantic import BaseModel, ConfigDict, model_validator
+
+
+def _is_count(annotation) -> bool:
+    """An int field (or int | None): a count, where `"8"` is text, not 8."""
+    if annotation is int:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = set(typing.get_args(annotation)) - {type(None)}
+        return args == {int}
+    return False
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class _Section(BaseModel):
@@ -17,4 +38,7 @@ class _Section(BaseModel):
                 if isinstance(value, bool) and field is not None and field.annotation is not bool:
                     raise ValueError(f"{key} = {str(value).lower()} is a boolean; give a number or a name "
                                      "(booleans are not counts)")
+                # floats stay lax: PyYAML reads 3e-4 (no dot) as the string '3e-4'
+                if isinstance(value, str) and field is not None and _is_count(field.annotation) and _numeric(value):
+                    raise ValueError(f"{key} = {value!r} is quoted text; give a whole number without quotes")
         return data

@@ -4,9 +4,12 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from shardtune.config.base import _Section
+from shardtune.errors import UserError
+
+MAX_TIMEOUT_S = 365 * 86400  # timedelta and the c10d store take far more; no collective waits a year
 
 
 class TrainConfig(_Section):
@@ -14,13 +17,14 @@ class TrainConfig(_Section):
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step. Global batch = micro_batch "
                                                  "× grad_accum × data-parallel ranks.")
     seq_len: int = Field(128, ge=2, description="Tokens per sequence.")
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; None: derived from `epochs`.")
-    epochs: float = Field(1.0, gt=0, description="Used when max_steps is None.")
-    seed: int = Field(0, description="Seeds init, data order and dropout.")
+    max_steps: int | None = Field(None, ge=1, le=10**9, description="Optimizer steps; None: derived from `epochs`.")
+    epochs: float = Field(1.0, gt=0, le=10**6, description="Used when max_steps is None.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seeds init, data order and dropout (0 to 2^32 - 1: torch's "
+                                                     "generators take 64 bits, and the data order multiplies it).")
     log_every: int = Field(1, ge=1, description="Write metrics every k optimizer steps.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with CUDA, else gloo.")
-    timeout_s: float = Field(600.0, gt=0, description="Process-group timeout: a rank that waits longer on a "
-                                                      "collective fails instead of hanging.")
+    timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, description="Process-group timeout: a rank that "
+                             "waits longer on a collective fails instead of hanging (at most a year).")
     gpu: str = Field("h100-80gb", description="GPU catalogue name for MFU and the plan (ignored for the device "
                                               "itself).")
     eval_every: int = Field(0, ge=0, description="Validation loss (data.val_path) and sample prompts every N "
@@ -40,6 +44,16 @@ class TrainConfig(_Section):
     compile: bool = Field(False, description="torch.compile each decoder layer before sharding.")
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite "
                                                     "loss or gradient norm (each is skipped: no optimizer step).")
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str) -> str:
+        from shardtune.catalog.gpus import resolve_gpu
+
+        try:
+            return resolve_gpu(v).name
+        except UserError as e:
+            raise ValueError(str(e)) from None
 
     def threads_per_rank(self, local_world_size: int) -> int:
         """`threads`, else the cores this process may run on / the ranks on its node (at least 1)."""

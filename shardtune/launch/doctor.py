@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.launch.spec import _HOST
 
 # Filesystem types (as in /proc/mounts) that other nodes can see: network and cluster filesystems.
 SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs",
@@ -86,7 +87,8 @@ def check_interfaces(env: dict | None = None) -> list[Check]:
 
 def parse_endpoint(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if (not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535
+            or not _HOST.fullmatch(host)):
         raise UserError(f"--rdzv {value!r} is not HOST:PORT (e.g. node001:29500)")
     return host.strip("[]"), int(port)
 

@@ -44,7 +44,7 @@ def sbatch_lines(spec: LaunchSpec) -> list[str]:
             raise UserError(f"--checkpoint-grace-s {spec.checkpoint_grace_s} is not shorter than --time {spec.time}; "
                             "give a longer time or a shorter grace")
         lines.append(f"#SBATCH --time={spec.time.strip()}")
-    if not 0 < spec.checkpoint_grace_s <= _MAX_SIGNAL_TIME_S:
+    if not 0 < spec.checkpoint_grace_s <= _MAX_SIGNAL_TIME_S:  # spec.validate says so first; renderers called alone
         raise UserError(f"--checkpoint-grace-s must be 1..{_MAX_SIGNAL_TIME_S} seconds")
     out = check_sbatch_path("--log", spec.log or "%x-%j.out")
     lines += [

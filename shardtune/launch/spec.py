@@ -134,14 +134,37 @@ def check_ib_hca(value: str) -> str:
     return value
 
 
+MAX_NODES, MAX_GPUS_PER_NODE = 100_000, 1024  # beyond any cluster; a typo's extra digits stop here
+# sbatch(1) --signal: the largest time it accepts; torchrun and k8s share the grace (SIGTERM → SIGKILL)
+MAX_GRACE_S = 65535
+_MAX_SLURM_MINUTES = 2**32 - 2  # Slurm keeps a time limit as 32-bit minutes (2^32 - 1 is INFINITE)
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 def validate(spec: LaunchSpec) -> LaunchSpec:
     """Checks every launcher shares; returns the spec with the interconnect name normalised."""
-    if spec.nodes < 1:
-        raise UserError(f"--nodes {spec.nodes}: need at least 1 node")
-    if spec.gpus_per_node < 1:
-        raise UserError(f"--gpus-per-node {spec.gpus_per_node}: need at least 1 process per node")
+    if not 1 <= spec.nodes <= MAX_NODES:
+        raise UserError(f"--nodes {spec.nodes}: give 1 to {MAX_NODES:,} nodes")
+    if not 1 <= spec.gpus_per_node <= MAX_GPUS_PER_NODE:
+        raise UserError(f"--gpus-per-node {spec.gpus_per_node}: give 1 to {MAX_GPUS_PER_NODE} processes per node")
     if spec.max_restarts < 0:
         raise UserError("--max-restarts must be 0 or more")
+    if not 0 < spec.checkpoint_grace_s <= MAX_GRACE_S:
+        raise UserError(f"--checkpoint-grace-s {spec.checkpoint_grace_s}: give 1..{MAX_GRACE_S} seconds")
+    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
+        raise UserError(f"--cpus-per-task {spec.cpus_per_task}: give at least 1 CPU")
+    if spec.time is not None and parse_slurm_time_s(spec.time) // 60 > _MAX_SLURM_MINUTES:
+        raise UserError(f"--time {spec.time!r} is beyond what Slurm can hold; give e.g. 2-00:00:00")
+    # (the recipe path is an existing file, passed quoted and verbatim: tests/unit/test_launch.py HOSTILE)
+    for option, value in (("--venv", spec.venv), ("--checkpoint-mount", spec.checkpoint_mount)):
+        if value is not None and _has_control(value):
+            raise UserError(f"{option} {value!r} holds a line break or control character; give a plain path")
+    if ".." in spec.checkpoint_mount.split("/"):
+        raise UserError(f"--checkpoint-mount {spec.checkpoint_mount!r}: Kubernetes refuses '..' in a mount path; "
+                        "give the absolute path itself")
     if not 1 <= spec.rdzv_port <= 65535:
         raise UserError(f"--rdzv-port {spec.rdzv_port} is not a TCP port (1-65535)")
     ic = normalize_interconnect(spec.interconnect)

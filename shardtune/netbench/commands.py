@@ -12,6 +12,8 @@ from pathlib import Path
 
 import typer
 
+MAX_NPROC = 1024  # processes bench comm starts on one machine; more is a typo, not a node
+
 bench_app = typer.Typer(no_args_is_help=True, help="Measure the machine: collectives (bench comm).")
 
 
@@ -79,8 +81,15 @@ def comm(
         parse_sizes(sizes)
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: give at least 1 process")
-    if timeout <= 0:
-        raise UserError(f"--timeout {timeout}: give a positive number of seconds")
+    if nproc > MAX_NPROC:
+        raise UserError(f"--nproc {nproc}: give at most {MAX_NPROC} processes on one machine")
+    if not 0 < timeout < float("inf"):  # NaN fails this too
+        raise UserError(f"--timeout {timeout}: give a positive, finite number of seconds")
+    if backend == "nccl":
+        import torch  # the ranks import it anyway
+
+        if not torch.cuda.is_available():
+            raise UserError("--backend nccl needs CUDA, and this machine has none; use --backend gloo or auto")
     if output:
         check_output_file(output)
     out = output or os.path.join(tempfile.mkdtemp(prefix="shardtune-comm-"), "profile.json")

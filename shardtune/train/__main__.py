@@ -23,9 +23,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    from shardtune.errors import quiet_library_notices
     from shardtune.train.commands import resolve_config
     from shardtune.train.preflight import validate_for_launch
 
+    quiet_library_notices()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = resolve_config(args.recipe, args.overrides, **{f.name: getattr(args, f.name) for f in TRAIN_FLAGS})

@@ -13,6 +13,8 @@ def check_out_dir(out_dir: str) -> None:
     from shardtune.errors import UserError
 
     out = Path(out_dir).expanduser()
+    if not out_dir.strip() or any(ord(c) < 32 or ord(c) == 127 for c in out_dir):
+        raise UserError(f"OUT_DIR {out_dir!r} is empty or holds a line break or control character; give a plain path")
     if out.exists() and not out.is_dir():
         raise UserError(f"OUT_DIR {out_dir!r} is a file, not a folder; give a new or empty folder")
     probe = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))
@@ -34,8 +36,9 @@ def register(app: typer.Typer) -> None:
                                           "model."),
     ) -> int:
         """Write a Hugging Face folder (config, safetensors shards, tokenizer) from a checkpoint."""
-        from shardtune.train.durable.export import export_checkpoint, parse_size_bytes
+        from shardtune.train.durable.export import check_dtype, export_checkpoint, parse_size_bytes
 
+        check_dtype(dtype)
         check_out_dir(out_dir)
 
         out = export_checkpoint(checkpoint_dir, out_dir, parse_size_bytes(max_shard_size), dtype,

@@ -155,18 +155,35 @@ def prompt_ids(tok, prompt: str, system: str | None) -> list[int]:
     return list(tok((f"{system}\n\n" if system else "") + prompt)["input_ids"])
 
 
+MAX_NEW_TOKENS = 1_000_000  # beyond any model's positions; a typo's extra digits stop here
+
+
+def check_options(max_new_tokens: int, temperature: float, top_p: float, seed: int) -> None:
+    """The options before any folder is read: finite, in range."""
+    import math
+
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens {max_new_tokens}: give 1 to {MAX_NEW_TOKENS:,}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise UserError(f"--temperature {temperature}: give a finite number >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:  # NaN fails this too
+        raise UserError(f"--top-p {top_p}: give a number in (0, 1]")
+    if not 0 <= seed < 2**63:
+        raise UserError(f"--seed {seed}: give 0 to 2^63 - 1")
+
+
 def generate_answer(target: str, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, system: str | None = None, seed: int = 0) -> str:
     """TARGET's answer to `prompt` (the decoded new tokens, special tokens dropped)."""
     import torch
     from transformers import GenerationConfig
 
-    if max_new_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
-        raise UserError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
+    check_options(max_new_tokens, temperature, top_p, seed)
     kind, folder = resolve_target(target)
+    model, tok, stops = load_for_generation(kind, folder)
+    # said once the folder loaded: a folder that fails is the error's one line alone
     print(f"shardtune: generating with the {'checkpoint' if kind == 'checkpoint' else 'model'} in {folder}",
           file=sys.stderr, flush=True)
-    model, tok, stops = load_for_generation(kind, folder)
     ids = torch.tensor([prompt_ids(tok, prompt, system)], device=model.device)
     sample = temperature > 0
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=stops,

@@ -130,12 +130,60 @@ def _check_lora_targets(cfg: RunConfig) -> None:
         pytree.setLevel(level)
 
 
-def _check_backend(backend: str) -> None:
-    if backend == "nccl":
-        import torch  # only for this check
+def _check_backend(backend: str, local_world_size: int) -> bool:
+    """nccl needs CUDA and a GPU per local rank; returns whether the ranks will use GPUs."""
+    import torch  # the data check imports it too
 
-        if not torch.cuda.is_available():
-            raise UserError("train.backend=nccl needs CUDA, and this machine has none; use train.backend=auto or gloo")
+    cuda = torch.cuda.is_available()
+    if backend == "nccl" and not cuda:
+        raise UserError("train.backend=nccl needs CUDA, and this machine has none; use train.backend=auto or gloo")
+    gpus = cuda and backend != "gloo"
+    if gpus and local_world_size > torch.cuda.device_count():
+        raise UserError(f"{local_world_size} processes on this node, but it has {torch.cuda.device_count()} GPU(s): "
+                        "give --nproc at most the GPU count (or train.backend=gloo for CPU ranks)")
+    return gpus
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_model_states_fit(cfg: RunConfig, world_size: int, local_world_size: int, gpus: bool) -> None:
+    """The planner's model states per rank (params, grads, optimizer: exact, tests/dist) against this
+    node's memory: the GPU's on a GPU run, the host's available memory for CPU ranks or offload
+    'all' (every local rank's share). Only what surely cannot fit is refused (activations aside)."""
+    from shardtune.plan import plan
+
+    try:
+        row = plan(gpus=world_size, gpus_per_node=local_world_size, strategies=[cfg.parallel.strategy],
+                   **cfg.plan_inputs()).to_dict()["strategies"][0]["memory"]
+    except Exception:  # a model the planner cannot price: the ranks' own limits stand
+        return
+    states = row["params"] + row["grads"] + row["optimizer"]
+    gib = lambda n: f"{n / 2**30:,.1f} GiB"  # noqa: E731
+    if gpus and cfg.parallel.offload == "none":
+        import torch
+
+        have = torch.cuda.get_device_properties(0).total_memory
+        if states > have:
+            raise UserError(f"{cfg.model.name} under {cfg.parallel.strategy} on {world_size} GPU(s) holds "
+                            f"{gib(states)} of parameters, gradients and optimizer state per GPU (the planner's "
+                            f"count), more than the GPU's {gib(have)}; see `shardtune plan` for a layout that fits")
+        return
+    have = _available_host_bytes()
+    need = states * local_world_size
+    if have is not None and need > have:
+        where = "offloaded" if gpus else "CPU"
+        raise UserError(f"{cfg.model.name} under {cfg.parallel.strategy} needs {gib(need)} of host memory for its "
+                        f"{local_world_size} {where} rank(s)' parameters, gradients and optimizer state (the "
+                        f"planner's count), more than this machine's {gib(have)} available; use more machines, "
+                        "LoRA or a smaller model (`shardtune plan`)")
 
 
 def _check_data_fills_a_batch(cfg: RunConfig, world_size: int) -> None:
@@ -198,7 +246,8 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
     layout = Layout.build(cfg.parallel.strategy, world_size, local_world_size, cfg.parallel.hsdp_shard_size)
     _check_model(cfg.model, cfg.train.seq_len)
-    _check_backend(cfg.train.backend)
+    gpus = _check_backend(cfg.train.backend, local_world_size)
+    _check_model_states_fit(cfg, world_size, local_world_size, gpus)
     check_dataset(cfg.data)
     if cfg.lora.rank > 0:
         _check_lora_targets(cfg)

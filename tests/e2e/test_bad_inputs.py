@@ -43,6 +43,8 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
     recipe_latin1.write_bytes(b"name: caf\xe9\n")
     recipe_dup = root / "dup.yaml"
     recipe_dup.write_text("train:\n  max_steps: 3\n  max_steps: 4\n")
+    recipe_newline = root / "nl.yaml"
+    recipe_newline.write_text('name: "run\\nrm -rf ~"\n')
     auto = "model.init=auto"
     wrong_shape = _safetensors({"model.embed_tokens.weight": [100, 64]})
     return [
@@ -67,6 +69,23 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
          "has shape [100, 64]"),
         (["--recipe-file", str(recipe_latin1)], "not UTF-8"),
         (["--recipe-file", str(recipe_dup)], "given twice"),
+        # out of range: seeds torch's generators cannot take, a year-plus timeout (timedelta overflows at
+        # 1e300), step counts past any run, an unknown GPU, strings where counts go
+        (["train.seed=-1"], "greater than or equal to 0"),
+        ([f"train.seed={2**64}"], "less than 4294967296"),
+        (["train.timeout_s=1e300"], "less than or equal to 31536000"),
+        ([f"train.max_steps={10**23}"], "less than or equal to 1000000000"),
+        (["train.gpu=h100-8gb"], "unknown GPU 'h100-8gb'"),
+        (["train.micro_batch='8'"], "quoted text"),
+        (["train.max_steps=\"100\""], "quoted text"),
+        # names that are paths: runs/<name> would leave runs/
+        (["name=../../etc"], "is not a run name"),
+        (["name=a/b"], "is not a run name"),
+        (["name=-rf"], "is not a run name"),
+        (["--recipe-file", str(recipe_newline)], "is not a run name"),
+        (["--output-dir", f"{root}/a\nb"], "line break"),  # the last --output-dir counts
+        # model states alone (the planner's exact count) past this machine's memory: 405B on CPU ranks
+        (["model.name=llama-3.1-405b"], "of host memory"),
     ]
 
 
@@ -123,3 +142,86 @@ def test_export_to_a_file_is_one_line_exit_2_and_the_file_is_kept(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "is a file" in err[0], err
     assert target.read_bytes() == b"user data"
+
+
+def _one_line(capsys, argv: list[str]) -> tuple[int, list[str]]:
+    from shardtune import cli
+
+    rc = cli.main(argv)
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+# checked before anything is read or started: a missing TARGET / checkpoint shows the check's order
+LAUNCH_CASES = [
+    (["--checkpoint-grace-s", "0"], "--checkpoint-grace-s 0"),
+    (["--checkpoint-grace-s", "70000"], "1..65535"),
+    (["--gpus-per-node", "1000000"], "1 to 1024"),
+    (["--nodes", "100000000"], "1 to 100,000"),
+    (["--venv", "/opt/venv\nrm -rf ~"], "line break"),
+    (["name=../../etc"], "is not a run name"),
+    (['output_dir="/ckpt\\nx"'], "line break"),  # YAML's escape: a real line break
+]
+
+
+@pytest.mark.parametrize("kind", ["torchrun", "slurm", "k8s"])
+def test_launch_bad_values_one_line_exit_2_no_script(tmp_path, capsys, kind):
+    """Every launcher refuses the same values before a script is written (-o stays absent)."""
+    out = tmp_path / "job.sh"
+    failures = []
+    for args, needle in LAUNCH_CASES:
+        if kind == "k8s" and args[0] == "--venv":  # its image holds the environment
+            continue
+        extra = ["--rdzv-host", "node0"] if kind == "torchrun" else []
+        rc, err = _one_line(capsys, ["launch", kind, str(RECIPE), "-o", str(out), *extra, *args])
+        if rc != 2 or len(err) != 1 or needle not in err[0]:
+            failures.append((args, rc, err))
+    assert not failures and not out.exists(), failures
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["slurm", "--cpus-per-task", "0"], "--cpus-per-task 0"),
+    (["slurm", "--time", "99999999999999"], "beyond what Slurm can hold"),
+    (["k8s", "--checkpoint-mount", "/ckpt/../etc"], "'..'"),
+])
+def test_launcher_specific_bad_values(capsys, args, needle):
+    rc, err = _one_line(capsys, ["launch", args[0], str(RECIPE), *args[1:]])
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "NOPE", "--prompt", "x", "--temperature", "nan"], "--temperature nan"),
+    (["generate", "NOPE", "--prompt", "x", "--temperature", "inf"], "--temperature inf"),
+    (["generate", "NOPE", "--prompt", "x", "--top-p", "nan"], "--top-p nan"),
+    (["generate", "NOPE", "--prompt", "x", "--seed", str(2**64)], "--seed"),
+    (["generate", "NOPE", "--prompt", "x", "--max-new-tokens", str(10**12)], "--max-new-tokens"),
+    (["export", "NOPE", "OUT", "--dtype", "int8"], "--dtype 'int8'"),
+    (["export", "NOPE", "OUT\nx"], "line break"),
+    (["bench", "comm", "--timeout", "nan"], "finite"),
+    (["bench", "comm", "--nproc", "100000"], "at most 1024"),
+    (["doctor", "--rdzv", "node0\n:29500"], "is not HOST:PORT"),
+    (["doctor", "--rdzv", "node0:\u00b2"], "is not HOST:PORT"),
+])
+def test_option_checks_come_first_one_line_exit_2(tmp_path, monkeypatch, capsys, argv, needle):
+    """Options are refused before the TARGET / checkpoint is read or a rank starts (bench would start ranks)."""
+    import subprocess
+
+    def no_process(*a, **k):
+        raise AssertionError(f"a process was started: {a[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.chdir(tmp_path)
+    rc, err = _one_line(capsys, argv)
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_bench_nccl_without_cuda_is_refused_before_ranks_start(monkeypatch, capsys):
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: nccl is a valid backend here")
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    rc, err = _one_line(capsys, ["bench", "comm", "--backend", "nccl"])
+    assert rc == 2 and len(err) == 1 and "needs CUDA" in err[0], err

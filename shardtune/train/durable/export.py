@@ -56,6 +56,11 @@ def parse_size_bytes(text: str | int) -> int:
     return size
 
 
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in _DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose fp32, bf16 or fp16")
+
+
 def hf_name(dcp_key: str) -> str:
     """'model.model.layers.0.mlp.up_proj.weight' (DCP key) → 'model.layers.0.mlp.up_proj.weight':
     drop the state-dict section and any wrapper module names."""
@@ -172,8 +177,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
         raise UserError(f"checkpoint {ckpt} is damaged: {bad[0]}" + (f" (and {len(bad) - 1} more)" if bad[1:] else ""))
     if not (ckpt / HF_DIR / "config.json").is_file():
         raise UserError(f"{ckpt} has no {HF_DIR}/config.json; it was not written by shardtune train")
-    if dtype is not None and dtype not in _DTYPES:
-        raise UserError(f"--dtype {dtype!r}: choose fp32, bf16 or fp16")
+    check_dtype(dtype)
     check_out_dir(out_dir, overwrite)
     out_dtype = _DTYPES[dtype] if dtype else None
     entries = model_tensors(ckpt)
