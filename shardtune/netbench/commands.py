@@ -57,17 +57,21 @@ def check_output_file(output: str) -> None:
 
 
 def comm(
-    nproc: int = typer.Option(2, "--nproc", help="Processes (ranks) to start on this machine."),
+    nproc: int = typer.Option(2, "--nproc", help="Processes (ranks) to start on this machine.",
+                              metavar="N"),
     sizes: str | None = typer.Option(None, "--sizes", help="Message sizes, binary units: e.g. 4K,1M,64M,256M "
-                                                           "(default KiB to 64 MiB on CPU, 512 MiB on GPU)."),
+                                                           "(default KiB to 64 MiB on CPU, 512 MiB on GPU).",
+                                     metavar="SIZES"),
     output: str | None = typer.Option(None, "-o", "--output", help="Write the profile JSON here (for `shardtune "
-                                                                   "plan --network-profile`)."),
+                                                                   "plan --network-profile`).", metavar="FILE"),
     as_json: bool = typer.Option(False, "--json", help="Print the profile JSON instead of the table."),
-    backend: str = typer.Option("auto", "--backend", help="auto (nccl with CUDA, else gloo) | gloo | nccl."),
+    backend: str = typer.Option("auto", "--backend", metavar="[auto|gloo|nccl]",
+                                  help="auto: nccl with CUDA, else gloo."),
     scope: str | None = typer.Option(
-        None, "--scope", help="intra | inter: which link of a plan the profile replaces (default: inter if the "
+        None, "--scope", metavar="[intra|inter]",
+        help="Which link of a plan the profile replaces (default: inter if the "
         "ranks ran on several hosts)."),
-    timeout: float = typer.Option(600, "--timeout", help="Seconds before every rank is stopped."),
+    timeout: float = typer.Option(600, "--timeout", help="Seconds before every rank is stopped.", metavar="SECONDS"),
 ) -> None:
     """Time all-gather, reduce-scatter and all-reduce; algbw and busbw as nccl-tests defines them."""
     from shardtune.errors import UserError

@@ -148,9 +148,11 @@ def register(app: typer.Typer) -> None:
         _param("recipe", str, typer.Argument(..., help="YAML recipe, e.g. recipes/tiny-cpu.yaml")),
         _param("overrides", list[str] | None,
                typer.Argument(None, help="key.path=value overrides, e.g. optim.lr=1e-4")),
-        _param("nproc", int, typer.Option(1, "--nproc", help="Processes on this machine (torchrun --nproc-per-node).")),
+        _param("nproc", int, typer.Option(1, "--nproc", help="Processes on this machine (torchrun --nproc-per-node).",
+                                          metavar="N")),
         _param("max_restarts", int, typer.Option(0, "--max-restarts", help="torchrun restarts of the whole group "
-                                                 "after a failure; each resumes from the last checkpoint.")),
+                                                 "after a failure; each resumes from the last checkpoint.",
+                                                 metavar="N")),
         _param("move_aside", bool, typer.Option(False, "--move-aside", help="With --resume never in a folder "
                                                 "that has checkpoints: move the earlier run's checkpoints, metrics "
                                                 "and config into <run_dir>/previous-<time>/ first (nothing is "

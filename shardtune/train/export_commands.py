@@ -29,8 +29,9 @@ def register(app: typer.Typer) -> None:
         checkpoint_dir: str = typer.Argument(..., help="A checkpoint folder: runs/<name>/checkpoints/step_<N>"),
         out_dir: str = typer.Argument(..., help="New (or empty) folder for the Hugging Face model"),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, "
-                                           "500MB, 2GiB: also the export's memory bound."),
-        dtype: str | None = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16 (default: as saved)."),
+                                           "500MB, 2GiB: also the export's memory bound.", metavar="SIZE"),
+        dtype: str | None = typer.Option(None, "--dtype", metavar="[fp32|bf16|fp16]",
+                                          help="Weights' dtype in the export (default: as saved)."),
         adapter_only: bool = typer.Option(False, "--adapter-only", help="LoRA runs: write the PEFT adapter folder "
                                           "(adapter_config.json + adapter_model.safetensors) instead of the merged "
                                           "model."),
