@@ -108,6 +108,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
     # a bare --params count has no activations to model: AC and micro-batch cannot be searched
     acs = AC_MODES if m.arch is not None else ("none",)
     micro_batches = MICRO_BATCHES if m.arch is not None else (base.micro_batch,)
+    offloads = (base.offload,) if base.offload in OFFLOADS[1:] else OFFLOADS  # a runnable --offload is kept
     out: list[Candidate] = []
     refused: dict[str, Exception] = {}
     for strategy in strategies:
@@ -116,7 +117,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
             for precision in PRECISIONS:
                 for ac in acs:
                     impl = _impl_for(base, precision)
-                    for offload in OFFLOADS:
+                    for offload in offloads:
                         inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,
                                       precision=precision, ac=ac, offload=offload, optimizer_impl=impl)
                         err = api._combination_error(inp, strategy)
@@ -147,6 +148,9 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
     notes = [f"grad_accum {base.grad_accum} and seq {base.seq_len} kept; micro-batch searched over "
              f"{', '.join(map(str, MICRO_BATCHES))} (the global batch grows with it)",
              f"compute at {ctx['mfu']:.0%} MFU ({ctx['network']['mfu_source']})"]
+    if base.offload != "none":
+        notes.insert(1, f"offload {base.offload} kept (--offload)" if len(offloads) == 1 else
+                     f"offload {base.offload} is planner-only: the trainer's none and all searched")
     return FitResult(best, fitting[:top], _distinct(rejected, top), len(out), ctx["network"], notes)
 
 

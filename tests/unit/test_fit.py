@@ -131,3 +131,21 @@ def test_fit_never_picks_what_the_trainer_refuses():
         check_combination(c.strategy, precision=c.precision, offload=c.offload, optimizer=c.optimizer,
                           optimizer_impl=c.optimizer_impl, hsdp_shard_size=c.hsdp_shard_size,
                           activation_checkpointing=c.ac)
+
+
+def test_fit_keeps_an_offload_asked_for_and_refuses_it_with_ddp_as_plan_does(capsys):
+    # issue 18 item 1: --offload all --strategy ddp is one line, exit 2, in plan and plan --fit alike
+    # (offload all is FSDP2's CPUOffloadPolicy; DDP has none)
+    argv = ["plan", "llama-3-8b", "--offload", "all", "--strategy", "ddp"]
+    assert main(argv) == 2
+    plan_err = capsys.readouterr().err
+    assert main([*argv, "--fit"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == plan_err and len(err.strip().splitlines()) == 1 and "offload 'all'" in err
+    # without --strategy, every candidate keeps offload all (none is not searched instead)
+    fit = search("llama-3-8b", gpus=8, offload="all")
+    assert fit.ranked and all(c.offload == "all" for c in fit.ranked + fit.rejected)
+    assert any("offload all kept" in n for n in fit.notes)
+    # a planner-only offload is not what the trainer runs: the search stays on none and all
+    fit = search("llama-3-8b", gpus=8, offload="optimizer")
+    assert {c.offload for c in fit.ranked + fit.rejected} <= {"none", "all"}
