@@ -17,16 +17,9 @@ from _rank import process_group, write_result  # noqa: E402
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
 from shardtune.train.core.model import build_model  # noqa: E402
+from shardtune.train.core.metrics import storages  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
 from shardtune.train.core.step import global_loss, train_step  # noqa: E402
-
-
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    t = t.to_local() if hasattr(t, "to_local") else t
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # a tensor subclass
-        names, _ = t.__tensor_flatten__()
-        return [s for n in names for s in _storages(getattr(t, n))]
-    return [t.untyped_storage()]
 
 
 def state_bytes(opt) -> dict[str, int]:
@@ -35,7 +28,7 @@ def state_bytes(opt) -> dict[str, int]:
     for state in inner.state.values():
         for k, v in state.items():
             if isinstance(v, torch.Tensor):
-                for s in _storages(v):
+                for s in storages(v):
                     (host if k == "step" else dev)[s.data_ptr()] = s.nbytes()
     return {"optimizer": sum(dev.values()), "step_counters": sum(host.values()),
             "quantised_states": sum(type(local).__name__ == "OptimState8bit" for st in inner.state.values()

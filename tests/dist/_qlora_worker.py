@@ -17,18 +17,10 @@ from _rank import process_group, write_result  # noqa: E402
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
+from shardtune.train.core.metrics import storages  # noqa: E402
 from shardtune.train.core.model import build_model, unwrap  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
 from shardtune.train.core.step import global_loss, train_step  # noqa: E402
-
-
-def _storages(t: torch.Tensor) -> list:
-    t = getattr(t, "_local_tensor", t)
-    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return [s for n in t.__tensor_flatten__()[0] for s in _storages(getattr(t, n))]
-    if isinstance(t, torch.nn.Parameter) and type(t.data) is not torch.Tensor:
-        return _storages(t.data)
-    return [t.untyped_storage()]
 
 
 def param_bytes(model) -> dict:
@@ -36,7 +28,7 @@ def param_bytes(model) -> dict:
     for p in unwrap(model).parameters():
         local = getattr(p, "_local_tensor", p.data)
         nf4 += type(local).__name__ == "NF4Tensor"
-        for s in _storages(local):
+        for s in storages(local):
             seen[s.data_ptr()] = s.nbytes()
     return {"params_bytes": sum(seen.values()), "nf4_params": nf4}
 

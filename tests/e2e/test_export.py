@@ -68,10 +68,12 @@ def test_export_cli_sharded_folder_loads_with_the_trained_logits(run, tmp_path, 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     batch = _step5_batch(run)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        # use_cache False: packed rows get transformers' block-diagonal mask only without a KV cache,
+        # as in training (the export's config.json keeps the source's use_cache: true)
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
         ref = dcp_model(run / "checkpoints" / "step_4", out)(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     logged = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert abs(loss.item() - logged[5]) <= 1e-5, (loss.item(), logged[5])
     assert (logits - ref).abs().max().item() <= 1e-5

@@ -70,7 +70,7 @@ def test_merged_export_gives_the_logged_loss_and_the_adapter_folder_loads_in_pef
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     b = _step5_batch(run)
     with torch.no_grad():
-        logits = merged(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+        logits = merged(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
     loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
     logged = {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert float(loss) == pytest.approx(logged[5], abs=1e-5)

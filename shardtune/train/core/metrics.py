@@ -31,14 +31,25 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind `t`: a DTensor's local shard's; a wrapper subclass without storage of
+    its own (torchao's NF4 weight, 8-bit optimizer state) by the inner tensors it flattens into."""
+    t = local_tensor(t)
+    if isinstance(t, nn.Parameter) and type(t.data) is not torch.Tensor:
+        t = t.data
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        return [s for name in t.__tensor_flatten__()[0] for s in storages(getattr(t, name))]
+    return [t.untyped_storage()]
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one storage count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        s = local_tensor(t).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
+        for s in storages(t):
+            seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
 

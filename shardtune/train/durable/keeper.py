@@ -8,6 +8,7 @@ all ranks call it at the same step, which the all-reduced flags guarantee.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import signal
 import sys
@@ -210,10 +211,14 @@ class RunKeeper:
         """The checkpoint's hf/: the run's config.json; the model folder's tokenizer and generation
         files copied as files when the run uses the folder's tokenizer (export.SOURCE_FILES), else
         the run's tokenizer as it saves itself."""
-        from shardtune.train.core.model import unwrap
+        from shardtune.train.core.model import build_hf_config, unwrap
         from shardtune.train.durable.export import copy_source_files
 
-        unwrap(self.model).config.save_pretrained(folder)
+        # training turns the KV cache off (core/model.py); the saved config keeps the source's
+        # setting, so an export generates with its cache as the source folder does
+        config = copy.deepcopy(unwrap(self.model).config)
+        config.use_cache = getattr(build_hf_config(self.cfg.model), "use_cache", True)
+        config.save_pretrained(folder)
         folders_own = getattr(self.tokenizer, "name", None) == "hf"  # HFTokenizer: the model folder's
         copied = copy_source_files(self.cfg.model.name, folder, tokenizer=folders_own)
         if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained") and not (
