@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check: zero3 at world size 1 (nccl) through the real trainer, Llama-3-8B widths
-# cut to 8 layers, seq 4096, bf16-mixed, micro-batch 1, AC none and full, 20 steps each; tokens/s,
+# cut to 8 layers, seq 4096, bf16-mixed, micro-batch 1, AC none, full and op (and none with the full
+# fp32 logits, loss_chunks 1), 20 steps each; tokens/s,
 # MFU and torch.cuda.max_memory_allocated against `shardtune plan` of the same recipe, all in
 # OUTDIR/gpu_check.json (bench/gpu_run.py). Under 6 minutes on one H200.
 #
@@ -21,7 +22,7 @@ MODE=gpu
 case "${1:-}" in
   --fetch-wheels) MODE=fetch ;;
   --dry-run) MODE=dry-run; shift ;;
-  ""|-h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}"; exit 2 ;;
+  ""|-h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}"; exit 2 ;;
 esac
 # here (fetch, dry run) the project venv is the tested set; the GPU box has its own python3
 if [[ "$MODE" != gpu && -z "${PYTHON:-}" && -x "$REPO/.venv/bin/python" ]]; then

@@ -28,7 +28,11 @@ NEEDED = {"pydantic": ("pydantic", "2.6"), "typer": ("typer", "0.12"), "rich": (
           "yaml": ("pyyaml", "6"), "safetensors": ("safetensors", "0.4")}
 PREINSTALLED = ("torch", "transformers", "accelerate")  # never from wheels: the box's own builds
 PYTHONS = ("3.10", "3.11", "3.12")
-AC_MODES = ("none", "full")
+# run name -> (activation checkpointing, train.loss_chunks; None = the trainer's default for the
+# vocabulary): AC none / full / op price the recompute on a GPU (issue 17 item 5); none-k1 is
+# AC none with the full fp32 logits (loss_chunks 1) beside the chunked default (issue 17 item 2)
+VARIANTS = {"none": ("none", None), "full": ("full", None), "op": ("op", None), "none-k1": ("none", 1)}
+AC_MODES = tuple(VARIANTS)
 
 # GPU: Llama-3-8B widths, 8 of its 32 layers (~2.8e9 params with the untied 128,256-token
 # embeddings: 45 GB of fp32 states at 16 B/param, well inside an H200). Dry run: a cut that
@@ -147,11 +151,12 @@ def synthetic_lines(num_lines: int, min_chars: int, seed: int = 0) -> list[str]:
     return lines
 
 
-def recipe(out: Path, mode: str, ac: str) -> dict:
+def recipe(out: Path, mode: str, variant: str) -> dict:
     shape = SHAPES[mode]
+    ac, loss_chunks = VARIANTS[variant]
     return {
-        "name": f"gpu-check-ac-{ac}",
-        "output_dir": str(out / f"run-ac-{ac}"),
+        "name": f"gpu-check-ac-{variant}",
+        "output_dir": str(out / f"run-ac-{variant}"),
         "model": {"name": str(out / "model"), "init": "random"},
         "data": {"path": str(out / "data.jsonl"), "tokenizer": "byte", "packing": True},
         "parallel": {"strategy": "zero3", "precision": "bf16-mixed", "activation_checkpointing": ac},
@@ -159,7 +164,8 @@ def recipe(out: Path, mode: str, ac: str) -> dict:
         "optim": {"implementation": "foreach", "lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "grad_clip": 1.0},
         "train": {"micro_batch": 1, "grad_accum": 1, "seq_len": shape["seq_len"],
                   "max_steps": shape["steps"], "seed": 0, "log_every": 1,
-                  "backend": shape["backend"], "gpu": "h200-141gb", "timeout_s": 120},
+                  "backend": shape["backend"], "gpu": "h200-141gb", "timeout_s": 120,
+                  "loss_chunks": loss_chunks},
         # a final DCP checkpoint of 2.8e9 params with Adam states would be ~34 GB of disk and
         # minutes of GPU time that measure nothing here
         "checkpoint": {"every": 0, "save_final": False, "export_hf": False, "resume": "never"},
@@ -195,6 +201,7 @@ def collect_run(out: Path, ac: str) -> dict:
     try:
         plan = json.loads((out / f"plan-ac-{ac}.json").read_text())
         strat = plan["strategies"][0]
+        row["activation_checkpointing"], row["loss_chunks"] = VARIANTS[ac]
         row["predicted"] = {"source": f"shardtune plan {row['recipe']} --gpus 1 --strategy zero3 --json",
                             "model_params": plan["model"]["params"], "memory_bytes": strat["memory"],
                             "peak_bytes": strat["memory"]["total"], "tokens_per_s": strat["tokens_per_s"],
@@ -265,18 +272,26 @@ def cmd_collect(args) -> int:
     result = {"check": "bench/gpu.sh: zero3, world 1, bf16-mixed, micro-batch 1; measured vs planned",
               "mode": (out / "mode").read_text().strip(), "environment": environment(),
               "runs": {f"ac-{ac}": collect_run(out, ac) for ac in AC_MODES}}
+    base = result["runs"]["ac-none"]
+    if base["ok"]:  # each variant's step time over AC none's, measured and as the planner prices it
+        result["step_time_vs_ac_none"] = {
+            name: {"measured": _ratio(row["measured"]["step_time_s"], base["measured"]["step_time_s"]),
+                   "predicted": _ratio(row["predicted"]["step_time_s"], base["predicted"]["step_time_s"])}
+            for name, row in result["runs"].items() if row["ok"]}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
-    print(f"{'run':8} {'tok/s meas':>11} {'pred':>9} {'ratio':>6} {'MFU meas':>9} {'pred':>6} "
+    print(f"{'run':11} {'tok/s meas':>11} {'pred':>9} {'ratio':>6} {'MFU meas':>9} {'pred':>6} "
           f"{'peak GiB meas':>13} {'pred':>7} {'ratio':>6} {'states ratio':>12}")
     for name, row in result["runs"].items():
         if not row["ok"]:
-            print(f"{name:8} FAILED: {row.get('error')}")
+            print(f"{name:11} FAILED: {row.get('error')}")
             continue
         m, p, r = row["measured"], row["predicted"], row["ratios_measured_over_predicted"]
         mfu = f"{m['mfu']:.3f}" if m["mfu"] is not None else "—"
-        print(f"{name:8} {m['tokens_per_s']:>11,.0f} {p['tokens_per_s']:>9,.0f} {r['tokens_per_s']:>6.3f} "
+        print(f"{name:11} {m['tokens_per_s']:>11,.0f} {p['tokens_per_s']:>9,.0f} {r['tokens_per_s']:>6.3f} "
               f"{mfu:>9} {p['mfu']:>6.3f} {m['peak_mem_bytes'] / 2**30:>13.2f} {p['peak_bytes'] / 2**30:>7.2f} "
               f"{r['peak_mem']:>6.3f} {r['model_states']:>12.4f}")
+    for name, r in result.get("step_time_vs_ac_none", {}).items():
+        print(f"{name:11} step time / ac-none: measured {r['measured']}, planner {r['predicted']}")
     print(f"wrote {out / 'gpu_check.json'}")
     return 0 if all(r["ok"] for r in result["runs"].values()) else 1
 

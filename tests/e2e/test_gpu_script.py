@@ -31,11 +31,12 @@ def test_gpu_script_dry_run(tmp_path):
     proc = run_bounded(["bash", "bench/gpu.sh", "--dry-run", str(out)], timeout_s=220, cwd=REPO,
                        env=env, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "ac-none" in proc.stdout and "ac-full" in proc.stdout  # the ratios table
+    for name in ("ac-none", "ac-full", "ac-op", "ac-none-k1"):  # the ratios table
+        assert f"\n{name} " in proc.stdout, name
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["mode"] == "dry-run"
     assert result["environment"]["torch"]
-    assert set(result["runs"]) == {"ac-none", "ac-full"}
+    assert set(result["runs"]) == {"ac-none", "ac-full", "ac-op", "ac-none-k1"}
     for name, run in result["runs"].items():
         assert run["ok"], (name, run.get("error"))
         m, p = run["measured"], run["predicted"]
@@ -56,5 +57,9 @@ def test_gpu_script_dry_run(tmp_path):
         r = run["ratios_measured_over_predicted"]
         assert abs(r["model_states"] - 1) < 1e-4 and r["tokens_per_s"] > 0 and r["peak_mem"] > 0
         assert run["run_plan_json_peak_bytes"] == p["peak_bytes"], run["run_plan_json_error"]
-    none, full = (result["runs"][k]["predicted"]["memory_bytes"]["activations"] for k in ("ac-none", "ac-full"))
-    assert full < none
+    none, full, op, k1 = (result["runs"][k]["predicted"]["memory_bytes"]["activations"]
+                          for k in ("ac-none", "ac-full", "ac-op", "ac-none-k1"))
+    assert full < op < none < k1  # k1: AC none with the whole fp32 logits
+    ratios = result["step_time_vs_ac_none"]
+    assert ratios["ac-none"] == {"measured": 1.0, "predicted": 1.0}
+    assert ratios["ac-full"]["predicted"] > ratios["ac-op"]["predicted"] > 1
