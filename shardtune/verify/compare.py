@@ -24,8 +24,11 @@ def relative_diff(value: float | None, reference: float | None) -> float | None:
     return (value - reference) / reference
 
 
-def fmt_pct(d: float | None) -> str:
-    return "—" if d is None else f"{d * 100:+.1f}%"
+def fmt_pct(d: float | None, compact: bool = False) -> str:
+    """+6.1%; compact: no decimal from ±1,000 % on (a cell stays 7 characters)."""
+    if d is None:
+        return "—"
+    return f"{d * 100:+.0f}%" if compact and abs(d) >= 9.9995 else f"{d * 100:+.1f}%"
 
 
 def differences(reference: dict, other: dict, keys=MEMORY_KEYS) -> dict[str, float | None]:
@@ -47,26 +50,57 @@ def measured_memory(memory_json: dict) -> dict[str, int]:
     return out
 
 
-def _fmt(n: int | None, unit: int) -> str:
-    return "—" if n is None else f"{n / unit:,.2f}"
+def _fmt(n: int | None, unit: int, digits: int = 2) -> str:
+    return "—" if n is None else f"{n / unit:,.{digits}f}"
 
 
-def memory_table(title: str, rows: list[tuple[str, str, dict]], unit: int = GIB):
-    """A rich table: one row per (strategy, source, memory dict); a source 'Δ ...' row holds
-    relative differences instead of bytes."""
-    from rich import box
-    from rich.table import Table
+# compact labels (consoles narrower than the full table): Δ a/b = (a − b) / b
+COMPACT_SOURCES = {"Δ measured vs predicted": "Δ meas/pred", "Δ measured vs simulated": "Δ meas/sim",
+                   "Δ simulated vs predicted": "Δ sim/pred", "Δ sim vs analytic": "Δ sim/anal"}
 
-    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("strategy", "source", *(LABELS[k] for k in MEMORY_KEYS)):
-        table.add_column(col, justify="left" if col in ("strategy", "source") else "right")
-    for name, source, values in rows:
-        if source.startswith("Δ"):
-            cells = [fmt_pct(values.get(k)) for k in MEMORY_KEYS]
-        else:
-            cells = [_fmt(values.get(k), unit) for k in MEMORY_KEYS]
-        table.add_row(name, source, *cells)
-    return table
+
+class MemoryTable:
+    """One row per (strategy, source, memory dict); a source 'Δ ...' row holds relative
+    differences. Drawn whole where the console has room, else compact (strategy before the
+    source, short Δ labels, one decimal): no cell is cut at 80 columns."""
+
+    def __init__(self, title: str, rows: list[tuple[str, str, dict]], unit: int = GIB) -> None:
+        self.title, self.rows, self.unit = title, rows, unit
+
+    def table(self, compact: bool):
+        from rich import box
+        from rich.table import Table
+
+        title = self.title + ("; Δ a/b = (a − b) / b" if compact else "")
+        table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=compact)
+        for col in ((() if compact else ("strategy",)) + ("source",) + tuple(LABELS[k] for k in MEMORY_KEYS)):
+            table.add_column(col, justify="left" if col in ("strategy", "source") else "right", no_wrap=True)
+        big = max((abs(v.get(k) or 0) for _, src, v in self.rows if not src.startswith("Δ") for k in MEMORY_KEYS),
+                  default=0) >= 9999.95 * self.unit
+        for name, source, values in self.rows:
+            if source.startswith("Δ"):
+                cells = [fmt_pct(values.get(k), compact) for k in MEMORY_KEYS]
+            else:
+                cells = [_fmt(values.get(k), self.unit, (0 if big else 1) if compact else 2) for k in MEMORY_KEYS]
+            if compact:
+                label = COMPACT_SOURCES.get(source, source.split(" (")[0])
+                table.add_row(f"{name} {label}".strip(), *cells)
+            else:
+                table.add_row(name, source, *cells)
+        return table
+
+    def __rich_console__(self, console, options):
+        from rich.measure import Measurement
+
+        full = self.table(compact=False)
+        natural = Measurement.get(console, options.update(max_width=10_000), full).maximum  # unclamped
+        fits = natural <= options.max_width
+        yield full if fits else self.table(compact=True)
+
+
+def memory_table(title: str, rows: list[tuple[str, str, dict]], unit: int = GIB) -> MemoryTable:
+    """The rich renderable of `MemoryTable` (plan --simulate, report)."""
+    return MemoryTable(title, rows, unit)
 
 
 def render_simulated(result, console=None) -> None:

@@ -43,3 +43,47 @@ def test_wide_shows_every_column_and_columns_is_honoured_when_piped(capsys, monk
     assert "peak GB" in piped and max(len(ln) for ln in piped.splitlines()) <= 120
     narrow = _out(capsys, monkeypatch, 80)
     assert "peak GB" not in narrow
+
+
+def _memory_rows():
+    """report's rows at their widest: three sources, three Δ rows, a 4-digit peak, a 4-digit Δ."""
+    from shardtune.verify.compare import MEMORY_KEYS, differences
+
+    pred = {k: 12.345 * GIB for k in MEMORY_KEYS} | {"total": 1234.56 * GIB}
+    meas = {k: 13.1 * GIB for k in MEMORY_KEYS}
+    sim = meas | {"optimizer_step_temp": 200.0 * GIB}
+    return [("zero3", "predicted", pred), ("", "simulated (12 s)", sim), ("", "measured", meas),
+            ("", "Δ measured vs predicted", differences(pred, meas)),
+            ("", "Δ measured vs simulated", differences(sim, meas)),
+            ("", "Δ simulated vs predicted", differences(pred, sim))]
+
+
+@pytest.mark.parametrize("columns", [80, 100, 140])
+def test_report_and_simulate_memory_table_fit_and_no_cell_is_cut(columns):
+    import io
+
+    from rich.console import Console
+
+    from shardtune.verify.compare import memory_table
+
+    buf = io.StringIO()
+    Console(width=columns, file=buf, highlight=False).print(memory_table("Memory per GPU, GiB", _memory_rows()))
+    out = buf.getvalue()
+    assert max(len(ln) for ln in out.splitlines()) <= columns and "…" not in out
+    lines = {ln.split()[0] if not ln.lstrip().startswith(("Δ", "zero3")) else " ".join(ln.split()[:2]): ln.split()
+             for ln in out.splitlines() if ln.strip()}
+    compact = columns < 104  # the whole table is 104 columns wide
+    # by hand: 12.345 GiB → "12.3" (compact, one decimal) or "12.35"; peak 1,234.56 → "1,234.6" / "1,234.56";
+    # Δ opt tmp simulated vs predicted (200 − 12.345) / 12.345 = +1520.1 % → "+1520%" compact
+    pred = lines["zero3 predicted"][2:]
+    assert pred == (["12.3"] * 6 + ["1,234.6"] if compact else ["12.35"] * 6 + ["1,234.56"])
+    sim_pred = lines["Δ sim/pred" if compact else "Δ simulated"]
+    assert sim_pred[-2] == ("+1520%" if compact else "+1520.1%") and sim_pred[-1] == "-98.9%"
+    assert ("strategy" in out) is not compact
+
+
+def test_plan_simulate_table_fits_80_columns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plan", "tiny-llama", "--gpus", "2", "--seq-len", "64", "--strategy", "zero3", "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert "Δ sim/anal" in out and "…" not in out and max(len(ln) for ln in out.splitlines()) <= 80

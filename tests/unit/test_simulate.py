@@ -109,7 +109,8 @@ def test_cli_simulate_json_has_simulated_memory_keys(capsys):
     assert s["simulated"]["params"] == s["memory"]["params"]  # FSDP2 shard bytes: both exact
 
 
-def test_plan_table_shows_simulated_beside_analytic(capsys):
+def test_plan_table_shows_simulated_beside_analytic(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "140")  # the whole table (test_plan_width: the compact one at 80)
     rc = main(["plan", "tiny-llama", "--gpus", "2", "--seq-len", "64", "--strategy", "zero3", "--simulate"])
     out, _ = capsys.readouterr()
     assert rc == 0
