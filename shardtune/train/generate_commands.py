@@ -113,6 +113,30 @@ def _load_checkpoint_model(ckpt: Path, device):
     return model.to(device)
 
 
+def _check_config(folder: Path) -> None:
+    """config.json as the trainer's launcher checks a model folder's (finite, positive sizes)."""
+    from shardtune.errors import read_json_object
+    from shardtune.train.preflight import check_hf_config
+
+    path = folder / "config.json"
+    check_hf_config(str(folder), read_json_object(path, "config.json", "give the folder's own config.json"))
+
+
+def _check_loaded(folder: Path, model, info: dict) -> None:
+    """transformers fills weights the files lack with random values, with a warning: here that is an
+    answer from garbage, so missing, unexpected or mis-shaped tensors are one line instead."""
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = sorted(set(info.get("missing_keys") or ()) - tied)
+    unexpected = sorted(k for k in info.get("unexpected_keys") or () if not k.endswith("inv_freq"))
+    shapes = [m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys") or ()]
+    for what, names in (("lacks", missing), ("holds tensors its config.json does not build, e.g.", unexpected),
+                        ("has tensors of another shape than its config.json builds, e.g.", shapes)):
+        if names:
+            raise UserError(f"the model in {folder} {what} {names[0]}"
+                            f"{f' (and {len(names) - 1} more)' if names[1:] else ''}; give the folder's "
+                            "matching config.json and weights")
+
+
 def load_for_generation(kind: str, folder: Path):
     """(model in eval mode, tokenizer, stop ids) for a resolved TARGET."""
     import torch
@@ -120,8 +144,10 @@ def load_for_generation(kind: str, folder: Path):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr stays for errors; stdout holds only the answer
+    hf_logging.set_verbosity_error()  # its load report (missing / unexpected tensors) is _check_loaded's one line
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok_dir = folder / "hf" if kind == "checkpoint" else folder
+    _check_config(tok_dir)
     try:
         tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except Exception as e:
@@ -130,10 +156,12 @@ def load_for_generation(kind: str, folder: Path):
         model = _load_checkpoint_model(folder, device)
     else:
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, use_safetensors=True,
-                                                         local_files_only=True).to(device)
+            model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, use_safetensors=True,
+                                                               local_files_only=True, output_loading_info=True)
         except Exception as e:
             raise UserError(f"cannot load the model in {folder}: {' '.join(str(e).split())[:160]}") from None
+        _check_loaded(folder, model, info)
+        model = model.to(device)
     stops = {tok.eos_token_id} - {None}
     if (tok_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(str(tok_dir), local_files_only=True).eos_token_id
@@ -181,10 +209,10 @@ def generate_answer(target: str, prompt: str, *, max_new_tokens: int = 256, temp
     check_options(max_new_tokens, temperature, top_p, seed)
     kind, folder = resolve_target(target)
     model, tok, stops = load_for_generation(kind, folder)
-    # said once the folder loaded: a folder that fails is the error's one line alone
+    ids = torch.tensor([prompt_ids(tok, prompt, system)], device=model.device)
+    # said once the folder loaded and the prompt rendered: a failure is the error's one line alone
     print(f"shardtune: generating with the {'checkpoint' if kind == 'checkpoint' else 'model'} in {folder}",
           file=sys.stderr, flush=True)
-    ids = torch.tensor([prompt_ids(tok, prompt, system)], device=model.device)
     sample = temperature > 0
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=stops,
                            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else stops[0],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import tempfile
 import warnings
 from pathlib import Path
@@ -45,15 +46,49 @@ def _check_model(model: ModelConfig, seq_len: int) -> None:
         raise UserError(f"model.init is 'pretrained' but {name!r} has no *.safetensors; "
                         "give an HF model folder with weights or set model.init=random")
     if name not in MODELS:  # the catalogue's entries are known causal LMs (and the check stays torch-free)
+        check_hf_config(name, hf)
         _check_model_type(name, hf)
     _check_weights(model, hf)
     max_pos = hf.get("max_position_embeddings")
-    if max_pos and seq_len > max_pos:
+    if max_pos is not None and seq_len > max_pos:
         raise UserError(f"train.seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; "
                         "lower train.seq_len")
 
 
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "max_position_embeddings", "head_dim")
+
+
+def _non_finite(value, where: str = "") -> str | None:
+    """The first NaN / inf number in a JSON value (its key path), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "a value"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{where}.{k}" if where else str(k))
+        if found:
+            return found
+    return None
+
+
+def check_hf_config(name: str, hf: dict) -> None:
+    """A model folder's config.json: every number finite, the sizes positive integers, the heads
+    dividing as transformers' attention needs (HF would build a model of garbage, or fail in a rank)."""
+    bad = _non_finite(hf)
+    if bad:
+        raise UserError(f"model {name!r}: config.json's {bad} is not a finite number; fix config.json")
+    for key in _SIZES:
+        v = hf.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise UserError(f"model {name!r}: config.json's {key} is {v!r}, not a positive integer; fix config.json")
+    h, n, kv = hf.get("hidden_size"), hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if h and n and not hf.get("head_dim") and h % n:
+        raise UserError(f"model {name!r}: config.json's hidden_size {h} is not divisible by num_attention_heads {n}; "
+                        "fix config.json")
+    if n and kv and n % kv:
+        raise UserError(f"model {name!r}: config.json's num_attention_heads {n} is not a multiple of "
+                        f"num_key_value_heads {kv}; fix config.json")
 
 
 def _check_weights(model: ModelConfig, hf: dict) -> None:
@@ -71,6 +106,7 @@ def _check_weights(model: ModelConfig, hf: dict) -> None:
                             "shardtune reads safetensors only (a pickle can run code): convert them (transformers' "
                             "save_pretrained(safe_serialization=True)) or set model.init=random")
         return
+    _check_index(folder, files)
     from safetensors import SafetensorError, safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
@@ -91,7 +127,8 @@ def _check_weights(model: ModelConfig, hf: dict) -> None:
     except Exception as e:
         raise UserError(f"model {model.name!r}: transformers cannot build its config.json "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); fix config.json") from None
-    for name, p in meta.named_parameters():
+    built = dict(meta.named_parameters())
+    for name, p in built.items():
         got = shapes.get(name)
         if got is None:
             raise UserError(f"weights in {model.name!r} lack tensor {name!r} that its config.json builds; give the "
@@ -99,6 +136,27 @@ def _check_weights(model: ModelConfig, hf: dict) -> None:
         if got != tuple(p.shape):
             raise UserError(f"weights in {model.name!r}: tensor {name!r} has shape {list(got)} but config.json "
                             f"builds {list(p.shape)}; give the folder's matching config.json and weights")
+    # tensors the model does not build (e.g. layers config.json leaves out): tied heads and old rotary caches aside
+    extra = sorted(k for k in shapes if k not in built and k != "lm_head.weight" and not k.endswith("inv_freq"))
+    if extra:
+        raise UserError(f"weights in {model.name!r} hold {len(extra)} tensor(s) its config.json does not build "
+                        f"({extra[0]}); give the folder's matching config.json and weights")
+
+
+def _check_index(folder: Path, files) -> None:
+    """model.safetensors.index.json, when there is one: valid, and every shard it names present."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    from shardtune.errors import read_json_object
+
+    fix = "re-download or re-save the model"
+    weight_map = read_json_object(index, "weights index", fix).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"weights index {str(index)!r} has no weight_map of tensor → file; {fix}")
+    missing = sorted(set(weight_map.values()) - {Path(f).name for f in files})
+    if missing:
+        raise UserError(f"weights index {str(index)!r} names {missing[0]}, which is not in the folder; {fix}")
 
 
 def _check_model_type(name: str, hf: dict) -> None:

@@ -38,6 +38,31 @@ def _safetensors(tensors: dict[str, list[int]]) -> bytes:
     return len(raw).to_bytes(8, "little") + raw + bytes(offset)
 
 
+def _saved(root: Path, name: str, edit: dict | None = None, files: dict | None = None) -> Path:
+    """A tiny random Llama of _CFG saved by transformers (safetensors, the byte tokenizer's files
+    aside), then its config.json edited by `edit` and `files` written over it."""
+    from shardtune.errors import quiet_library_notices
+
+    quiet_library_notices()  # as the CLI does, before transformers imports torchao
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    d = root / name
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in _CFG.items() if k != "model_type"})).save_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **(edit or {})}))
+    for fname, data in (files or {}).items():
+        (d / fname).write_bytes(data)
+    return d
+
+
+def _nan_folder(root: Path) -> Path:
+    d = _folder(root, "nan", None)
+    (d / "config.json").write_text(json.dumps({**_CFG, "rms_norm_eps": 1e-5}).replace("1e-05", "NaN"))
+    return d
+
+
 def _cases(root: Path) -> list[tuple[list[str], str]]:
     recipe_latin1 = root / "latin1.yaml"
     recipe_latin1.write_bytes(b"name: caf\xe9\n")
@@ -46,6 +71,7 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
     recipe_newline = root / "nl.yaml"
     recipe_newline.write_text('name: "run\\nrm -rf ~"\n')
     auto = "model.init=auto"
+    index = json.dumps({"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}).encode()
     wrong_shape = _safetensors({"model.embed_tokens.weight": [100, 64]})
     return [
         (["train.max_steps=true"], "is a boolean"),
@@ -86,6 +112,15 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
         (["--output-dir", f"{root}/a\nb"], "line break"),  # the last --output-dir counts
         # model states alone (the planner's exact count) past this machine's memory: 405B on CPU ranks
         (["model.name=llama-3.1-405b"], "of host memory"),
+        # config.json that builds nonsense or disagrees with its weights
+        ([f"model.name={_folder(root, 'nolayers', {**_CFG, 'num_hidden_layers': 0})}"], "num_hidden_layers is 0"),
+        ([f"model.name={_folder(root, 'maxpos0', {**_CFG, 'max_position_embeddings': 0})}"],
+         "max_position_embeddings is 0"),
+        ([f"model.name={_folder(root, 'heads', {**_CFG, 'num_key_value_heads': 3})}"], "not a multiple"),
+        ([f"model.name={_nan_folder(root)}"], "rms_norm_eps is not a finite number"),
+        ([auto, f"model.name={_saved(root, 'fewer', {'num_hidden_layers': 1})}"], "does not build"),
+        ([auto, f"model.name={_saved(root, 'index', files={'model.safetensors.index.json': index})}"],
+         "model-00002-of-00002.safetensors, which is not in the folder"),
     ]
 
 
@@ -103,7 +138,9 @@ def test_bad_inputs_one_line_exit_2_folder_unchanged(tmp_path, monkeypatch, caps
     (run_dir / "keep.txt").write_text("user file")
     before = sorted((p.relative_to(run_dir), p.read_bytes()) for p in run_dir.rglob("*") if p.is_file())
     failures = []
-    for args, needle in _cases(tmp_path):
+    cases = _cases(tmp_path)
+    capsys.readouterr()
+    for args, needle in cases:
         recipe = str(RECIPE)
         if args[:1] == ["--recipe-file"]:
             recipe, args = args[1], []
@@ -225,3 +262,26 @@ def test_bench_nccl_without_cuda_is_refused_before_ranks_start(monkeypatch, caps
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
     rc, err = _one_line(capsys, ["bench", "comm", "--backend", "nccl"])
     assert rc == 2 and len(err) == 1 and "needs CUDA" in err[0], err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("edit, files, needle", [
+    ({"num_hidden_layers": 3}, None, "lacks model.layers.2"),
+    ({"model_type": "bert"}, None, "lacks"),
+    ({"max_position_embeddings": 0}, None, "max_position_embeddings is 0"),
+    ({"chat_template": "{% for %}"}, {"tokenizer_config.json": b"{}"}, "chat template cannot render"),
+])
+def test_generate_from_a_folder_that_disagrees_is_one_line(tmp_path, capsys, edit, files, needle):
+    """transformers would answer from randomly filled weights (with a warning): one line instead, and
+    no "generating with" line before it."""
+    from shardtune.train.data.tokenizer import ByteTokenizer
+
+    folder = _saved(tmp_path, "model", None if "chat_template" in edit else edit, files)
+    ByteTokenizer().save_pretrained(folder)
+    if "chat_template" in edit:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, **edit}))
+        (folder / "chat_template.jinja").unlink(missing_ok=True)
+    capsys.readouterr()
+    rc, err = _one_line(capsys, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"])
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
