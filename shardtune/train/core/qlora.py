@@ -16,9 +16,17 @@ the same rule). Embeddings, norms and the head are never quantised.
 """
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+
+if TYPE_CHECKING:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+# torchao is imported only by a QLoRA run (an optional extra): every trainer imports this module
+_NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 
 BLOCK = 64  # torchao's default block_size: one absmax scale per 64 weights
 SCALER_BLOCK = 256  # scaler_block_size: one fp quantisation factor per 256 int8 scales
@@ -32,9 +40,21 @@ def quantizable(shape: tuple[int, ...], shard: int) -> bool:
     return len(shape) == 2 and shape[0] % shard == 0 and numel % (BLOCK * SCALER_BLOCK * shard) == 0
 
 
+def _is_nf4_tensor(t: torch.Tensor) -> bool:
+    """An NF4Tensor; False without a torchao import (then none exists)."""
+    cls = getattr(sys.modules.get(_NF4_MODULE), "NF4Tensor", None)
+    return cls is not None and isinstance(t, cls)
+
+
+def _to_nf4(t: torch.Tensor) -> NF4Tensor:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    return to_nf4(t, BLOCK, SCALER_BLOCK)
+
+
 def is_nf4(param: torch.Tensor) -> bool:
     """True for an NF4 parameter, plain or the local tensor of an FSDP2 DTensor."""
-    return isinstance(getattr(param, "_local_tensor", param), NF4Tensor)
+    return _is_nf4_tensor(getattr(param, "_local_tensor", param))
 
 
 def quantize_base(model: nn.Module, shard: int) -> list[str]:
@@ -46,7 +66,7 @@ def quantize_base(model: nn.Module, shard: int) -> list[str]:
         base = getattr(module, "base_layer", None)
         if not isinstance(base, nn.Linear) or not quantizable(tuple(base.weight.shape), shard):
             continue
-        base.weight = nn.Parameter(to_nf4(base.weight.detach(), BLOCK, SCALER_BLOCK), requires_grad=False)
+        base.weight = nn.Parameter(_to_nf4(base.weight.detach()), requires_grad=False)
         names.append(f"{mname}.base_layer.weight")
     model._ddp_params_and_buffers_to_ignore = list(names)
     return names
@@ -55,7 +75,7 @@ def quantize_base(model: nn.Module, shard: int) -> list[str]:
 @torch.no_grad()
 def nf4_of(full: torch.Tensor, dtype: torch.dtype) -> NF4Tensor:
     """The NF4 codes of a full weight stored in `dtype` (what training holds)."""
-    return to_nf4(full.to(dtype).contiguous(), BLOCK, SCALER_BLOCK)
+    return _to_nf4(full.to(dtype).contiguous())
 
 
 @torch.no_grad()
@@ -83,6 +103,6 @@ def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of a tensor's own storages: an NF4Tensor's five inner tensors (torchao's
     `__tensor_flatten__`), a DTensor's local part, or a plain tensor's elements."""
     t = getattr(t, "_local_tensor", t)
-    if isinstance(t, NF4Tensor):
+    if _is_nf4_tensor(t):
         return sum(tensor_bytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
     return t.numel() * t.element_size()
