@@ -143,12 +143,13 @@ def _impl(inp: PlanInputs) -> str:
 def _buffers(m: _Model, strategy: str, inp: PlanInputs) -> int:
     if inp.accounting == "paper" or m.shapes is None:
         return 0
-    key = (strategy, inp.precision)  # independent of the world size: computed once per plan
+    chunks = resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size) if m.arch else 1
+    key = (strategy, inp.precision, chunks)  # independent of the world size: computed once per plan
     if key not in m.buffer_cache:
         if STRATEGY[strategy].fsdp:
             m.buffer_cache[key] = memory.fsdp_buffer_bytes(m.shapes, strategy, inp.precision)
         else:
-            m.buffer_cache[key] = memory.ddp_buffer_bytes(m.shapes, inp.precision)
+            m.buffer_cache[key] = memory.ddp_buffer_bytes(m.shapes, inp.precision, chunks)
     return m.buffer_cache[key]
 
 

@@ -307,20 +307,25 @@ def fsdp_buffer_bytes(shapes: list[ParamShape], strategy: str, precision: str) -
     return unsharded + dt.compute * (root_grads + dequant) + (dt.compute + dt.reduce) * layer_trainable
 
 
-def ddp_buffer_bytes(shapes: list[ParamShape], precision: str) -> int:
-    """torch.autocast's cache of bf16 weight copies, bf16-mixed only.
+def ddp_buffer_bytes(shapes: list[ParamShape], precision: str, loss_chunks: int = 1) -> int:
+    """ddp/zero1: torch.autocast's cache of bf16 weight copies (bf16-mixed), the chunked loss's dW.
 
     Autocast caches the bf16 cast of leaf weights that require grad and feed a matmul: every 2-D
     trainable weight except the input embedding (an embedding lookup is not cast) unless it is
     tied to the LM head. Mixtral's 3-D expert tensors are indexed per expert (a non-leaf view),
-    so their casts are not cached.
+    so their casts are not cached. With `loss_chunks` > 1 the head's weight goes to the chunked
+    loss, which casts it itself (not cached), and its backward holds dW in the compute dtype with
+    its cast to the weight's dtype (train/core/chunked_loss.py) beside the layers' cached casts.
     """
-    if precision != "bf16-mixed":
-        return 0
+    dt = dtypes(precision)
     tied = not any(p.name == "lm_head.weight" for p in shapes)
+    head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    head = next((p for p in shapes if p.name == head_name and p.trainable), None)
+    chunked = loss_chunks > 1 and head is not None
     cached = sum(p.numel for p in shapes if p.trainable and len(p.shape) == 2
-                 and (tied or p.name != "model.embed_tokens.weight"))
-    return dtypes(precision).compute * cached
+                 and (tied or p.name != "model.embed_tokens.weight") and not (chunked and p is head))
+    cache = dt.compute * cached if precision == "bf16-mixed" else 0
+    return cache + (head.numel * (dt.compute + (dt.param if dt.param != dt.compute else 0)) if chunked else 0)
 
 
 def tied_backward_bytes(shapes: list[ParamShape], strategy: str, precision: str, loss_chunks: int,
