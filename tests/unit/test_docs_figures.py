@@ -58,3 +58,19 @@ def test_planner_md_70b_prose_fits_match_the_quoted_flags():
     assert lora.fits and f"(`--lora-rank 16 --ac full`) fits zero3 at {lora.memory.total / GIB:.1f} GiB" in sec
     bf16 = zero3(precision="bf16", ac="full", seq_len=4096, optimizer_impl="bf16-stochastic")
     assert bf16.fits and f"--optimizer-impl bf16-stochastic`) fits at {bf16.memory.total / GIB:.1f} GiB" in sec
+
+
+def test_quoted_plan_comments_in_docs_are_what_the_cli_prints(capsys):
+    # `shardtune plan ARGS   # fits: S, X GiB/GPU` in any doc: S fits and peaks at X GiB
+    import json
+    import shlex
+
+    from shardtune.cli import main
+
+    quoted = [(doc.name, m) for doc in sorted(DOCS.glob("*.md")) for m in re.finditer(
+        r"^shardtune plan (.+?) +# fits: (\w+), ([\d.]+) GiB/GPU$", doc.read_text(), re.M)]
+    assert quoted  # docs/lora.md's first line at least
+    for name, m in quoted:
+        assert main(["plan", *shlex.split(m.group(1)), "--json"]) == 0
+        s = next(x for x in json.loads(capsys.readouterr().out)["strategies"] if x["name"] == m.group(2))
+        assert s["fits"] and f"{s['memory']['total'] / GIB:.1f}" == m.group(3), (name, m.group(0))
