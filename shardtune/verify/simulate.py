@@ -34,7 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group
+from shardtune.parallel.apply import apply_precision, autocast_dtype, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.memtrack import track_step
@@ -235,6 +235,10 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
         # the meta model is built outside the fake mode: `to_empty` of a fake meta parameter must
         # swap tensors, which fake tensors refuse (weakrefs); inputs may be real only for the build
         meta = build_meta_model(ModelConfig(name=_model_file(model, Path(tmp))))
+        # precision on the real meta tensors too: cast inside the fake mode, a parameter becomes a
+        # fake meta tensor that ddp's `to_empty` must swap (refused: pure bf16 ddp/zero1 failed);
+        # build_parallel_model's own cast then changes nothing
+        apply_precision(meta, parallel_cfg)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             net = build_parallel_model(meta, parallel_cfg, mesh, "cpu")
             fake.allow_non_fake_inputs = False

@@ -290,3 +290,19 @@ def test_tied_model_analytic_within_tolerance_of_simulated(model, strategy):
         assert getattr(mem, key) == pytest.approx(sim[key], rel=0.02), key
     for key in ("activations", "total"):
         assert getattr(mem, key) == pytest.approx(sim[key], rel=0.10), (key, getattr(mem, key), sim[key])
+
+
+@pytest.mark.timeout(120)
+def test_pure_bf16_traces_every_strategy(capsys):
+    # ddp/zero1 under pure bf16 fell back ("Couldn't swap Embedding.weight"): the cast made fake
+    # parameters that to_empty had to swap. By hand, tiny-llama (V 264, h 128, FFN 344, KV dim 64,
+    # 4 layers, untied): 4 · (2·128² + 2·64·128 + 3·344·128 + 2·128) + 2·264·128 + 128 = 793,728
+    # parameters, 2 bytes each: whole under ddp/zero1, halved under the FSDP strategies at N = 2
+    rc = main(["plan", "tiny-llama", "--gpus", "2", "--seq-len", "64", "--precision", "bf16",
+               "--optimizer-impl", "bf16-stochastic", "--simulate", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "cannot trace" not in err, err
+    numel = 4 * (2 * 128**2 + 2 * 64 * 128 + 3 * 344 * 128 + 2 * 128) + 2 * 264 * 128 + 128
+    for s in json.loads(out)["strategies"]:
+        assert s["simulated"]["status"] == "traced", s["name"]
+        assert s["simulated"]["params"] == 2 * numel // (1 if s["name"] in ("ddp", "zero1") else 2), s["name"]
