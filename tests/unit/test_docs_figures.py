@@ -74,3 +74,27 @@ def test_quoted_plan_comments_in_docs_are_what_the_cli_prints(capsys):
         assert main(["plan", *shlex.split(m.group(1)), "--json"]) == 0
         s = next(x for x in json.loads(capsys.readouterr().out)["strategies"] if x["name"] == m.group(2))
         assert s["fits"] and f"{s['memory']['total'] / GIB:.1f}" == m.group(3), (name, m.group(0))
+
+
+def test_scaling_md_tables_and_no_offload_peaks_are_what_plan_prints(capsys, monkeypatch):
+    import shlex
+
+    from shardtune.cli import main
+
+    text = (DOCS / "scaling.md").read_text()
+    runs = re.findall(r"^shardtune plan (llama-3-70b .*?) \\\n +(.*?)$", text, re.M)
+    assert len(runs) == 2
+    tables = re.findall(r"^  strategy +step s .*\n((?:  (?:zero3|hsdp) .*\n)+)", text, re.M)
+    assert len(tables) == 2  # 10 GbE, then InfiniBand, in the order of the runs
+    monkeypatch.setenv("COLUMNS", "140")
+    for (head, tail), table in zip(runs, tables, strict=True):
+        assert main(["plan", *shlex.split(f"{head} {tail}")]) == 0
+        out = capsys.readouterr().out
+        for row in table.splitlines():
+            assert any(ln.split() == row.split() for ln in out.splitlines()), row
+    # the prose: without --offload all neither fits, at these peaks
+    r = plan("llama-3-70b", 16, nodes=2, interconnect="eth-10g", strategies=["zero3", "hsdp"], seq_len=4096,
+             ac="full", grad_accum=8)
+    z3, hs = (r.strategy(s).memory.total / GIB for s in ("zero3", "hsdp"))
+    assert not any(s.fits for s in r.strategies)
+    assert f"zero3 needs {z3:.1f} GiB of the 74.7 GiB usable per GPU, hsdp {hs:.1f} GiB" in " ".join(text.split())
