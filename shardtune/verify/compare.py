@@ -6,13 +6,11 @@ MiB = 2^20 bytes. Imports no torch.
 """
 from __future__ import annotations
 
-MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
+from shardtune.train.core.memory_json import MEASURED_KEYS, MEMORY_KEYS  # noqa: F401  (report reads both here)
+from shardtune.train.core.memory_json import measured_memory as _measured_memory
+
 LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ",
           "buffers": "buffers", "optimizer_step_temp": "opt tmp", "total": "peak"}
-# memory.json (train/main.py) name of each planner key; buffers and the optimizer temporary are
-# not measured separately by the trainer
-MEASURED_KEYS = {"params": "params_bytes", "grads": "grads_bytes", "optimizer": "optimizer_bytes",
-                 "activations": "activations_bytes", "total": "peak_bytes"}
 GIB = 2**30
 MIB = 2**20
 
@@ -37,17 +35,9 @@ def differences(reference: dict, other: dict, keys=MEMORY_KEYS) -> dict[str, flo
 
 
 def measured_memory(memory_json: dict) -> dict[str, int]:
-    """The largest bytes over ranks per planner key from a run's memory.json: the tracker's
-    categories of one step where the run recorded them (CPU runs: `tracked`), else the trainer's
-    counts (CUDA: `peak_bytes` is max_memory_allocated)."""
-    ranks = [r for r in memory_json.get("per_rank", []) if r]
-    if not ranks:
-        return {}
-    out = {k: max(r.get(m, 0) for r in ranks) for k, m in MEASURED_KEYS.items()}
-    tracked = [r["tracked"] for r in ranks if isinstance(r.get("tracked"), dict)]
-    if len(tracked) == len(ranks):
-        out.update({k: max(t.get(k, 0) for t in tracked) for k in MEMORY_KEYS})
-    return out
+    """The largest bytes over ranks per planner key from a run's memory.json, read as the train
+    summary reads it (train/core/memory_json.py)."""
+    return _measured_memory(memory_json.get("per_rank", []))[0]
 
 
 def _fmt(n: int | None, unit: int, digits: int = 2) -> str:

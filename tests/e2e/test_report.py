@@ -51,6 +51,10 @@ def test_report_after_train_and_simulate(tmp_path):
     peak_mib = f"{max(r['tracked']['total'] for r in memory['per_rank']) / 2**20:,.2f} MiB"
     assert f"measured peak (largest rank): {peak_mib}" in train_log, train_log[-2000:]
     assert f"measured peak (largest rank): {peak_mib}" in out
+    # and every component from the same step: the summary's activations row is the tracker's
+    act_mib = f"{max(r['tracked']['activations'] for r in memory['per_rank']) / 2**20:,.2f} MiB"
+    act_row = next(line for line in train_log.splitlines() if "activations" in line and "MiB" in line)
+    assert act_mib in act_row, act_row
     # the measured row shows the run's own largest-rank params (memory.json), in MiB
     params_mib = max(r["tracked"]["params"] for r in memory["per_rank"]) / 2**20
     measured_row = next(line for line in out.splitlines() if " measured " in f" {line} " and "Δ" not in line)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtune.strategies import STRATEGY
+from shardtune.train.core.memory_json import measured_memory
 from shardtune.train.core.memtrack import tracked_call
 
 
@@ -132,16 +133,6 @@ def _fmt_mib(n: int | None) -> str:
     return "—" if n is None else f"{n / 2**20:,.2f} MiB"
 
 
-def measured_peak(per_rank: list[dict]) -> tuple[int, str]:
-    """(the largest rank's measured peak, how it was measured), as `shardtune report` reads
-    memory.json (verify/compare.py measured_memory): the memory tracker's step when every rank
-    has one (CPU), else the ranks' `peak_bytes`."""
-    tracked = [r.get("tracked") for r in per_rank]
-    if tracked and all(isinstance(t, dict) for t in tracked):
-        return max(t.get("total", 0) for t in tracked), "torch's memory tracker, one step"
-    return max((r.get("peak_bytes", 0) for r in per_rank), default=0), "the run's last logged step"
-
-
 def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, strategy: str) -> None:
     """One screen at the end: loss first → last, throughput, and measured vs planned memory per
     component (measured: the largest rank; MiB = 2^20 bytes)."""
@@ -166,14 +157,14 @@ def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, str
     rows = (("params", "params_bytes", "params"), ("grads", "grads_bytes", "grads"),
             ("optimizer", "optimizer_bytes", "optimizer"),
             ("activations", "activations_bytes", "activations"), ("peak", "peak_bytes", "total"))
-    peak, how = measured_peak(per_rank)
-    for label, key, pkey in rows:
-        got = peak if key == "peak_bytes" else max(r.get(key, 0) for r in per_rank)
+    measured, how = measured_memory(per_rank)
+    for label, _key, pkey in rows:
+        got = measured.get(pkey, 0)
         want = plan_mem.get(pkey)
         ratio = f"{got / want:.3f}" if want else "—"
         table.add_row(label, _fmt_mib(got), _fmt_mib(want), ratio)
     console.print(table)
-    console.print(f"measured peak (largest rank): {_fmt_mib(peak)} ({how})")
+    console.print(f"measured peak (largest rank): {_fmt_mib(measured.get('total', 0))} ({how})")
     console.print(f"run folder: {run_dir} (metrics.jsonl, memory.json, config.yaml, plan.json)")
 
 
