@@ -98,3 +98,24 @@ def test_scaling_md_tables_and_no_offload_peaks_are_what_plan_prints(capsys, mon
     z3, hs = (r.strategy(s).memory.total / GIB for s in ("zero3", "hsdp"))
     assert not any(s.fits for s in r.strategies)
     assert f"zero3 needs {z3:.1f} GiB of the 74.7 GiB usable per GPU, hsdp {hs:.1f} GiB" in " ".join(text.split())
+
+
+def test_scaling_md_fit_and_lora_paragraphs_are_what_plan_prints():
+    from shardtune.plan.fit import search
+
+    text = " ".join((DOCS / "scaling.md").read_text().split())
+    cluster = dict(gpus=16, nodes=2, interconnect="eth-10g", seq_len=4096, grad_accum=8)
+    b = search("llama-3-70b", **cluster).best
+    t = b.timing
+    tokens_per_step_gpu = b.micro_batch * 8
+    assert (f"picks {b.strategy}, shard {b.hsdp_shard_size}, micro-batch {b.micro_batch}, pure bf16 (2-byte "
+            f"gradients), offload {b.offload} → {t['mfu'] * 100:.1f} % MFU, {t['tokens_per_s']:.0f} tokens/s per GPU "
+            f"(step {t['step_time_s']:.0f} s: {t['compute_time_s']:.0f} s of compute, {t['exposed_comm_s']:.0f} s of "
+            f"exposed communication") in text and b.precision == "bf16"
+    assert f"and {t['optimizer_time_s']:.0f} s of CPU optimizer; the global batch is " \
+           f"{16 * tokens_per_step_gpu * 4096 / 1e6:.0f} M tokens" in text
+    assert f"paid once per {tokens_per_step_gpu} × 4096 tokens per GPU" in text
+    lora = plan("llama-3-70b", strategies=["zero3", "hsdp"], ac="full", lora_rank=16, tokens=1e9,
+                **cluster).strategy("hsdp")
+    assert lora.fits and (f"hsdp predicts {lora.timing['mfu'] * 100:.1f} % MFU ({lora.timing['tokens_per_s']:.0f} "
+                          f"tokens/s per GPU, {lora.timing['train_time_s'] / 86400:.1f} days") in text
