@@ -2,10 +2,11 @@
 command is run again (in-process, the real CLI) and the README's text compared with its output.
 
 Covered: the tour's `shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb` console block (every
-line shown, in order; the elided communication/time tables excepted), the three 70B recipes'
-row (peak, host RAM, tokens/s/GPU and MFU, global batch from `plan RECIPE --gpus 8 --json`), the
-prose that repeats them (LoRA peak, pure bf16's spare GiB), the blog-table arithmetic (16 B per
-parameter of the catalogue's Ψ over 8 GPUs) and the ZeRO Figure 1 comment of the plan examples.
+line shown, in order; the elided communication/time tables excepted), the four 70B recipes'
+rows (peak, host RAM, tokens/s/GPU and MFU, global batch from `plan RECIPE --gpus 8 --json`; the
+QLoRA one on 2 GPUs), the prose that repeats them (LoRA peak, pure bf16's spare GiB), the blog-table arithmetic (16 B per
+parameter of the catalogue's Ψ over 8 GPUs), the ZeRO Figure 1 comment of the plan examples, and
+the levers' QLoRA verdict and chunked-loss peaks.
 Not covered: "pure bf16: 56.9 GiB" for 8-bit AdamW (no quoted command gives it).
 """
 from __future__ import annotations
@@ -53,14 +54,18 @@ def _recipe_rows() -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def recipe_plans():
     rows = _recipe_rows()
-    assert set(rows) == {"llama-3-70b-lora-8xh100", "llama-3-70b-8xh100", "llama-3-70b-bf16-8xh100"}
+    assert set(rows) == set(RECIPE_GPUS)
     return rows
 
 
-@pytest.mark.parametrize("name", ["llama-3-70b-lora-8xh100", "llama-3-70b-8xh100", "llama-3-70b-bf16-8xh100"])
+RECIPE_GPUS = {"llama-3-70b-lora-8xh100": 8, "llama-3-70b-8xh100": 8, "llama-3-70b-bf16-8xh100": 8,
+               "llama-3-70b-qlora-2x4090": 2}
+
+
+@pytest.mark.parametrize("name", list(RECIPE_GPUS))
 def test_70b_recipe_row_is_what_plan_recipe_prints(recipe_plans, capsys, name):
     recipe = REPO / "recipes" / f"{name}.yaml"
-    d = _plan_json(capsys, str(recipe), "--gpus", "8")
+    d = _plan_json(capsys, str(recipe), "--gpus", str(RECIPE_GPUS[name]))
     s = next(x for x in d["strategies"] if x["name"] == load_recipe(recipe).parallel.strategy)
     _, peak, host, speed, batch = recipe_plans[name]
     assert s["fits"]
@@ -98,3 +103,22 @@ def test_zero_figure_1_comment_is_what_plan_prints(capsys):
     for strategy, text in zip(("ddp", "zero1", "zero2", "zero3"), quoted, strict=True):
         decimals = len(text.partition(".")[2])  # as many as the README shows
         assert f"{states[strategy]:.{decimals}f}" == text, strategy
+
+
+def test_levers_figures_are_what_plan_prints(capsys):
+    """The QLoRA no-offload verdict and the chunked loss's effect on the 8B recipe, as quoted."""
+    flat = " ".join(README.split())
+    qlora = re.search(r"\(`(shardtune plan llama-3-70b [^`]*--quantize-base nf4 --ac full)`: ([\d.]+) GiB of ([\d.]+), "
+                      r"no fit\)", flat)
+    assert qlora, "the QLoRA lever's figure moved: update this test"
+    d = _plan_json(capsys, *qlora.group(1).split()[2:])
+    s = d["strategies"][0]
+    assert not s["fits"]
+    assert (f"{s['memory']['total'] / GIB:.1f}", f"{d['hardware']['usable_bytes'] / GIB:.1f}") == qlora.groups()[1:]
+    chunks = re.search(r"peak falls from ([\d.]+) GiB \(`(shardtune plan recipes/llama-3-8b-8xh100\.yaml --gpus 8) "
+                       r"--loss-chunks 1`\) to ([\d.]+) GiB per GPU", flat)
+    assert chunks, "the chunked-loss lever's figure moved: update this test"
+    args = chunks.group(2).split()[2:]
+    peaks = [next(x for x in _plan_json(capsys, *args, *extra)["strategies"] if x["name"] == "zero3")["memory"]["total"]
+             for extra in (["--loss-chunks", "1"], [])]
+    assert [f"{b / GIB:.1f}" for b in peaks] == [chunks.group(1), chunks.group(3)]
