@@ -4,9 +4,9 @@ command is run again (in-process, the real CLI) and the README's text compared w
 Covered: the tour's `shardtune plan llama-3-70b --gpus 8 --gpu h100-80gb` console block (every
 line shown, in order; the elided communication/time tables excepted), the four 70B recipes'
 rows (peak, host RAM, tokens/s/GPU and MFU, global batch from `plan RECIPE --gpus 8 --json`; the
-QLoRA one on 2 GPUs), the prose that repeats them (LoRA peak, pure bf16's spare GiB), the blog-table arithmetic (16 B per
-parameter of the catalogue's Ψ over 8 GPUs), the ZeRO Figure 1 comment of the plan examples, and
-the levers' QLoRA verdict and chunked-loss peaks.
+QLoRA one on 2 GPUs), the prose that repeats them (LoRA peak, pure bf16's spare GiB), the
+blog-table arithmetic (16 B per parameter of the catalogue's Ψ over 8 GPUs), the ZeRO Figure 1
+comment of the plan examples, and the levers' QLoRA verdict and chunked-loss peaks.
 Not covered: "pure bf16: 56.9 GiB" for 8-bit AdamW (no quoted command gives it).
 """
 from __future__ import annotations
