@@ -5,6 +5,7 @@ Heavy imports (torch, transformers) happen inside the commands that need them, s
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
@@ -82,6 +83,9 @@ def _register_commands() -> None:
 _register_commands()
 
 
+PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: a UserError or a usage error is one line on stderr and exit code 2."""
     from shardtune.errors import quiet_library_notices
@@ -104,6 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     except typer.TyperException as e:  # usage errors: unknown option, missing argument, bad value
         msg = e.format_message() if hasattr(e, "format_message") else str(e)
         print(f"shardtune: error: {' '.join(msg.split())}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # a path the user gave that the OS refuses where no command checked it (a name too long, a
+        # home folder `~user` that does not exist, ...): its name and the OS's reason, no traceback
+        if e.errno not in PATH_ERRNOS:
+            raise
+        where = f" {e.filename!r}" if e.filename else ""
+        print(f"shardtune: error: cannot use{where}: {e.strerror or e}; give another path", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if not str(e).startswith("Could not determine home directory"):  # pathlib's expanduser of `~nosuchuser`
+            raise
+        print("shardtune: error: a path starts with ~USER for a user this machine does not know; give the full "
+              "path", file=sys.stderr)
         return 2
     return rv if isinstance(rv, int) else 0
 

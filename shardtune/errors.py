@@ -32,6 +32,22 @@ def read_json_object(path, what: str, fix: str) -> dict:
     return obj
 
 
+def check_no_blocking_pipe(path, option: str) -> None:
+    """A named pipe at `path` that nobody reads would block the write forever: one line instead
+    (a pipe with a reader, such as /dev/stdout into `less`, is fine)."""
+    import errno
+    import os
+    import stat
+
+    try:
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            return
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise UserError(f"{option} {str(path)!r} is a named pipe nobody reads; give a file path") from None
+
+
 # Libraries' notices about themselves, logged while they import (torchao: "Failed to load <CUDA
 # kernel .so>" on a machine without those kernels; torch's pytree: an Enum deprecation torchao
 # triggers): not lines for the user, who would read them before a one-line error.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, check_no_blocking_pipe
 from shardtune.strategies import Layout
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write what a cluster needs to run a recipe on several nodes.")
@@ -106,6 +106,7 @@ def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable
         sys.stdout.write(text)
         return
     path = Path(output)
+    check_no_blocking_pipe(path, "-o")
     try:
         path.write_text(text)
         if executable:

@@ -44,9 +44,12 @@ def print_table(prof: dict, file=None) -> None:
 
 def check_output_file(output: str) -> None:
     """`-o` is checked before any rank starts: its folder exists and is writable, and it is no folder."""
-    from shardtune.errors import UserError
+    from shardtune.errors import UserError, check_no_blocking_pipe
 
     path = Path(output).expanduser()
+    check_no_blocking_pipe(path, "-o")
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"-o {output!r} is a link to nothing (dangling, or a loop); give a file path")
     if path.is_dir():
         raise UserError(f"-o {output!r} is a folder; give a file path such as {os.path.join(output, 'profile.json')}")
     parent = path.parent if str(path.parent) else Path(".")

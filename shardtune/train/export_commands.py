@@ -15,6 +15,8 @@ def check_out_dir(out_dir: str) -> None:
     out = Path(out_dir).expanduser()
     if not out_dir.strip() or any(ord(c) < 32 or ord(c) == 127 for c in out_dir):
         raise UserError(f"OUT_DIR {out_dir!r} is empty or holds a line break or control character; give a plain path")
+    if out.is_symlink() and not out.exists():
+        raise UserError(f"OUT_DIR {out_dir!r} is a link to nothing (dangling, or a loop); give a folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"OUT_DIR {out_dir!r} is a file, not a folder; give a new or empty folder")
     probe = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))

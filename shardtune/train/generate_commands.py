@@ -43,7 +43,7 @@ def _verified(info) -> list[str]:
 
 def resolve_target(target: str) -> tuple[str, Path]:
     """("hf", folder) or ("checkpoint", step folder) for TARGET; one line (UserError) otherwise."""
-    from shardtune.train.durable.ckpt_files import META_FILE, complete_checkpoints, read_info
+    from shardtune.train.durable.ckpt_files import META_FILE, complete_checkpoints, read_info, why_not_checkpoint
 
     path = Path(target).expanduser()
     if not path.is_dir():
@@ -51,7 +51,8 @@ def resolve_target(target: str) -> tuple[str, Path]:
     if (path / META_FILE).is_file():
         info = read_info(path)
         if info is None:
-            raise UserError(f"TARGET {target!r} is not a complete shardtune checkpoint; {_ACCEPTS}")
+            raise UserError(f"TARGET {target!r} is not a complete shardtune checkpoint ({why_not_checkpoint(path)}); "
+                            f"{_ACCEPTS}")
         bad = _verified(info)
         if bad:
             more = f" (and {len(bad) - 1} more)" if bad[1:] else ""

@@ -16,7 +16,9 @@ from shardtune.train.durable.ckpt_files import (
     CheckpointInfo,
     check_before_launch,
     check_metadata_pickle,
+    check_resume_files,
     complete_checkpoints,
+    malformed_checkpoints,
     resolve_resume,
 )
 from shardtune.train.durable.compat import WAY_OUT, fmt, resume_changes
@@ -69,26 +71,40 @@ def check_checkpoint_files(info: CheckpointInfo, auto: bool) -> None:
     if not auto:
         check_before_launch(info)
         return
+    skipped = []
     for ckpt in reversed(complete_checkpoints(Path(info.path).parents[1])):
-        if ckpt.files is None or not integrity.problems(ckpt.path, ckpt.files, sizes_only=True):
+        bad = integrity.problems(ckpt.path, ckpt.files, sizes_only=True) if ckpt.files is not None else []
+        if not bad:
             check_metadata_pickle(ckpt.path / ".metadata")
+            check_resume_files(ckpt)
             return
+        skipped.append(f"{ckpt.path.name}: {bad[0]}")
+    # the ranks would skip each and stop: say so now, before any process starts
+    raise UserError(f"resume auto: no checkpoint of {Path(info.path).parents[1]} is intact ({'; '.join(skipped[:3])}); "
+                    f"resume one by path after repairing it, or {WAY_OUT}")
 
 
 def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
     """None: launch. A string: the run is already complete (print it, exit 0). UserError: refused."""
     run_dir = cfg.run_dir
+    malformed = malformed_checkpoints(run_dir)
     if cfg.checkpoint.resume == "never":
         found = complete_checkpoints(run_dir)
-        if found and not move_old:
+        if (found or malformed) and not move_old:
+            newest = f"step_{found[-1].step}" if found else malformed[-1][0].name
             raise UserError(f"--resume never, but {run_dir} holds checkpoints of an earlier run (newest "
-                            f"step_{found[-1].step}) that this run would mix with; {WAY_OUT}")
-        if found or (move_old and (run_dir / "metrics.jsonl").exists()):
+                            f"{newest}) that this run would mix with; {WAY_OUT}")
+        if found or malformed or (move_old and (run_dir / "metrics.jsonl").exists()):
             print(f"shardtune: moved the earlier run's checkpoints and metrics to {move_aside(run_dir)}")
         return None
     if move_old:
         raise UserError("--move-aside applies with --resume never only")
     info = resolve_resume(cfg.checkpoint, run_dir)
+    if info is None and malformed and cfg.checkpoint.resume == "auto":
+        # a fresh start would save over it: say what is wrong instead
+        path, why = malformed[-1]
+        raise UserError(f"resume auto: {path} is no usable checkpoint ({why}) and no other is; repair it, or "
+                        f"{WAY_OUT}")
     if info is None:
         return None
     check_same_model(info.path, cfg)

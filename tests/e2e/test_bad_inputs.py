@@ -285,3 +285,38 @@ def test_generate_from_a_folder_that_disagrees_is_one_line(tmp_path, capsys, edi
     capsys.readouterr()
     rc, err = _one_line(capsys, ["generate", str(folder), "--prompt", "hi", "--max-new-tokens", "2"])
     assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+def _fifo(d: Path) -> Path:
+    import os
+
+    os.mkfifo(d / "pipe")
+    return d / "pipe"
+
+
+def _loop(d: Path) -> Path:
+    (d / "a").symlink_to(d / "b")
+    (d / "b").symlink_to(d / "a")
+    return d / "a"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make, argv, needle", [
+    (_fifo, ["launch", "slurm", str(RECIPE), "-o", "{}"], "named pipe nobody reads"),  # the write would block
+    (_fifo, ["bench", "comm", "-o", "{}"], "named pipe nobody reads"),  # ... after the whole measurement
+    (_loop, ["bench", "comm", "-o", "{}"], "link to nothing"),
+    (_loop, ["export", "NOPE", "{}"], "link to nothing"),
+    (lambda d: d / ("x" * 300), ["train", str(RECIPE), "--output-dir", "{}"], "File name too long"),
+    (lambda d: d / ("x" * 300), ["generate", "{}", "--prompt", "x"], "File name too long"),
+    (lambda d: d / ("x" * 300), ["export", "{}", "out"], "File name too long"),
+    (lambda d: "~nosuchuser-st/x", ["generate", "{}", "--prompt", "x"], "~USER"),
+    (lambda d: "~nosuchuser-st/x", ["bench", "comm", "-o", "{}"], "~USER"),
+])
+def test_odd_paths_are_one_line_exit_2(tmp_path, monkeypatch, capsys, make, argv, needle):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    monkeypatch.chdir(tmp_path)
+    path = str(make(tmp_path))
+    rc, err = _one_line(capsys, [a.replace("{}", path) for a in argv])
+    assert rc == 2 and len(err) == 1 and needle in err[0], err

@@ -226,6 +226,7 @@ def test_reexport_replaces_only_its_own_files_and_moves_a_users_folder_aside(run
 def test_a_failed_export_leaves_the_folder_as_it_was_and_no_temporary(run, tmp_path, monkeypatch):
     import safetensors.torch
 
+    from shardtune.errors import UserError
     from shardtune.train.durable.export import export_checkpoint
 
     out = tmp_path / "hf"
@@ -236,7 +237,7 @@ def test_a_failed_export_leaves_the_folder_as_it_was_and_no_temporary(run, tmp_p
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match="disk full while writing the export"):  # one line, not a traceback
         export_checkpoint(run / "checkpoints" / "step_4", out, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and _tree(out) == {"notes.txt": b"keep me"}
 

@@ -46,6 +46,7 @@ def _finished_run(tmp_path, steps=5):
     (ck / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # DCP's own, empty
     (ck / "shardtune_checkpoint.json").write_text(json.dumps(
         {"complete": True, "step": steps, "world_size": 2, "strategy": "zero3", "config_hash": config_hash(cfg)}))
+    (ck / "trainer.json").write_text(json.dumps({"step": steps, "tokens_seen": 0, "data": None, "scheduler": {}}))
     (run / "config.yaml").write_text(dump_config(cfg))
     return run
 

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, read_json_object
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import (
     FORMAT_VERSION,
@@ -36,6 +36,7 @@ from shardtune.train.durable.ckpt_files import (
     OLD_PREFIX,
     TRAINER_FILE,
     CheckpointInfo,
+    check_resume_files,
     checkpoints_dir,
     prune,
 )
@@ -285,13 +286,13 @@ def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *,
 
     hf_config = info.path / HF_DIR / "config.json"
     if hf_config.is_file():
-        check_same_base(json.loads(hf_config.read_text()), unwrap(model))
+        check_same_base(read_json_object(hf_config, "checkpoint file", "resume another checkpoint"), unwrap(model))
+    trainer = check_resume_files(info)  # before any tensor is read: one line, not a traceback per rank
     reader = SafeFileSystemReader(info.path)
     reader.read_metadata()  # the allow-list's error as itself, before DCP wraps errors in its own
     sd = model_optim_state(model, optimizer, for_load=True)
     safe_dcp_load(sd, reader)
     set_model_optim_state(model, optimizer, sd)
-    trainer = json.loads((info.path / TRAINER_FILE).read_text())
     scheduler.load_state_dict(trainer["scheduler"])
     # LambdaLR restores its counter, not the optimizer's lr: set it to what the next step uses
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
@@ -301,4 +302,8 @@ def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *,
         state.data.load_state_dict(trainer["data"])
     rng = info.path / f"rng_rank{rank}.json"
     if rng.is_file():  # absent when resuming on more ranks than saved: those keep their seed
-        _set_rng_state(json.loads(rng.read_text()))
+        try:
+            _set_rng_state(json.loads(rng.read_text()))
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:  # a state of another length, say
+            raise UserError(f"checkpoint file {str(rng)!r} holds no generator state torch accepts "
+                            f"({type(e).__name__}); resume another checkpoint") from None

@@ -8,8 +8,10 @@ it wrote itself. Pruning removes only checkpoints of the same run (`run_id`, kep
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import math
 import pickle
 import shutil
 import sys
@@ -18,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, read_json_object
+from shardtune.strategies import STRATEGIES
 from shardtune.train.durable import integrity
 
 if TYPE_CHECKING:
@@ -100,12 +103,41 @@ def check_metadata_pickle(path: Path) -> None:
 
 def check_before_launch(info: CheckpointInfo) -> None:
     """A checkpoint to resume, before any process starts: every recorded file there with its size
-    (a stat each; the ranks verify checksums) and a `.metadata` that names only allowed globals."""
+    (a stat each; the ranks verify checksums), a `.metadata` that names only allowed globals, and
+    trainer.json / rng_rank*.json as a resume reads them."""
     bad = integrity.problems(info.path, info.files, sizes_only=True) if info.files is not None else []
     if bad:
         more = f" (and {len(bad) - 1} more)" if bad[1:] else ""
         raise UserError(f"checkpoint {info.path} is damaged: {bad[0]}{more}; resume another checkpoint")
     check_metadata_pickle(info.path / ".metadata")
+    check_resume_files(info)
+
+
+def check_resume_files(info: CheckpointInfo) -> dict:
+    """trainer.json (returned) and each rng_rank<r>.json, their shape as load_checkpoint reads them:
+    one line naming the file, not a rank's traceback (checksums do not stop a hand edit)."""
+    fix = "resume another checkpoint"
+    trainer = read_json_object(info.path / TRAINER_FILE, "checkpoint file", fix)
+    problem = None
+    if trainer.get("step") != info.step or isinstance(trainer.get("step"), bool):
+        problem = f"step {trainer.get('step')!r}, not the checkpoint's {info.step}"
+    elif isinstance(trainer.get("tokens_seen"), bool) or not isinstance(trainer.get("tokens_seen"), int):
+        problem = "no whole tokens_seen"
+    elif not isinstance(trainer.get("scheduler"), dict) or not isinstance(trainer.get("data"), (dict, type(None))):
+        problem = "no scheduler or data state"
+    if problem:
+        raise UserError(f"checkpoint file {str(info.path / TRAINER_FILE)!r} is malformed ({problem}); {fix}")
+    for rng in sorted(info.path.glob("rng_rank*.json")):
+        state = read_json_object(rng, "checkpoint file", fix)
+        cpu, cuda = state.get("cpu"), state.get("cuda")
+        ok = isinstance(cpu, str) and isinstance(cuda, (str, type(None)))
+        try:
+            ok = ok and all(base64.b64decode(v, validate=True) for v in (cpu, cuda) if v is not None)
+        except ValueError:  # binascii.Error
+            ok = False
+        if not ok:
+            raise UserError(f"checkpoint file {str(rng)!r} is malformed (no base64 generator states); {fix}")
+    return trainer
 
 
 # ---------------------------------------------------------------- discovery
@@ -125,22 +157,81 @@ def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def read_info(path: Path) -> CheckpointInfo | None:
-    """The checkpoint's metadata, or None if the folder is not a complete checkpoint."""
+def _count(meta: dict, key: str, low: int) -> int:
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{key} is {v!r}, not a whole number >= {low}")
+    return v
+
+
+def _files(files) -> dict | None:
+    """{relative name: [bytes, crc32 text]}, each name inside the folder; None: saved before checksums."""
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        raise ValueError("its file list is not a mapping")
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
+            raise ValueError(f"its file list names {name!r}, outside the checkpoint")
+        if (not isinstance(entry, list) or len(entry) != 2 or isinstance(entry[0], bool)
+                or not isinstance(entry[0], int) or entry[0] < 0 or not isinstance(entry[1], str)):
+            raise ValueError(f"its file list entry for {name!r} is not [bytes, checksum]")
+    return files
+
+
+def _parse_info(path: Path) -> CheckpointInfo | str:
+    """The checkpoint's metadata, or why the folder is no usable checkpoint."""
     try:
         meta = json.loads((Path(path) / META_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or not meta.get("complete") or not (Path(path) / ".metadata").is_file():
-        return None
+    except FileNotFoundError:
+        return f"it has no {META_FILE}"
+    except OSError as e:
+        return f"its {META_FILE} cannot be read ({e.strerror or type(e).__name__})"
+    except ValueError as e:
+        return f"its {META_FILE} is not valid JSON ({type(e).__name__})"
+    if not isinstance(meta, dict) or meta.get("complete") is not True:
+        return f"its {META_FILE} does not say complete: true"
+    if not (Path(path) / ".metadata").is_file():
+        return "its .metadata is missing"
     try:
-        saved_at = float(meta.get("saved_at") or (Path(path) / META_FILE).stat().st_mtime)
-        files = meta.get("files")
-        return CheckpointInfo(Path(path), int(meta["step"]), int(meta["world_size"]), str(meta["strategy"]),
-                              str(meta.get("config_hash", "")), str(meta.get("run_id", "")), saved_at,
-                              files if isinstance(files, dict) else None)
-    except (KeyError, TypeError, ValueError, OSError):
-        return None
+        fmt = meta.get("format", FORMAT_VERSION)
+        if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt > FORMAT_VERSION:
+            raise ValueError(f"format {fmt!r} is not one this shardtune reads (<= {FORMAT_VERSION})")
+        for key in ("strategy", "config_hash", "run_id"):
+            if key in meta and not isinstance(meta[key], str):
+                raise ValueError(f"{key} is {meta[key]!r}, not text")
+        saved_at = meta.get("saved_at")
+        if saved_at is not None and (isinstance(saved_at, bool) or not isinstance(saved_at, (int, float))
+                                     or not math.isfinite(saved_at)):
+            raise ValueError(f"saved_at is {saved_at!r}, not a time")
+        if meta.get("strategy") not in STRATEGIES:
+            raise ValueError(f"strategy {meta.get('strategy')!r} is none of {', '.join(STRATEGIES)}")
+        return CheckpointInfo(Path(path), _count(meta, "step", 0), _count(meta, "world_size", 1), meta["strategy"],
+                              meta.get("config_hash", ""), meta.get("run_id", ""),
+                              float(saved_at or (Path(path) / META_FILE).stat().st_mtime), _files(meta.get("files")))
+    except (ValueError, OSError) as e:
+        return f"its {META_FILE} is malformed: {e}"
+
+
+def read_info(path: Path) -> CheckpointInfo | None:
+    """The checkpoint's metadata, or None if the folder is not a complete, well-formed checkpoint."""
+    info = _parse_info(path)
+    return info if isinstance(info, CheckpointInfo) else None
+
+
+def why_not_checkpoint(path: Path) -> str:
+    """Why read_info(path) is None, in words ("" when it is not)."""
+    info = _parse_info(path)
+    return "" if isinstance(info, CheckpointInfo) else info
+
+
+def malformed_checkpoints(run_dir: Path) -> list[tuple[Path, str]]:
+    """`step_<N>` folders that hold a metadata file but are no usable checkpoint, and why: a start
+    must not take them for an empty folder (its save of step N would replace them)."""
+    d = checkpoints_dir(run_dir)
+    steps = sorted(d.glob("step_*")) if d.is_dir() else []
+    return [(p, why) for p in steps if (p / META_FILE).exists() and (why := why_not_checkpoint(p))]
 
 
 def complete_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
@@ -165,10 +256,10 @@ def resolve_resume(ckpt_cfg: CheckpointConfig, run_dir: Path) -> CheckpointInfo 
     if how == "auto":
         found = complete_checkpoints(run_dir)
         return found[-1] if found else None
-    info = read_info(Path(how).expanduser())
-    if info is None:
-        raise UserError(f"checkpoint.resume {how!r} is not a complete checkpoint (no {META_FILE} with "
-                        "complete: true); give a checkpoints/step_<N> folder, 'auto' or 'never'")
+    info = _parse_info(Path(how).expanduser())
+    if not isinstance(info, CheckpointInfo):
+        raise UserError(f"checkpoint.resume {how!r} is not a complete checkpoint ({info}); give a "
+                        "checkpoints/step_<N> folder, 'auto' or 'never'")
     return info
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, read_json_object
 from shardtune.train.core import lora as lora_mod
 from shardtune.train.durable import integrity
-from shardtune.train.durable.ckpt_files import HF_DIR, read_info
+from shardtune.train.durable.ckpt_files import HF_DIR, read_info, why_not_checkpoint
 from shardtune.train.durable.diskfull import check_room, is_disk_full, on_full_disk
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
@@ -170,7 +170,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     ckpt, out_dir = Path(ckpt).expanduser(), Path(out_dir).expanduser()
     info = read_info(ckpt)
     if info is None:
-        raise UserError(f"{ckpt} is not a complete shardtune checkpoint; give a "
+        raise UserError(f"{ckpt} is not a complete shardtune checkpoint ({why_not_checkpoint(ckpt)}); give a "
                         "<run>/checkpoints/step_<N> folder")
     bad = integrity.problems(ckpt, info.files) if info.files is not None else []
     if bad:
@@ -181,7 +181,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     check_out_dir(out_dir, overwrite)
     out_dtype = _DTYPES[dtype] if dtype else None
     entries = model_tensors(ckpt)
-    hf_config = json.loads((ckpt / HF_DIR / "config.json").read_text())
+    hf_config = read_json_object(ckpt / HF_DIR / "config.json", "checkpoint file", "export another checkpoint")
     lora = hf_config.get(lora_mod.CONFIG_KEY)
     if adapter_only and not lora:
         raise UserError(f"{ckpt} was not trained with LoRA (lora.rank > 0); drop --adapter-only")
@@ -227,15 +227,19 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return swap_in_export(tmp, out_dir)
+    try:
+        return swap_in_export(tmp, out_dir)
+    except OSError as e:  # OUT changed under us (a link, a mount): the finished export is not left half-placed
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"export folder {out_dir} cannot be replaced ({e.strerror or e}); "
+                        "give another folder") from None
 
 
 def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only) -> None:
     """The export's files into `tmp` (export_checkpoint's body once the plan is made)."""
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from shardtune.train.durable.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+    from shardtune.train.durable.checkpoint import SafeFileSystemReader, safe_dcp_load
 
     reader = SafeFileSystemReader(ckpt)
     weight_map: dict[str, str] = {}
@@ -250,7 +254,7 @@ def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora
         if want:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(want, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+                safe_dcp_load(want, reader, no_dist=True)
         want.update({k: base[k][2]() for k in keys if k in base})
         for k in keys:
             if meta[k][0] in merge:

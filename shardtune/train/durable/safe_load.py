@@ -107,4 +107,20 @@ def safe_dcp_load(sd: dict, reader: SafeFileSystemReader, **kw) -> None:
         users = [exc for exc, _ in e.failures.values() if isinstance(exc, UserError)]
         if users:
             raise users[0] from None
+        if kw.get("no_dist"):
+            raise _unreadable(reader, next(iter(e.failures.values()))[0]) from None
         raise
+    except UserError:
+        raise
+    except Exception as e:  # one process (export, generate): nothing but the files can be at fault
+        if not kw.get("no_dist"):
+            raise
+        raise _unreadable(reader, e) from None
+
+
+def _unreadable(reader: SafeFileSystemReader, e: BaseException) -> UserError:
+    """Files whose checksums match (or were rewritten with them) but whose bytes DCP cannot read."""
+    text = " ".join(str(e).split())[:120]
+    why = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return UserError(f"checkpoint {Path(reader.path)} cannot be read ({why}); was it written by shardtune train "
+                     "and left as it was? Use another checkpoint")

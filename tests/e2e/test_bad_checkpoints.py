@@ -1,0 +1,126 @@
+"""Checkpoints damaged by hand, with their checksums rewritten to match (so only the reader's own
+checks stand), through every entry point that reads one: `shardtune export`, `shardtune generate`,
+`shardtune train --resume PATH` and `shardtune train` (resume auto). Each is exit 2, one line, before
+any process starts (torchrun forbidden here), and the checkpoint is left byte for byte.
+
+One one-process run (tiny-llama, 2 steps) gives the checkpoint; every case edits a copy.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _runs import one_process_run  # noqa: E402
+
+pytestmark = [pytest.mark.e2e]
+RECIPE = """
+name: badckpt
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+train: {micro_batch: 4, seq_len: 64, max_steps: 2, timeout_s: 60}
+checkpoint: {every: 2}
+"""
+META = "shardtune_checkpoint.json"
+
+
+def _meta(**changes):
+    return lambda m: m.update(changes)
+
+
+def _files(edit):
+    return lambda m: edit(m["files"])
+
+
+# (name, metadata edit, files written over, files removed, entry points that must refuse, words in the line)
+CASES = [
+    ("metadata not JSON", "{bad", {}, (), "all", META),
+    ("metadata a list", "[1]", {}, (), "all", "complete: true"),
+    ("complete is text", _meta(complete="yes"), {}, (), "all", "complete: true"),
+    ("step is text", _meta(step="two"), {}, (), "all", "step is 'two'"),
+    ("negative step", _meta(step=-3), {}, (), "all", "step is -3"),
+    ("world size 0", _meta(world_size=0), {}, (), "all", "world_size is 0"),
+    ("saved_at is text", _meta(saved_at="yesterday"), {}, (), "all", "saved_at"),
+    ("run_id a number", _meta(run_id=3), {}, (), "all", "run_id is 3"),
+    ("unknown strategy", _meta(strategy="zero9"), {}, (), "all", "strategy 'zero9'"),
+    ("newer format", _meta(format=99), {}, (), "all", "format 99"),
+    ("file list is text", _meta(files="abc"), {}, (), "all", "file list"),
+    ("file entry is text", _files(lambda f: f.update({"__0_0.distcp": "x"})), {}, (), "all", "file list entry"),
+    ("file list leaves the folder", _files(lambda f: f.update({"../../../etc/hostname": [1, "0"]})), {}, (), "all",
+     "outside the checkpoint"),
+    (".metadata removed", None, {}, (".metadata",), "all", ".metadata is missing"),
+    (".metadata truncated", None, {".metadata": lambda b: b[:100]}, (), "all", ".metadata"),
+    ("shard truncated", None, {"__0_0.distcp": lambda b: b[:1000]}, (), "read", "cannot be read"),
+    ("shard zeroed", None, {"__0_0.distcp": lambda b: bytes(len(b))}, (), "read", "cannot be read"),
+    ("hf/config.json not JSON", None, {"hf/config.json": lambda b: b"{bad"}, (), "export", "config.json"),
+    ("trainer.json not JSON", None, {"trainer.json": lambda b: b"{bad"}, (), "train", "trainer.json"),
+    ("trainer.json of another step", None, {"trainer.json": lambda b: b'{"step": 7}'}, (), "train", "step 7"),
+    ("rng state not base64", None, {"rng_rank0.json": lambda b: b'{"cpu": [1, 2]}'}, (), "train", "rng_rank0"),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return one_process_run(tmp_path_factory.mktemp("badckpt"), RECIPE)
+
+
+def _damaged(run: Path, root: Path, meta_edit, writes: dict, drops) -> Path:
+    """A copy of the run whose step_2 has the damage, its checksums rewritten to match."""
+    from shardtune.train.durable import integrity
+
+    copy = root / "run"
+    shutil.copytree(run, copy)
+    ckpt = copy / "checkpoints" / "step_2"
+    for name in drops:
+        (ckpt / name).unlink()
+    for name, change in writes.items():
+        (ckpt / name).write_bytes(change((ckpt / name).read_bytes()))
+    meta = json.loads((ckpt / META).read_text())
+    for name in meta["files"]:
+        if (ckpt / name).is_file():
+            meta["files"][name] = [(ckpt / name).stat().st_size, integrity.crc32_file(ckpt / name)]
+    if callable(meta_edit):
+        meta_edit(meta)
+    (ckpt / META).write_text(meta_edit if isinstance(meta_edit, str) else json.dumps(meta))
+    return copy
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, meta_edit, writes, drops, where, needle", CASES, ids=[c[0] for c in CASES])
+def test_a_damaged_checkpoint_is_one_line_everywhere_and_left_as_it_was(run, tmp_path, monkeypatch, capsys, name,
+                                                                      meta_edit, writes, drops, where, needle):
+    from shardtune import cli
+    from shardtune.train import commands
+
+    monkeypatch.setattr(commands, "run_process_group",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("torchrun started")))
+    copy = _damaged(run, tmp_path, meta_edit, writes, drops)
+    ckpt = copy / "checkpoints" / "step_2"
+    (tmp_path / "recipe.yaml").write_text(RECIPE.replace("max_steps: 2", "max_steps: 4"))
+    before = _snapshot(copy / "checkpoints")
+    entries = {
+        "export": ["export", str(ckpt), str(tmp_path / "out")],
+        "generate": ["generate", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2"],
+        "train --resume": ["train", str(tmp_path / "recipe.yaml"), "--output-dir", str(copy), "--resume", str(ckpt)],
+        "train auto": ["train", str(tmp_path / "recipe.yaml"), "--output-dir", str(copy)],
+    }
+    chosen = {"all": entries, "read": ["export", "generate"], "export": ["export"],
+              "train": ["train --resume", "train auto"]}[where]
+    failures = []
+    for entry in chosen:
+        rc = cli.main(entries[entry])
+        err = capsys.readouterr().err.strip().splitlines()
+        if rc != 2 or len(err) != 1 or not err[0].startswith("shardtune: error") or needle not in err[0]:
+            failures.append((entry, rc, err[-3:]))
+    assert not failures, failures
+    assert _snapshot(copy / "checkpoints") == before
+    assert not (tmp_path / "out").exists()
