@@ -12,8 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 # Tracker categories (torch/distributed/_tools: _FSDPRefType / _MemRefType values) → planner keys.
 # "buffers" is what the planner calls buffers: the unsharded bf16 params and grads in flight
@@ -53,6 +51,11 @@ def _make_tracker(fsdp: bool, model, optimizer):
     """FSDPMemTracker / MemTracker subclass that also records, after every op, the running
     maximum of the activations, of the buffers in forward/backward and of the optimizer step's
     total (the trackers themselves keep only the snapshot at the overall peak)."""
+    # imported here, for the one tracked step: the FSDP tracker pulls in dynamo and inductor
+    # (0.6 s of every rank's start-up otherwise)
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
     base = FSDPMemTracker if fsdp else MemTracker
     _GATHER_STATES = (_FSDPState.PRE_FW, _FSDPState.PRE_BW)
     _KEY_OF = {ref: _CATEGORY.get(ref.value, "buffers") for ref in (*_FSDPRefType, *_MemRefType)}
