@@ -34,7 +34,8 @@ class TrainConfig(_Section):
                         "W&B (offline without an API key); rank 0 only.")
     sample_prompts: list[str] = Field([], description="Prompts answered greedily at each evaluation, written to "
                                                       "samples.jsonl.")
-    sample_max_new_tokens: int = Field(64, ge=1, description="Most tokens each sample prompt's answer gets.")
+    sample_max_new_tokens: int = Field(64, ge=1, le=1_000_000, description="Most tokens each sample prompt's answer "
+                                                                         "gets.")
     threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: this node's cores / its "
                                                         "ranks).")
     loss_chunks: int | None = Field(None, ge=1, description="Cross-entropy (with the LM head's projection) over this "

@@ -102,6 +102,7 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
         (["train.timeout_s=1e300"], "less than or equal to 31536000"),
         ([f"train.max_steps={10**23}"], "less than or equal to 1000000000"),
         (["train.gpu=h100-8gb"], "unknown GPU 'h100-8gb'"),
+        ([f"train.sample_max_new_tokens={10**8}"], "less than or equal to 1000000"),
         (["train.micro_batch='8'"], "quoted text"),
         (["train.max_steps=\"100\""], "quoted text"),
         # names that are paths: runs/<name> would leave runs/
