@@ -124,3 +124,14 @@ def test_a_damaged_checkpoint_is_one_line_everywhere_and_left_as_it_was(run, tmp
     assert not failures, failures
     assert _snapshot(copy / "checkpoints") == before
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_into_its_own_checkpoint_is_refused(run, capsys):
+    from shardtune import cli
+
+    ckpt = run / "checkpoints" / "step_2"
+    before = _snapshot(ckpt)
+    assert cli.main(["export", str(ckpt), str(ckpt / "model")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "inside the checkpoint" in err[0], err
+    assert _snapshot(ckpt) == before

@@ -178,6 +178,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     if not (ckpt / HF_DIR / "config.json").is_file():
         raise UserError(f"{ckpt} has no {HF_DIR}/config.json; it was not written by shardtune train")
     check_dtype(dtype)
+    if out_dir.resolve() == ckpt.resolve() or ckpt.resolve() in out_dir.resolve().parents:
+        raise UserError(f"export folder {out_dir} is inside the checkpoint {ckpt}; give a folder outside it")
     check_out_dir(out_dir, overwrite)
     out_dtype = _DTYPES[dtype] if dtype else None
     entries = model_tensors(ckpt)
