@@ -152,6 +152,8 @@ def validate(spec: LaunchSpec) -> LaunchSpec:
         raise UserError(f"--gpus-per-node {spec.gpus_per_node}: give 1 to {MAX_GPUS_PER_NODE} processes per node")
     if spec.max_restarts < 0:
         raise UserError("--max-restarts must be 0 or more")
+    if spec.elastic is not None and not 1 <= spec.elastic[0] <= spec.elastic[1] <= MAX_NODES:
+        raise UserError(f"--elastic {spec.elastic[0]}:{spec.elastic[1]}: need 1 <= MIN <= MAX <= {MAX_NODES:,} nodes")
     if not 0 < spec.checkpoint_grace_s <= MAX_GRACE_S:
         raise UserError(f"--checkpoint-grace-s {spec.checkpoint_grace_s}: give 1..{MAX_GRACE_S} seconds")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:

@@ -30,6 +30,9 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB"
           "G": 2**30, "GB": 2**30, "GIB": 2**30}
 
 
+MAX_SIZE_BYTES = 64 * 2**30  # each rank holds a few buffers of it: more is a typo, not a benchmark
+
+
 def parse_sizes(spec: str) -> list[int]:
     """'4K,1M,64M' → bytes (binary units: K = KiB = 1024 B, as nccl-tests' -b/-e flags)."""
     out = []
@@ -44,8 +47,11 @@ def parse_sizes(spec: str) -> list[int]:
         except (ValueError, KeyError):
             raise UserError(f"bad message size {item.strip()!r}; use numbers with K, M or G (binary), e.g. --sizes "
                             "64K,1M,64M") from None
-        if value < 1:
+        if not value >= 1:  # NaN too
             raise UserError(f"message size {item.strip()!r} must be at least 1 byte")
+        if value > MAX_SIZE_BYTES:  # inf too
+            raise UserError(f"message size {item.strip()!r} is above {MAX_SIZE_BYTES // 2**30} GiB; nccl-tests' "
+                            "largest default is 128 MiB")
         out.append(int(value))
     if not out:
         raise UserError("no message sizes given; e.g. --sizes 64K,1M,64M")

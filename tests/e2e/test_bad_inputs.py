@@ -220,6 +220,7 @@ def test_launch_bad_values_one_line_exit_2_no_script(tmp_path, capsys, kind):
     (["slurm", "--cpus-per-task", "0"], "--cpus-per-task 0"),
     (["slurm", "--time", "99999999999999"], "beyond what Slurm can hold"),
     (["k8s", "--checkpoint-mount", "/ckpt/../etc"], "'..'"),
+    (["k8s", "--elastic", "1:99999999999"], "MAX <= 100,000"),  # the layout check looped over every count
 ])
 def test_launcher_specific_bad_values(capsys, args, needle):
     rc, err = _one_line(capsys, ["launch", args[0], str(RECIPE), *args[1:]])
@@ -236,6 +237,9 @@ def test_launcher_specific_bad_values(capsys, args, needle):
     (["export", "NOPE", "OUT\nx"], "line break"),
     (["bench", "comm", "--timeout", "nan"], "finite"),
     (["bench", "comm", "--nproc", "100000"], "at most 1024"),
+    (["bench", "comm", "--sizes", "infG"], "above 64 GiB"),
+    (["bench", "comm", "--sizes", "nanK"], "at least 1 byte"),
+    (["bench", "comm", "--sizes", "100000G"], "above 64 GiB"),
     (["doctor", "--rdzv", "node0\n:29500"], "is not HOST:PORT"),
     (["doctor", "--rdzv", "node0:\u00b2"], "is not HOST:PORT"),
 ])
