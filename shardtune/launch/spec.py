@@ -150,8 +150,8 @@ def validate(spec: LaunchSpec) -> LaunchSpec:
         raise UserError(f"--nodes {spec.nodes}: give 1 to {MAX_NODES:,} nodes")
     if not 1 <= spec.gpus_per_node <= MAX_GPUS_PER_NODE:
         raise UserError(f"--gpus-per-node {spec.gpus_per_node}: give 1 to {MAX_GPUS_PER_NODE} processes per node")
-    if spec.max_restarts < 0:
-        raise UserError("--max-restarts must be 0 or more")
+    if not 0 <= spec.max_restarts <= 1000:  # as `shardtune train`'s: more is a typo
+        raise UserError(f"--max-restarts {spec.max_restarts}: give 0 to 1000")
     if spec.elastic is not None and not 1 <= spec.elastic[0] <= spec.elastic[1] <= MAX_NODES:
         raise UserError(f"--elastic {spec.elastic[0]}:{spec.elastic[1]}: need 1 <= MIN <= MAX <= {MAX_NODES:,} nodes")
     if not 0 < spec.checkpoint_grace_s <= MAX_GRACE_S:

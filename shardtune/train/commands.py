@@ -96,8 +96,8 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
 
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: give at least 1 process")
-    if max_restarts < 0:
-        raise UserError(f"--max-restarts {max_restarts}: give 0 or more")
+    if not 0 <= max_restarts <= 1000:  # each restart is a start-up and a resume: more is a typo
+        raise UserError(f"--max-restarts {max_restarts}: give 0 to 1000")
     from shardtune.train.core.loggers import check_loop_options
 
     cfg = resolve_config(recipe, overrides, **flags)

@@ -103,6 +103,7 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
         ([f"train.max_steps={10**23}"], "less than or equal to 1000000000"),
         (["train.gpu=h100-8gb"], "unknown GPU 'h100-8gb'"),
         ([f"train.sample_max_new_tokens={10**8}"], "less than or equal to 1000000"),
+        (["--max-restarts", str(10**20)], "give 0 to 1000"),
         (["train.micro_batch='8'"], "quoted text"),
         (["train.max_steps=\"100\""], "quoted text"),
         # names that are paths: runs/<name> would leave runs/
@@ -195,6 +196,7 @@ LAUNCH_CASES = [
     (["--checkpoint-grace-s", "70000"], "1..65535"),
     (["--gpus-per-node", "1000000"], "1 to 1024"),
     (["--nodes", "100000000"], "1 to 100,000"),
+    (["--max-restarts", str(10**20)], "give 0 to 1000"),
     (["--venv", "/opt/venv\nrm -rf ~"], "line break"),
     (["name=../../etc"], "is not a run name"),
     (['output_dir="/ckpt\\nx"'], "line break"),  # YAML's escape: a real line break
