@@ -118,12 +118,13 @@ def test_export_memory_bound_is_one_shard(run, tmp_path, monkeypatch):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, needle", [(["{tmp}/nope", "{tmp}/out"], "not a complete shardtune checkpoint"),
-                                          (["{ckpt}", "{ckpt}"], "not empty"),
+                                          (["{ckpt}", "{ckpt}"], "inside the checkpoint"),
+                                          (["{ckpt}", "{run}"], "not empty"),
                                           (["{ckpt}", "{tmp}/o", "--max-shard-size", "5XB"], "not understood")])
 def test_export_bad_input_is_one_line_exit_2(run, tmp_path, capsys, args, needle):
     from shardtune import cli
 
-    args = [a.format(tmp=tmp_path, ckpt=run / "checkpoints" / "step_4") for a in args]
+    args = [a.format(tmp=tmp_path, ckpt=run / "checkpoints" / "step_4", run=run) for a in args]
     assert cli.main(["export", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and needle in err, err
