@@ -327,3 +327,21 @@ def test_odd_paths_are_one_line_exit_2(tmp_path, monkeypatch, capsys, make, argv
     path = str(make(tmp_path))
     rc, err = _one_line(capsys, [a.replace("{}", path) for a in argv])
     assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.timeout(120)
+def test_library_import_notices_do_not_precede_the_line_in_a_fresh_process(tmp_path):
+    """torchao logs "Failed to load <CUDA .so>" and torch's pytree an Enum deprecation when
+    transformers first imports them (4 lines here before the fix): in a fresh process, as a user runs
+    it, stderr is still the one line. In-process tests cannot see this (modules import once)."""
+    import sys
+
+    from shardtune.testing.proc import run_bounded
+    from shardtune.train.data.tokenizer import ByteTokenizer
+
+    folder = _saved(tmp_path, "model", {"num_hidden_layers": 3})
+    ByteTokenizer().save_pretrained(folder)
+    cmd = [sys.executable, "-m", "shardtune.cli", "generate", str(folder), "--prompt", "hi"]
+    proc = run_bounded(cmd, timeout_s=100, cwd=REPO)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "lacks model.layers.2" in lines[0], proc.stderr[-2000:]
