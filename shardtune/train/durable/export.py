@@ -44,13 +44,16 @@ def parse_size_bytes(text: str | int) -> int:
     KB/MB/GB are powers of 10, KiB/MiB/GiB powers of 2)."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
     if not m:
         raise UserError(f"size {text!r} is not understood; write e.g. 5GB, 500MB, 2GiB or a byte count")
     unit = (m.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    size = int(float(m.group(1)) * scale)
+    value = float(m.group(1)) * scale
+    if not value < 2**63:  # inf too: no shard is that large
+        raise UserError(f"size {text!r} is beyond any file; write e.g. 5GB")
+    size = int(value)
     if size < 1:
         raise UserError(f"size {text!r} must be at least one byte")
     return size
