@@ -180,7 +180,12 @@ def test_launch_checks_run_without_torch(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path):
+def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path, monkeypatch):
+    from shardtune.train import preflight
+
+    # the 8×H100 recipes' model states do not fit this machine's RAM, and the launcher says so
+    # (tests/e2e/test_bad_inputs.py); here the recipe's own layout and model are the subject
+    monkeypatch.setattr(preflight, "_check_model_states_fit", lambda *a: None)
     cfg = load_recipe(recipe)
     assert isinstance(cfg, RunConfig)
     world = {"tiny-cpu": (2, 2)}.get(recipe.stem, (8, 8))
