@@ -40,7 +40,14 @@ def _run_config(run_dir: Path) -> dict:
         return {}
     import yaml  # inside: CLI start-up imports no yaml
 
-    return yaml.safe_load(cfg.read_text()) or {}
+    try:
+        config = yaml.safe_load(cfg.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise UserError(f"malformed {cfg}: not readable YAML ({str(e).splitlines()[0]}); the file is damaged; "
+                        "restore it or remove it (report then names the run by its folder)") from None
+    if not isinstance(config, dict) or not isinstance(config.get("parallel") or {}, dict):
+        raise UserError(f"malformed {cfg}: not a run config (a mapping with a parallel section); the file is damaged")
+    return config
 
 
 def load_run(run_dir: Path) -> dict:
@@ -86,8 +93,21 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
                 notes.append(f"{path.name} line {i} is incomplete (the run was stopped while writing it); skipped")
                 break
             raise UserError(f"malformed {path} line {i}: {e}; the file is damaged") from None
+        bad = next((k for k in NUMERIC_KEYS if k in rec and not _number(rec[k], k == "step")), None)
+        if bad is not None:
+            raise UserError(f"malformed {path} line {i}: {bad!r} is {rec[bad]!r}, not a number; the file is damaged")
         records.append(rec)
     return records, notes
+
+
+# metrics.jsonl fields the plots read: numbers (or null); the step an integer, and always there
+NUMERIC_KEYS = ("step", "loss", "val_loss", "tokens_per_s")
+
+
+def _number(v, integer: bool) -> bool:
+    if integer:
+        return isinstance(v, int) and not isinstance(v, bool)
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
 def report(run_dir: Path, console=None) -> list[Path]:
@@ -99,6 +119,8 @@ def report(run_dir: Path, console=None) -> list[Path]:
     console = console or make_console(140)
     run = load_run(run_dir)
     plots = run_dir / "plots"
+    if plots.exists() and not plots.is_dir():
+        raise UserError(f"{plots} exists and is not a folder; move it aside so that report can write its plots there")
     plots.mkdir(exist_ok=True)
     sources = {k: run[k] for k in ("predicted", "simulated", "measured") if run[k]}
     written = []

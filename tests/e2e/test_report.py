@@ -92,6 +92,32 @@ def test_report_skips_a_last_line_cut_by_a_kill_with_a_note(tmp_path, capsys):
     assert "line 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damage", ["string loss", "bool step", "bad yaml", "config not a mapping", "plots a file"])
+def test_report_on_a_damaged_run_folder_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, damage):
+    from shardtune.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": 1, "loss": 5.5, "tokens_per_s": 100.0}, {"step": 2, "loss": 4.25, "tokens_per_s": 300.0}]
+    (run / "config.yaml").write_text("name: r\nparallel: {strategy: zero3}\n")
+    if damage == "string loss":
+        records[0]["loss"] = "5.5"
+    elif damage == "bool step":
+        records[1]["step"] = True
+    elif damage == "bad yaml":
+        (run / "config.yaml").write_text("name: [r\n")
+    elif damage == "config not a mapping":
+        (run / "config.yaml").write_text("- a list\n")
+    else:
+        (run / "plots").write_text("a user's file")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    before = {f.name: f.read_bytes() for f in run.iterdir()}
+    assert main(["report", str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and len(err.strip().splitlines()) == 1, err
+    assert {f.name: f.read_bytes() for f in run.iterdir()} == before  # nothing written, nothing lost
+
+
 def test_loss_and_throughput_plots_draw_what_their_labels_say():
     import pandas as pd
 
