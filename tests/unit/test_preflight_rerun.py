@@ -68,6 +68,26 @@ def test_finished_run_rerun_is_a_no_op_and_changes_are_named(tmp_path, capsys):
     assert _snapshot(run) == before  # nothing read was written
 
 
+@pytest.mark.parametrize(("override", "named"), [
+    ("data.chat_template=chatml", "data.chat_template None → chatml"),
+    ("data.system_prompt=Be brief.", "data.system_prompt None → Be brief."),
+    ("data.shuffle=false", "data.shuffle True → False"),
+    ("data.columns={prompt: q, response: a}", "data.columns.prompt None → q"),
+])
+def test_resume_with_another_token_stream_is_refused(tmp_path, override, named):
+    """Settings that change the token stream or its order: the saved data position would point into
+    another stream, so the resume is refused naming the change (a train_on_inputs change is not:
+    same tokens, other loss mask)."""
+    run = _finished_run(tmp_path)
+    before = _snapshot(run)
+    with pytest.raises(UserError, match="would not continue that run") as e:
+        check_rerun(load_recipe(None, [f"output_dir={run}", "train.max_steps=8", override]))
+    assert named in str(e.value), str(e.value)
+    assert _snapshot(run) == before
+    assert check_rerun(load_recipe(None, [f"output_dir={run}", "train.max_steps=8", "data.train_on_inputs=true"])) \
+        is None
+
+
 def test_fresh_start_over_checkpoints_refused_unless_moved_aside(tmp_path, capsys):
     run = _finished_run(tmp_path)
     fresh = load_recipe(None, [f"output_dir={run}", "checkpoint.resume=never"])

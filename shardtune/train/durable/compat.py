@@ -15,9 +15,12 @@ if TYPE_CHECKING:
 
 # Settings whose change makes a checkpoint meaningless for the new run (weights, data position or
 # optimizer state would belong to another run). Strategy and world size reshard (docs/checkpoints.md).
-BREAKING = ("model.name", "model.trust_remote_code", "data.path", "data.format", "data.tokenizer", "data.template",
-            "data.packing", "data.generated_examples", "data.generated_seed", "train.seq_len", "optim.name",
-            "lora.rank", "lora.alpha", "lora.target_modules")
+# The data ones change the token stream or its order, so the saved data position would point into
+# another stream (a setting and every key below it: data.columns.prompt is data.columns).
+BREAKING = ("model.name", "model.trust_remote_code", "data.path", "data.sources", "data.split", "data.format",
+            "data.columns", "data.tokenizer", "data.template", "data.chat_template", "data.system_prompt",
+            "data.packing", "data.shuffle", "data.generated_examples", "data.generated_seed", "train.seq_len",
+            "optim.name", "lora.rank", "lora.alpha", "lora.target_modules")
 IGNORED = ("name", "output_dir", "checkpoint.resume")
 WAY_OUT = "give a new --output-dir, or --resume never --move-aside to start afresh here"
 
@@ -48,7 +51,11 @@ def saved_config(run_dir: Path, cfg_hash: str) -> RunConfig | None:
 
 def changes(old: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
     a, b = _flat(old.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
-    return [(k, a.get(k), b.get(k)) for k in b if k not in IGNORED and a.get(k) != b.get(k)]
+    return [(k, a.get(k), b.get(k)) for k in dict.fromkeys([*b, *a]) if k not in IGNORED and a.get(k) != b.get(k)]
+
+
+def breaking(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in BREAKING)
 
 
 def fmt(change: tuple[str, object, object]) -> str:
@@ -62,7 +69,7 @@ def resume_changes(ckpt: Path, ckpt_hash: str | None, cfg: RunConfig) -> list[tu
     if old is None:
         return None
     diff = changes(old, cfg)
-    broken = [c for c in diff if c[0] in BREAKING]
+    broken = [c for c in diff if breaking(c[0])]
     if broken:
         raise UserError(f"cannot resume {ckpt}: {', '.join(fmt(c) for c in broken)} would not continue that "
                         f"run; {WAY_OUT}")
