@@ -71,7 +71,7 @@ def test_bad_loop_options_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
                         lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
     cases = [(["train.loggers=[wandb]"], "pip install 'shardtune[wandb]'"),
              (["data.val_path=null"], "needs validation data"),
-             (["train.sample_prompts=[hi]"], "not implemented yet")]
+             (["train.sample_prompts=[hi]", "train.sample_max_new_tokens=0"], "greater than or equal to 1")]
     for overrides, says in cases:
         assert main(["train", str(recipe), *out, *overrides]) == 2
         err = capsys.readouterr().err
