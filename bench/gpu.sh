@@ -6,7 +6,7 @@
 # OUTDIR/gpu_check.json (bench/gpu_run.py). Under 6 minutes on one H200.
 #
 #   bash bench/gpu.sh --fetch-wheels     here, with PyPI: the missing-package wheels -> bench/wheels/
-#   bash bench/gpu.sh --dry-run OUTDIR   here, CPU: the same pipeline on a tiny cut (gloo, 3 steps)
+#   bash bench/gpu.sh --dry-run OUTDIR   here, CPU: the same pipeline on a tiny cut (gloo, fp32, 3 steps)
 #   bash bench/gpu.sh OUTDIR             on the GPU machine (no network; carry bench/wheels)
 #
 # The GPU machine's torch, transformers and accelerate are used as they are: anything missing is

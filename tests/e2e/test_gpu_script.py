@@ -23,12 +23,12 @@ NUM_PARAMS = 2 * V * H + L * PER_LAYER + H  # embeddings + lm_head, layers, fina
 NUM_TENSORS = L * 9 + 3
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_gpu_script_dry_run(tmp_path):
     assert NUM_PARAMS == 67_372_288
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = run_bounded(["bash", "bench/gpu.sh", "--dry-run", str(out)], timeout_s=220, cwd=REPO,
+    proc = run_bounded(["bash", "bench/gpu.sh", "--dry-run", str(out)], timeout_s=330, cwd=REPO,
                        env=env, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-3000:]
     for name in ("ac-none", "ac-full", "ac-op", "ac-none-k1"):  # the ratios table
@@ -43,7 +43,7 @@ def test_gpu_script_dry_run(tmp_path):
         assert m["steps"] == 3 and [s["step"] for s in m["per_step"]] == [1, 2, 3]
         assert m["tokens_per_s"] > 0 and m["step_time_s"] > 0
         assert m["mfu"] is None  # CPU: no GPU peak FLOP/s
-        # the planner: world 1, bf16-mixed AdamW keeps fp32 master weights (4 B/param), fp32
+        # the planner: world 1, fp32 on the CPU (the GPU run: bf16-mixed, the same fp32 masters) keeps 4 B/param, fp32
         # grads (4) and Adam m, v (8); zero3 over one rank shards nothing
         assert p["model_params"] == NUM_PARAMS
         mem = p["memory_bytes"]
@@ -60,6 +60,11 @@ def test_gpu_script_dry_run(tmp_path):
     none, full, op, k1 = (result["runs"][k]["predicted"]["memory_bytes"]["activations"]
                           for k in ("ac-none", "ac-full", "ac-op", "ac-none-k1"))
     assert full < op < none < k1  # k1: AC none with the whole fp32 logits
-    ratios = result["step_time_vs_ac_none"]
+    ratios = result["step_time_vs_ac_none"]  # each run's step time over AC none's, measured and planned
+    base = result["runs"]["ac-none"]
+    for name, run in result["runs"].items():
+        for side in ("measured", "predicted"):
+            want = run[side]["step_time_s"] / base[side]["step_time_s"]
+            assert ratios[name][side] == pytest.approx(want, abs=1e-4), (name, side)
     assert ratios["ac-none"] == {"measured": 1.0, "predicted": 1.0}
-    assert ratios["ac-full"]["predicted"] > ratios["ac-op"]["predicted"] > 1
+    assert ratios["ac-full"]["predicted"] >= ratios["ac-op"]["predicted"] >= 1  # this tiny cut: ~equal
