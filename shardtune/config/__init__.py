@@ -82,7 +82,7 @@ class RunConfig(_Section):
         """The planner's inputs (plan/validate.py `Inputs`) for exactly this run, bar the world
         size and layout: `shardtune plan RECIPE` and the run's plan.json both use it."""
         return dict(
-            model=self.model.name, gpu=self.train.gpu, seq_len=self.train.seq_len,
+            model=self.model.plan_name(), gpu=self.train.gpu, seq_len=self.train.seq_len,
             micro_batch=self.train.micro_batch, grad_accum=self.train.grad_accum,
             precision=self.parallel.precision, optimizer=self.optim.name,
             optimizer_impl=self.optim.implementation, ac=self.parallel.activation_checkpointing,

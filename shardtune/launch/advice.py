@@ -44,7 +44,7 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
     # hsdp's shard group: the one rule (strategies.Layout), one node's GPUs unless the recipe says
     layout = Layout.build(strategy, nodes * gpus_per_node, gpus_per_node, shard_size or cfg.parallel.hsdp_shard_size)
     shard_size = layout.shard_degree if layout.strategy.hybrid else None
-    p = plan(cfg.model.name, gpus=nodes * gpus_per_node, nodes=nodes, gpus_per_node=gpus_per_node,
+    p = plan(cfg.model.plan_name(), gpus=nodes * gpus_per_node, nodes=nodes, gpus_per_node=gpus_per_node,
              gpu=cfg.train.gpu, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
              grad_accum=cfg.train.grad_accum, precision=cfg.parallel.precision,
              ac=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every, offload=cfg.parallel.offload,

@@ -18,7 +18,11 @@ def recipe_inputs(path: str, given: set[str]) -> dict:
     `shardtune plan recipes/x.yaml --gpus 8` plans exactly what `shardtune train` would run."""
     from shardtune.config import load_recipe
 
-    return {k: v for k, v in load_recipe(path).plan_inputs().items() if k not in given}
+    cfg = load_recipe(path)
+    if cfg.model.plan_name() != cfg.model.name:
+        print(f"note: model folder {cfg.model.name!r} is not on this machine; planned as its architecture "
+              f"{cfg.model.architecture!r}", file=sys.stderr)
+    return {k: v for k, v in cfg.plan_inputs().items() if k not in given}
 
 
 def _given_on_command_line(ctx: typer.Context) -> set[str]:

@@ -2,7 +2,7 @@
 recipes through shardtune.config, which plan/ may not import). Imports no torch.
 
 The command (one node: `shardtune train`; more: `shardtune launch slurm`) names a recipe (the one
-planned, else the repository's recipe for the model, else
+planned, else the repository's recipe whose model.name or model.architecture is the model, else
 the Llama-3-8B one with `model.name=`), then the train flags and `key=value` overrides for every
 planner input whose value differs from the recipe's: `resolve_config` on it gives a RunConfig
 whose `plan_inputs()` are the pick's (tests/unit/test_fit.py pastes it).
@@ -42,7 +42,8 @@ def _shown(path: Path) -> str:
 def _base_recipe(model: str) -> str:
     for path in sorted(RECIPES.glob("*.yaml")):
         try:
-            if load_recipe(str(path)).model.name == model:
+            named = load_recipe(str(path)).model
+            if model in (named.name, named.architecture):
                 return _shown(path)
         except Exception:  # a broken repository recipe is not this command's business
             continue
@@ -65,24 +66,28 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
             return None
         recipe = _base_recipe(model)
     else:
-        model = load_recipe(recipe).model.name
+        model = load_recipe(recipe).model.plan_name()
     want = dict(model=model, gpu=base.gpu, seq_len=base.seq_len, micro_batch=best.micro_batch,
                 grad_accum=base.grad_accum, precision=best.precision, optimizer=best.optimizer,
                 optimizer_impl=best.optimizer_impl, ac=best.ac, ac_every=base.ac_every, offload=best.offload,
                 hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None,
                 lora_rank=base.lora_rank, strategy=best.strategy)
-    have = load_recipe(recipe).plan_inputs()
-    have["strategy"] = load_recipe(recipe).parallel.strategy
+    cfg = load_recipe(recipe)
+    have = cfg.plan_inputs()
+    have["strategy"] = cfg.parallel.strategy
     one_node = base.nodes == 1  # else `shardtune launch slurm`, which takes overrides only
     argv = (["shardtune", "train", recipe, "--nproc", str(base.gpus)] if one_node else
             ["shardtune", "launch", "slurm", recipe, "--nodes", str(base.nodes), "--gpus-per-node",
              str(base.gpus_per_node)])
     flags, overrides = [], []
     for key, (flag, recipe_key) in _KEYS.items():
-        if want[key] == have[key] or (key == "ac_every" and want["ac"] != "layer"):
+        if want[key] == have[key] or (key == "ac_every" and want["ac"] != "layer") or (
+                key == "model" and want[key] == cfg.model.architecture):
             continue
         if flag and one_node:
             flags += [flag, str(want[key])]
         else:
             overrides.append(f"{recipe_key}={'null' if want[key] is None else want[key]}")
+            if key == "model":  # the recipe's folder facts are not the new model's
+                overrides += [f"model.{k}=null" for k in ("architecture", "download") if getattr(cfg.model, k)]
     return shlex.join(argv + flags + overrides)

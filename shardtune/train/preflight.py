@@ -38,10 +38,12 @@ def _check_writable(run_dir: Path) -> None:
 def _check_model(model: ModelConfig, seq_len: int) -> None:
     name = model.name
     looks_like_path = name not in MODELS and ("/" in name or name.startswith((".", "~")))
-    if looks_like_path and not Path(name).expanduser().exists():
-        raise UserError(f"model path {name!r} does not exist; give an HF model folder (config.json + "
-                        "safetensors) or a catalogue name")
+    if (looks_like_path or model.architecture) and model.is_absent_folder:
+        raise UserError(f"model path {name!r} does not exist" + (model.download_hint() or
+                        "; give an HF model folder (config.json + safetensors) or a catalogue name"))
     hf = resolve_model_config(name)
+    if model.architecture and name not in MODELS:
+        _check_architecture(name, hf, model.architecture)
     if model.init == "pretrained" and not safetensors_files(name):
         raise UserError(f"model.init is 'pretrained' but {name!r} has no *.safetensors; "
                         "give an HF model folder with weights or set model.init=random")
@@ -53,6 +55,16 @@ def _check_model(model: ModelConfig, seq_len: int) -> None:
     if max_pos is not None and seq_len > max_pos:
         raise UserError(f"train.seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; "
                         "lower train.seq_len")
+
+
+def _check_architecture(name: str, hf: dict, architecture: str) -> None:
+    """A folder that the recipe says is `architecture` has that architecture's shapes."""
+    want = MODELS[architecture]["config"]
+    keys = [k for k in _SIZES if k != "max_position_embeddings"] + ["tie_word_embeddings"]
+    differ = [f"{k} {hf.get(k)} (not {want[k]})" for k in keys if k in want and hf.get(k, want[k]) != want[k]]
+    if differ:
+        raise UserError(f"model folder {name!r} is not model.architecture {architecture!r}: "
+                        f"{', '.join(differ[:3])}; fix model.architecture or model.name")
 
 
 PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")

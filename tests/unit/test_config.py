@@ -190,11 +190,58 @@ def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path, monkeypatch)
     assert isinstance(cfg, RunConfig)
     world = {"tiny-cpu": (2, 2)}.get(recipe.stem, (8, 8))
     # the big recipes name data/train.jsonl, the user's file: the layout and the model are checked
-    # here, on the generated data, in a temporary run folder
-    # here, on the generated data (one global batch of short rows), in a temporary run folder, on gloo
+    # here, on the generated data (one global batch of short rows), in a temporary run folder, on gloo;
+    # a recipe whose model folder is not here is checked on its architecture (random init; the
+    # missing folder itself: test_big_recipes_name_the_folder_to_download)
+    model = [f"model.name={cfg.model.architecture}"] if cfg.model.architecture else []
     launchable = load_recipe(recipe, [f"output_dir={tmp_path}/run", "data.path=null", "train.backend=auto",
-                                      "train.seq_len=128", "train.grad_accum=1"])
+                                      "train.seq_len=128", "train.grad_accum=1", *model])
     validate_for_launch(launchable, *world)
+
+
+@pytest.mark.parametrize("recipe", ["llama-3-8b-8xh100", "llama-3-70b-8xh100", "llama-3-70b-lora-8xh100",
+                                    "llama-3-70b-bf16-8xh100", "llama-3-70b-qlora-2x4090"])
+def test_big_recipes_name_the_folder_to_download(recipe, tmp_path, capsys):
+    """The 8B/70B recipes point at the Instruct folder: training without it is one line naming the
+    download command; planning uses the recipe's architecture, and says so."""
+    from shardtune import cli
+
+    path = str(RECIPES / f"{recipe}.yaml")
+    cfg = load_recipe(path)
+    size = cfg.model.architecture.rsplit("-", 1)[1].upper()  # llama-3-70b → 70B
+    assert cfg.model.name == f"/path/to/Meta-Llama-3-{size}-Instruct" and cfg.model.plan_name() != cfg.model.name
+    assert cfg.plan_inputs()["model"] == cfg.model.architecture
+    msg = _launch_err(tmp_path, [f"model.name={cfg.model.name}", f"model.architecture={cfg.model.architecture}",
+                                 f"model.download={cfg.model.download}"])
+    assert msg == (f"model path '{cfg.model.name}' does not exist; download it first: hf download "
+                   f"meta-llama/Meta-Llama-3-{size}-Instruct --exclude 'original/*' --local-dir {cfg.model.name}")
+    assert cli.main(["train", path, "--output-dir", str(tmp_path / "run")]) == 2
+    assert "hf download meta-llama/" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["plan", path, "--gpus", "8", "--json"]) == 0
+    out = capsys.readouterr()
+    assert f"planned as its architecture {cfg.model.architecture!r}" in out.err
+
+
+def test_model_architecture_is_checked_against_the_folder(tmp_path):
+    import json
+
+    from shardtune.catalog.models import MODELS
+    from shardtune.train import preflight
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    hf = dict(MODELS["llama-3-8b"]["config"])
+    (folder / "config.json").write_text(json.dumps(hf))
+    on = load_recipe(None, [f"model.name={folder}", "model.architecture=llama-3-8b", "model.init=random"])
+    assert on.model.plan_name() == str(folder)  # the folder is here: it is what is planned
+    preflight._check_model(on.model, 128)
+    (folder / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 30, "tie_word_embeddings": True}))
+    with pytest.raises(UserError, match=r"is not model.architecture 'llama-3-8b': num_hidden_layers 30 \(not 32\), "
+                                        r"tie_word_embeddings True \(not False\)"):
+        preflight._check_model(on.model, 128)
+    assert "not a catalogue architecture (did you mean 'llama-3-8b'?)" in _err(["model.architecture=llama-3-8"])
+    assert "is not a Hub id" in _err(["model.download=a b/c; rm"])
 
 
 def test_adamw_8bit_without_bitsandbytes_is_a_one_line_error(monkeypatch):

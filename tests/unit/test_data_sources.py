@@ -65,7 +65,7 @@ def test_cached_dataset_id_offline(tmp_path):
     pq.write_table(_table(ROWS[2:]), repo / "snapshots" / "abc" / "data" / "test-00000-of-00001.parquet")
     assert read_records(DataConfig(path="me/tiny")) == ROWS[:2]
     assert read_records(DataConfig(path="me/tiny", split="test")) == ROWS[2:]
-    with pytest.raises(UserError, match="huggingface-cli download --repo-type dataset me/absent") as e:
+    with pytest.raises(UserError, match="hf download --repo-type dataset me/absent") as e:
         read_records(DataConfig(path="me/absent"))
     assert "\n" not in str(e.value)
 

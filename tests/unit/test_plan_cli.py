@@ -120,12 +120,13 @@ def test_recipe_is_planned_with_its_own_settings_and_flags_override(capsys):
     rc, out, _ = _run(["plan", path, "--gpus", "8", "--micro-batch", "1", "--json"], capsys)
     assert rc == 0
     got = json.loads(out)
-    assert got["model"]["name"] == r["model"]["name"]
+    # the recipe's folder is not on this machine: it is planned as the architecture it names
+    assert got["model"]["name"] == r["model"]["architecture"]
     assert got["inputs"]["seq_len"] == r["train"]["seq_len"]
     # the plan names the AC mode canonically (the recipe may spell layer AC `selective`, its old name)
     assert got["inputs"]["ac"] == normalize_ac(r["parallel"]["activation_checkpointing"])
     assert got["inputs"]["micro_batch"] == 1 != r["train"]["micro_batch"]
-    by_hand = plan(r["model"]["name"], 8, seq_len=r["train"]["seq_len"], micro_batch=1,
+    by_hand = plan(r["model"]["architecture"], 8, seq_len=r["train"]["seq_len"], micro_batch=1,
                    grad_accum=r["train"]["grad_accum"], ac=r["parallel"]["activation_checkpointing"],
                    ac_every=r["parallel"]["ac_every"], precision=r["parallel"]["precision"],
                    optimizer_impl=r["optim"]["implementation"])

@@ -159,7 +159,7 @@ def _load_hf(spec: str, split: str):
             folder = snapshot_download(spec, repo_type="dataset", local_files_only=True)
         except Exception:  # not in the cache (or not a valid id): nothing to read offline
             raise UserError(f"dataset {spec!r} is not a file and not in the local Hugging Face cache (read offline); "
-                            f"download it first: huggingface-cli download --repo-type dataset {spec}") from None
+                            f"download it first: hf download --repo-type dataset {spec}") from None
         return _folder_split(datasets, folder, split, spec)
     except UserError:
         raise
