@@ -43,7 +43,7 @@ demo-real: $(STAMP)
 # Lint first (ruff, pyproject.toml), then every tier of tests; either failing fails `make test`.
 test: $(STAMP)
 	$(BIN)/ruff check shardtune tests bench
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) runs
