@@ -15,6 +15,9 @@ batch of 16 one-example rows the same; no packing, so each row is one padded exa
                                     (apply_chat_template, loss on the assistant turn only)
   hf-trainer-1p                     the same in ONE process, batch 16, rows in file order: the loss
                                     reference (no side shuffles, so step k is rows 16k..16k+15 for all)
+  trl-sft / trl-sft-1p              TRL's SFTTrainer (in .venv-bench: pip install trl), prompt-completion
+                                    messages tokenised by TRL itself, completion-only loss; its bf16 and
+                                    gradient-checkpointing defaults set off to match the others
 tokens/s: target tokens per step / the median step time (shardtune: metrics.jsonl step_time_s;
 HF: a callback between on_step_begin and on_step_end), so start-up is excluded for both; the ratio
 is shardtune / HF. The machine is shared: run it twice and read the spread.
@@ -107,11 +110,13 @@ def run_shardtune(work: Path, folder: Path, data: Path, strategy: str, args) -> 
             "tokens": [x["target_tokens"] for x in recs], "folder": str(out / "hf_export"), "wall_s": wall}
 
 
-def run_hf(work: Path, folder: Path, data: Path, args, nproc: int) -> dict:
-    out = work / ("hf-trainer" if nproc == 2 else "hf-trainer-1p")
+def run_hf(work: Path, folder: Path, data: Path, args, nproc: int, side: str = "hf-trainer") -> dict:
+    """HF Trainer (in .venv) or TRL's SFTTrainer (in .venv-bench, which has trl) on `nproc` processes."""
+    out = work / (side if nproc == 2 else f"{side}-1p")
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    py = str(ROOT / ".venv-bench" / "bin" / "python") if side == "trl-sft" else PY
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if nproc == 2 else []
-    cmd = [PY, *launch, __file__, "--worker-hf",
+    cmd = [py, *launch, __file__, "--worker", side,
            "--folder", str(folder), "--data", str(data), "--out", str(out), "--steps", str(args.steps),
            "--lr", str(args.lr), "--seq-len", str(args.seq_len)]
     t0 = time.perf_counter()
@@ -124,16 +129,10 @@ def run_hf(work: Path, folder: Path, data: Path, args, nproc: int) -> dict:
     return res
 
 
-def hf_worker(args) -> None:
-    """One rank of the HF Trainer side (torchrun sets the process group up through accelerate)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-
-    tok = AutoTokenizer.from_pretrained(args.folder)
+def hf_rows(tok, data: str, seq_len: int) -> list[dict]:
+    """The HF Trainer side's own chat tokenisation: loss on the assistant turn only, padded to seq_len."""
     rows = []
-    for line in Path(args.data).read_text().splitlines():
+    for line in Path(data).read_text().splitlines():
         msgs = json.loads(line)["messages"]
         enc = tok.apply_chat_template(msgs, return_assistant_tokens_mask=True, return_dict=True)
         ids, mask = enc["input_ids"], enc.get("assistant_masks")
@@ -141,21 +140,23 @@ def hf_worker(args) -> None:
             prompt = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, return_dict=True)["input_ids"]
             assert ids[: len(prompt)] == prompt, "the prompt is not a prefix of the conversation"
             mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
-        ids, mask = ids[: args.seq_len], mask[: args.seq_len]
-        pad = args.seq_len - len(ids)
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        pad = seq_len - len(ids)
         rows.append({"input_ids": ids + [tok.pad_token_id] * pad, "attention_mask": [1] * len(ids) + [0] * pad,
                      "labels": [t if m else -100 for t, m in zip(ids, mask)] + [-100] * pad})
+    return rows
 
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(rows)
 
-        def __getitem__(self, i):
-            return {k: torch.tensor(v) for k, v in rows[i].items()}
+def peer_worker(args) -> None:
+    """One rank of the HF Trainer or TRL SFTTrainer side (torchrun sets the process group up through
+    accelerate). Same optimiser, schedule, clip, seed, global batch 16 and fp32 as shardtune's side."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tok = AutoTokenizer.from_pretrained(args.folder)
     times: list[float] = []
     losses: list[float] = []
-    tokens: list[int] = []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
@@ -168,28 +169,49 @@ def hf_worker(args) -> None:
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
+    common = dict(output_dir=str(Path(args.out) / "tmp"), per_device_train_batch_size=16 // world,
+                  max_steps=args.steps, learning_rate=args.lr, warmup_steps=0, lr_scheduler_type="constant",
+                  max_grad_norm=1.0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, logging_steps=1,
+                  save_strategy="no", report_to=[], seed=0, use_cpu=True,
+                  ddp_backend="gloo" if world > 1 else None, dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
-    class InOrder(Trainer):  # one process: rows in file order, as shardtune's data.shuffle=false
+    if args.worker == "trl-sft":
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        pairs = [json.loads(line)["messages"] for line in Path(args.data).read_text().splitlines()]
+        train = Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in pairs])
+        # TRL's own defaults differ (bf16, gradient checkpointing on): set to the other sides' fp32, no AC
+        targs, base = SFTConfig(**common, max_length=args.seq_len, packing=False, completion_only_loss=True,
+                                bf16=False, gradient_checkpointing=False), SFTTrainer
+        kwargs = dict(processing_class=tok)
+    else:
+        rows = hf_rows(tok, args.data, args.seq_len)
+
+        class Rows(torch.utils.data.Dataset):
+            def __len__(self):
+                return len(rows)
+
+            def __getitem__(self, i):
+                return {k: torch.tensor(v) for k, v in rows[i].items()}
+
+        train, targs, base, kwargs = Rows(), TrainingArguments(**common), Trainer, {}
+
+    class InOrder(base):  # one process: rows in file order, as shardtune's data.shuffle=false
         def _get_train_sampler(self, *a, **k):
             if world > 1:
                 return super()._get_train_sampler(*a, **k)
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    targs = TrainingArguments(output_dir=str(Path(args.out) / "tmp"), per_device_train_batch_size=16 // world,
-                              max_steps=args.steps, learning_rate=args.lr, warmup_steps=0,
-                              lr_scheduler_type="constant", max_grad_norm=1.0, weight_decay=0.0,
-                              adam_beta1=0.9, adam_beta2=0.95, logging_steps=1, save_strategy="no", report_to=[],
-                              seed=0, use_cpu=True, ddp_backend="gloo" if world > 1 else None,
-                              dataloader_num_workers=0)
-    trainer = InOrder(model=model, args=targs, train_dataset=Rows(), callbacks=[Clock()])
+    trainer = InOrder(model=model, args=targs, train_dataset=train, callbacks=[Clock()], **kwargs)
     trainer.train()
-    per_step = sum(sum(1 for t in r["labels"] if t != -100) for r in rows) / len(rows) * 16
-    tokens = [round(per_step)] * len(times)
+    labels = [row["labels"] for row in hf_rows(tok, args.data, args.seq_len)]  # target tokens, as HF's side
+    per_step = sum(sum(1 for t in lab if t != -100) for lab in labels) / len(labels) * 16
     if int(os.environ.get("RANK", "0")) == 0:
         trainer.save_model(str(Path(args.out) / "model"))
         tok.save_pretrained(str(Path(args.out) / "model"))
         (Path(args.out) / "steps.json").write_text(json.dumps({"losses": losses, "step_s": times,
-                                                               "tokens": tokens}))
+                                                               "tokens": [round(per_step)] * len(times)}))
 
 
 def summary(name: str, res: dict, warmup: int) -> dict:
@@ -214,13 +236,13 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--worker-hf", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["hf-trainer", "trl-sft"], help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker_hf:
-        return hf_worker(args)
+    if args.worker:
+        return peer_worker(args)
     sys.path.insert(0, str(ROOT))
     from shardtune.testing.smollm2 import full_folder
 
@@ -234,8 +256,9 @@ def main() -> None:
           f"for {held_out[0][1]!r})", flush=True)
     rows = []
     for name in args.contenders.split(","):
-        if name.startswith("hf-trainer"):
-            res = run_hf(work, folder, data, args, nproc=1 if name.endswith("-1p") else 2)
+        if name.startswith(("hf-trainer", "trl-sft")):
+            res = run_hf(work, folder, data, args, nproc=1 if name.endswith("-1p") else 2,
+                         side=name.removesuffix("-1p"))
         else:
             res = run_shardtune(work, folder, data, name.removeprefix("shardtune-"), args)
         row = summary(name, res, args.warmup)
@@ -246,12 +269,12 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
     ok = {r["contender"]: r for r in rows if "error" not in r}
-    ratios = {f"{a}/hf-trainer": ok[a]["tokens_per_s"] / ok["hf-trainer"]["tokens_per_s"]
-              for a in ok if a.startswith("shardtune") and "hf-trainer" in ok}
+    ratios = {f"{a}/{peer}": ok[a]["tokens_per_s"] / ok[peer]["tokens_per_s"]
+              for peer in ("hf-trainer", "trl-sft") if peer in ok for a in ok if a.startswith("shardtune")}
     ref = ok.get("hf-trainer-1p")
     curves = {}
     for a in ok:
-        if a.startswith("shardtune") and ref:
+        if (a.startswith("shardtune") or a == "trl-sft-1p") and ref:
             d = [abs(x - y) for x, y in zip(ok[a]["losses"], ref["losses"])]
             curves[a] = {"max_abs_diff_first5": max(d[:5]), "max_abs_diff": max(d),
                          "mean_abs_diff": statistics.mean(d)}
@@ -259,7 +282,7 @@ def main() -> None:
               "loss_vs_hf_one_process": curves,
               "load_before": load, "load_after": os.getloadavg(), "steps": args.steps}
     print(f"loss curves vs HF Trainer in one process: {json.dumps(curves)}")
-    print(f"ratios (tokens/s, shardtune / HF Trainer): {json.dumps(ratios)}; load {load[0]:.1f} → "
+    print(f"ratios (tokens/s, shardtune / peer): {json.dumps(ratios)}; load {load[0]:.1f} → "
           f"{result['load_after'][0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
