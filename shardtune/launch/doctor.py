@@ -160,20 +160,31 @@ def filesystem_type(path: Path) -> tuple[str, str]:
     return best
 
 
+def nearest_existing(directory: str) -> tuple[Path, Path]:
+    """(the folder, its nearest existing self or parent); one line (UserError) when the path is
+    not a folder or could never be one (it, or a parent, is a file or a dangling link)."""
+    d = Path(directory).expanduser()
+    existing = d
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "a file" if existing.is_file() else "a dangling link" if existing.is_symlink() else \
+            "a special file"
+        why = f"is {what}, not a folder" if existing == d else f"cannot be created: {existing} is {what}"
+        raise UserError(f"--checkpoint-dir {directory!r} {why}; give the folder checkpoints will be written to")
+    return d, existing
+
+
 def check_checkpoint_dir(directory: str) -> list[Check]:
     """Writable (create, write, fsync, rename, delete a probe), free space, and whether it looks
     shared. Creates nothing but the probe: a folder that does not exist yet is judged by its
-    nearest existing parent (where the trainer would create it), with a WARN."""
-    d = Path(directory).expanduser()
-    existing = d
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    nearest existing parent (where the trainer would create it), with a WARN. A path that is not
+    a folder, or lies under a file, is one line (UserError)."""
+    d, existing = nearest_existing(directory)
     out = []
     if existing != d:
         out.append(Check("warn", "checkpoint dir", f"{d} does not exist (yet); checking {existing}, where it "
                          "would be created: on several nodes, is the shared filesystem mounted here?"))
-    if not existing.is_dir():
-        return out + [Check("fail", "checkpoint dir", f"{d} is not writable: {existing} is a file, not a folder")]
     try:
         probe = existing / f".shardtune-probe-{uuid.uuid4().hex}"
         tmp = probe.with_suffix(".tmp")
@@ -200,6 +211,12 @@ def check_checkpoint_dir(directory: str) -> list[Check]:
 
 
 def run_doctor(rdzv: str | None = None, checkpoint_dir: str | None = None) -> list[Check]:
+    """Every check; a bad argument (HOST:PORT, a --checkpoint-dir that is no folder) is one line
+    (UserError) before any check runs."""
+    if rdzv:
+        parse_endpoint(rdzv)
+    if checkpoint_dir:
+        nearest_existing(checkpoint_dir)
     checks = check_torch() + check_interfaces()
     if rdzv:
         checks += check_rendezvous(rdzv)

@@ -36,9 +36,10 @@ def _written_at(export: Path) -> float:
 
 
 def _verified(info) -> list[str]:
-    from shardtune.train.durable import integrity
+    """Checksums, then the shards against `.metadata` (shards.py)."""
+    from shardtune.train.durable import integrity, shards
 
-    return integrity.problems(info.path, info.files) if info.files is not None else []
+    return (integrity.problems(info.path, info.files) if info.files is not None else []) or shards.problems(info.path)
 
 
 def resolve_target(target: str) -> tuple[str, Path]:

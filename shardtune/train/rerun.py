@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.errors import UserError
-from shardtune.train.durable import integrity
+from shardtune.train.durable import shards
 from shardtune.train.durable.ckpt_files import (
     CheckpointInfo,
     check_before_launch,
-    check_metadata_pickle,
     check_resume_files,
     complete_checkpoints,
     malformed_checkpoints,
@@ -64,18 +63,17 @@ def check_same_model(ckpt: Path, cfg: RunConfig) -> None:
 
 
 def check_checkpoint_files(info: CheckpointInfo, auto: bool) -> None:
-    """Before launch: `--resume PATH` must have every file at its recorded size and a `.metadata`
-    that names only allowed globals (ckpt_files.check_before_launch). `resume: auto`: the newest
-    checkpoint whose sizes are right (the one the ranks will verify and load; a damaged one they
-    skip, naming it) must have such a `.metadata`."""
+    """Before launch: `--resume PATH` must have every file at its recorded size, a `.metadata` that
+    names only allowed globals and shards that hold what it lists (ckpt_files.check_before_launch).
+    `resume: auto`: the newest checkpoint whose sizes and shards are right (the one the ranks will
+    verify and load; a damaged one they skip, naming it) must have such a `.metadata`."""
     if not auto:
         check_before_launch(info)
         return
     skipped = []
     for ckpt in reversed(complete_checkpoints(Path(info.path).parents[1])):
-        bad = integrity.problems(ckpt.path, ckpt.files, sizes_only=True) if ckpt.files is not None else []
+        bad = shards.launch_problems(ckpt)  # a refused .metadata pickle is an error here, not a fallback
         if not bad:
-            check_metadata_pickle(ckpt.path / ".metadata")
             check_resume_files(ckpt)
             return
         skipped.append(f"{ckpt.path.name}: {bad[0]}")

@@ -1,13 +1,16 @@
 """Checkpoints damaged by hand, with their checksums rewritten to match (so only the reader's own
 checks stand), through every entry point that reads one: `shardtune export`, `shardtune generate`,
 `shardtune train --resume PATH` and `shardtune train` (resume auto). Each is exit 2, one line, before
-any process starts (torchrun forbidden here), and the checkpoint is left byte for byte.
+any process starts (torchrun forbidden here), and the checkpoint is left byte for byte. A cut or
+zeroed shard in a run with an older intact checkpoint: resume auto falls back to it, in the
+launcher and in the ranks.
 
 One one-process run (tiny-llama, 2 steps) gives the checkpoint; every case edits a copy.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _runs import one_process_run  # noqa: E402
+from _runs import REPO, one_process_run  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
@@ -55,8 +58,10 @@ CASES = [
      "outside the checkpoint"),
     (".metadata removed", None, {}, (".metadata",), "all", ".metadata is missing"),
     (".metadata truncated", None, {".metadata": lambda b: b[:100]}, (), "all", ".metadata"),
-    ("shard truncated", None, {"__0_0.distcp": lambda b: b[:1000]}, (), "read", "cannot be read"),
-    ("shard zeroed", None, {"__0_0.distcp": lambda b: bytes(len(b))}, (), "read", "cannot be read"),
+    ("shard truncated", None, {"__0_0.distcp": lambda b: b[:1000]}, (), "all", "(cut short?)"),
+    ("shard zeroed", None, {"__0_0.distcp": lambda b: bytes(len(b))}, (), "all", "no torch.save archive at byte 0"),
+    ("shard's last item zeroed", None, {"__0_0.distcp": lambda b: b[:-22] + bytes(22)}, (), "all",
+     "no torch.save archive"),
     ("hf/config.json not JSON", None, {"hf/config.json": lambda b: b"{bad"}, (), "export", "config.json"),
     ("trainer.json not JSON", None, {"trainer.json": lambda b: b"{bad"}, (), "train", "trainer.json"),
     ("trainer.json of another step", None, {"trainer.json": lambda b: b'{"step": 7}'}, (), "train", "step 7"),
@@ -69,13 +74,13 @@ def run(tmp_path_factory) -> Path:
     return one_process_run(tmp_path_factory.mktemp("badckpt"), RECIPE)
 
 
-def _damaged(run: Path, root: Path, meta_edit, writes: dict, drops) -> Path:
-    """A copy of the run whose step_2 has the damage, its checksums rewritten to match."""
+def _damaged(run: Path, root: Path, meta_edit, writes: dict, drops, step: int = 2) -> Path:
+    """A copy of the run whose step_<step> has the damage, its checksums rewritten to match."""
     from shardtune.train.durable import integrity
 
     copy = root / "run"
     shutil.copytree(run, copy)
-    ckpt = copy / "checkpoints" / "step_2"
+    ckpt = copy / "checkpoints" / f"step_{step}"
     for name in drops:
         (ckpt / name).unlink()
     for name, change in writes.items():
@@ -135,3 +140,35 @@ def test_an_export_into_its_own_checkpoint_is_refused(run, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "inside the checkpoint" in err[0], err
     assert _snapshot(ckpt) == before
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    recipe = RECIPE.replace("max_steps: 2", "max_steps: 4").replace("{every: 2}", "{every: 2, keep: 3}")
+    return one_process_run(tmp_path_factory.mktemp("badckpt2"), recipe)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("damage", [lambda b: b[:1000], lambda b: bytes(len(b))], ids=["truncated", "zeroed"])
+def test_resume_auto_falls_back_past_a_damaged_shard_in_the_launcher_and_the_ranks(two_checkpoints, tmp_path,
+                                                                                    monkeypatch, capsys, damage):
+    from shardtune import cli
+    from shardtune.testing.proc import run_bounded
+    from shardtune.train import commands
+
+    copy = _damaged(two_checkpoints, tmp_path, None, {"__0_0.distcp": damage}, (), step=4)
+    recipe = tmp_path / "recipe.yaml"  # steps 3 to 5, saved at 3 and 5: step_4 stays as it is
+    recipe.write_text(RECIPE.replace("max_steps: 2", "max_steps: 5").replace("{every: 2}", "{every: 3, keep: 4}"))
+    before = _snapshot(copy / "checkpoints" / "step_4")
+    launched = []
+    monkeypatch.setattr(commands, "run_process_group", lambda *a, **k: launched.append(a) or 0)
+    assert cli.main(["train", str(recipe), "--output-dir", str(copy)]) == 0, capsys.readouterr()
+    assert launched  # the launcher let it start: step_2 is intact
+    # the ranks, by hand (no launcher check): skip step_4, naming why, and resume from step_2
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = run_bounded([sys.executable, "-m", "shardtune.train", str(recipe), "--output-dir", str(copy)],
+                       timeout_s=150, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipping {copy / 'checkpoints' / 'step_4'}: __0_0.distcp" in proc.stderr, proc.stderr[-3000:]
+    assert f"resuming from {copy / 'checkpoints' / 'step_2'}" in proc.stdout + proc.stderr
+    assert _snapshot(copy / "checkpoints" / "step_4") == before

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from shardtune.errors import UserError
 from shardtune.launch.doctor import check_checkpoint_dir, check_interfaces, check_rendezvous, filesystem_type
 
 DOCTOR = [sys.executable, "-m", "shardtune.cli", "doctor"]
@@ -34,18 +35,34 @@ def test_doctor_on_this_machine_reports_no_gpu_and_exits_zero(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_doctor_fails_for_unwritable_checkpoint_dir_and_bad_interface(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("x")  # a folder cannot be made under a regular file, even by root
-    r = _doctor("--checkpoint-dir", str(blocker / "ckpt"), env={"GLOO_SOCKET_IFNAME": "nosuchif0"})
+def test_doctor_fails_for_a_bad_interface(tmp_path):
+    r = _doctor("--checkpoint-dir", str(tmp_path), env={"GLOO_SOCKET_IFNAME": "nosuchif0"})
     assert r.returncode == 1, r.stdout
     fails = [ln for ln in r.stdout.splitlines() if ln.startswith("FAIL")]
-    assert len(fails) == 2 and any("not writable" in f for f in fails) and any("nosuchif0" in f for f in fails)
+    assert len(fails) == 1 and "nosuchif0" in fails[0], fails
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where, needle", [("file", "is a file, not a folder"),
+                                           ("file/ckpt/runs", "cannot be created: {tmp}/file is a file"),
+                                           ("dangling", "is a dangling link, not a folder")])
+def test_a_checkpoint_dir_that_is_no_folder_is_one_line_and_exit_2(tmp_path, where, needle):
+    (tmp_path / "file").write_text("x")  # a folder cannot be made under a regular file, even by root
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    before = sorted(tmp_path.rglob("*"))
+    r = _doctor("--checkpoint-dir", str(tmp_path / where))
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)  # before any check: no table
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardtune: error") and needle.format(tmp=tmp_path) in err[0], err
+    assert sorted(tmp_path.rglob("*")) == before and (tmp_path / "file").read_text() == "x"
+    with pytest.raises(UserError, match="not a folder|cannot be created"):
+        check_checkpoint_dir(str(tmp_path / where))
 
 
 def test_doctor_bad_endpoint_is_a_usage_error():
     r = _doctor("--rdzv", "no-port-here")
     assert r.returncode == 2 and "HOST:PORT" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""  # before any check
 
 
 def test_rendezvous_unresolvable_host_fails():

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune.errors import UserError, read_json_object
-from shardtune.train.durable import integrity
+from shardtune.train.durable import integrity, shards
 from shardtune.train.durable.ckpt_files import (
     FORMAT_VERSION,
     HF_DIR,
@@ -266,14 +266,16 @@ def _swap_in(tmp: Path, final: Path) -> None:
 
 # ---------------------------------------------------------------- load
 def verify_checkpoint(info: CheckpointInfo, rank: int, world_size: int) -> list[str]:
-    """What is wrong with the checkpoint's files against the checksums it was saved with (every rank
-    checks its share, integrity.py; the same list on every rank). Collective. [] when it verifies
-    or holds no checksums (a checkpoint saved before them: the caller says so)."""
-    if info.files is None:
-        return []
-    names = integrity.mine(sorted(info.files), rank, world_size)
+    """What is wrong with the checkpoint's files against the checksums it was saved with, then its
+    shards against `.metadata` (shards.py: checksums rewritten to match do not hide a cut or
+    zeroed shard). Every rank checks its share (integrity.py); the same list on every rank.
+    Collective. [] when it verifies (a checkpoint saved before checksums: the caller says so)."""
+    mine = []
+    if info.files is not None:
+        mine = integrity.problems(info.path, info.files, integrity.mine(sorted(info.files), rank, world_size))
+    mine = mine or shards.problems(info.path, rank, world_size)
     parts: list = [None] * world_size
-    dist.all_gather_object(parts, integrity.problems(info.path, info.files, names))
+    dist.all_gather_object(parts, mine)
     return [p for part in parts for p in part]
 
 

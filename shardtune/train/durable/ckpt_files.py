@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 from shardtune.errors import UserError, read_json_object
 from shardtune.strategies import STRATEGIES
-from shardtune.train.durable import integrity
 
 if TYPE_CHECKING:
     from shardtune.config import CheckpointConfig, RunConfig
@@ -62,7 +61,8 @@ class _Stub:
         pass
 
     def __setstate__(self, state):
-        pass
+        if isinstance(state, dict):  # kept as plain data: shards.py reads _StorageInfo's place in its file
+            self.__dict__.update(state)
 
     def __setitem__(self, key, value):
         pass
@@ -85,9 +85,10 @@ class _DryRun(pickle.Unpickler):
                         "to load it (was the checkpoint tampered with?)")
 
 
-def check_metadata_pickle(path: Path) -> None:
+def check_metadata_pickle(path: Path) -> _Stub:
     """The `.metadata` pickle names only allowed globals (one line if not), checked without torch and
-    without calling anything real: every allowed class is a stub here (the launcher's check)."""
+    without calling anything real: every allowed class is a stub here (the launcher's check).
+    Returns the Metadata stub, its pickled state as attributes."""
     try:
         with open(path, "rb") as f:
             root = _DryRun(f).load()
@@ -96,20 +97,22 @@ def check_metadata_pickle(path: Path) -> None:
     except Exception as e:  # truncated, garbage, an unregistered extension code
         raise UserError(f"{path} is not a readable DCP metadata file ({type(e).__name__}); was the checkpoint "
                         "damaged or tampered with?") from None
-    if getattr(root, "pickled_as", None) != (_DCP_MD, "Metadata"):
+    if getattr(type(root), "pickled_as", None) != (_DCP_MD, "Metadata"):
         raise UserError(f"{path} holds a {type(root).__name__}, not DCP metadata; refusing to load it "
                         "(was the checkpoint tampered with?)")
+    return root
 
 
 def check_before_launch(info: CheckpointInfo) -> None:
     """A checkpoint to resume, before any process starts: every recorded file there with its size
-    (a stat each; the ranks verify checksums), a `.metadata` that names only allowed globals, and
-    trainer.json / rng_rank*.json as a resume reads them."""
-    bad = integrity.problems(info.path, info.files, sizes_only=True) if info.files is not None else []
+    (a stat each; the ranks verify checksums), a `.metadata` that names only allowed globals, shard
+    files that hold what it lists (shards.py), and trainer.json / rng_rank*.json as a resume reads them."""
+    from shardtune.train.durable import shards  # it reads .metadata through this module's dry run
+
+    bad = shards.launch_problems(info)
     if bad:
         more = f" (and {len(bad) - 1} more)" if bad[1:] else ""
         raise UserError(f"checkpoint {info.path} is damaged: {bad[0]}{more}; resume another checkpoint")
-    check_metadata_pickle(info.path / ".metadata")
     check_resume_files(info)
 
 
