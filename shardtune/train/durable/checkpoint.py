@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 from shardtune.errors import UserError, read_json_object
 from shardtune.train.durable import integrity, shards
@@ -213,7 +214,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     sd = model_optim_state(model, optimizer)
     try:
         check_free_space(ckpt_dir, sd, previous)
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True))
+        # torch.save items, named rather than defaulted: durable/shards.py checks each is a zip archive
+        writer = FileSystemWriter(tmp, sync_files=True, serialization_format=SerializationFormat.TORCH_SAVE)
+        dcp.save(sd, storage_writer=writer)
         del sd
         _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
         if rank == 0:
