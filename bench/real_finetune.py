@@ -17,7 +17,8 @@ batch of 16 one-example rows the same; no packing, so each row is one padded exa
                                     reference (no side shuffles, so step k is rows 16k..16k+15 for all)
   trl-sft / trl-sft-1p              TRL's SFTTrainer (in .venv-bench: pip install trl), prompt-completion
                                     messages tokenised by TRL itself, completion-only loss; its bf16 and
-                                    gradient-checkpointing defaults set off to match the others
+                                    gradient-checkpointing defaults set off and its batches padded to
+                                    seq_len, to match the others
 tokens/s: target tokens per step / the median step time (shardtune: metrics.jsonl step_time_s;
 HF: a callback between on_step_begin and on_step_end), so start-up is excluded for both; the ratio
 is shardtune / HF. The machine is shared: run it twice and read the spread.
@@ -182,8 +183,9 @@ def peer_worker(args) -> None:
         pairs = [json.loads(line)["messages"] for line in Path(args.data).read_text().splitlines()]
         train = Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in pairs])
         # TRL's own defaults differ (bf16, gradient checkpointing on): set to the other sides' fp32, no AC
+        # and every batch padded to seq_len as the other sides' rows are (TRL pads to the longest)
         targs, base = SFTConfig(**common, max_length=args.seq_len, packing=False, completion_only_loss=True,
-                                bf16=False, gradient_checkpointing=False), SFTTrainer
+                                bf16=False, gradient_checkpointing=False, pad_to_multiple_of=args.seq_len), SFTTrainer
         kwargs = dict(processing_class=tok)
     else:
         rows = hf_rows(tok, args.data, args.seq_len)
