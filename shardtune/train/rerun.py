@@ -62,20 +62,20 @@ def check_same_model(ckpt: Path, cfg: RunConfig) -> None:
                         f"({', '.join(diff[:4])}); {WAY_OUT}")
 
 
-def check_checkpoint_files(info: CheckpointInfo, auto: bool) -> None:
-    """Before launch: `--resume PATH` must have every file at its recorded size, a `.metadata` that
-    names only allowed globals and shards that hold what it lists (ckpt_files.check_before_launch).
-    `resume: auto`: the newest checkpoint whose sizes and shards are right (the one the ranks will
-    verify and load; a damaged one they skip, naming it) must have such a `.metadata`."""
+def checkpoint_to_resume(info: CheckpointInfo, auto: bool) -> CheckpointInfo:
+    """Before launch, the checkpoint the ranks will load. `--resume PATH`: `info`, which must have
+    every file at its recorded size, a `.metadata` that names only allowed globals and shards that
+    hold what it lists (ckpt_files.check_before_launch). `resume: auto`: the newest checkpoint whose
+    sizes and shards are right (a damaged one the ranks skip too, naming it), with such a `.metadata`."""
     if not auto:
         check_before_launch(info)
-        return
+        return info
     skipped = []
     for ckpt in reversed(complete_checkpoints(Path(info.path).parents[1])):
         bad = shards.launch_problems(ckpt)  # a refused .metadata pickle is an error here, not a fallback
         if not bad:
             check_resume_files(ckpt)
-            return
+            return ckpt
         skipped.append(f"{ckpt.path.name}: {bad[0]}")
     # the ranks would skip each and stop: say so now, before any process starts
     raise UserError(f"resume auto: no checkpoint of {Path(info.path).parents[1]} is intact ({'; '.join(skipped[:3])}); "
@@ -105,17 +105,18 @@ def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
                         f"{WAY_OUT}")
     if info is None:
         return None
+    # the one the ranks will load: with resume auto, a damaged newest one is passed over here as there
+    # (so a finished run whose last checkpoint is damaged trains its last steps again)
+    info = checkpoint_to_resume(info, auto=cfg.checkpoint.resume == "auto")
     check_same_model(info.path, cfg)
     diff = resume_changes(info.path, info.config_hash, cfg)
     if diff is None:  # no saved config to compare with: the ranks' own checks stand
-        check_checkpoint_files(info, auto=cfg.checkpoint.resume == "auto")
         return None
     total = cfg.train.max_steps
     if total is not None and info.step >= total:
         ignored = f" ({', '.join(fmt(c) for c in diff)} ignored)" if diff else ""
         return (f"shardtune: {run_dir} is already complete at step {info.step}{ignored}; nothing to do (raise "
                 f"train.max_steps to train on, or {WAY_OUT})")
-    check_checkpoint_files(info, auto=cfg.checkpoint.resume == "auto")
     if diff:
         print(f"shardtune: resuming {info.path} with changed settings: {', '.join(fmt(c) for c in diff)}")
     return None

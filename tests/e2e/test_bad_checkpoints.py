@@ -172,3 +172,25 @@ def test_resume_auto_falls_back_past_a_damaged_shard_in_the_launcher_and_the_ran
     assert f"skipping {copy / 'checkpoints' / 'step_4'}: __0_0.distcp" in proc.stderr, proc.stderr[-3000:]
     assert f"resuming from {copy / 'checkpoints' / 'step_2'}" in proc.stdout + proc.stderr
     assert _snapshot(copy / "checkpoints" / "step_4") == before
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_run_whose_last_checkpoint_is_damaged_trains_its_last_steps_again(two_checkpoints, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """resume auto decides "already complete" on the checkpoint the ranks will load, not on a damaged
+    newest one they would skip: the re-run resumes from step_2 instead of doing nothing."""
+    from shardtune import cli
+    from shardtune.train import commands
+
+    recipe = tmp_path / "recipe.yaml"  # the finished run's own settings
+    recipe.write_text(RECIPE.replace("max_steps: 2", "max_steps: 4").replace("{every: 2}", "{every: 2, keep: 3}"))
+    launched = []
+    monkeypatch.setattr(commands, "run_process_group", lambda *a, **k: launched.append(a) or 0)
+    intact = tmp_path / "intact"
+    shutil.copytree(two_checkpoints, intact)
+    assert cli.main(["train", str(recipe), "--output-dir", str(intact)]) == 0
+    assert "already complete at step 4" in capsys.readouterr().out and not launched
+    copy = _damaged(two_checkpoints, tmp_path, None, {"__0_0.distcp": lambda b: b[:1000]}, (), step=4)
+    assert cli.main(["train", str(recipe), "--output-dir", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "already complete" not in out and launched, out
