@@ -101,7 +101,10 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
                 # real trace as an extra "Temp" right after c10d._reduce_scatter_base_); NCCL,
                 # which the fake backend stands for, reduces in place. Allow exactly that much.
                 continue
-            if abs(got - want) > 0.02 * want:
+            # 2 %, and at least 1 KiB: the real optimizer-step temporaries here are a few KiB of scalars
+            # (2,712 B for zero2 in one run, 2,868 B in another: when a 0-dim temporary is freed varies),
+            # while a wrong model of them would be a copy of the states' MiB
+            if abs(got - want) > max(0.02 * want, 1024):
                 failures.append(f"{case} {key}: simulated {got:,} vs real {want:,}")
         # the two real ranks agree on states here (tiny-llama's dims divide by 2), so rank 0 stands for both
         for key in ("params", "grads", "optimizer"):
