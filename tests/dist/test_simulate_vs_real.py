@@ -102,7 +102,7 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
                 # which the fake backend stands for, reduces in place. Allow exactly that much.
                 continue
             # 2 %, and at least 1 KiB: the real optimizer-step temporaries here are a few KiB of scalars
-            # (2,712 B for zero2 in one run, 2,868 B in another: when a 0-dim temporary is freed varies),
+            # (2,712 B for zero2 in one run, 2,868 B in another CI run: a few scalars more or less),
             # while a wrong model of them would be a copy of the states' MiB
             if abs(got - want) > max(0.02 * want, 1024):
                 failures.append(f"{case} {key}: simulated {got:,} vs real {want:,}")
