@@ -37,9 +37,9 @@ def _written_at(export: Path) -> float:
 
 def _verified(info) -> list[str]:
     """Checksums, then the shards against `.metadata` (shards.py)."""
-    from shardtune.train.durable import integrity, shards
+    from shardtune.train.durable.shards import damage
 
-    return (integrity.problems(info.path, info.files) if info.files is not None else []) or shards.problems(info.path)
+    return damage(info)
 
 
 def resolve_target(target: str) -> tuple[str, Path]:

@@ -14,7 +14,6 @@ from shardtune.errors import UserError
 from shardtune.train.durable import shards
 from shardtune.train.durable.ckpt_files import (
     CheckpointInfo,
-    check_before_launch,
     check_resume_files,
     complete_checkpoints,
     malformed_checkpoints,
@@ -65,14 +64,14 @@ def check_same_model(ckpt: Path, cfg: RunConfig) -> None:
 def checkpoint_to_resume(info: CheckpointInfo, auto: bool) -> CheckpointInfo:
     """Before launch, the checkpoint the ranks will load. `--resume PATH`: `info`, which must have
     every file at its recorded size, a `.metadata` that names only allowed globals and shards that
-    hold what it lists (ckpt_files.check_before_launch). `resume: auto`: the newest checkpoint whose
+    hold what it lists (shards.check_before_launch). `resume: auto`: the newest checkpoint whose
     sizes and shards are right (a damaged one the ranks skip too, naming it), with such a `.metadata`."""
     if not auto:
-        check_before_launch(info)
+        shards.check_before_launch(info)
         return info
     skipped = []
     for ckpt in reversed(complete_checkpoints(Path(info.path).parents[1])):
-        bad = shards.launch_problems(ckpt)  # a refused .metadata pickle is an error here, not a fallback
+        bad = shards.damage(ckpt, sizes_only=True)  # a refused .metadata pickle is an error here, not a fallback
         if not bad:
             check_resume_files(ckpt)
             return ckpt

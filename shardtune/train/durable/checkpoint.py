@@ -273,12 +273,8 @@ def verify_checkpoint(info: CheckpointInfo, rank: int, world_size: int) -> list[
     shards against `.metadata` (shards.py: checksums rewritten to match do not hide a cut or
     zeroed shard). Every rank checks its share (integrity.py); the same list on every rank.
     Collective. [] when it verifies (a checkpoint saved before checksums: the caller says so)."""
-    mine = []
-    if info.files is not None:
-        mine = integrity.problems(info.path, info.files, integrity.mine(sorted(info.files), rank, world_size))
-    mine = mine or shards.problems(info.path, rank, world_size)
     parts: list = [None] * world_size
-    dist.all_gather_object(parts, mine)
+    dist.all_gather_object(parts, shards.damage(info, rank, world_size))
     return [p for part in parts for p in part]
 
 

@@ -103,19 +103,6 @@ def check_metadata_pickle(path: Path) -> _Stub:
     return root
 
 
-def check_before_launch(info: CheckpointInfo) -> None:
-    """A checkpoint to resume, before any process starts: every recorded file there with its size
-    (a stat each; the ranks verify checksums), a `.metadata` that names only allowed globals, shard
-    files that hold what it lists (shards.py), and trainer.json / rng_rank*.json as a resume reads them."""
-    from shardtune.train.durable import shards  # it reads .metadata through this module's dry run
-
-    bad = shards.launch_problems(info)
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if bad[1:] else ""
-        raise UserError(f"checkpoint {info.path} is damaged: {bad[0]}{more}; resume another checkpoint")
-    check_resume_files(info)
-
-
 def check_resume_files(info: CheckpointInfo) -> dict:
     """trainer.json (returned) and each rng_rank<r>.json, their shape as load_checkpoint reads them:
     one line naming the file, not a rank's traceback (checksums do not stop a hand edit)."""

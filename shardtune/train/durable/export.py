@@ -27,7 +27,7 @@ from shardtune.train.core import lora as lora_mod
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info, why_not_checkpoint
 from shardtune.train.durable.diskfull import check_room, is_disk_full, on_full_disk
-from shardtune.train.durable.shards import problems as shard_problems
+from shardtune.train.durable.shards import damage
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
@@ -176,7 +176,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     if info is None:
         raise UserError(f"{ckpt} is not a complete shardtune checkpoint ({why_not_checkpoint(ckpt)}); give a "
                         "<run>/checkpoints/step_<N> folder")
-    bad = (integrity.problems(ckpt, info.files) if info.files is not None else []) or shard_problems(ckpt)
+    bad = damage(info)
     if bad:
         raise UserError(f"checkpoint {ckpt} is damaged: {bad[0]}" + (f" (and {len(bad) - 1} more)" if bad[1:] else ""))
     if not (ckpt / HF_DIR / "config.json").is_file():

@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from shardtune.errors import UserError
 from shardtune.train.durable import integrity
-from shardtune.train.durable.ckpt_files import CheckpointInfo, check_metadata_pickle
+from shardtune.train.durable.ckpt_files import CheckpointInfo, check_metadata_pickle, check_resume_files
 
 ZIP_START, ZIP_END, ZIP_END_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
 _STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
@@ -76,8 +77,23 @@ def problems(folder: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     return out
 
 
-def launch_problems(info: CheckpointInfo) -> list[str]:
-    """Before launch: every recorded file at its size (a stat each; the ranks verify checksums),
-    then the shards against `.metadata`."""
-    bad = integrity.problems(info.path, info.files, sizes_only=True) if info.files is not None else []
-    return bad or problems(info.path)
+def damage(info: CheckpointInfo, rank: int = 0, world_size: int = 1, sizes_only: bool = False) -> list[str]:
+    """Everything found wrong with this rank's share of a checkpoint: its files against the recorded
+    checksums (`sizes_only`: a stat each, the launcher's quick check; none recorded: skipped), then its
+    shards against `.metadata`. The one composition every reader uses (export, generate, the launcher,
+    the ranks' verify)."""
+    bad = []
+    if info.files is not None:
+        names = integrity.mine(sorted(info.files), rank, world_size)
+        bad = integrity.problems(info.path, info.files, names, sizes_only=sizes_only)
+    return bad or problems(info.path, rank, world_size)
+
+
+def check_before_launch(info: CheckpointInfo) -> None:
+    """A checkpoint to resume by path, before any process starts: `damage` with sizes only, a
+    `.metadata` the allow-list accepts, and trainer.json / rng_rank*.json as a resume reads them."""
+    bad = damage(info, sizes_only=True)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if bad[1:] else ""
+        raise UserError(f"checkpoint {info.path} is damaged: {bad[0]}{more}; resume another checkpoint")
+    check_resume_files(info)
