@@ -382,3 +382,17 @@ def test_well_formed_launch_values_pass_and_each_script_has_its_own_rdzv_id(tmp_
     ids = {line.split("--rdzv-id ")[1].split()[0] for line in (render_torchrun(spec), render_torchrun(spec))
            for line in line.splitlines() if "--rdzv-id" in line}
     assert len(ids) == 2, ids  # two jobs generated on one host never share a rendezvous by default
+
+
+@pytest.mark.timeout(120)
+def test_a_placeholder_image_is_one_line_and_no_file(tmp_path):
+    """`--image REGISTRY/IMAGE` (the README's old placeholder; an image reference is lower case):
+    one line, exit 2, no manifest written."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  name: llama-3-8b\n")
+    out = tmp_path / "job.yaml"
+    r = _cli("launch", "k8s", str(recipe), "--nodes", "2", "--gpus-per-node", "8", "--image", "REGISTRY/IMAGE",
+             "-o", str(out))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "'REGISTRY/IMAGE' is not a container image reference" in r.stderr
+    assert not out.exists()
