@@ -68,7 +68,12 @@ def _make_tracker(fsdp: bool, model, optimizer):
             self.peak_breakdown: dict[str, int] = {}
 
         def _update_peak_stats(self, peak_state) -> None:  # called after every dispatched op
-            super()._update_peak_stats(peak_state)
+            # torch's version also walks every tracked module (per-module peaks, which nothing
+            # here reads): ops × modules, 80 % of a simulate. Keep only the overall peak.
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
+                    self._peak_mem[dev] = dev_snap["Total"]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
             if not self._defer_maxima:
                 self._record_maxima()
 
