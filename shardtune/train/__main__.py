@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     from shardtune.train.preflight import validate_for_launch
 
     quiet_library_notices()
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.getppid() != 1:  # under torchrun: die with its agent
+        from shardtune.train.agent import die_with_parent
+
+        die_with_parent(os.getppid())
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = resolve_config(args.recipe, args.overrides, **{f.name: getattr(args, f.name) for f in TRAIN_FLAGS})

@@ -3,13 +3,36 @@
 terminal (they inherit file descriptor 2), so a genuine traceback is never hidden. A rank's
 UserError reaches here through torchrun's error file (TORCHELASTIC_ERROR_FILE, written by the rank:
 train/__main__.py): printed once as one line, exit 2. Any other failure: one line naming the rank
-and LOG, exit 1. Used by `shardtune train` (train/commands.py)."""
+and LOG, exit 1. Used by `shardtune train` (train/commands.py).
+
+The agent dies with its launcher: a parent-death signal (prctl PR_SET_PDEATHSIG, SIGTERM) set at
+start, so a `kill -9` of `shardtune train` (a scheduler, the OOM killer) stops torchrun, which stops
+its ranks (they save on SIGTERM), instead of leaving them running without a parent."""
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import traceback
 
 USER_ERROR = "UserError: "
+LAUNCHER_PID_ENV = "SHARDTUNE_LAUNCHER_PID"  # set by train/commands.py: the process to die with
+
+
+def die_with_parent(parent_pid: int | None) -> bool:
+    """SIGTERM to this process when its parent dies (Linux prctl PR_SET_PDEATHSIG); if the parent
+    is gone already (died before the call), SIGTERM now. False where prctl is unavailable."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def _text(message) -> str:
@@ -21,6 +44,8 @@ def _text(message) -> str:
 
 def main(argv: list[str]) -> int:
     log_path, args = argv[0], argv[2:] if argv[1:2] == ["--"] else argv[1:]
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
+    die_with_parent(int(launcher) if launcher.isdigit() else None)
     log = open(log_path, "a", buffering=1)  # noqa: SIM115 (stays open for torchrun's whole life)
     sys.stderr = log
     from torch.distributed.elastic.multiprocessing.api import SignalException

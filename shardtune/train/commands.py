@@ -43,9 +43,12 @@ PREFLIGHT_ENV = "SHARDTUNE_PREFLIGHT"  # "done": the launcher validated this exa
 
 def run_process_group(cmd: list[str], threads: int | None = None) -> int:
     """Run torchrun in its own session (OMP_NUM_THREADS=`threads` for it and its ranks, which also
-    call torch.set_num_threads). Ctrl-C or SIGTERM here: SIGTERM to its process group (torchrun
-    then stops its workers, which sit in sessions of their own), SIGKILL after 30 s."""
-    env = {**os.environ, PREFLIGHT_ENV: "done"}
+    call torch.set_num_threads). Ctrl-C here: SIGINT to its process group, SIGTERM: SIGTERM
+    (torchrun passes the signal on to its workers, which sit in sessions of their own; they save
+    and stop), SIGKILL after 30 s more. A kill -9 here: the agent's parent-death signal (agent.py)."""
+    from shardtune.train.agent import LAUNCHER_PID_ENV
+
+    env = {**os.environ, PREFLIGHT_ENV: "done", LAUNCHER_PID_ENV: str(os.getpid())}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, start_new_session=True, env=env)
@@ -56,8 +59,9 @@ def run_process_group(cmd: list[str], threads: int | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_term)
     try:
         return proc.wait()
-    except BaseException:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    except BaseException as e:
+        first = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        for sig, wait_s in ((first, 60), (signal.SIGKILL, 10)):
             try:
                 os.killpg(proc.pid, sig)
                 proc.wait(timeout=wait_s)
@@ -71,19 +75,21 @@ def run_process_group(cmd: list[str], threads: int | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def stopped_by_signal(run_dir, since: float) -> bool:
-    """Rank 0 wrote <run_dir>/stopped.json after a signal-triggered save during this launch: a clean
-    stop (exit 0; SLURM's preemption requeue does not need a failure code, docs/checkpoints.md)."""
+def stopped_by_signal(run_dir, since: float) -> int | None:
+    """Rank 0 wrote <run_dir>/stopped.json after a signal-triggered save during this launch: the exit
+    code, else None. SIGTERM and SIGUSR1 (preemption): 0, SLURM's requeue needs no failure code
+    (docs/checkpoints.md); SIGINT (Ctrl-C): 130, as a shell expects, so `train && export` stops."""
     path = Path(run_dir) / "stopped.json"
     try:
         if path.stat().st_mtime < since:
-            return False
+            return None
         info = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    print(f"shardtune: stopped on {info.get('signal', 'a signal')} after saving step {info.get('step')} "
+        return None
+    name = info.get("signal", "a signal") if isinstance(info, dict) else "a signal"
+    print(f"shardtune: stopped on {name} after saving step {info.get('step')} "
           f"({info.get('checkpoint')}); the same command resumes from it", file=sys.stderr)
-    return True
+    return 128 + signal.SIGINT if name == "SIGINT" else 0
 
 
 def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: int = 0, move_aside: bool = False,
@@ -119,14 +125,19 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
         started = time.time()
         try:
             rc = run_process_group(cmd, cfg.train.threads_per_rank(nproc))
-        except (SystemExit, KeyboardInterrupt):
-            if stopped_by_signal(cfg.run_dir, started):
-                return 0
+        except (SystemExit, KeyboardInterrupt) as e:
+            stopped = stopped_by_signal(cfg.run_dir, started)
+            if stopped is not None:
+                return stopped
+            if isinstance(e, KeyboardInterrupt):
+                print("shardtune: interrupted before a checkpoint was saved", file=sys.stderr)
+                return 128 + signal.SIGINT
             raise
         finally:
             os.environ.pop(RUN_LOCK_ENV, None)
-    if rc and stopped_by_signal(cfg.run_dir, started):
-        return 0  # torchrun itself got the signal (e.g. SLURM signals every process): the ranks saved
+    stopped = stopped_by_signal(cfg.run_dir, started) if rc else None
+    if stopped is not None:
+        return stopped  # torchrun itself got the signal (e.g. SLURM signals every process): the ranks saved
     if rc not in (0, 1, 2):  # 1 and 2: train/agent.py said what failed
         print(f"shardtune: error: training failed (exit code {rc}); see the messages above", file=sys.stderr)
     return rc

@@ -122,8 +122,10 @@ def test_signal_stop_is_read_from_stopped_json_of_this_launch_only(tmp_path, cap
 
     from shardtune.train.commands import stopped_by_signal
 
-    assert not stopped_by_signal(tmp_path, 0.0)
+    assert stopped_by_signal(tmp_path, 0.0) is None
     (tmp_path / "stopped.json").write_text(json.dumps({"step": 7, "signal": "SIGTERM", "checkpoint": "c/step_7"}))
-    assert not stopped_by_signal(tmp_path, time.time() + 60)  # written before this launch: not ours
-    assert stopped_by_signal(tmp_path, 0.0)
+    assert stopped_by_signal(tmp_path, time.time() + 60) is None  # written before this launch: not ours
+    assert stopped_by_signal(tmp_path, 0.0) == 0  # preemption: a clean stop
     assert "stopped on SIGTERM after saving step 7" in capsys.readouterr().err
+    (tmp_path / "stopped.json").write_text(json.dumps({"step": 7, "signal": "SIGINT", "checkpoint": "c/step_7"}))
+    assert stopped_by_signal(tmp_path, 0.0) == 130  # Ctrl-C: the shell's code, so `train && export` stops
