@@ -84,7 +84,7 @@ def test_corrupt_cache_is_named_and_rebuilt_before_launch(tmp_path, monkeypatch,
     fresh = {p.name: p.read_bytes() for p in folder.iterdir()}
     (folder / "rows.arrow").write_bytes(fresh["rows.arrow"][:-7])  # truncated
     rc, err = train("r2")
-    assert rc == 0 and len(err) == 1 and "is corrupt (rows.arrow does not match meta.json); rebuilding" in err[0]
+    assert rc == 0 and len(err) == 1 and "is not this data's (rows.arrow does not match meta.json)" in err[0]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == fresh
     assert len(launched) == 2
 

@@ -73,7 +73,7 @@ def test_corrupt_cache_is_named_and_rebuilt(tmp_path, capsys):
     capsys.readouterr()
     again, _ = _batches(cfg)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is corrupt (tokens.arrow does not match meta.json); rebuilding it" in err[0]
+    assert len(err) == 1 and "is not this data's (tokens.arrow does not match meta.json); rebuilding it" in err[0]
     _same(again, ref)
     assert cache.check_cache(folder) is None
 

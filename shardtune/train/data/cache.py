@@ -7,11 +7,18 @@ size and sha256), written last into a temporary folder renamed into
 place. The key hashes everything the packing depends on: each data file's path, size and mtime,
 the tokenizer (its files, special ids, a probe encoding), template, seq_len, packing, format
 options and seed. One process builds while the others wait on a file lock (flock; no collective,
-so no collective timeout); later runs and resumes reuse it. A cache whose files do not match
-meta.json is named in one line, removed and rebuilt, never trained on.
+so no collective timeout); later runs and resumes reuse it.
+
+Nothing is trusted by its folder name: meta.json records the key and every input it hashes, and a
+load checks them against this run's (`verify_entry`, for any content-keyed cache: the DPO
+reference log-prob cache too), each file against its size and sha256, and every token id below
+the tokenizer's vocabulary. An entry that fails (two entries swapped, another tokenizer's entry
+copied under this key, meta.json edited by hand, a cut file) is named in one line and rebuilt,
+never trained on.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -19,7 +26,6 @@ import json
 import os
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -54,13 +60,28 @@ def _tokenizer_fingerprint(tok) -> list:
     return [tok.name, tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id, tok.chat_template, probe, files]
 
 
-def cache_key(data_cfg, seq_len: int, tok, seed: int) -> str:
-    """The sha256 (first 24 hex digits) of everything the packed data depends on."""
+def _plain(obj) -> dict:
+    """`obj` as JSON reads it back (tuples as lists, paths as text): comparable with a meta.json."""
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+def cache_inputs(data_cfg, seq_len: int, tok, seed: int) -> dict:
+    """Everything the packed data depends on, as recorded in meta.json and compared at load."""
     opts = {k: getattr(data_cfg, k) for k in ("path", "format", "split", "columns", "template", "packing",
                                                 "shuffle", "train_on_inputs", "system_prompt", "generated_examples",
                                                 "generated_seed")}
-    doc = [VERSION, opts, _files_fingerprint(data_cfg.path), _tokenizer_fingerprint(tok), seq_len, seed]
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return _plain({"version": VERSION, "format options": opts, "data files": _files_fingerprint(data_cfg.path),
+                   "tokenizer": _tokenizer_fingerprint(tok), "seq_len": seq_len, "seed": seed})
+
+
+def key_of(inputs: dict) -> str:
+    """The sha256 (first 24 hex digits) of a cache entry's inputs: its folder name."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cache_key(data_cfg, seq_len: int, tok, seed: int) -> str:
+    """The key (folder name) of this data's packed cache."""
+    return key_of(cache_inputs(data_cfg, seq_len, tok, seed))
 
 
 def _sha(path: Path) -> str:
@@ -76,8 +97,9 @@ def _write_table(path: Path, table: pa.Table) -> None:
         w.write_table(table)
 
 
-def write_cache(folder: Path, data) -> None:
-    """PackedData → the cache folder (via a temporary folder renamed into place)."""
+def write_cache(folder: Path, data, inputs: dict | None = None) -> None:
+    """PackedData → the cache folder (via a temporary folder renamed into place); meta.json records
+    the key (the folder's name) and `inputs`, the vocabulary bound checked at load."""
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -88,23 +110,60 @@ def write_cache(folder: Path, data) -> None:
     _write_table(tmp / "examples.arrow", pa.table({"offsets": pa.array(np.asarray(data.offsets, dtype=np.int64))}))
     _write_table(tmp / "rows.arrow", pa.table({"row_examples": pa.array(row_examples)}))
     _write_table(tmp / "row_start.arrow", pa.table({"row_start": pa.array(row_start)}))
-    meta = {"version": VERSION, "seq_len": data.seq_len, "num_truncated": data.num_truncated,
-            "num_dropped": data.num_dropped, "files": {f: [(tmp / f).stat().st_size, _sha(tmp / f)] for f in FILES}}
+    meta = {"version": VERSION, "key": folder.name, "inputs": inputs, "seq_len": data.seq_len,
+            "num_truncated": data.num_truncated, "num_dropped": data.num_dropped,
+            "files": {f: [(tmp / f).stat().st_size, _sha(tmp / f)] for f in FILES}}
     (tmp / "meta.json").write_text(json.dumps(meta))
     shutil.rmtree(folder, ignore_errors=True)
     os.rename(tmp, folder)
 
 
-def check_cache(folder: Path) -> str | None:
-    """None when the cache folder is whole; else what is wrong with it."""
+def verify_entry(folder: Path, key: str, inputs: dict | None) -> str | None:
+    """None when the cache entry `folder` was built from exactly `inputs` under `key` (meta.json's
+    own record, not the folder's name) and each file listed in meta.json has its recorded size and
+    sha256; else what is wrong, in words. Any content-keyed cache calls it (the data cache here, a
+    DPO reference log-prob cache)."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
-        for name, (size, sha) in meta["files"].items():
-            f = folder / name
-            if not f.is_file() or f.stat().st_size != size or _sha(f) != sha:
-                return f"{name} does not match meta.json"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         return f"meta.json unreadable ({type(e).__name__})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or not meta["files"]:
+        return "meta.json lists no files"
+    if meta.get("key") != key:
+        return f"meta.json records key {str(meta.get('key'))[:24]!r}, not its folder's"
+    if inputs is not None and meta.get("inputs") != inputs:
+        saved = meta.get("inputs") if isinstance(meta.get("inputs"), dict) else {}
+        differ = [k for k in dict.fromkeys([*inputs, *saved]) if saved.get(k) != inputs.get(k)]
+        return f"it was built from other inputs ({', '.join(differ[:4])} differ)"
+    for name, entry in meta["files"].items():
+        f = folder / str(name)
+        if not (isinstance(entry, list) and len(entry) == 2) or Path(str(name)).name != name:
+            return f"meta.json's entry for {name!r} is malformed"
+        if not f.is_file() or f.stat().st_size != entry[0] or _sha(f) != entry[1]:
+            return f"{name} does not match meta.json"
+    return None
+
+
+def check_cache(folder: Path, inputs: dict | None = None, vocab_size: int | None = None) -> str | None:
+    """None when the data cache folder is whole, of `inputs` and every token id in [0, vocab_size);
+    else what is wrong with it."""
+    problem = verify_entry(folder, folder.name, inputs)
+    if problem is not None:
+        return problem
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if set(meta["files"]) != set(FILES):
+            return "meta.json lists other files than a data cache's"
+        for k in ("seq_len", "num_truncated", "num_dropped"):
+            if isinstance(meta.get(k), bool) or not isinstance(meta.get(k), int) or meta[k] < 0:
+                return f"meta.json's {k} is {meta.get(k)!r}, not a count"
+        if inputs is not None and "seq_len" in inputs and meta["seq_len"] != inputs["seq_len"]:
+            return f"meta.json's seq_len {meta['seq_len']} is not the run's {inputs.get('seq_len')}"
+        tokens = _column(folder, "tokens.arrow", "tokens")
+    except (OSError, ValueError, KeyError, TypeError, IndexError, pa.ArrowException) as e:
+        return f"its files are unreadable ({type(e).__name__})"
+    if vocab_size is not None and len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        return f"it holds token id {int(tokens.max())}, outside the tokenizer's {vocab_size} ids"
     return None
 
 
@@ -144,7 +203,7 @@ def load_cache(folder: Path):
                       meta["num_dropped"])
 
 
-@contextmanager
+@contextlib.contextmanager
 def _locked(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -155,15 +214,36 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def cached_packed(cache_dir: str, key: str, build):
-    """The packed data of `key` from the cache, built (by `build()`) once under a file lock."""
+def cached_packed(cache_dir: str, key: str, build, inputs: dict | None = None, vocab_size: int | None = None):
+    """The packed data of `key` from the cache, built (by `build()`) once under a file lock. An
+    entry that is not whole, not of `inputs` or holds ids outside the vocabulary: one line, rebuilt."""
     root = Path(cache_dir).expanduser()
     folder = root / key
-    with _locked(root / f"{key}.lock"):
-        problem = check_cache(folder) if folder.exists() else "absent"
+    if root.exists() and not root.is_dir():
+        from shardtune.errors import UserError
+
+        raise UserError(f"data.cache_dir {str(root)!r} is a file, not a folder; give a folder (or null to "
+                        "tokenise in memory)")
+    try:
+        lock = _locked(root / f"{key}.lock")
+        lock.__enter__()
+    except OSError as e:
+        from shardtune.errors import UserError
+
+        raise UserError(f"data.cache_dir {str(root)!r} cannot be used ({e.strerror or type(e).__name__}); give a "
+                        "writable folder (or null to tokenise in memory)") from None
+    with contextlib.ExitStack() as stack:
+        stack.push(lock)
+        problem = check_cache(folder, inputs, vocab_size) if folder.exists() else "absent"
         if problem is not None:
             if problem != "absent":
-                print(f"shardtune: data cache {str(folder)!r} is corrupt ({problem}); rebuilding it",
+                print(f"shardtune: data cache {str(folder)!r} is not this data's ({problem}); rebuilding it",
                       file=sys.stderr, flush=True)
-            write_cache(folder, build())
+            write_cache(folder, build(), inputs)
+            problem = check_cache(folder, inputs, vocab_size)
+            if problem is not None:
+                from shardtune.errors import UserError
+
+                raise UserError(f"data cache {str(folder)!r} does not verify right after it was built ({problem}); "
+                                "the tokenizer produced ids outside its vocabulary, or the disk changed the files")
     return load_cache(folder)

@@ -272,9 +272,10 @@ def build_dataset(data_cfg, seq_len: int, tokenizer, seed: int) -> PackedData:
     cache_dir = resolve_cache_dir(data_cfg.cache_dir)
     if cache_dir is None:
         return build()
-    from shardtune.train.data.cache import cache_key, cached_packed  # cache.py imports this module
+    from shardtune.train.data.cache import cache_inputs, cached_packed, key_of  # cache.py imports this module
 
-    return cached_packed(cache_dir, cache_key(data_cfg, seq_len, tokenizer, seed), build)
+    inputs = cache_inputs(data_cfg, seq_len, tokenizer, seed)
+    return cached_packed(cache_dir, key_of(inputs), build, inputs, tokenizer.vocab_size)
 
 
 def resolve_cache_dir(spec: str | None) -> str | None:
@@ -297,7 +298,9 @@ def resolve_cache_dir(spec: str | None) -> str | None:
     except OSError:
         writable = False
     if not writable:
-        if root not in _NOTED:
+        # said once: by the launcher (not again by its ranks), or by rank 0 of a by-hand torchrun
+        said = os.environ.get("SHARDTUNE_PREFLIGHT") == "done" or int(os.environ.get("RANK", "0") or 0) != 0
+        if root not in _NOTED and not said:
             _NOTED.add(root)
             print(f"shardtune: data cache {str(root)!r} is not writable; tokenising in memory (set data.cache_dir "
                   "to a writable folder)", file=sys.stderr, flush=True)
@@ -313,10 +316,12 @@ def cached_rows(data_cfg, seq_len: int, tokenizer, seed: int) -> int | None:
     cache_dir = resolve_cache_dir(data_cfg.cache_dir)
     if cache_dir is None:
         return None
-    from shardtune.train.data.cache import cache_key, check_cache, load_cache
+    from shardtune.train.data.cache import cache_inputs, check_cache, key_of, load_cache
 
-    folder = Path(cache_dir) / cache_key(data_cfg, seq_len, tokenizer, seed)
-    return load_cache(folder).num_rows if folder.is_dir() and check_cache(folder) is None else None
+    inputs = cache_inputs(data_cfg, seq_len, tokenizer, seed)
+    folder = Path(cache_dir) / key_of(inputs)
+    ok = folder.is_dir() and check_cache(folder, inputs, tokenizer.vocab_size) is None
+    return load_cache(folder).num_rows if ok else None
 
 
 def build_dataloader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, seed: int) -> PackedLoader:
