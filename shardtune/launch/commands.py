@@ -40,8 +40,12 @@ _HCA = typer.Option(None, "--ib-hca", metavar="LIST",
 _LINK = typer.Option(None, "--link", metavar="NAME",
                      help="Catalogue link for the communication estimate (e.g. eth-100g, "
                           "ib-hdr-200); default from --interconnect.")
-_JOB = typer.Option("shardtune", "--job-name", metavar="NAME",
-                    help="Job name (SLURM job, Kubernetes object, rendezvous id).")
+_JOB = typer.Option(None, "--job-name", "--name", metavar="NAME",
+                    help="Job name (SLURM job, Kubernetes objects, rendezvous id). Default: shardtune; on "
+                         "Kubernetes the recipe's name plus a random suffix, so two jobs never collide.")
+_STRICT = typer.Option(False, "--strict",
+                       help="Refuse (exit 2) instead of warning when a recipe path is relative or missing "
+                            "here (k8s: not on the claim).")
 _OUT = typer.Option(None, "-o", "--output", metavar="FILE", help="Write here instead of printing to stdout.")
 _RESTARTS = typer.Option(0, "--max-restarts", metavar="N",
                          help="torchrun restarts of the worker group after a failure.")
@@ -96,12 +100,21 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     return cfg, spec, link
 
 
-def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable: bool) -> None:
+def _node_resources(cfg, spec):
+    """CPUs and memory per node (launch/resources.py), with its note when the planner has no figure."""
+    from shardtune.launch.resources import node_resources
+
+    res = node_resources(cfg, spec.nodes, spec.gpus_per_node, spec.cpus_per_task or spec.cpus)
+    return res, ([f"note: {res.note}; the job asks only for the per-process allowance"] if res.note else [])
+
+
+def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable: bool,
+          notes: list[str] = ()) -> None:
     from shardtune.launch.advice import comm_bound_warning
 
     warning = comm_bound_warning(cfg, spec.nodes, spec.gpus_per_node, spec.interconnect, link)
-    if warning:
-        print(warning, file=sys.stderr)
+    for line in [*notes, warning] if warning else notes:
+        print(line, file=sys.stderr)
     if output is None:
         sys.stdout.write(text)
         return
@@ -121,7 +134,7 @@ def torchrun_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, strict: bool = _STRICT,
     rdzv_host: str | None = typer.Option(None, "--rdzv-host", metavar="HOST",
                                          help="Address of the node hosting the c10d rendezvous "
                                               "(needed for >1 node)."),
@@ -140,7 +153,10 @@ def torchrun_cmd(
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
                              run_id=run_id, venv=venv)
-    _emit(render_torchrun(spec), output, cfg, spec, link, executable=True)
+    from shardtune.launch.paths import check_node_paths
+
+    notes = check_node_paths(cfg, strict)
+    _emit(render_torchrun(spec), output, cfg, spec, link, executable=True, notes=notes)
 
 
 @launch_app.command("slurm")
@@ -154,7 +170,13 @@ def slurm_cmd(
     time: str | None = typer.Option(None, "--time", metavar="LIMIT", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
     cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", metavar="N",
                                              help="CPUs for each node's torchrun agent and "
-                                                  "its workers."),
+                                                  "its workers (default 8 per process)."),
+    mem: str | None = typer.Option(None, "--mem", metavar="SIZE",
+                                   help="Memory per node, as sbatch takes it (512G); default: the planner's "
+                                        "host figure + 8 GiB per process."),
+    exclusive: bool = typer.Option(False, "--exclusive",
+                                   help="Whole nodes: every CPU and all memory of each (--mem=0)."),
+    strict: bool = _STRICT,
     log: str | None = typer.Option(None, "--log", metavar="PATTERN",
                                    help="sbatch --output pattern (default %x-%j.out)."),
     rdzv_port: int = typer.Option(29500, "--rdzv-port", metavar="PORT", help="Rendezvous TCP port on the first node."),
@@ -168,8 +190,13 @@ def slurm_cmd(
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
-                             cpus_per_task=cpus_per_task, log=log, rdzv_port=rdzv_port, venv=venv)
-    _emit(render_slurm(spec), output, cfg, spec, link, executable=False)
+                             cpus_per_task=cpus_per_task, log=log, rdzv_port=rdzv_port, venv=venv, mem=mem,
+                             exclusive=exclusive)
+    from shardtune.launch.paths import check_node_paths
+
+    notes = check_node_paths(cfg, strict)
+    res, res_notes = _node_resources(cfg, spec)
+    _emit(render_slurm(spec, res), output, cfg, spec, link, executable=False, notes=notes + res_notes)
 
 
 def _parse_elastic(value: str | None) -> tuple[int, int] | None:
@@ -190,8 +217,8 @@ def k8s_cmd(
     image: str | None = typer.Option(None, "--image", metavar="IMAGE",
                                      help="Container image with shardtune installed."),
     pvc: str | None = typer.Option(None, "--pvc", metavar="CLAIM",
-                                   help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints "
-                                        "(default JOB-checkpoints)."),
+                                   help="Shared ReadWriteMany PersistentVolumeClaim for checkpoints and "
+                                        "inputs (default shardtune-checkpoints)."),
     checkpoint_mount: str = typer.Option("/checkpoints", "--checkpoint-mount", metavar="PATH",
                                          help="Where the claim is mounted; "
                                               "the run folder goes under it."),
@@ -201,6 +228,14 @@ def k8s_cmd(
     efa_devices: int | None = typer.Option(None, "--efa-devices", metavar="N",
                                            help="With --interconnect efa: EFA interfaces per "
                                                 "pod (p5 32, p4d 4)."),
+    cpus: int | None = typer.Option(None, "--cpus", metavar="N", help="CPU request per pod (default 8 per process)."),
+    memory: str | None = typer.Option(None, "--memory", metavar="QTY",
+                                      help="Memory request per pod (512Gi); default: the planner's host figure "
+                                           "+ 8 GiB per process + /dev/shm."),
+    rdma_resource: str | None = typer.Option(None, "--rdma-resource", metavar="NAME",
+                                             help="With ib/roce: the RDMA device plugin's resource "
+                                                  "(default rdma/rdma_shared_device_a), or none."),
+    strict: bool = _STRICT,
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
     from shardtune.launch.k8s import render_k8s
@@ -212,8 +247,14 @@ def k8s_cmd(
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,
                              checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic),
-                             efa_devices=efa_devices)
-    _emit(render_k8s(spec, cfg), output, cfg, spec, link, executable=False)
+                             efa_devices=efa_devices, cpus=cpus, memory=memory, rdma_resource=rdma_resource)
+    from shardtune.launch.k8s import DEFAULT_PVC, rdma_note
+    from shardtune.launch.paths import claim_notes
+
+    notes = claim_notes(cfg, spec.checkpoint_mount, spec.pvc or DEFAULT_PVC, strict)
+    res, res_notes = _node_resources(cfg, spec)
+    notes += res_notes + ([rdma_note(spec)] if rdma_note(spec) else [])
+    _emit(render_k8s(spec, cfg, res), output, cfg, spec, link, executable=False, notes=notes)
 
 
 def doctor(

@@ -17,21 +17,54 @@ elasticPolicy), https://www.kubeflow.org/docs/components/trainer/legacy-v1/user-
 from __future__ import annotations
 
 import copy
+import re
+import secrets
 
 import yaml
 
 from shardtune.config import RunConfig, dump_config
 from shardtune.errors import UserError
 from shardtune.launch.network import env_dict, preset
+from shardtune.launch.paths import onto_claim
+from shardtune.launch.resources import NodeResources, node_resources
 from shardtune.launch.spec import LaunchSpec, check_k8s_name
 from shardtune.launch.torchrun import TRAIN_MODULE
 
 RECIPE_DIR = "/etc/shardtune"
 RECIPE_FILE = "recipe.yaml"
+# The NVIDIA Network Operator's RDMA shared device plugin resource (its documented default
+# config); clusters name their own, hence --rdma-resource.
+DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+DEFAULT_PVC = "shardtune-checkpoints"  # one claim for every job: each writes under its own name there
+
+
+def unique_name(base: str) -> str:
+    """`base` as a DNS label with a random suffix: two jobs of one recipe never share objects."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", base.lower()).strip("-")[:48].strip("-") or "shardtune"
+    return f"{stem}-{secrets.token_hex(3)}"
+
+
+def rdma_resource(spec: LaunchSpec) -> str | None:
+    """The RDMA device resource a pod asks for (ib/roce), or None."""
+    if spec.interconnect not in ("ib", "roce") or spec.rdma_resource == "none":
+        return None
+    return spec.rdma_resource or DEFAULT_RDMA_RESOURCE
+
+
+def rdma_note(spec: LaunchSpec) -> str | None:
+    """The loud line when an IB/RoCE job asks for no RDMA device."""
+    if spec.interconnect in ("ib", "roce") and rdma_resource(spec) is None:
+        return (f"warning: --interconnect {spec.interconnect} without an RDMA device (--rdma-resource none): "
+                "unless the pods get /dev/infiniband another way, NCCL falls back to TCP sockets without a word "
+                "(NCCL_DEBUG=INFO shows 'NET/Socket')")
+    return None
 
 
 def _limits(spec: LaunchSpec) -> dict:
     limits: dict = {"nvidia.com/gpu": spec.gpus_per_node}
+    rdma = rdma_resource(spec)
+    if rdma:  # the device plugin mounts /dev/infiniband into the container
+        limits[rdma] = 1
     if spec.interconnect == "efa":
         # EKS hands EFA interfaces to pods through the aws-efa-k8s-device-plugin resource.
         if not spec.efa_devices:
@@ -53,7 +86,13 @@ def _str(dumper: yaml.SafeDumper, value: str):
 _Dumper.add_representer(str, _str)
 
 
-def _pod_template(spec: LaunchSpec, config_map: str, pvc: str) -> dict:
+def _requests(spec: LaunchSpec, res: NodeResources) -> dict:
+    """CPU and memory per pod: the user's, else launch/resources.py's; the memory-backed /dev/shm
+    counts against the pod's memory, so it is added."""
+    return {"cpu": str(spec.cpus or res.cpus), "memory": spec.memory or f"{res.mem_gib + res.shm_gib}Gi"}
+
+
+def _pod_template(spec: LaunchSpec, config_map: str, pvc: str, res: NodeResources) -> dict:
     env = [{"name": k, "value": v} for k, v in env_dict(preset(spec.interconnect, spec.ifname, spec.ib_hca)).items()]
     # SIGTERM on pod deletion/preemption: give the trainer time to checkpoint (default grace is 30 s).
     env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(int(spec.checkpoint_grace_s))})
@@ -63,19 +102,21 @@ def _pod_template(spec: LaunchSpec, config_map: str, pvc: str) -> dict:
         "command": ["torchrun"],
         "args": ["--nproc-per-node", str(spec.gpus_per_node), "-m", TRAIN_MODULE, f"{RECIPE_DIR}/{RECIPE_FILE}"],
         "env": env,
-        "resources": {"limits": _limits(spec)},
+        "resources": {"requests": _requests(spec, res), "limits": _limits(spec)},
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "checkpoints", "mountPath": spec.checkpoint_mount},
             {"name": "recipe", "mountPath": RECIPE_DIR, "readOnly": True},
         ],
     }
+    if rdma_resource(spec):  # verbs pin (mlock) their buffers: the container's memlock limit needs IPC_LOCK
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     return {
         "spec": {
             "terminationGracePeriodSeconds": int(spec.checkpoint_grace_s) + 30,
             "containers": [container],
             "volumes": [
-                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{res.shm_gib}Gi"}},
                 {"name": "checkpoints", "persistentVolumeClaim": {"claimName": pvc}},
                 {"name": "recipe", "configMap": {"name": config_map}},
             ],
@@ -83,16 +124,19 @@ def _pod_template(spec: LaunchSpec, config_map: str, pvc: str) -> dict:
     }
 
 
-def build_manifests(spec: LaunchSpec, cfg: RunConfig) -> list[dict]:
-    """[ConfigMap, PyTorchJob] as dicts (see the module docstring)."""
-    name = check_k8s_name("--job-name", spec.job_name)
+def build_manifests(spec: LaunchSpec, cfg: RunConfig, res: NodeResources | None = None) -> list[dict]:
+    """[ConfigMap, PyTorchJob] as dicts (see the module docstring). No --job-name: a unique one."""
+    name = check_k8s_name("--job-name", spec.job_name or unique_name(cfg.name))
+    res = res or node_resources(cfg, spec.nodes, spec.gpus_per_node)
     if not spec.image:
         raise UserError("--image is needed for Kubernetes: a container image with shardtune installed")
-    pvc = check_k8s_name("--pvc", spec.pvc or f"{name}-checkpoints")
+    pvc = check_k8s_name("--pvc", spec.pvc or DEFAULT_PVC)
     config_map = f"{name}-recipe"
-    # Checkpoints and metrics on the shared volume, so any pod of a restarted job finds them.
-    cfg = cfg.model_copy(update={"output_dir": f"{spec.checkpoint_mount.rstrip('/')}/{cfg.name}"})
-    template = _pod_template(spec, config_map, pvc)
+    # Inputs and the run folder on the shared volume: the pods see only the image and their volumes,
+    # and any pod of a restarted job finds the checkpoints (launch/paths.py).
+    cfg = onto_claim(cfg, spec.checkpoint_mount)
+    cfg = cfg.model_copy(update={"output_dir": f"{spec.checkpoint_mount.rstrip('/')}/{name}"})
+    template = _pod_template(spec, config_map, pvc, res)
     job_spec: dict = {"nprocPerNode": str(spec.gpus_per_node), "pytorchReplicaSpecs": {}}
     if spec.elastic:
         lo, hi = spec.elastic
@@ -116,8 +160,8 @@ def build_manifests(spec: LaunchSpec, cfg: RunConfig) -> list[dict]:
     ]
 
 
-def render_k8s(spec: LaunchSpec, cfg: RunConfig) -> str:
-    docs = build_manifests(spec, cfg)
+def render_k8s(spec: LaunchSpec, cfg: RunConfig, res: NodeResources | None = None) -> str:
+    docs = build_manifests(spec, cfg, res)
     header = ("# Generated by `shardtune launch k8s`. Apply with: kubectl apply -f THIS_FILE\n"
               "# Needs the Kubeflow training operator and a ReadWriteMany PersistentVolumeClaim for checkpoints.\n")
     return header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)

@@ -29,6 +29,9 @@ _HOST = re.compile(r"^[A-Za-z0-9_.:\[\]-]+$")
 # OCI reference: [registry[:port]/]path[:tag][@sha256:digest]
 _IMAGE = re.compile(r"[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*"
                     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[a-f0-9]{64})?")
+# Kubernetes resource names (qualified: [prefix/]name) and quantities (binary or decimal suffix).
+_K8S_RESOURCE = re.compile(r"(?:[a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_K8S_QUANTITY = re.compile(r"[0-9]+(?:Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?")
 _HCA = re.compile(r"[=^]?[A-Za-z0-9_]+(?::[0-9]+)?(?:,[A-Za-z0-9_]+(?::[0-9]+)?)*")
 
 
@@ -43,7 +46,7 @@ class LaunchSpec:
     interconnect: str = "ib"
     ifname: str | None = None  # the training network's interface on every node (eth0, ens5)
     ib_hca: str | None = None  # NCCL_IB_HCA value (mlx5_0,mlx5_1 or a prefix)
-    job_name: str = "shardtune"
+    job_name: str | None = None  # None: "shardtune" (SLURM, torchrun), a unique name (k8s)
     partition: str | None = None
     account: str | None = None
     time: str | None = None
@@ -60,6 +63,12 @@ class LaunchSpec:
     checkpoint_mount: str = "/checkpoints"
     elastic: tuple[int, int] | None = None  # k8s: (min, max) nodes
     efa_devices: int | None = None  # k8s + efa: vpc.amazonaws.com/efa per pod
+    mem: str | None = None  # SLURM --mem (default: the planner's host figure, launch/resources.py)
+    exclusive: bool = False  # SLURM: whole nodes (--exclusive, --mem=0)
+    cpus: int | None = None  # k8s: cpu request per pod (default: launch/resources.py)
+    memory: str | None = None  # k8s: memory request per pod, a Kubernetes quantity
+    rdma_resource: str | None = None  # k8s + ib/roce: extended resource of the RDMA device plugin; "none": omit
+    strict: bool = False  # refuse (not warn about) recipe paths the nodes will not see
 
 
 def normalize_interconnect(name: str) -> str:
@@ -158,6 +167,20 @@ def validate(spec: LaunchSpec) -> LaunchSpec:
         raise UserError(f"--checkpoint-grace-s {spec.checkpoint_grace_s}: give 1..{MAX_GRACE_S} seconds")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
         raise UserError(f"--cpus-per-task {spec.cpus_per_task}: give at least 1 CPU")
+    if spec.cpus is not None and spec.cpus < 1:
+        raise UserError(f"--cpus {spec.cpus}: give at least 1 CPU")
+    if spec.memory is not None and not _K8S_QUANTITY.fullmatch(spec.memory):
+        raise UserError(f"--memory {spec.memory!r} is not a Kubernetes quantity (e.g. 512Gi)")
+    if spec.rdma_resource is not None and spec.rdma_resource != "none" and (
+            len(spec.rdma_resource) > 253 or not _K8S_RESOURCE.fullmatch(spec.rdma_resource)):
+        raise UserError(f"--rdma-resource {spec.rdma_resource!r} is not a Kubernetes resource name (e.g. "
+                        "rdma/rdma_shared_device_a), or none")
+    if spec.mem is not None:
+        from shardtune.launch.resources import slurm_mem_bytes
+
+        slurm_mem_bytes(spec.mem)
+    if spec.exclusive and spec.mem:
+        raise UserError("--exclusive takes each node's whole memory (--mem=0); give --mem or --exclusive, not both")
     if spec.time is not None and parse_slurm_time_s(spec.time) // 60 > _MAX_SLURM_MINUTES:
         raise UserError(f"--time {spec.time!r} is beyond what Slurm can hold; give e.g. 2-00:00:00")
     # (the recipe path is an existing file, passed quoted and verbatim: tests/unit/test_launch.py HOSTILE)
@@ -176,7 +199,8 @@ def validate(spec: LaunchSpec) -> LaunchSpec:
         check_ifname(spec.ifname)
     if spec.rdzv_host:
         check_host("--rdzv-host", spec.rdzv_host)
-    check_sbatch_word("--job-name", spec.job_name)
+    if spec.job_name is not None:
+        check_sbatch_word("--job-name", spec.job_name)
     if spec.image:
         check_image(spec.image)
     if spec.ib_hca:

@@ -233,7 +233,7 @@ def test_pytorchjob_manifest_fields_and_hostile_values(tmp_path):
     assert c["name"] == "pytorch" and c["image"] == "ghcr.io/me/shardtune:1"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
     vols = {v["name"]: v for v in pod["volumes"]}
-    assert vols["dshm"]["emptyDir"] == {"medium": "Memory"}
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}  # 2 GiB x 8 processes
     assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == "shared-ckpt"
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["dshm"] == "/dev/shm" and mounts["checkpoints"] == "/checkpoints"
@@ -243,7 +243,7 @@ def test_pytorchjob_manifest_fields_and_hostile_values(tmp_path):
     # overrides): the hostile name survives byte for byte
     embedded = build_config(yaml.safe_load(cm["data"]["recipe.yaml"]))
     assert "$(touch PWNED)" in cfg.name and embedded.name == cfg.name and embedded.train.max_steps == 5
-    assert embedded.output_dir == f"/checkpoints/{cfg.name}"
+    assert embedded.output_dir == "/checkpoints/ft-8b"  # the job's own folder on the claim
     assert c["args"][-1] == "/etc/shardtune/recipe.yaml"
 
 
