@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test install clean
+.PHONY: demo demo-real test install clean image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,12 @@ demo-real: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check shardtune tests bench
 	$(BIN)/python -m pytest -q --durations=25
+
+# The container image for `shardtune launch k8s --image` (Dockerfile: CUDA base, RDMA userspace,
+# torch's CUDA build, this project and its extras). Needs docker; then docker push $(IMAGE).
+IMAGE ?= shardtune:latest
+image:
+	docker build -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) runs

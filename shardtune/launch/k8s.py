@@ -41,6 +41,7 @@ DEFAULT_PVC = "shardtune-checkpoints"  # one claim for every job: each writes un
 def unique_name(base: str) -> str:
     """`base` as a DNS label with a random suffix: two jobs of one recipe never share objects."""
     stem = re.sub(r"[^a-z0-9-]+", "-", base.lower()).strip("-")[:48].strip("-") or "shardtune"
+    stem = stem if stem[0].isalpha() else f"job-{stem}"  # a PyTorchJob's name starts with a letter
     return f"{stem}-{secrets.token_hex(3)}"
 
 
@@ -126,7 +127,7 @@ def _pod_template(spec: LaunchSpec, config_map: str, pvc: str, res: NodeResource
 
 def build_manifests(spec: LaunchSpec, cfg: RunConfig, res: NodeResources | None = None) -> list[dict]:
     """[ConfigMap, PyTorchJob] as dicts (see the module docstring). No --job-name: a unique one."""
-    name = check_k8s_name("--job-name", spec.job_name or unique_name(cfg.name))
+    name = check_k8s_name("--job-name", spec.job_name or unique_name(cfg.name), letter_first=True)
     res = res or node_resources(cfg, spec.nodes, spec.gpus_per_node)
     if not spec.image:
         raise UserError("--image is needed for Kubernetes: a container image with shardtune installed")

@@ -112,10 +112,13 @@ def check_sbatch_path(option: str, value: str) -> str:
     return _check(_SBATCH_PATH, option, value, "letters, digits and . _ / % + -")
 
 
-def check_k8s_name(option: str, value: str) -> str:
-    if len(value) > 63 or not _K8S_NAME.fullmatch(value):
-        raise UserError(f"{option} {value!r} is not a Kubernetes name; use lowercase letters, digits and '-' (at "
-                        "most 63)")
+def check_k8s_name(option: str, value: str, letter_first: bool = False) -> str:
+    """An RFC 1123 label; `letter_first`: an RFC 1035 label, as the training operator's webhook wants
+    a PyTorchJob's name (NameIsDNS1035Label)."""
+    if len(value) > 63 or not _K8S_NAME.fullmatch(value) or (letter_first and not value[0].isalpha()):
+        first = ", starting with a letter" if letter_first else ""
+        raise UserError(f"{option} {value!r} is not a Kubernetes name; use lowercase letters, digits and '-'{first} "
+                        "(at most 63)")
     return value
 
 

