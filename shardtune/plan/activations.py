@@ -19,15 +19,26 @@ from math import ceil
 from shardtune.plan.params import Architecture
 
 
-def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int) -> float:
-    """Korthikanti et al. 2022 eq. (1): s·b·h·(34 + 5·a·s/h) bytes per GPT layer at 16-bit."""
-    s, b, h, a = seq_len, micro_batch, hidden, heads
-    return s * b * h * (34 + 5 * a * s / h)
+def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                            sp: bool = False) -> float:
+    """Korthikanti et al. 2022 eq. (1): s·b·h·(34 + 5·a·s/h) bytes per GPT layer at 16-bit; with
+    tensor parallelism t (eq. 2) s·b·h·(10 + 24/t + 5·a·s/(h·t)), with sequence parallelism too
+    (eq. 4) s·b·h·(34/t + 5·a·s/(h·t)) (their Table 2)."""
+    s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    if sp:
+        return s * b * h * (34 / t + 5 * a * s / (h * t))
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
 def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, mask_seq_len: int = 0,
-                           autocast: bool = False) -> int:
-    """Bytes one decoder layer saves for backward over `tokens` = b·s tokens (module doc)."""
+                           autocast: bool = False, tp: int = 1, sp: bool = False) -> int:
+    """Bytes one decoder layer saves for backward over `tokens` = b·s tokens (module doc), on
+    one of `tp` tensor-parallel ranks: heads and the MLP width split by tp; with `sp` the norms'
+    tensors split along the sequence too; the inputs of q/k/v and of gate/up are whole on
+    every rank (torch's DTensor saves the all-gathered input of a column-parallel matmul, where
+    Megatron keeps its shard and gathers again in backward); the mask is whole (docs/planner.md)."""
+    if tp > 1:
+        return _tp_layer_bytes(arch, tokens, elem_bytes, mask_seq_len, tp, sp)
     e, h, I = elem_bytes, arch.hidden_size, arch.intermediate_size
     h_kv = arch.num_kv_heads * arch.head_dim
     h_q = arch.num_heads * arch.head_dim
@@ -46,26 +57,41 @@ def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2,
 
 
 def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, autocast: bool = False,
-                          loss_chunks: int = 1) -> int:
+                          loss_chunks: int = 1, tp: int = 1, sp: bool = False) -> int:
     """Final norm, LM-head input and the logits/loss tensors over the vocabulary (module doc).
     K = `loss_chunks` > 1 (train/core/chunked_loss.py): one chunk of ⌈T/K⌉ rows' logits (e) and
-    their fp32 upcast (4) at a time, plus a 4-byte log-sum-exp a token (docs/loss.md)."""
-    e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size
+    their fp32 upcast (4) at a time, plus a 4-byte log-sum-exp a token (docs/loss.md). Under
+    tensor parallelism the loss is vocabulary-parallel: V/tp logits a token; with `sp` the final
+    norm's tensors are split along the sequence, the head's gathered input is whole."""
+    e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size // tp
     logits = (e + 4 + 4) * V if e != 4 else 8 * V
-    norm_and_input = tokens * ((4 + (4 if autocast else e)) * h + 4 + e * h)
+    normed = tokens // tp if sp else tokens
+    norm_and_input = normed * ((4 + (4 if autocast else e)) * h + 4) + tokens * e * h
     if loss_chunks > 1:
         chunk_row = (e + 4) * V if e != 4 else 4 * V
         return norm_and_input + 4 * tokens + ceil(tokens / loss_chunks) * chunk_row
     return norm_and_input + tokens * logits
 
 
-def op_kept_layer_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) -> tuple[int, int]:
+def _tp_layer_bytes(arch: Architecture, tokens: int, e: int, mask_seq_len: int, tp: int, sp: bool) -> int:
+    """layer_activation_bytes under tensor parallelism (no autocast: TP runs under FSDP2 only)."""
+    h, I, n = arch.hidden_size, arch.intermediate_size, arch.num_heads
+    h_q, h_kv = n * arch.head_dim // tp, arch.num_kv_heads * arch.head_dim // tp
+    norm_tokens = tokens // tp if sp else tokens
+    norms = norm_tokens * 2 * ((4 + e) * h + 4)
+    heads = e * (2 * h_q + 2 * h_kv) if not mask_seq_len else e * (4 * h_q + mask_seq_len)
+    attn = tokens * (e * h + heads + 4 * n // tp)
+    mlp = tokens * (e * h + 4 * e * I // tp)
+    return norms + attn + mlp
+
+
+def op_kept_layer_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, tp: int = 1) -> tuple[int, int]:
     """op AC, one layer: (bytes its matmul and SDPA outputs keep beyond the layer's input, the part
     of them backward saves anyway: SDPA's output and log-sum-exp, the gate and up outputs) —
     docs/ac.md. Dense: e·T·(2h_q + 2h_kv + 2h + 2I) + 4·T·n (q, k, v, SDPA out, o, gate, up,
     down; fp32 lse per head). MoE: the router logits and k experts' three matmuls (unchecked)."""
-    e, h, I, n = elem_bytes, arch.hidden_size, arch.intermediate_size, arch.num_heads
-    h_q, h_kv = n * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    e, h, I, n = elem_bytes, arch.hidden_size, arch.intermediate_size // tp, arch.num_heads // tp
+    h_q, h_kv = n * arch.head_dim, arch.num_kv_heads * arch.head_dim // tp
     k = arch.experts_per_token if arch.num_experts else 1
     router = e * arch.num_experts if arch.num_experts else 0
     kept = e * (2 * h_q + 2 * h_kv + h) + router + k * e * (2 * I + h) + 4 * n
@@ -75,14 +101,16 @@ def op_kept_layer_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2) ->
 
 def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
                      ac: str = "none", ac_every: int = 2, calibrated: bool = False,
-                     autocast: bool = False, loss_chunks: int = 1) -> int:
+                     autocast: bool = False, loss_chunks: int = 1, tp: int = 1, sp: bool = False) -> int:
     """Peak saved activations of one micro-batch on one rank, with activation checkpointing.
     `calibrated`: the trainer's masked attention and AC peak; `autocast`: an fp32 model under
-    torch.autocast (ddp/zero1 with bf16-mixed), whose residual stream stays fp32 (module doc)."""
+    torch.autocast (ddp/zero1 with bf16-mixed), whose residual stream stays fp32 (module doc).
+    `tp`, `sp`: one tensor-parallel rank's share; AC keeps each layer's input, which sequence
+    parallelism splits (the residual stream is sequence-sharded between the blocks)."""
     tokens = micro_batch * seq_len
-    layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast)
+    layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast, tp, sp)
     stream = 4 if autocast else elem_bytes  # the residual stream's (and RoPE cos/sin's) bytes
-    kept_input = stream * tokens * arch.hidden_size
+    kept_input = stream * (tokens // tp if sp else tokens) * arch.hidden_size
     L = arch.num_layers
     if ac == "none":
         checkpointed = 0
@@ -93,11 +121,11 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
     if ac == "op":  # + each layer's matmul/SDPA outputs; the recompute rebuilds the rest (docs/ac.md)
-        kept, shared = op_kept_layer_bytes(arch, tokens, elem_bytes)
+        kept, shared = op_kept_layer_bytes(arch, tokens, elem_bytes, tp)
         body += L * kept
         recompute = layer - shared
     rope = 2 * stream * tokens * arch.head_dim  # cos, sin
-    head = head_activation_bytes(arch, tokens, elem_bytes, autocast, loss_chunks)
+    head = head_activation_bytes(arch, tokens, elem_bytes, autocast, loss_chunks, tp, sp)
     if calibrated and recompute:
         return body + rope + max(head, recompute)
     return body + recompute + rope + head

@@ -20,6 +20,7 @@ from shardtune.plan.params import (
     model_shapes,
 )
 from shardtune.plan.timing import add_timing
+from shardtune.plan.tp import check_tp_arch, tp_collectives, tp_combination_error, tp_local_shapes
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.strategies import STRATEGIES, STRATEGY, Layout, check_combination, resolve_optimizer_impl
 
@@ -57,6 +58,7 @@ class StrategyPlan:
     state_bytes_per_rank: dict | None = None  # local tensor bytes of each rank (worlds ≤ 16)
     timing: dict = field(default_factory=dict)  # plan.timing.add_timing: step_time_s, tokens_per_s, mfu, ...
     simulated: dict | None = None  # plan.simulate (--simulate): traced bytes with the `memory` keys, or a fallback note
+    layout: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "tp", "sequence_parallel"}
 
     @property
     def headroom_gib(self) -> float:
@@ -108,6 +110,15 @@ class _Model:
     active: int
     buffer_cache: dict = field(default_factory=dict)
 
+    def local_shapes(self, tp: int) -> list[ParamShape] | None:
+        """Each tensor's shape on one tensor-parallel rank (plan/tp.py), before FSDP shards it."""
+        if self.shapes is None:
+            return None
+        key = ("tp", tp)
+        if key not in self.buffer_cache:
+            self.buffer_cache[key] = tp_local_shapes(self.shapes, tp)
+        return self.buffer_cache[key]
+
 
 def _load_model(model, params: float | None, lora_rank: int, quantize_base: str = "none") -> _Model:
     if params is not None:
@@ -126,13 +137,14 @@ def _load_model(model, params: float | None, lora_rank: int, quantize_base: str 
 
 
 def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
-    if inp.accounting == "paper":
-        return memory.paper_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision, inp.optimizer)
+    if inp.accounting == "paper":  # model parallelism (the ZeRO paper's MP) splits all states by tp
+        return memory.paper_states(-(-m.num_params // inp.tp), -(-m.trainable // inp.tp), strategy,
+                                   shard_degree, inp.precision, inp.optimizer)
     if m.shapes is None:
         return memory.flat_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision,
                                   inp.optimizer, _impl(inp))
-    return memory.max_rank_states(m.shapes, strategy, inp.gpus, shard_degree, inp.precision, inp.optimizer,
-                                  _impl(inp))
+    return memory.max_rank_states(m.local_shapes(inp.tp), strategy, inp.gpus // inp.tp, shard_degree,
+                                  inp.precision, inp.optimizer, _impl(inp))
 
 
 def _impl(inp: PlanInputs) -> str:
@@ -144,12 +156,13 @@ def _buffers(m: _Model, strategy: str, inp: PlanInputs) -> int:
     if inp.accounting == "paper" or m.shapes is None:
         return 0
     chunks = resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size) if m.arch else 1
-    key = (strategy, inp.precision, chunks)  # independent of the world size: computed once per plan
+    key = (strategy, inp.precision, chunks, inp.tp)  # independent of the world size: computed once per plan
     if key not in m.buffer_cache:
+        shapes = m.local_shapes(inp.tp)  # TP: the gathered layers are this rank's TP shards
         if STRATEGY[strategy].fsdp:
-            m.buffer_cache[key] = memory.fsdp_buffer_bytes(m.shapes, strategy, inp.precision)
+            m.buffer_cache[key] = memory.fsdp_buffer_bytes(shapes, strategy, inp.precision)
         else:
-            m.buffer_cache[key] = memory.ddp_buffer_bytes(m.shapes, inp.precision, chunks)
+            m.buffer_cache[key] = memory.ddp_buffer_bytes(shapes, inp.precision, chunks)
     return m.buffer_cache[key]
 
 
@@ -163,12 +176,16 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> int:
                 and not inp.lora_rank)
     return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast,
-                            loss_chunks=resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size))
+                            loss_chunks=resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size),
+                            tp=inp.tp, sp=inp.sequence_parallel)
 
 
 def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
-    layout = Layout.build(strategy, inp.gpus, inp.gpus_per_node, inp.hsdp_shard_size)
+    # the data-parallel part of the mesh: gpus / tp ranks, TP innermost (plan/tp.py)
+    dp, tp = inp.gpus // inp.tp, inp.tp
+    layout = Layout.build(strategy, dp, max(1, inp.gpus_per_node // tp), inp.hsdp_shard_size)
     shard, fsdp = layout.shard_degree, layout.strategy.fsdp
+    shapes = m.local_shapes(tp)
     st = _states(m, strategy, inp, shard)
     cpu_per_rank = 0
     if inp.offload == "optimizer":
@@ -189,15 +206,22 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
         # or they live on the host (offload all)
         net_of = shard if fsdp and not grads_in_forward and inp.offload != "all" else 0
         if fsdp:
-            reduce = memory.fsdp_root_reduce_bytes(m.shapes, inp.precision, net_of)
+            reduce = memory.fsdp_root_reduce_bytes(shapes, inp.precision, net_of)
         chunks = resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size) if m.arch else 1
-        tied = memory.tied_backward_bytes(m.shapes, strategy, inp.precision, chunks, net_of)
+        tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced)
-    colls = comm.collectives(strategy, num_params=m.num_params,
-                             trainable_params=m.trainable, world_size=inp.gpus, shard_degree=shard,
-                             precision=inp.precision, shapes=m.shapes, accounting=inp.accounting)
+    colls = comm.collectives(strategy, num_params=-(-m.num_params // tp),
+                             trainable_params=-(-m.trainable // tp), world_size=dp, shard_degree=shard,
+                             precision=inp.precision, shapes=shapes, accounting=inp.accounting)
+    if m.arch is not None and inp.accounting == "shardtune":
+        colls += [comm.Collective(op, "tp", size, tp, "micro_batch", phase, what, calls)
+                  for op, size, phase, calls, what in tp_collectives(
+                      m.arch, inp.micro_batch * inp.seq_len, tp, inp.sequence_parallel,
+                      memory.dtypes(inp.precision).compute, inp.ac, inp.ac_every)]
     return StrategyPlan(
+        layout={"dp_replicate": layout.replicate_degree if fsdp else dp, "dp_shard": shard, "tp": tp,
+                "sequence_parallel": inp.sequence_parallel},
         state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total),
@@ -214,9 +238,11 @@ def _per_rank(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> dict | N
     allocation every FSDP2 rank makes."""
     if m.shapes is None or inp.accounting != "shardtune" or inp.gpus > 16:
         return None
-    ranks = [memory.shardtune_states(m.shapes, strategy, inp.gpus, shard,
+    dp = inp.gpus // inp.tp  # rank r: data-parallel rank r // tp (TP innermost); TP splits evenly
+    by_dp = [memory.shardtune_states(m.local_shapes(inp.tp), strategy, dp, shard,
                                      inp.precision, inp.optimizer, r, padded=False, impl=_impl(inp))
-             for r in range(inp.gpus)]
+             for r in range(dp)]
+    ranks = [by_dp[r // inp.tp] for r in range(inp.gpus)]
     return {k: [getattr(s, k) for s in ranks] for k in ("params", "grads", "optimizer")}
 
 
@@ -229,7 +255,8 @@ def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           loss_chunks=inp.loss_chunks, quantize_base=inp.quantize_base)
     except UserError as e:
         return e
-    return None
+    why = tp_combination_error(strategy, inp.tp, inp.quantize_base, inp.accounting)
+    return UserError(why) if why else None
 
 
 def _applicable(inp: PlanInputs) -> tuple[list[str], list[str]]:
@@ -337,6 +364,8 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
                         f"{gpu.memory_bytes / GIB:.1f} GiB; give a smaller reserve")
     usable = gpu.memory_bytes - reserve
     m = _load_model(inp.model, inp.params, inp.lora_rank, inp.quantize_base)
+    if m.arch is not None:
+        check_tp_arch(m.arch, inp.tp)
     names, omitted = _applicable(inp)
     plans = [_plan_strategy(m, s, inp, usable) for s in names]
     ddp_bytes = comm.bytes_per_step(comm.collectives(

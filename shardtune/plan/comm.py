@@ -28,7 +28,8 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 class Collective:
     """One collective over the whole model (FSDP2 issues it layer by layer; sizes add up).
 
-    `group`: "world", "shard" or "replica" (HSDP's mesh dimensions, as in plan/timing.py).
+    `group`: "world", "shard" or "replica" (the data-parallel mesh dimensions, as in plan/timing.py),
+    or "tp" (tensor parallelism's activation collectives: on the critical path, never overlapped).
     `phase`: "forward" / "backward" (overlap with that phase's compute) or "optimizer".
     `count_per`: "micro_batch" (every forward/backward) or "step" (once per optimizer step).
     """
@@ -40,6 +41,7 @@ class Collective:
     count_per: str
     phase: str
     what: str
+    calls: int = 0  # collectives carrying the bytes; 0: ring.num_calls decides (FSDP2: one per module)
 
     def bytes_per_rank(self) -> float:
         """Bytes each rank sends for one call, on average (ring; module doc)."""

@@ -74,7 +74,13 @@ def plan_cmd(
     accounting: str = typer.Option(_D.accounting, "--accounting", metavar="[shardtune|paper]",
                                    help="shardtune (what the trainer holds) | paper (ZeRO §5)."),
     hsdp_shard_size: int | None = typer.Option(_D.hsdp_shard_size, "--hsdp-shard-size", metavar="N",
-                                               help="hsdp: ranks per shard group (default gpus per node)."),
+                                               help="hsdp: ranks per shard group (default data-parallel ranks "
+                                                    "per node: gpus per node / tp)."),
+    tp: int = typer.Option(_D.tp, "--tp", metavar="N",
+                           help="Tensor-parallel degree inside a node (parallel.tp); FSDP shards over gpus / tp."),
+    sequence_parallel: bool | None = typer.Option(
+        _D.sequence_parallel, "--sequence-parallel/--no-sequence-parallel",
+        help="Sequence parallelism with --tp (parallel.sequence_parallel; default on when tp > 1)."),
     params: float | None = typer.Option(_D.params, "--params", metavar="COUNT",
                                         help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states "
                                              "only."),
@@ -111,7 +117,7 @@ def plan_cmd(
         "config that fits (a given --strategy or --offload is kept)."),
 ) -> None:
     """Per-GPU memory (params, grads, optimizer, activations, buffers), fit and communication of
-    every strategy: ddp, zero1, zero2, zero3, hsdp."""
+    every strategy: ddp, zero1, zero2, zero3, hsdp (with --tp: beside tensor parallelism)."""
     if list_models:
         _print_catalogue()
         return
@@ -122,7 +128,8 @@ def plan_cmd(
         micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
         optimizer_impl=optimizer_impl, ac=ac, ac_every=ac_every, offload=offload, lora_rank=lora_rank,
         quantize_base=quantize_base,
-        loss_chunks=loss_chunks, accounting=accounting, hsdp_shard_size=hsdp_shard_size, params=params,
+        loss_chunks=loss_chunks, accounting=accounting, hsdp_shard_size=hsdp_shard_size, tp=tp,
+        sequence_parallel=sequence_parallel, params=params,
         reserve_gib=reserve_gib,
         strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,
         nics_per_node=nics_per_node, network_profile=network_profile, mfu=mfu, tokens=tokens)

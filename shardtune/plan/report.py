@@ -51,6 +51,10 @@ def render_text(result: PlanResult, console=None, wide: bool = False) -> None:
         f"AC {inp['ac']}, offload {inp['offload']}"
         + (f", LoRA r={inp['lora_rank']}" if inp["lora_rank"] else "")
         + f"; accounting: {result.accounting}")
+    if inp.get("tp", 1) > 1:
+        sp = "with" if inp.get("sequence_parallel") else "without"
+        console.print(f"layout: data-parallel {hw['gpus'] // inp['tp']} × tensor-parallel {inp['tp']} (inside a "
+                      f"node, {sp} sequence parallelism); FSDP shards over the data-parallel ranks")
     console.print(_memory_table(result) if wide else _compact_memory_table(result))
     console.print(_comm_table(result, wide))
     if any(s.timing for s in result.strategies):  # plan/timing.py
@@ -75,13 +79,15 @@ def _memory_table(result: PlanResult):
 
     table = Table(title="Per-GPU memory in GiB (2^30 bytes); peak also in GB (10^9 bytes)",
                   box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("strategy", "shard", "params", "grads", "optim", "activ", "buffers", "opt tmp",
-                "peak GiB", "peak GB", "free GiB", "fits"):
+    tp = result.inputs.get("tp", 1)
+    for col in ("strategy", "dp×tp" if tp > 1 else "shard", "params", "grads", "optim", "activ", "buffers",
+                "opt tmp", "peak GiB", "peak GB", "free GiB", "fits"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for s in result.strategies:
         mem = s.memory
+        shard = f"{s.shard_degree}×{tp}" if tp > 1 else str(s.shard_degree)  # the FSDP shard group × TP
         table.add_row(
-            s.name, str(s.shard_degree), _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
+            s.name, shard, _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
             _gib(mem.activations), _gib(mem.buffers), _gib(mem.optimizer_step_temp), _gib(mem.total),
             f"{mem.total / GB:,.1f}", f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
     return table
@@ -115,8 +121,10 @@ def _comm_table(result: PlanResult, wide: bool = True):
     for col in cols:
         table.add_column(col, justify="left" if col.startswith(("strategy", "coll")) else "right")
     for s in result.strategies:
-        parts = " + ".join(f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}"
-                           for c in s.collectives)
+        dp = [c for c in s.collectives if c.group != "tp"]
+        tp_bytes = sum(c.bytes_per_rank() for c in s.collectives if c.group == "tp")
+        parts = " + ".join([f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}"
+                            for c in dp] + ([f"TP {tp_bytes / GB:,.1f}"] if tp_bytes else []))
         ratio = "" if s.comm_ratio_to_ddp is None else f"{s.comm_ratio_to_ddp:.2f}"
         row = [s.name, parts, f"{s.comm_bytes_per_step / GB:,.1f}", ratio]
         table.add_row(*(row if wide else [row[0], *row[2:]]))

@@ -119,14 +119,16 @@ class Group:
     groups_per_node: int
 
 
-def mesh_groups(cluster: Cluster, shard_size: int | None = None) -> dict[str, Group]:
-    """The groups a strategy talks in: the whole world, and HSDP's shard and replica groups.
+def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1) -> dict[str, Group]:
+    """The groups a strategy talks in: the data-parallel world, HSDP's shard and replica groups,
+    and the tensor-parallel group.
 
-    Ranks are numbered node by node (torchrun's order) and the HSDP mesh is (replicate, shard)
-    with the shard dimension innermost (FSDP2's `init_device_mesh(..., (r, s))`), so a shard
-    group holds consecutive ranks and a replica group takes one rank from each shard group.
+    Ranks are numbered node by node (torchrun's order) and the mesh is (replicate, shard, tp)
+    with tp innermost, then the shard dimension (FSDP2's `init_device_mesh(..., (r, s))`), so a
+    TP group is `tp` consecutive ranks of one node, and the data-parallel groups are those of a
+    cluster of g/tp ranks per node, `tp` of them (one per TP position) sharing each node's NICs.
     """
-    n, g = cluster.world_size, cluster.gpus_per_node
+    n, g = cluster.world_size // tp, max(1, cluster.gpus_per_node // tp)
     s = shard_size or n
     if n % s:
         raise ValueError(f"shard size {s} does not divide world size {n}")
@@ -137,7 +139,9 @@ def mesh_groups(cluster: Cluster, shard_size: int | None = None) -> dict[str, Gr
     # members when s < g (several shard groups per node) and 1 when s ≥ g; each of the s
     # (or g, if s ≥ g) local positions belongs to a different replica group.
     replica = Group(r, max(1, g // s) if s < g else 1, min(s, g))
-    return {"world": world, "shard": shard, "replica": replica}
+    dp = {k: Group(v.size, v.ranks_per_node, v.groups_per_node * tp) for k, v in
+          (("world", world), ("shard", shard), ("replica", replica))}
+    return dict(dp, tp=Group(tp, tp, max(1, cluster.gpus_per_node // tp)))
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,9 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25), torc
 def num_calls(op, num_layers: int, group_size: int) -> int:
     """How many collectives carry `op`'s bytes: FSDP2 issues one per wrapped module (each decoder
     layer and the root: L + 1), DDP one per 25 MiB gradient bucket, ZeroRedundancyOptimizer one
-    broadcast per rank's partition."""
+    broadcast per rank's partition; an op that says its own `calls` (TP's per-layer collectives)."""
+    if getattr(op, "calls", 0):
+        return op.calls
     if op.op in ("all_gather", "reduce_scatter") or op.group == "replica":
         return num_layers + 1
     if op.op == "broadcast":

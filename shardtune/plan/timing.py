@@ -64,8 +64,13 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
     the NICs) proceed in parallel, so a phase's comm is the slowest link's sum; collectives on
     the same link add up. `overlap=False` models a runtime that does not overlap at all.
     `copy_bytes_per_s` (memory bandwidth) prices FSDP2's copy-in/copy-out, which run on the
-    collective's stream, so they count with its link (None: not counted).
+    collective's stream, so they count with its link (None: not counted). Tensor parallelism's
+    collectives (group "tp") sit between a layer's matmuls, which wait for them: all exposed.
     """
+    tp_ops = [op for op in ops if op.group == "tp"]
+    ops = [op for op in ops if op.group != "tp"]
+    tp_fw, tp_bw = (sum(op_time_s(op, groups, cluster, num_layers) for op in tp_ops if op.phase == ph)
+                    for ph in ("forward", "backward"))
     def phase_comm(phase: str, every: str) -> dict[bool, float]:
         by_link: dict[bool, float] = {}  # crosses nodes? → seconds
         for op in ops:
@@ -96,17 +101,17 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
     exposed_mb = exposed(fw_mb, forward_s) + exposed(bw_mb, backward_s)
     exposed_last = (exposed(slowest(links["forward", "micro_batch"], links["forward", "step"]), forward_s)
                     + exposed(slowest(links["backward", "micro_batch"], links["backward", "step"]), backward_s))
-    exposed_total = (k - 1) * exposed_mb + exposed_last + opt_comm
+    exposed_total = (k - 1) * exposed_mb + exposed_last + opt_comm + k * (tp_fw + tp_bw)
     compute = k * (forward_s + backward_s)
-    comm_total = k * (fw_mb + bw_mb) + fw_st + bw_st + opt_comm
+    comm_total = k * (fw_mb + bw_mb + tp_fw + tp_bw) + fw_st + bw_st + opt_comm
     return StepTime(
         step_time_s=compute + exposed_total + optimizer_s,
         compute_time_s=compute,
         comm_time_s=comm_total,
         exposed_comm_s=exposed_total,
         optimizer_time_s=optimizer_s,
-        forward_comm_s=k * fw_mb + fw_st,
-        backward_comm_s=k * bw_mb + bw_st,
+        forward_comm_s=k * (fw_mb + tp_fw) + fw_st,
+        backward_comm_s=k * (bw_mb + tp_bw) + bw_st,
         optimizer_comm_s=opt_comm,
     )
 
@@ -178,12 +183,15 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                      micro_batch: int, seq_len: int, grad_accum: int, ac: str, ac_every: int,
                      trainable_params: int, num_params: int, active_params: int, lora: bool,
                      offload: str, optimizer: str, peak_flops_per_s: float, mfu: float,
-                     mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True) -> dict:
+                     mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True,
+                     tp: int = 1) -> dict:
     """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
 
     `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
     compute kernels run at mfu × peak; recompute and exposed communication then lower the MFU
     reported here. `arch` None (a bare --params count): 6N FLOPs per token, no attention term.
+    `tp`: each of the tp ranks of a tensor-parallel group computes 1/tp of the same tokens'
+    FLOPs (heads and MLP width split) and updates 1/tp of the parameters.
     """
 
     if arch is not None:
@@ -204,20 +212,20 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
         2.0 * num_params if ac == "full" else 0.0)
     tokens_mb = micro_batch * seq_len
     rate = peak_flops_per_s * mfu
-    forward_s = tokens_mb * fwd_tok / rate
-    backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate
+    forward_s = tokens_mb * fwd_tok / rate / tp
+    backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate / tp
 
-    owners = shard_degree  # ranks one optimizer state is split over (strategies.Layout)
+    owners = shard_degree * tp  # ranks one optimizer state is split over (strategies.Layout, × TP)
     params_per_rank = trainable_params / owners
     if offload in ("optimizer", "all"):
         optimizer_s = (C.optimizer_step_time_s(params_per_rank, HOST_OPTIMIZER_BYTES_PER_S, optimizer)
                        + C.offload_transfer_time_s(params_per_rank, PCIE_BYTES_PER_S))
     else:
         optimizer_s = C.optimizer_step_time_s(params_per_rank, mem_bw_bytes_per_s, optimizer)
-    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None)
+    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None, tp)
     st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap,
                    copy_bytes_per_s=mem_bw_bytes_per_s)
-    tokens_step = tokens_mb * grad_accum
+    tokens_step = tokens_mb * grad_accum / tp  # per GPU: a TP group shares its tokens
     tps = throughput(st.step_time_s, tokens_step)
     out = {
         "step_time_s": st.step_time_s,
@@ -260,7 +268,7 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
         num_params=model_info["params"], active_params=model_info.get("active_params") or model_info["params"],
         lora=bool(inp.lora_rank), offload=inp.offload, optimizer=inp.optimizer,
         peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], mem_bw_bytes_per_s=gpu.hbm_bytes_per_s,
-        tokens=ctx["tokens"])
+        tokens=ctx["tokens"], tp=getattr(inp, "tp", 1))
 
 
 def add_timing(result, arch, inp, gpu, **options) -> None:

@@ -51,7 +51,9 @@ class PlanInputs:
     quantize_base: str = "none"  # lora.quantize_base: nf4 stores the LoRA base in 4 bits (QLoRA)
     loss_chunks: int | None = None  # train.loss_chunks; default: plan/loss.py (8 above a 32k vocabulary)
     accounting: str = "shardtune"
-    hsdp_shard_size: int | None = None  # default: gpus_per_node
+    hsdp_shard_size: int | None = None  # default: data-parallel ranks per node (gpus_per_node / tp)
+    tp: int = 1  # parallel.tp: tensor-parallel degree, inside a node (plan/tp.py)
+    sequence_parallel: bool | None = None  # parallel.sequence_parallel; default: on when tp > 1
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
     strategies: list[str] | None = None  # default: all that apply
@@ -122,6 +124,7 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.lora_rank = _int_in("lora_rank", inp.lora_rank, 0, 65_536)
     if inp.loss_chunks is not None:
         inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
+    inp.tp = _int_in("tp", inp.tp, 1, MAX_GPUS)
     _layout(inp)
     inp.precision = normalize_precision(inp.precision)
     inp.optimizer = normalize_optimizer(inp.optimizer)
@@ -138,7 +141,8 @@ def validate_inputs(**kw) -> PlanInputs:
 
 
 def _layout(inp: PlanInputs) -> None:
-    """nodes × gpus_per_node = gpus, and an HSDP shard size that divides the world."""
+    """nodes × gpus_per_node = gpus, a TP degree inside a node, and an HSDP shard size that
+    divides the data-parallel world (gpus / tp)."""
     n = inp.gpus
     if inp.nodes is not None:
         inp.nodes = _int_in("nodes", inp.nodes, 1, MAX_GPUS)
@@ -159,9 +163,36 @@ def _layout(inp: PlanInputs) -> None:
             raise UserError(f"--gpus {n} is not a multiple of {inp.gpus_per_node} GPUs per node; "
                             "give --gpus-per-node or --nodes")
         inp.nodes = n // inp.gpus_per_node
-    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else inp.gpus_per_node
+    _tp_layout(inp)
+    dp, per_node = n // inp.tp, max(1, inp.gpus_per_node // inp.tp)
+    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else per_node
     g = _int_in("hsdp_shard_size", g, 1, MAX_GPUS)
-    if n % g:
-        raise UserError(f"--hsdp-shard-size {g} does not divide --gpus {n}; give a divisor such as "
-                        f"{inp.gpus_per_node if n % inp.gpus_per_node == 0 else 1}")
+    if dp % g:
+        raise UserError(f"--hsdp-shard-size {g} does not divide the {dp} data-parallel ranks (--gpus {n}"
+                        + (f" / --tp {inp.tp}" if inp.tp > 1 else "")
+                        + f"); give a divisor such as {per_node if dp % per_node == 0 else 1}")
     inp.hsdp_shard_size = g
+
+
+def _tp_layout(inp: PlanInputs) -> None:
+    """TP innermost, inside one node (its collectives need NVLink), dividing the world and, with
+    sequence parallelism (default on with tp > 1), the sequence."""
+    t = inp.tp
+    if inp.sequence_parallel is None:
+        inp.sequence_parallel = t > 1
+    if not isinstance(inp.sequence_parallel, bool):
+        raise UserError(f"--sequence-parallel must be true or false, got {inp.sequence_parallel!r}")
+    if t == 1:
+        inp.sequence_parallel = False
+        return
+    if inp.gpus % t:
+        raise UserError(f"--tp {t} does not divide --gpus {inp.gpus}; give a world of dp × tp GPUs")
+    if t > inp.gpus_per_node:
+        raise UserError(f"--tp {t} exceeds the {inp.gpus_per_node} GPUs of a node: tensor parallelism "
+                        "talks every layer and needs the intra-node link; give --tp ≤ --gpus-per-node")
+    if inp.sequence_parallel and inp.seq_len % t:
+        raise UserError(f"--seq-len {inp.seq_len} is not divisible by --tp {t}: sequence parallelism splits "
+                        "the sequence; give a multiple of tp (or --no-sequence-parallel)")
+    if inp.params is not None and inp.accounting != "paper":
+        raise UserError("--tp needs a model architecture (what TP splits); give a MODEL instead of --params, "
+                        "or --accounting paper (model states / tp)")

@@ -1,0 +1,130 @@
+"""Tensor (and sequence) parallelism in the planner: what TP shards, its checks, its collectives.
+
+The layout is torch's DTensor TP of a transformers Llama (issue 29; torchtitan's plan): q, k, v,
+gate and up `ColwiseParallel` (weight and bias split on dim 0, the output features), o and down
+`RowwiseParallel` (weight split on dim 1; a bias stays whole), the embedding vocabulary-parallel
+(rows, dim 0), the LM head column-parallel (dim 0) with the loss computed vocabulary-parallel,
+RMSNorm weights replicated (SequenceParallel shards the norms' activations, not their weights).
+LoRA adapters follow their base: a column-parallel base splits lora_B on dim 0 and keeps lora_A
+whole; a row-parallel base splits lora_A on dim 1 and keeps lora_B whole. FSDP2 then shards each
+TP-local tensor on dim 0 over the data-parallel shard group. Imports no torch.
+
+Collectives per decoder layer and micro-batch, S = e·b·s·h bytes (the activation at full
+length; Korthikanti et al. 2022 §4.2.2): with sequence parallelism an all-gather before attention
+and before the MLP and a reduce-scatter after o and after down (forward), the same four swapped
+in backward (g and ḡ); without it an all-reduce after o and after down (forward) and one for
+each block's input gradient (backward). Full AC re-runs the forward's four in backward.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardtune.errors import UserError
+from shardtune.plan.params import Architecture, ParamShape
+
+TP_DEGREES = (1, 2, 4, 8)  # plan --fit's search
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROWWISE = ("o_proj", "down_proj")
+
+
+def tp_dim(name: str) -> int | None:
+    """The dim TP splits parameter `name` on (module doc), or None when every TP rank holds it."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0
+    parts = name.split(".")
+    if "lora_A" in parts or "lora_B" in parts:
+        module = parts[parts.index("lora_A" if "lora_A" in parts else "lora_B") - 1]
+        if module in _COLWISE and "lora_B" in parts:
+            return 0
+        if module in _ROWWISE and "lora_A" in parts:
+            return 1
+        return None
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module in _COLWISE:
+        return 0
+    if module in _ROWWISE and parts[-1] == "weight":
+        return 1
+    return None
+
+
+def tp_local_shapes(shapes: list[ParamShape], tp: int) -> list[ParamShape]:
+    """Each parameter's TP-local shape on any TP rank (the splits are even: `check_tp_arch`)."""
+    if tp == 1:
+        return shapes
+    out = []
+    for p in shapes:
+        d = tp_dim(p.name)
+        if d is None:
+            out.append(p)
+        else:
+            shape = list(p.shape)
+            shape[d] //= tp
+            out.append(replace(p, shape=tuple(shape)))
+    return out
+
+
+def check_tp_arch(arch: Architecture, tp: int) -> None:
+    """tp divides every dimension TP splits: heads, KV heads, the MLP width and the vocabulary
+    (torch's ColwiseParallel/RowwiseParallel split evenly; nothing pads). One-line UserError."""
+    if tp == 1:
+        return
+    if arch.num_experts:
+        raise UserError(f"--tp {tp}: tensor parallelism of MoE experts ({arch.model_type}) is not planned; use --tp 1")
+    for what, n in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
+                    ("intermediate size", arch.intermediate_size), ("vocabulary", arch.vocab_size)):
+        if n % tp:
+            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); give a tp that divides "
+                            f"heads {arch.num_heads}, KV heads {arch.num_kv_heads}, intermediate "
+                            f"{arch.intermediate_size} and vocabulary {arch.vocab_size}")
+
+
+def tp_collectives(arch: Architecture, tokens: int, tp: int, sp: bool, elem_bytes: int, ac: str,
+                   ac_every: int = 2) -> list[tuple[str, int, str, int, str]]:
+    """(op, payload bytes, phase, calls, what) of one micro-batch's TP collectives (module doc).
+
+    Payload: `calls` × nccl-tests' whole buffer of one call, e·T·h (the all-gather's output,
+    the reduce-scatter's input, the all-reduce's buffer). Per layer 2 forward + 2 backward of each kind with SP
+    (2 all-reduces each way without); the embedding's output and the LM head's input add one
+    each way; AC re-runs the forward's collectives of each recomputed layer (op AC too: the
+    gathered inputs of the matmuls it keeps are not kept). The loss's all-reduces over [T]
+    (max, sum of exp, target logit: 3 × 4·T bytes) ride beside them."""
+    if tp == 1:
+        return []
+    L = arch.num_layers
+    payload = elem_bytes * tokens * arch.hidden_size
+    recomputed = {"none": 0, "full": L, "op": L}.get(ac, -(-L // max(1, ac_every)))
+    raw: list[tuple[str, int, str, int, str]] = []
+    out = raw
+    if sp:
+        for op, back in (("all_gather", "reduce_scatter"), ("reduce_scatter", "all_gather")):
+            # the layers' pair of each kind, and the embedding's RS / the head's AG beside them
+            out.append((op, payload, "forward", 2 * L + 1, "TP activations (sequence parallel)"))
+            out.append((back, payload, "backward", 2 * L + 1, "TP activation grads"))
+        if recomputed:
+            out += [("all_gather", payload, "backward", 2 * recomputed, "TP recompute (AC)"),
+                    ("reduce_scatter", payload, "backward", 2 * recomputed, "TP recompute (AC)")]
+    else:
+        out += [("all_reduce", payload, "forward", 2 * L + 1, "TP activations"),
+                ("all_reduce", payload, "backward", 2 * L + 1, "TP activation grads")]
+        if recomputed:
+            out.append(("all_reduce", payload, "backward", 2 * recomputed, "TP recompute (AC)"))
+    out.append(("all_reduce", 4 * tokens, "forward", 3, "loss parallel (max, sum exp, target)"))
+    return [(op, size * calls, phase, calls, what) for op, size, phase, calls, what in raw]
+
+
+def tp_combination_error(strategy: str, tp: int, quantize_base: str = "none", accounting: str = "shardtune") -> str:
+    """Why `strategy` cannot run with tensor parallelism `tp` ("" when it can): FSDP2 composes
+    with DTensor TP on a 2-D mesh; DDP and ZeroRedundancyOptimizer do not take DTensor params;
+    torchao's NF4 tensor is not a DTensor. The ZeRO paper's accounting plans Megatron's model
+    parallelism beside any ZeRO stage (its Table 2), so it allows every strategy."""
+    from shardtune.strategies import FSDP_STRATEGIES, STRATEGY
+
+    if tp == 1 or accounting == "paper":
+        return ""
+    if not STRATEGY[strategy].fsdp:
+        return (f"{strategy} with tensor parallelism (tp {tp}) cannot run: TP composes with FSDP2 only "
+                f"({', '.join(FSDP_STRATEGIES)}): parallel.strategy / --strategy, or parallel.tp / --tp 1")
+    if quantize_base != "none":
+        return (f"QLoRA ({quantize_base} base) under tensor parallelism (tp {tp}) is not supported: "
+                "lora.quantize_base / --quantize-base none, or parallel.tp / --tp 1")
+    return ""
