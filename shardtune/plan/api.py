@@ -8,19 +8,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from shardtune.catalog.gpus import GPU, resolve_gpu
-from shardtune.catalog.models import MODELS, resolve_model_config
 from shardtune.errors import UserError
 from shardtune.plan import comm, memory
 from shardtune.plan.activations import activation_bytes
 from shardtune.plan.loss import resolve_loss_chunks
-from shardtune.plan.params import (
-    ParamShape,
-    architecture_from_config,
-    count_active_params,
-    model_shapes,
-)
+from shardtune.plan.model import _load_model, _Model
 from shardtune.plan.timing import add_timing
-from shardtune.plan.tp import check_tp_arch, tp_collectives, tp_combination_error, tp_local_shapes
+from shardtune.plan.tp import TP_DEGREES, check_tp_arch, tp_collectives, tp_combination_error
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.strategies import STRATEGIES, STRATEGY, Layout, check_combination, resolve_optimizer_impl
 
@@ -97,43 +91,6 @@ class PlanResult:
             "strategies": [s.to_dict() for s in self.strategies],
             "verdict": self.verdict, "notes": self.notes,
         }
-
-
-@dataclass
-class _Model:
-    name: str
-    source: str
-    num_params: int
-    trainable: int
-    shapes: list[ParamShape] | None
-    arch: object | None
-    active: int
-    buffer_cache: dict = field(default_factory=dict)
-
-    def local_shapes(self, tp: int) -> list[ParamShape] | None:
-        """Each tensor's shape on one tensor-parallel rank (plan/tp.py), before FSDP shards it."""
-        if self.shapes is None:
-            return None
-        key = ("tp", tp)
-        if key not in self.buffer_cache:
-            self.buffer_cache[key] = tp_local_shapes(self.shapes, tp)
-        return self.buffer_cache[key]
-
-
-def _load_model(model, params: float | None, lora_rank: int, quantize_base: str = "none") -> _Model:
-    if params is not None:
-        n = int(params)
-        return _Model(f"{params:g} parameters", "--params (model states only)", n, n, None, None, n)
-    cfg = model if isinstance(model, dict) else resolve_model_config(model)
-    arch = architecture_from_config(cfg)
-    if lora_rank > arch.hidden_size:
-        raise UserError(f"--lora-rank {lora_rank} exceeds the hidden size {arch.hidden_size}; use a rank such as 8-64")
-    shapes = model_shapes(arch, lora_rank, quantize_base)
-    name = model if isinstance(model, str) else "config"
-    source = MODELS[name]["source"] if name in MODELS else name
-    total = sum(p.numel for p in shapes)  # with LoRA: the frozen base and the adapters
-    trainable = sum(p.numel for p in shapes if p.trainable)
-    return _Model(name, source, total, trainable, shapes, arch, count_active_params(arch))
 
 
 def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
@@ -296,6 +253,11 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
         scale_out.append(("--ac full", full))
     if inp.micro_batch > 1:
         scale_out.append(("--micro-batch 1", replace(inp, micro_batch=1)))
+    if STRATEGY[sp.name].fsdp and inp.tp == 1 and m.arch is not None and inp.accounting == "shardtune":
+        for t in TP_DEGREES[1:]:  # tensor parallelism divides the states and activations on the same GPUs
+            changed = with_tp(inp, t, m.arch)
+            if changed:
+                scale_out.append((f"--tp {t}", changed))
     if STRATEGY[sp.name].shards_optimizer:  # more GPUs shrink nothing under ddp
         scale_out += list(more_gpus(inp, ""))
         if full:
@@ -317,6 +279,21 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
     if found:
         return " or ".join(found)
     return _fallback(sp, inp)
+
+
+def with_tp(inp: PlanInputs, tp: int, arch) -> PlanInputs | None:
+    """`inp` at tensor-parallel degree `tp` (the HSDP shard size re-derived), or None where that
+    layout cannot run (validate's and check_tp_arch's rules)."""
+    from dataclasses import fields, replace
+
+    try:
+        changed = replace(inp, tp=tp, sequence_parallel=None if tp > 1 else False,
+                          hsdp_shard_size=None if inp.tp != tp else inp.hsdp_shard_size)
+        changed = resolve_inputs(PlanInputs(**{f.name: getattr(changed, f.name) for f in fields(PlanInputs)}))
+        check_tp_arch(arch, tp)
+    except UserError:
+        return None
+    return changed
 
 
 def _fallback(sp: StrategyPlan, inp: PlanInputs) -> str:

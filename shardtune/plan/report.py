@@ -123,8 +123,9 @@ def _comm_table(result: PlanResult, wide: bool = True):
     for s in result.strategies:
         dp = [c for c in s.collectives if c.group != "tp"]
         tp_bytes = sum(c.bytes_per_rank() for c in s.collectives if c.group == "tp")
-        parts = " + ".join([f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}"
-                            for c in dp] + ([f"TP {tp_bytes / GB:,.1f}"] if tp_bytes else []))
+        parts = " + ".join(
+            [f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}" for c in dp]
+            + ([f"TP {tp_bytes / GB:,.1f}"] if tp_bytes else []))
         ratio = "" if s.comm_ratio_to_ddp is None else f"{s.comm_ratio_to_ddp:.2f}"
         row = [s.name, parts, f"{s.comm_bytes_per_step / GB:,.1f}", ratio]
         table.add_row(*(row if wide else [row[0], *row[2:]]))
