@@ -113,8 +113,8 @@ def plan_cmd(
     tokens: float | None = typer.Option(_D.tokens, "--tokens", metavar="COUNT",
                                         help="Tokens to train on: report wall-clock days and GPU-hours."),
     fit: bool = typer.Option(
-        False, "--fit", help="Search strategy × AC × offload × micro-batch × shard size × precision for the fastest "
-        "config that fits (a given --strategy or --offload is kept)."),
+        False, "--fit", help="Search strategy × tp × AC × offload × micro-batch × shard size × precision for the "
+        "fastest config that fits (a given --strategy, --tp or --offload is kept)."),
 ) -> None:
     """Per-GPU memory (params, grads, optimizer, activations, buffers), fit and communication of
     every strategy: ddp, zero1, zero2, zero3, hsdp (with --tp: beside tensor parallelism)."""

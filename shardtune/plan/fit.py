@@ -1,15 +1,16 @@
 """`plan --fit`: the configuration with the highest predicted tokens/s per GPU that fits.
 
-Searches strategy × activation checkpointing × offload × micro-batch × HSDP shard size ×
-precision with the planner's memory model (plan/api.py) and the step-time model (plan/timing.py),
-keeping the user's grad_accum, sequence length, GPU and cluster. Each ranked entry says why it
-loses to the best (which per-token time component is larger), each rejected one why it does not
-fit. Also renders the per-strategy time table of a plan. Imports no torch.
+Searches strategy × tensor-parallel degree (1, 2, 4, 8) × activation checkpointing × offload ×
+micro-batch × HSDP shard size × precision with the planner's memory model (plan/api.py) and the
+step-time model (plan/timing.py), keeping the user's grad_accum, sequence length, GPU and
+cluster. Each ranked entry says why it loses to the best (which per-token time component is
+larger), each rejected one why it does not fit. Also renders the per-strategy time table of a plan. Imports no torch.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from shardtune.plan.tp import TP_DEGREES
 from shardtune.strategies import AC_MODES, PRECISIONS, STRATEGY
 
 GIB = 2**30
@@ -34,6 +35,7 @@ class Candidate:
     why: str = ""
     optimizer: str = "adamw"
     optimizer_impl: str = "auto"
+    tp: int = 1  # tensor-parallel degree (plan/tp.py); sequence parallelism on with it
 
     @property
     def tokens_per_s(self) -> float:
@@ -41,12 +43,14 @@ class Candidate:
 
     def label(self) -> str:
         shard = f" shard {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else ""
+        shard += f" × tp {self.tp}" if self.tp > 1 else ""
         return (f"{self.strategy}{shard}, AC {self.ac}, offload {self.offload}, micro-batch "
                 f"{self.micro_batch}, {self.precision}")
 
     def flags(self) -> str:
         f = (f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} "
              f"--micro-batch {self.micro_batch} --precision {self.precision}")
+        f += f" --tp {self.tp}" if self.tp > 1 else ""
         return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else "")
 
 
@@ -111,14 +115,18 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
     offloads = (base.offload,) if base.offload in OFFLOADS[1:] else OFFLOADS  # a runnable --offload is kept
     out: list[Candidate] = []
     refused: dict[str, Exception] = {}
-    for strategy in strategies:
-        shards = _shard_sizes(base.gpus, base.gpus_per_node) if STRATEGY[strategy].hybrid else [None]
+    # tensor parallelism: a --tp given is kept, else every degree of plan/tp.py that can run here
+    tps = [base.tp] if base.tp > 1 or m.arch is None else [t for t in TP_DEGREES if api.with_tp(base, t, m.arch)]
+    for tp, strategy in ((t, s) for t in tps for s in strategies):
+        at_tp = api.with_tp(base, tp, m.arch) if tp != base.tp else base
+        dp, dp_per_node = base.gpus // tp, max(1, base.gpus_per_node // tp)
+        shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
         for shard in shards:
             for precision in PRECISIONS:
                 for ac in acs:
                     impl = _impl_for(base, precision)
                     for offload in offloads:
-                        inp = replace(base, strategies=[strategy], hsdp_shard_size=shard or base.hsdp_shard_size,
+                        inp = replace(at_tp, strategies=[strategy], hsdp_shard_size=shard or at_tp.hsdp_shard_size,
                                       precision=precision, ac=ac, offload=offload, optimizer_impl=impl)
                         err = api._combination_error(inp, strategy)
                         if err:  # strategies.check_combination: nothing runs it
@@ -130,7 +138,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
-                                          optimizer_impl=impl)
+                                          optimizer_impl=impl, tp=tp)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)
                             out.append(c)
@@ -161,11 +169,11 @@ def _distinct(cands: list[Candidate], top: int) -> list[Candidate]:
     for c in cands:
         if c.strategy not in {o.strategy for o in out}:
             out.append(c)
-            seen.add((c.strategy, c.precision, c.ac, c.offload))
+            seen.add((c.strategy, c.tp, c.precision, c.ac, c.offload))
     for c in cands:
         if len(out) >= max(top, len({o.strategy for o in out})):
             break
-        key = (c.strategy, c.precision, c.ac, c.offload)
+        key = (c.strategy, c.tp, c.precision, c.ac, c.offload)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -193,7 +201,7 @@ def _why_loses(c: Candidate, best: Candidate) -> str:
         "optimizer step": per_token(c, "optimizer_time_s") - per_token(best, "optimizer_time_s"),
     }
     worst = max(diffs, key=diffs.get)
-    keys = ("strategy", "hsdp_shard_size", "ac", "offload", "micro_batch", "precision")
+    keys = ("strategy", "tp", "hsdp_shard_size", "ac", "offload", "micro_batch", "precision")
     no_shard = None in (best.hsdp_shard_size, c.hsdp_shard_size)
     changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in keys
                if getattr(best, k) != getattr(c, k) and not (k == "hsdp_shard_size" and no_shard)]

@@ -28,7 +28,7 @@ _KEYS = {
     "grad_accum": (None, "train.grad_accum"), "optimizer": (None, "optim.name"),
     "optimizer_impl": (None, "optim.implementation"), "ac": (None, "parallel.activation_checkpointing"),
     "ac_every": (None, "parallel.ac_every"), "offload": (None, "parallel.offload"),
-    "hsdp_shard_size": (None, "parallel.hsdp_shard_size"),
+    "hsdp_shard_size": (None, "parallel.hsdp_shard_size"), "tp": (None, "parallel.tp"),
 }
 
 
@@ -71,10 +71,11 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
                 grad_accum=base.grad_accum, precision=best.precision, optimizer=best.optimizer,
                 optimizer_impl=best.optimizer_impl, ac=best.ac, ac_every=base.ac_every, offload=best.offload,
                 hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None,
-                lora_rank=base.lora_rank, strategy=best.strategy)
+                lora_rank=base.lora_rank, strategy=best.strategy, tp=best.tp)
     cfg = load_recipe(recipe)
     have = cfg.plan_inputs()
     have["strategy"] = cfg.parallel.strategy
+    have.setdefault("tp", getattr(cfg.parallel, "tp", 1))
     one_node = base.nodes == 1  # else `shardtune launch slurm`, which takes overrides only
     argv = (["shardtune", "train", recipe, "--nproc", str(base.gpus)] if one_node else
             ["shardtune", "launch", "slurm", recipe, "--nodes", str(base.nodes), "--gpus-per-node",

@@ -191,3 +191,19 @@ def test_bad_tp_is_one_line_exit_2(capsys, argv, msg):
 def test_tp_must_divide_heads(capsys):
     rc, out, err = _run(["plan", "tiny-llama", "--gpus", "4", "--tp", "4"], capsys)  # 2 KV heads
     assert rc == 2 and "KV heads (2)" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fit_searches_tp_and_its_pick_plans_the_same():
+    # 405B at 32k tokens on 128 H100s: with tp 1 even one sequence's full-AC checkpoints and
+    # the states do not fit; the search must go to tp > 1, and `plan` with the pick's flags agrees.
+    from shardtune.plan.fit import search
+
+    fit = search("llama-3.1-405b", gpus=128, seq_len=32768)
+    assert fit.best is not None and fit.best.tp in (2, 4, 8)
+    assert not any(c.fits for c in fit.ranked + fit.rejected if c.tp == 1)
+    b = fit.best
+    r = plan("llama-3.1-405b", 128, seq_len=32768, tp=b.tp, strategies=[b.strategy], ac=b.ac, offload=b.offload,
+             micro_batch=b.micro_batch, precision=b.precision, optimizer_impl=b.optimizer_impl)
+    assert r.strategy(b.strategy).fits
+    assert r.strategy(b.strategy).memory.total / GIB == pytest.approx(b.peak_gib)
+    assert f"--tp {b.tp}" in b.flags()
