@@ -52,6 +52,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "shardtune.train.export_commands",
     "shardtune.train.generate_commands",
     "shardtune.report.commands",
+    "shardtune.recipes.commands",
 )
 
 

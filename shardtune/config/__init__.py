@@ -8,20 +8,21 @@ train/preflight.py `validate_for_launch`. Imports no torch (and nothing from pla
 """
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from shardtune.config.base import _Section
 from shardtune.config.data import DataConfig
+from shardtune.config.keys import all_keys, closest_key
 from shardtune.config.lora import LoraConfig
 from shardtune.config.model import ModelConfig
 from shardtune.config.optim import OptimConfig
 from shardtune.config.parallel import ParallelConfig
+from shardtune.config.paths import resolve_recipe_paths
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.strategies import check_combination
@@ -44,6 +45,7 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    _recipe_paths: dict = PrivateAttr(default_factory=dict)  # config/paths.py: {key: (written, resolved)}
 
     @field_validator("name")
     @classmethod
@@ -92,25 +94,9 @@ class RunConfig(_Section):
 
 
 
-def _all_keys(model_cls: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model_cls.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys.append(prefix + name)  # the section itself, so `modle:` suggests `model`
-            keys += _all_keys(ann, f"{prefix}{name}.")
-        else:
-            keys.append(prefix + name)
-    return keys
-
-
 def _unknown_key_message(key: str) -> str:
-    keys = _all_keys(RunConfig)
-    leaf = key.rsplit(".", 1)[-1]
-    # the right name in the wrong section first (`train.lr` → `optim.lr`), then a near spelling
-    close = [k for k in keys if k.rsplit(".", 1)[-1] == leaf][:1] or difflib.get_close_matches(
-        key, keys, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest_key(key, all_keys(RunConfig))
+    hint = f" (did you mean {close!r}?)" if close else ""
     return f"unknown recipe key {key!r}{hint}"
 
 
@@ -173,7 +159,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a YAML recipe (None: all defaults), apply `key.path=value` overrides, validate."""
+    """Read a YAML recipe (None: all defaults), apply `key.path=value` overrides, validate. Relative
+    paths in the recipe are read against its folder (config/paths.py), those of overrides against the
+    current folder."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -193,9 +181,15 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] | tuple[str
         if not isinstance(data, dict):
             raise UserError(f"recipe {str(path)!r} must be a YAML mapping of sections")
         data.setdefault("name", p.stem)
+        written = resolve_recipe_paths(data, p.parent.resolve())  # relative paths: against the recipe's folder
+    else:
+        written = {}
     for item in overrides:
         apply_override(data, item)
-    return build_config(data)
+        written.pop(item.split("=", 1)[0].strip(), None)  # the command line's own path: against the cwd
+    cfg = build_config(data)
+    cfg._recipe_paths = written
+    return cfg
 
 
 def dump_config(cfg: RunConfig) -> str:

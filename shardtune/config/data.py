@@ -36,6 +36,10 @@ class DataConfig(_Section):
                           "'generated': the built-in generated dataset (shardtune/train/data/datagen.py).")
     val_path: str | None = Field(None, description="Validation data (same sources and formats as `path`); its "
                                                     "loss is the global token mean over every rank.")
+    val_split: float | None = Field(
+        None, gt=0, lt=1, description="Hold out this fraction of the training examples (e.g. 0.05) as the validation "
+                                      "set instead of val_path: a seeded choice that depends on the data only (the "
+                                      "same at every train.seed and world size); training never sees them.")
     split: str = Field("train", description="The split to read from a save_to_disk DatasetDict or a cached "
                                             "dataset id.")
     format: FORMAT = Field(
@@ -86,8 +90,17 @@ class DataConfig(_Section):
             raise ValueError(unknown_template_message(v))
         return v
 
+    @property
+    def has_val(self) -> bool:
+        """A validation set is given: data.val_path or data.val_split."""
+        return bool(self.val_path or self.val_split)
+
     @model_validator(mode="after")
     def _one_kind_of_source(self):
+        if self.val_split and (self.val_path or self.sources):
+            raise ValueError(f"data.val_split {self.val_split} holds out part of data.path; give it or "
+                             f"{'data.val_path' if self.val_path else 'a data.val_path (data.sources are mixed)'}, "
+                             "not both")
         if self.sources is not None:
             if self.path not in (None, "generated"):
                 raise ValueError("give data.path or data.sources, not both")

@@ -16,8 +16,9 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class ModelConfig(_Section):
-    name: str = Field("tiny-llama", description="Catalogue name (e.g. llama-3-8b, tiny-llama) or a local HF "
-                                                "model folder.")
+    name: str = Field("tiny-llama", description="Catalogue name (e.g. llama-3-8b, tiny-llama), a local HF "
+                                                "model folder, or a Hub model id (owner/name) already in the local "
+                                                "Hugging Face cache ($HF_HUB_CACHE; read offline, never downloaded).")
     init: Literal["auto", "random", "pretrained"] = Field(
         "auto", description="auto: load safetensors weights when `name` is a folder that has them, else seeded "
                             "random init.")
@@ -29,6 +30,17 @@ class ModelConfig(_Section):
     download: str | None = Field(None, description="Hub id the folder in `name` comes from "
                                                    "(owner/name): a missing folder's error names its download "
                                                    "command.")
+
+    @field_validator("name")
+    @classmethod
+    def _cached_id(cls, v: str) -> str:
+        """A Hub id (owner/name) that is no folder here but is in the local Hugging Face cache: its
+        snapshot folder (offline, like data.path's dataset ids)."""
+        if v not in MODELS and _HUB_ID.fullmatch(v) and not Path(v).expanduser().exists():
+            from shardtune.config.paths import cached_model_folder
+
+            return cached_model_folder(v) or v
+        return v
 
     @field_validator("architecture")
     @classmethod

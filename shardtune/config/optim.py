@@ -21,11 +21,11 @@ class OptimConfig(_Section):
                             "only: the update in fp32, weights rounded stochastically, train/core/optim.py). "
                             "See docs/planner.md.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.95))
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's decay rates of m and v.")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon (added to sqrt(v)).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: no clipping).")
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear warmup from 0 to `lr`.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of `lr`.")
 

@@ -39,7 +39,11 @@ def _check_model(model: ModelConfig, seq_len: int) -> None:
     name = model.name
     looks_like_path = name not in MODELS and ("/" in name or name.startswith((".", "~")))
     if (looks_like_path or model.architecture) and model.is_absent_folder:
-        raise UserError(f"model path {name!r} does not exist" + (model.download_hint() or
+        from shardtune.config.paths import hub_cache_dir
+
+        cache = f" nor a model in the local Hugging Face cache ({str(hub_cache_dir())!r})" if name.count("/") == 1 \
+            and not name.startswith((".", "~")) else ""
+        raise UserError(f"model path {name!r} does not exist{cache}" + (model.download_hint() or
                         "; give an HF model folder (config.json + safetensors) or a catalogue name"))
     hf = resolve_model_config(name)
     if model.architecture and name not in MODELS:
@@ -312,7 +316,8 @@ def _source_rows(data, tok, seq_len: int, rows_per_step: int, seed: int) -> int:
 
 
 def _check_val(cfg: RunConfig) -> None:
-    """data.val_path read, tokenized and packed as the ranks will: at least one target token."""
+    """data.val_path (or data.val_split's share) read, tokenized and packed as the ranks will: at least one
+    target token."""
     from shardtune.train.data.dataset import build_tokenizer
     from shardtune.train.data.val import pack_val  # imports torch: only for a run with a val set
 
@@ -323,14 +328,18 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     """The run's layout on `world_size` ranks (`local_world_size` per node), once every check has
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
     layout = Layout.build(cfg.parallel.strategy, world_size, local_world_size, cfg.parallel.hsdp_shard_size)
+    from shardtune.config.paths import check_recipe_paths  # pydantic stays out of CLI start-up
+
+    check_recipe_paths(cfg, "model.")
     _check_model(cfg.model, cfg.train.seq_len)
     gpus = _check_backend(cfg.train.backend, local_world_size)
     _check_model_states_fit(cfg, world_size, local_world_size, gpus)
+    check_recipe_paths(cfg)
     check_dataset(cfg.data)
     if cfg.lora.rank > 0:
         _check_lora_targets(cfg)
     _check_data_fills_a_batch(cfg, world_size)
-    if cfg.data.val_path:
+    if cfg.data.has_val:
         _check_val(cfg)
     _check_writable(cfg.run_dir)
     resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint

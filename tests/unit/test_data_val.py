@@ -68,3 +68,54 @@ def test_val_without_targets_is_one_line(tmp_path):
     with pytest.raises(UserError, match="no target token") as e:
         build_val_batches(cfg, TrainConfig(seq_len=4, micro_batch=1), ByteTokenizer(), 0, 1)
     assert "\n" not in str(e.value)
+
+
+def _texts(records):
+    return [r["text"] for r in records]
+
+
+def test_val_split_holds_out_a_seeded_fraction(tmp_path):
+    """data.val_split: round(f × n) examples held out, never trained on, the same at every train.seed;
+    its val batches equal those of a val_path file holding exactly the held-out examples."""
+    from shardtune.train.data.dataset import build_dataset
+    from shardtune.train.data.sources import read_records
+
+    words = [f"w{i:03d}" for i in range(200)]
+    path = _val(tmp_path, [{"text": w} for w in words])
+    cfg = DataConfig(path=path, val_split=0.05, packing=False, cache_dir=None)
+    train, val = _texts(read_records(cfg)), _texts(read_records(cfg, part="val"))
+    assert len(val) == 10 and len(train) == 190 and sorted(train + val) == words
+    assert val == sorted(val)  # file order
+    assert _texts(read_records(cfg, part="val")) == val  # seeded: the same split every time
+    assert val != words[:10] and val != words[-10:]  # a random choice, not a slice
+    for seed in (0, 1):
+        data = build_dataset(cfg, 8, ByteTokenizer(), seed=seed)
+        seen = [bytes(t for t in data.tokens[a:b] if t < 256).decode() for a, b in zip(data.offsets, data.offsets[1:])]
+        assert sorted(seen) == sorted(train)  # training sees every other example, and none held out, at any seed
+    held = tmp_path / "held"
+    held.mkdir()
+    ref = DataConfig(val_path=_val(held, [{"text": w} for w in val]), packing=False)
+    tc = TrainConfig(seq_len=8, micro_batch=2)
+    for rank in (0, 1):
+        got, want = (build_val_batches(c, tc, ByteTokenizer(), rank, 2) for c in (cfg, ref))
+        assert [{k: v.tolist() for k, v in b.items()} for b in got] == \
+            [{k: v.tolist() for k, v in b.items()} for b in want]
+
+
+@pytest.mark.parametrize("extra, match", [({"val_path": "v.jsonl"}, "not both"),
+                                          ({"val_split": 1.0}, "less than 1"),
+                                          ({"val_split": 0}, "greater than 0")])
+def test_val_split_refusals(extra, match):
+    from shardtune.config import build_config
+
+    with pytest.raises(UserError, match=match) as e:
+        build_config({"data": {"path": "x.jsonl", "val_split": 0.05, **extra}})
+    assert "\n" not in str(e.value)
+
+
+def test_val_split_of_too_few_examples_is_one_line(tmp_path):
+    from shardtune.train.data.sources import read_records
+
+    cfg = DataConfig(path=_val(tmp_path, [{"text": "a"}]), val_split=0.5)
+    with pytest.raises(UserError, match="leaves none to train on"):
+        read_records(cfg)

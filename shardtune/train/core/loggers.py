@@ -26,9 +26,9 @@ def check_loop_options(cfg) -> None:
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise UserError(f"train.loggers: {name} needs the {PACKAGES[name]} package; "
                             f"pip install 'shardtune[{name}]' (or drop it from train.loggers)")
-    if cfg.train.eval_every and not cfg.data.val_path and not cfg.train.sample_prompts:
+    if cfg.train.eval_every and not cfg.data.has_val and not cfg.train.sample_prompts:
         raise UserError(f"train.eval_every={cfg.train.eval_every} needs validation data or sample prompts: set "
-                        "data.val_path or train.sample_prompts (or train.eval_every=0)")
+                        "data.val_path, data.val_split or train.sample_prompts (or train.eval_every=0)")
     if cfg.train.compile:
         raise UserError("train.compile is not implemented yet; remove it (or train.compile=false)")
 

@@ -70,6 +70,8 @@ def cache_inputs(data_cfg, seq_len: int, tok, seed: int) -> dict:
     opts = {k: getattr(data_cfg, k) for k in ("path", "format", "split", "columns", "template", "packing",
                                                 "shuffle", "train_on_inputs", "system_prompt", "generated_examples",
                                                 "generated_seed")}
+    if getattr(data_cfg, "val_split", None):  # only when set: the keys of earlier caches stay valid
+        opts["val_split"] = data_cfg.val_split
     return _plain({"version": VERSION, "format options": opts, "data files": _files_fingerprint(data_cfg.path),
                    "tokenizer": _tokenizer_fingerprint(tok), "seq_len": seq_len, "seed": seed})
 

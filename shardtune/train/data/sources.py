@@ -184,12 +184,33 @@ def _folder_split(datasets, folder: str, split: str, spec: str):
                         "data.split") from None
 
 
-def read_records(data_cfg) -> list[dict]:
+def read_records(data_cfg, part: str = "train") -> list[dict]:
     """The dataset's examples as dicts with `text`, or `prompt`+`response`, or `messages`.
 
     `data_cfg.path` None or 'generated' gives the built-in generated dataset. A missing or empty
-    dataset, a row not of a known format, names the file and line (JSONL) or row.
+    dataset, a row not of a known format, names the file and line (JSONL) or row. With
+    `data.val_split`, `part` "train" is the examples not held out, "val" the held-out ones.
     """
+    records = _read_all(data_cfg)
+    fraction = getattr(data_cfg, "val_split", None)
+    return hold_out(records, fraction, part, data_cfg.path) if fraction else records
+
+
+def hold_out(records: list, fraction: float, part: str, where) -> list:
+    """The `part` ("train" or "val") of a seeded split that holds out round(fraction × n) examples
+    (at least 1, fewer than n), in file order. The seed is fixed: the split depends on the data only."""
+    import random
+
+    n = len(records)
+    n_val = max(1, round(fraction * n))
+    if n_val >= n:
+        raise UserError(f"data.val_split {fraction} of dataset {str(where)!r}'s {n} example(s) leaves none to train "
+                        "on; give more data or a smaller data.val_split")
+    held = set(random.Random(20240917).sample(range(n), n_val))
+    return [r for i, r in enumerate(records) if (i in held) == (part == "val")]
+
+
+def _read_all(data_cfg) -> list[dict]:
     if data_cfg.path in (None, GENERATED):
         from shardtune.train.data.datagen import generate_examples
 

@@ -1,4 +1,5 @@
-"""Validation micro-batches: this rank's share of `data.val_path`, packed like training data.
+"""Validation micro-batches: this rank's share of `data.val_path` (or of the examples `data.val_split`
+holds out of `data.path`, sources.py `hold_out`), packed like training data.
 
 Every val example lands in exactly one row of exactly one rank (rows dealt round-robin:
 row i → rank i mod world_size, in a fixed unshuffled order); every rank gets the same number
@@ -19,19 +20,29 @@ def val_config(data_cfg):
     return data_cfg.model_copy(update={"path": data_cfg.val_path})
 
 
+def val_records(data_cfg) -> list[dict]:
+    """The val examples: data.val_split's held-out share of data.path, else data.val_path's."""
+    if data_cfg.val_split:
+        return read_records(data_cfg, part="val")
+    return read_records(val_config(data_cfg))
+
+
 def pack_val(data_cfg, seq_len: int, tokenizer):
     """The val set read, tokenized and packed in file order (no shuffle)."""
-    encoded = encode_records(read_records(val_config(data_cfg)), tokenizer, data_cfg, "val example")
+    encoded = encode_records(val_records(data_cfg), tokenizer, data_cfg, "val example")
     try:
         return pack_examples(encoded, seq_len, data_cfg.packing, seed=0, shuffle=False)
     except UserError:
-        raise UserError(f"the val set {data_cfg.val_path!r} has no target token within seq_len={seq_len} (nothing "
+        what = (f"held out by data.val_split {data_cfg.val_split}" if data_cfg.val_split
+                else repr(data_cfg.val_path))
+        raise UserError(f"the val set {what} has no target token within seq_len={seq_len} (nothing "
                         "to measure a loss on); give examples with a response, or raise train.seq_len") from None
 
 
 def build_val_batches(data_cfg, train_cfg, tokenizer, rank: int, world_size: int) -> list[dict] | None:
-    """None without `data.val_path`; else this rank's val micro-batches ((micro_batch, seq_len) long)."""
-    if not data_cfg.val_path:
+    """None without a val set (data.val_path / data.val_split); else this rank's val micro-batches
+    ((micro_batch, seq_len) long)."""
+    if not data_cfg.has_val:
         return None
     data = pack_val(data_cfg, train_cfg.seq_len, tokenizer)
     seq_len, mb = train_cfg.seq_len, train_cfg.micro_batch
