@@ -230,7 +230,7 @@ def _metrics_steps(run_dir: Path) -> list[int]:
 @pytest.mark.timeout(180)
 def test_slurm_time_limit_checkpoints_requeues_and_resumes(tmp_path):
     missing = _trainer_missing()
-    if not missing and not (REPO / "shardtune" / "train" / "resilience.py").is_file():
+    if not missing and not (REPO / "shardtune" / "train" / "durable" / "resilience.py").is_file():
         missing = "the trainer does not checkpoint on SIGTERM yet (issue 4)"
     if missing:
         pytest.skip(missing)
