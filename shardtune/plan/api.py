@@ -133,8 +133,13 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> int:
                 and not inp.lora_rank)
     return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast,
-                            loss_chunks=resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size),
-                            tp=inp.tp, sp=inp.sequence_parallel)
+                            loss_chunks=_loss_chunks(m, inp), tp=inp.tp, sp=inp.sequence_parallel)
+
+
+def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
+    """The trainer's cross-entropy chunks: under TP none (vocabulary-parallel `loss_parallel`:
+    V / tp logits a token already), else train.loss_chunks' default (plan/loss.py)."""
+    return 1 if inp.tp > 1 else resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size)
 
 
 def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
@@ -164,7 +169,7 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
         net_of = shard if fsdp and not grads_in_forward and inp.offload != "all" else 0
         if fsdp:
             reduce = memory.fsdp_root_reduce_bytes(shapes, inp.precision, net_of)
-        chunks = resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size) if m.arch else 1
+        chunks = _loss_chunks(m, inp) if m.arch else 1
         tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced)

@@ -13,7 +13,9 @@ Collectives per decoder layer and micro-batch, S = e·b·s·h bytes (the activat
 length; Korthikanti et al. 2022 §4.2.2): with sequence parallelism an all-gather before attention
 and before the MLP and a reduce-scatter after o and after down (forward), the same four swapped
 in backward (g and ḡ); without it an all-reduce after o and after down (forward) and one for
-each block's input gradient (backward). Full AC re-runs the forward's four in backward.
+each block's input gradient (backward). Full AC re-runs the forward's four in backward. The
+embedding's output is all-reduced whole (parallel/tp.py: HF builds the mask and rotary tables
+from it) and layer 0 takes its sequence shard locally (an all-gather of its gradient in backward).
 """
 from __future__ import annotations
 
@@ -83,9 +85,9 @@ def tp_collectives(arch: Architecture, tokens: int, tp: int, sp: bool, elem_byte
     """(op, payload bytes, phase, calls, what) of one micro-batch's TP collectives (module doc).
 
     Payload: `calls` × nccl-tests' whole buffer of one call, e·T·h (the all-gather's output,
-    the reduce-scatter's input, the all-reduce's buffer). Per layer 2 forward + 2 backward of each kind with SP
-    (2 all-reduces each way without); the embedding's output and the LM head's input add one
-    each way; AC re-runs the forward's collectives of each recomputed layer (op AC too: the
+    the reduce-scatter's input, the all-reduce's buffer). Per layer 2 forward + 2 backward of
+    each kind with SP (2 all-reduces each way without); the embedding and the LM head add theirs
+    (module doc); AC re-runs the forward's collectives of each recomputed layer (op AC too: the
     gathered inputs of the matmuls it keeps are not kept). The loss's all-reduces over [T]
     (max, sum of exp, target logit: 3 × 4·T bytes) ride beside them."""
     if tp == 1:
@@ -96,10 +98,13 @@ def tp_collectives(arch: Architecture, tokens: int, tp: int, sp: bool, elem_byte
     raw: list[tuple[str, int, str, int, str]] = []
     out = raw
     if sp:
-        for op, back in (("all_gather", "reduce_scatter"), ("reduce_scatter", "all_gather")):
-            # the layers' pair of each kind, and the embedding's RS / the head's AG beside them
-            out.append((op, payload, "forward", 2 * L + 1, "TP activations (sequence parallel)"))
-            out.append((back, payload, "backward", 2 * L + 1, "TP activation grads"))
+        # the layers' pair of each kind; the head's input all-gather (reduce-scatter back), the
+        # embedding's all-reduce and layer 0's local slice (its gradient all-gathered back)
+        out += [("all_gather", payload, "forward", 2 * L + 1, "TP activations (sequence parallel)"),
+                ("reduce_scatter", payload, "forward", 2 * L, "TP activations (sequence parallel)"),
+                ("all_reduce", payload, "forward", 1, "TP embedding output"),
+                ("all_gather", payload, "backward", 2 * L + 1, "TP activation grads"),
+                ("reduce_scatter", payload, "backward", 2 * L + 1, "TP activation grads")]
         if recomputed:
             out += [("all_gather", payload, "backward", 2 * recomputed, "TP recompute (AC)"),
                     ("reduce_scatter", payload, "backward", 2 * recomputed, "TP recompute (AC)")]
