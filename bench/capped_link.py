@@ -54,11 +54,11 @@ def worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
+    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
     from shardtune.parallel.apply import build_mesh
     from shardtune.train.core.model import build_hf_config, build_model
     from shardtune.train.core.optim import build_optimizer, build_scheduler
-    from shardtune.train.core.step import train_step
+    from shardtune.train.core.step import StepOptions, train_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -105,6 +105,7 @@ def worker(a: argparse.Namespace) -> int:
     optim_cfg = OptimConfig()
     optimizer = build_optimizer(model, optim_cfg, par, dp_group=mesh.get_group())
     sched = build_scheduler(optimizer, optim_cfg, a.steps + 2)
+    opts = StepOptions.from_config(RunConfig(parallel=par, optim=optim_cfg), plain.config.vocab_size)
     times, fb, st, in_run = [], [], [], []
     real_step = optimizer.step
 
@@ -120,8 +121,7 @@ def worker(a: argparse.Namespace) -> int:
         mbs = [batch() for _ in range(a.grad_accum)]
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(model, optimizer, sched, mbs, dp_group=mesh.get_group(), dp_size=world,
-                   grad_clip=1.0, autocast_dtype=None)
+        train_step(model, optimizer, sched, mbs, opts, dp_group=mesh.get_group(), dp_size=world)
         if i:  # step 0 warms up (allocations, gloo connections)
             times.append(agreed_max(time.perf_counter() - t0))
             fb.append(agreed_max(f))

@@ -67,12 +67,12 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-    from shardtune.parallel.apply import autocast_dtype, build_mesh
+    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
+    from shardtune.parallel.apply import build_mesh
     from shardtune.parallel.build import build_parallel_model
     from shardtune.train.core.model import build_meta_model, init_model_weights
     from shardtune.train.core.optim import build_optimizer, build_scheduler
-    from shardtune.train.core.step import train_step
+    from shardtune.train.core.step import StepOptions, train_step
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_RANK"])
@@ -93,6 +93,7 @@ def rank_main(args: argparse.Namespace) -> None:
         sides[tag] = (model, opt, build_scheduler(opt, ocfg, args.steps + 1))
     gen = torch.Generator().manual_seed(rank)
     vocab = json.loads(Path(os.environ["BENCH_COMPILE_MODEL"]).read_text())["vocab_size"]
+    opts = StepOptions.from_config(RunConfig(parallel=pcfg, optim=ocfg), vocab)
 
     def batch() -> list[dict]:
         ids = torch.randint(0, vocab, (args.micro_batch, args.seq_len + 1), generator=gen)
@@ -105,8 +106,7 @@ def rank_main(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        r = train_step(model, opt, sched, mbs, dp_group=group, dp_size=world, grad_clip=1.0,
-                       autocast_dtype=autocast_dtype(pcfg))
+        r = train_step(model, opt, sched, mbs, opts, dp_group=group, dp_size=world)
         float(r.loss_part)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -62,10 +62,10 @@ def build_hand_written():
 
 
 def build_shardtune(mesh, world: int, steps: int):
-    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
+    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
     from shardtune.train.core.model import build_model
     from shardtune.train.core.optim import build_optimizer, build_scheduler
-    from shardtune.train.core.step import train_step
+    from shardtune.train.core.step import StepOptions, train_step
 
     pcfg = ParallelConfig(strategy="zero3", precision="fp32")
     ocfg = OptimConfig(lr=1e-4, grad_clip=1.0)
@@ -73,9 +73,10 @@ def build_shardtune(mesh, world: int, steps: int):
     model.train()
     opt = build_optimizer(model, ocfg, pcfg)
     sched = build_scheduler(opt, ocfg, steps)
+    opts = StepOptions.from_config(RunConfig(parallel=pcfg, optim=ocfg), model.config.vocab_size)
 
     def step(b: dict) -> None:
-        train_step(model, opt, sched, [b], dp_group=None, dp_size=world, grad_clip=1.0, autocast_dtype=None)
+        train_step(model, opt, sched, [b], opts, dp_group=None, dp_size=world)
 
     return step
 

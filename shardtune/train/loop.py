@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from shardtune.errors import UserError
-from shardtune.parallel.apply import autocast_dtype
 from shardtune.train.core.evaluate import evaluate
 from shardtune.train.core.loggers import Loggers, check_loop_options
 from shardtune.train.core.metrics import (
@@ -39,7 +38,7 @@ from shardtune.train.core.metrics import (
 from shardtune.train.core.model import build_model, describe_weights, unwrap
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.samples import Sampler
-from shardtune.train.core.step import StepResult, TrainState, train_step
+from shardtune.train.core.step import StepOptions, StepResult, TrainState, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
 from shardtune.train.data.val import build_val_batches
 from shardtune.train.durable.keeper import RunKeeper
@@ -68,7 +67,7 @@ class Run:
     flops_per_token: float
     peak_flops: float | None
     activations: SavedActivations | None
-    amp: torch.dtype | None
+    opts: StepOptions  # the step's and evaluation's settings, built once from the config
     writer: MetricsWriter | None
     val_batches: list[dict] | None = None  # this rank's validation batches (data.val_path)
     loggers: Loggers | None = None  # train.loggers, rank 0
@@ -130,8 +129,8 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
               rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len),
               None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
-              autocast_dtype(cfg.parallel), MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None,
-              val_batches, None, threads)
+              StepOptions.from_config(cfg, hf_config.vocab_size),
+              MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches, None, threads)
     if cfg.train.sample_prompts:
         run.sampler = Sampler(cfg.train.sample_prompts, tokenizer, cfg.data, cfg.train.sample_max_new_tokens,
                               run_dir / "samples.jsonl" if ctx.rank == 0 else None)
@@ -196,9 +195,8 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
     cfg, ctx = run.cfg, run.ctx
 
     def step_fn() -> StepResult:
-        return train_step(run.model, run.optimizer, run.scheduler, micro_batches, dp_group=None,
-                          dp_size=ctx.world_size, grad_clip=cfg.optim.grad_clip, autocast_dtype=run.amp,
-                          activations=run.activations)
+        return train_step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=None,
+                          dp_size=ctx.world_size, activations=run.activations)
 
     if track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank):
         return tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
@@ -272,7 +270,7 @@ def iterate(run: Run) -> Iterator[dict | None]:
                 peak, run.rank_bytes = _rank_bytes(run, tracked)
                 record, signum = _record(run, r, peak, dt)
                 if evaluating:
-                    record["val_loss"] = evaluate(run.model, run.val_batches, ctx.device, run.amp)
+                    record["val_loss"] = evaluate(run.model, run.val_batches, ctx.device, run.opts)
                 if run.writer:
                     run.writer.write(record)
                 if run.loggers:

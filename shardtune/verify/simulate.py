@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,14 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import apply_precision, autocast_dtype, build_mesh, dp_group
+from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from shardtune.parallel.apply import apply_precision, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.memtrack import track_step
 from shardtune.train.core.model import build_meta_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
-from shardtune.train.core.step import train_step
+from shardtune.train.core.step import StepOptions, train_step
 
 
 def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0,
@@ -121,9 +122,8 @@ def _ddp_fake_patches(model) -> None:
     model.reducer = _KeepBuckets(model.reducer)
 
 
-def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, micro_batch: int,
-              grad_accum: int, world_size: int, autocast_dtype, grad_clip: float = 1.0,
-              loss_chunks: int | None = None) -> Callable[[], None]:
+def make_step(model, optimizer, scheduler, opts: StepOptions, *, vocab_size: int, seq_len: int,
+              micro_batch: int, grad_accum: int, world_size: int) -> Callable[[], None]:
     """One `train_step` on random token ids, two documents packed per row (position ids
     0..S/2-1, 0..S/2-1) as the trainer's packed data has them (train/data/dataset.py). Packed position
     ids make transformers build a block-diagonal mask (masking_utils.find_packed_sequence_indices;
@@ -139,9 +139,8 @@ def make_step(model, optimizer, scheduler, *, vocab_size: int, seq_len: int, mic
             batches.append({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
         # the step returns tensors; only its non-finite check reads a value, which fake tensors
         # cannot answer: the trace always takes the update
-        train_step(model, optimizer, scheduler, batches, dp_group=None, dp_size=world_size,
-                   grad_clip=grad_clip, autocast_dtype=autocast_dtype, skip_non_finite=False,
-                   loss_chunks=loss_chunks)
+        train_step(model, optimizer, scheduler, batches, replace(opts, skip_non_finite=False), dp_group=None,
+                   dp_size=world_size)
     return step
 
 
@@ -249,9 +248,10 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
                 use_foreach_adamw(optimizer)
             scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)
             vocab = getattr(net, "module", net).config.vocab_size
-            step = make_step(net, optimizer, scheduler, vocab_size=vocab, seq_len=seq_len,
-                             micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus,
-                             autocast_dtype=autocast_dtype(parallel_cfg), loss_chunks=loss_chunks)
+            # the trainer's StepOptions for this run's config (train/core/step.py)
+            run_cfg = RunConfig(parallel=parallel_cfg, optim=optim_cfg, train=TrainConfig(loss_chunks=loss_chunks))
+            step = make_step(net, optimizer, scheduler, StepOptions.from_config(run_cfg, vocab), vocab_size=vocab,
+                             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus)
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)

@@ -23,7 +23,7 @@ from shardtune.parallel.build import build_parallel_model  # noqa: E402
 from shardtune.train.core.metrics import SavedActivations  # noqa: E402
 from shardtune.train.core.model import build_meta_model, init_model_weights  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -41,8 +41,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         mbs = rank_micro_batches(global_batch(step, case["rows"], case["seq_len"]), rank, world, 1)
         for ac, (model, opt, sched, cast) in sides.items():
             saved = SavedActivations() if step == 0 else None
-            r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
-                           autocast_dtype=cast, activations=saved)
+            r = train_step(model, opt, sched, mbs, StepOptions(autocast_dtype=cast), dp_group=None, dp_size=world,
+                           activations=saved)
             out[f"{ac}_losses"].append(global_loss(r))
             out[f"{ac}_norms"].append(float(r.grad_norm))
             if saved is not None:

@@ -19,7 +19,7 @@ from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
 from shardtune.train.core.model import build_model  # noqa: E402
 from shardtune.train.core.metrics import storages  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
 
 
 def state_bytes(opt) -> dict[str, int]:
@@ -47,8 +47,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     out: dict = {"losses": []}
     for step in range(case["steps"]):
         batch = global_batch(step, case["rows"], case["seq_len"])
-        r = train_step(model, opt, sched, rank_micro_batches(batch, rank, world, 1), dp_group=None, dp_size=world,
-                       grad_clip=1.0, autocast_dtype=autocast_dtype(pcfg))
+        r = train_step(model, opt, sched, rank_micro_batches(batch, rank, world, 1),
+                       StepOptions(autocast_dtype=autocast_dtype(pcfg)), dp_group=None, dp_size=world)
         out["losses"].append(global_loss(r))
         if step == 0:
             out["bytes"] = state_bytes(opt)

@@ -28,7 +28,7 @@ from shardtune.train.core.evaluate import evaluate  # noqa: E402
 from shardtune.train.core.metrics import SavedActivations  # noqa: E402
 from shardtune.train.core.model import build_meta_model, init_model_weights  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -50,15 +50,16 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         mbs = rank_micro_batches(batch, rank, world, case["grad_accum"])
         for k, (model, opt, sched) in sides.items():
             saved = SavedActivations() if step == 0 else None
-            r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
-                           autocast_dtype=amp, loss_chunks=k, activations=saved)
+            r = train_step(model, opt, sched, mbs, StepOptions(loss_chunks=k, autocast_dtype=amp), dp_group=None,
+                           dp_size=world, activations=saved)
             if saved is not None:
                 out[f"saved_{k}"] = saved.peak_bytes
             out[f"losses_{k}"].append(global_loss(r))
             out[f"norms_{k}"].append(float(r.grad_norm))
     val = [rank_micro_batches(global_batch(100 + i, 2, case["seq_len"]), 0, 1, 1)[0] for i in range(2)]
     for k, (model, _, _) in sides.items():
-        out[f"val_{k}"] = evaluate(model, val if rank == 0 else [], torch.device("cpu"), amp, loss_chunks=k)
+        out[f"val_{k}"] = evaluate(model, val if rank == 0 else [], torch.device("cpu"),
+                                   StepOptions(loss_chunks=k, autocast_dtype=amp))
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double()
                 for n, p in model.named_parameters()}
         out[f"param_sum_{k}"] = float(sum(t.abs().sum() for t in full.values()))

@@ -29,7 +29,7 @@ from shardtune.train.core.metrics import SavedActivations  # noqa: E402
 from shardtune.train.core.model import build_meta_model, init_model_weights  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
 from shardtune.train.core.sampling import generate_ids  # noqa: E402
-from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
 
 
 def graphs() -> int:
@@ -63,8 +63,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         mbs = rank_micro_batches(global_batch(step, case["rows"], case["seq_len"]), rank, world, 1)
         for tag, (model, opt, sched) in sides.items():
             saved = SavedActivations() if step == 0 else None
-            r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
-                           autocast_dtype=None, activations=saved)
+            r = train_step(model, opt, sched, mbs, StepOptions(), dp_group=None, dp_size=world, activations=saved)
             out[f"{tag}_losses"].append(global_loss(r))
             out[f"{tag}_norms"].append(float(r.grad_norm))
             if saved is not None:
@@ -73,7 +72,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     model = sides["compiled"][0]
     # rank 0 has two validation batches, rank 1 none: rank 1 runs the (1, 2) dummy twice
     val = [rank_micro_batches(global_batch(100 + i, 2, case["seq_len"]), 0, 1, 1)[0] for i in range(2)]
-    out["val_loss"] = evaluate(model, val if rank == 0 else [], torch.device("cpu"))
+    out["val_loss"] = evaluate(model, val if rank == 0 else [], torch.device("cpu"), StepOptions())
     out["sample"] = generate_ids(model, [5, 6, 7], max_new_tokens=12, stop_ids=[])
     out["graphs_after_eval"] = graphs()
     del sides, model

@@ -14,6 +14,7 @@ from _rank import process_group, write_result
 from shardtune.config import ModelConfig, ParallelConfig
 from shardtune.parallel.apply import build_mesh
 from shardtune.train.core.evaluate import evaluate
+from shardtune.train.core.step import StepOptions
 from shardtune.train.core.model import build_model
 
 
@@ -30,9 +31,9 @@ def _run(folder, spec, rank, world) -> dict:
     mesh = build_mesh(pcfg, world, world, "cpu")
     model = build_model(ModelConfig(name=folder), pcfg, mesh, torch.device("cpu"), seed=0)
     model.train()
-    loss = evaluate(model, batches, torch.device("cpu"))
+    loss = evaluate(model, batches, torch.device("cpu"), StepOptions())
     out = {"val_loss": loss, "training_after": model.training,
-           "empty": evaluate(model, [], torch.device("cpu"))}  # every rank without a batch: nan, no hang
+           "empty": evaluate(model, [], torch.device("cpu"), StepOptions())}  # every rank without a batch: nan, no hang
     return out
 
 

@@ -20,7 +20,7 @@ from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
 from shardtune.train.core.metrics import storages  # noqa: E402
 from shardtune.train.core.model import build_model, unwrap  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
 
 
 def param_bytes(model) -> dict:
@@ -46,8 +46,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     out["losses"] = []
     for step in range(case["steps"]):
         mbs = rank_micro_batches(global_batch(step, case["rows"], case["seq_len"]), rank, world, 1)
-        r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
-                       autocast_dtype=autocast_dtype(pcfg))
+        r = train_step(model, opt, sched, mbs, StepOptions(autocast_dtype=autocast_dtype(pcfg)), dp_group=None,
+                       dp_size=world)
         out["losses"].append(global_loss(r))
     out["grad_params"] = sorted(n for n, p in unwrap(model).named_parameters() if p.grad is not None)
     del model, opt, sched

@@ -15,7 +15,7 @@ from shardtune.config import DataConfig, ModelConfig, OptimConfig, ParallelConfi
 from shardtune.parallel.apply import autocast_dtype, build_mesh
 from shardtune.train.core.model import build_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
-from shardtune.train.core.step import global_loss, train_step
+from shardtune.train.core.step import StepOptions, global_loss, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer
 
 
@@ -39,8 +39,8 @@ def _run(folder, data, rank, world) -> dict:
         model = build_model(ModelConfig(name=folder), pcfg, mesh, torch.device("cpu"), seed=0)
         opt = build_optimizer(model, ocfg, pcfg, mesh.get_group())
         sched = build_scheduler(opt, ocfg, 1)
-        r = train_step(model, opt, sched, [batch], dp_group=None, dp_size=world, grad_clip=1.0,
-                       autocast_dtype=autocast_dtype(pcfg))
+        r = train_step(model, opt, sched, [batch], StepOptions(autocast_dtype=autocast_dtype(pcfg)), dp_group=None,
+                       dp_size=world)
         owned = [p for g in opt.param_groups for p in g["params"]]
         out[precision] = {"loss": global_loss(r), "target_tokens": int(r.num_tokens),
                           "param_dtypes": sorted({str(p.to_local().dtype if hasattr(p, "to_local") else p.dtype)

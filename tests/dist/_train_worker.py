@@ -27,7 +27,7 @@ from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
 from shardtune.train.core.metrics import SavedActivations, model_state_bytes  # noqa: E402
 from shardtune.train.core.model import build_model  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -75,8 +75,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     for step in range(case["steps"]):
         batch = global_batch(step if not case.get("same_batch") else 0, case["rows"], case["seq_len"])
         mbs = rank_micro_batches(batch, rank, world, case.get("grad_accum", 1))
-        r = train_step(model, opt, sched, mbs, dp_group=None, dp_size=world, grad_clip=1.0,
-                       autocast_dtype=autocast_dtype(pcfg), activations=saved if step == 0 else None)
+        r = train_step(model, opt, sched, mbs, StepOptions(autocast_dtype=autocast_dtype(pcfg)), dp_group=None,
+                       dp_size=world, activations=saved if step == 0 else None)
         out["losses"].append(global_loss(r))
         out["grad_norms"].append(float(r.grad_norm))
         if step == 0:

@@ -29,8 +29,9 @@ def _worker(out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-    from shardtune.parallel.apply import autocast_dtype, build_mesh
+    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
+    from shardtune.parallel.apply import build_mesh
+    from shardtune.train.core.step import StepOptions
     from shardtune.strategies import STRATEGY
     from shardtune.train.core.memtrack import track_step
     from shardtune.train.core.model import build_model, unwrap
@@ -48,9 +49,9 @@ def _worker(out_path: str) -> None:
         opt = build_optimizer(model, OptimConfig(), pc, mesh.get_group())
         use_foreach_adamw(opt)
         sched = build_scheduler(opt, OptimConfig(), 10)
-        step = make_step(model, opt, sched, vocab_size=unwrap(model).config.vocab_size, seq_len=SEQ_LEN,
-                         micro_batch=MICRO_BATCH, grad_accum=grad_accum, world_size=world,
-                         autocast_dtype=autocast_dtype(pc))
+        vocab = unwrap(model).config.vocab_size
+        step = make_step(model, opt, sched, StepOptions.from_config(RunConfig(parallel=pc), vocab), vocab_size=vocab,
+                         seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, grad_accum=grad_accum, world_size=world)
         # real DDP rebuilds its buckets in the second step's forward (the trace keeps them as built)
         with module_stats_per_micro_batch(model):  # the trackers' per-module stats, per micro-batch
             results[f"{strategy} ga{grad_accum}"] = track_step(

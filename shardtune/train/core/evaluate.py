@@ -1,8 +1,8 @@
 """Validation loss: the global token mean over every rank's validation batches (docs/loop.md).
 
 Each rank sums the token losses and counts the target tokens of its own batches (model in eval
-mode, no grad, the run's autocast); one all-reduce of [loss sum, tokens] gives the mean over all
-ranks' tokens, the same number one process would get from all the examples at once. Under FSDP
+mode, no grad, the step's loss and autocast: `StepOptions`); one all-reduce of [loss sum, tokens]
+gives the mean over all ranks' tokens, the same number one process would get from all the examples at once. Under FSDP
 every rank must take part in every forward: a rank with fewer batches runs extra forwards on one
 of its batches (or a 2-token dummy) that count nothing.
 """
@@ -13,20 +13,20 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
+from shardtune.train.core.step import StepOptions
 
 
-def _forward_loss(model: nn.Module, batch: dict, amp: torch.dtype | None, device: torch.device,
-                  loss_chunks: int | None = None):
+def _forward_loss(model: nn.Module, batch: dict, opts: StepOptions):
     """(sum of token losses, target tokens) of one batch; labels are already shifted. The loss is
     the step's (`lm_token_loss_sum`: full logits, or chunked per train.loss_chunks)."""
-    loss = lm_token_loss_sum(model, batch, loss_chunks, amp)
+    loss = lm_token_loss_sum(model, batch, opts.loss_chunks, opts.autocast_dtype)
     return loss.double(), (batch["labels"] != IGNORE_INDEX).sum().double()
 
 
-def evaluate(model: nn.Module, batches: list[dict], device: torch.device, amp: torch.dtype | None = None,
-             group=None, loss_chunks: int | None = None) -> float:
-    """The validation loss over every rank's `batches` (collective: every rank calls it).
-    Returns nan when no rank has a target token."""
+def evaluate(model: nn.Module, batches: list[dict], device: torch.device, opts: StepOptions,
+             group=None) -> float:
+    """The validation loss over every rank's `batches` (collective: every rank calls it), with the
+    training step's loss and autocast (`opts`). Returns nan when no rank has a target token."""
     n_mine = torch.tensor([len(batches)], dtype=torch.int64, device=device)
     dist.all_reduce(n_mine, op=dist.ReduceOp.MAX, group=group)  # forwards every rank runs
     n_all = int(n_mine)
@@ -42,7 +42,7 @@ def evaluate(model: nn.Module, batches: list[dict], device: torch.device, amp: t
                 mine = i < len(batches)
                 batch = batches[i] if mine else (batches[0] if batches else dummy)
                 batch = {k: v.to(device) for k, v in batch.items()}
-                loss, tokens = _forward_loss(model, batch, amp, device, loss_chunks)
+                loss, tokens = _forward_loss(model, batch, opts)
                 if mine:
                     totals += torch.stack([loss, tokens])
     finally:

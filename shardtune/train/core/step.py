@@ -18,15 +18,40 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from shardtune.parallel.apply import autocast_dtype
+from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
+
+if TYPE_CHECKING:
+    from shardtune.config import RunConfig
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """Every setting the training step and evaluation use, built ONCE from the config
+    (`from_config`) and passed whole: the loop, evaluation, the simulator and bench/ all take it,
+    so no call site re-derives a setting (issue 26). A new setting is one field here and one line
+    in `from_config`."""
+    loss_chunks: int | None = None  # train.loss_chunks; from_config resolves it (None: the vocabulary's
+    # default, plan/loss.py, resolved at the loss)
+    autocast_dtype: torch.dtype | None = None  # parallel.precision under ddp/zero1 (parallel/apply.py)
+    grad_clip: float = 1.0  # optim.grad_clip (0: no clipping)
+    skip_non_finite: bool = True  # a non-finite loss or grad norm skips the update (the simulator: off)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, vocab_size: int, **overrides) -> StepOptions:
+        """The options of a run of `cfg` on a model of `vocab_size` ids; `overrides` replace fields."""
+        opts = cls(loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, vocab_size),
+                   autocast_dtype=autocast_dtype(cfg.parallel), grad_clip=cfg.optim.grad_clip)
+        return replace(opts, **overrides)
 
 
 @dataclass
@@ -49,12 +74,10 @@ class TrainState:
     data: Any = None  # the dataloader: state_dict()/load_state_dict() give the data position
 
 
-def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], *, dp_group,
-               dp_size: int, grad_clip: float, autocast_dtype: torch.dtype | None,
-               activations=None, skip_non_finite: bool = True, loss_chunks: int | None = None) -> StepResult:
-    """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step.
-    `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given;
-    `loss_chunks`: train.loss_chunks (None: the vocabulary's default, plan/loss.py)."""
+def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], opts: StepOptions, *,
+               dp_group, dp_size: int, activations=None) -> StepResult:
+    """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step, as
+    `opts` says. `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given."""
     optimizer.zero_grad(set_to_none=True)  # here, not after the step: grads stay measurable at rest
     device = micro_batches[0]["input_ids"].device
     # already shifted: labels[t] follows input[t] (train/data/dataset.py)
@@ -76,17 +99,17 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
         with (nullcontext() if sync else model.no_sync()):
             with activations.micro_batch() if activations else nullcontext():
                 # full logits (1 chunk) or chunked cross-entropy (train.loss_chunks, docs/loss.md)
-                token_loss_sum = lm_token_loss_sum(model, mb, loss_chunks, autocast_dtype)
+                token_loss_sum = lm_token_loss_sum(model, mb, opts.loss_chunks, opts.autocast_dtype)
             (token_loss_sum * dp_size / denom).backward()
         loss_sum += token_loss_sum.detach()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip if opts.grad_clip > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
     lr = scheduler.get_last_lr()[0]
     # a non-finite loss or grad norm on ANY rank skips the update on every rank, with no collective
     # of its own: the norm is global (of all-reduced DDP grads, or FSDP's all-reduced DTensor norm),
     # and a rank whose loss is non-finite has non-finite gradients, which reach every rank's norm.
     # The local loss is checked too, so the rank that saw it needs no help from the norm.
-    skipped = skip_non_finite and not bool(torch.isfinite(torch.stack([loss_sum, norm.float()])).all())
+    skipped = opts.skip_non_finite and not bool(torch.isfinite(torch.stack([loss_sum, norm.float()])).all())
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:
