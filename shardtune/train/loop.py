@@ -112,7 +112,8 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     marks.append(("tokenizer and data", time.perf_counter()))
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
     total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
-    model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed, cfg.lora)
+    model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed, cfg.lora,
+                        compile=cfg.train.compile)
     marks.append(("model", time.perf_counter()))
     hf_config = unwrap(model).config
     if tokenizer.vocab_size > hf_config.vocab_size:
@@ -198,7 +199,7 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
         return train_step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=None,
                           dp_size=ctx.world_size, activations=run.activations)
 
-    if track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank):
+    if track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank, cfg.train.compile):
         return tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
     return step_fn(), None
 

@@ -29,8 +29,6 @@ def check_loop_options(cfg) -> None:
     if cfg.train.eval_every and not cfg.data.has_val and not cfg.train.sample_prompts:
         raise UserError(f"train.eval_every={cfg.train.eval_every} needs validation data or sample prompts: set "
                         "data.val_path, data.val_split or train.sample_prompts (or train.eval_every=0)")
-    if cfg.train.compile:
-        raise UserError("train.compile is not implemented yet; remove it (or train.compile=false)")
 
 
 def _numbers(record: dict) -> dict[str, float]:

@@ -19,6 +19,7 @@ def measured_memory(per_rank: list[dict]) -> tuple[dict[str, int], str]:
     out = {k: max(r.get(m, 0) for r in ranks) for k, m in MEASURED_KEYS.items()}
     tracked = [r["tracked"] for r in ranks if isinstance(r.get("tracked"), dict)]
     if len(tracked) == len(ranks):
-        out.update({k: max(t.get(k, 0) for t in tracked) for k in MEMORY_KEYS})
+        # a key a rank's tracker did not measure (torchao's step: no optimizer_step_temp) stays out
+        out.update({k: max(t[k] for t in tracked) for k in MEMORY_KEYS if all(k in t for t in tracked)})
         return out, "torch's memory tracker, one step"
     return out, "the run's last logged step"

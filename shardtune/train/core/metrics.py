@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -168,17 +168,52 @@ def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, str
     console.print(f"run folder: {run_dir} (metrics.jsonl, memory.json, config.yaml, plan.json)")
 
 
-def track_this_step(device: torch.device, step: int, total_steps: int, lora_rank: int) -> bool:
+def track_this_step(device: torch.device, step: int, total_steps: int, lora_rank: int, compile: bool = False) -> bool:
     """CPU has no allocator statistics: the third step (optimizer states exist, DDP has rebuilt
     its buckets) runs under the tracker for `report`. torch's MemTracker puts a grad hook on every
-    parameter and fails on frozen ones (LoRA's base weights): LoRA runs are not tracked."""
-    return device.type == "cpu" and step == min(3, total_steps) and not lora_rank
+    parameter and fails on frozen ones (LoRA's base weights): LoRA runs are not tracked. Nor are
+    compiled ones (train.compile): dynamo refuses a forward under the tracker's dispatch mode
+    ("non-infra torch dispatch mode present"); their memory.json has the storage counts."""
+    return device.type == "cpu" and step == min(3, total_steps) and not lora_rank and not compile
+
+
+def optimizer_step_untracked(optimizer) -> bool:
+    """torchao's optimizers (adamw-8bit under FSDP) run a torch.compile'd step, which refuses the
+    tracker's dispatch mode: their step runs outside it (`tracked_step`)."""
+    return type(getattr(optimizer, "optim", optimizer)).__module__.startswith("torchao")
+
+
+@contextmanager
+def _step_outside_tracker(optimizer):
+    """optimizer.step with every dispatch mode (the tracker) off: the tracker's step hooks still
+    fire, so the states stay tagged as the optimizer's, but the step's temporaries go unseen."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    step = optimizer.step
+
+    def outside(*args, **kwargs):
+        with _disable_current_modes():
+            return step(*args, **kwargs)
+
+    optimizer.step = outside
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's own again
 
 
 def tracked_step(model: nn.Module, optimizer, step_fn, strategy: str):
-    """(step_fn()'s result, the tracker's bytes by category) for one step (train/core/memtrack.py)."""
-    result, tracked = tracked_call(model, optimizer, step_fn, STRATEGY[strategy].fsdp)
-    return result, {k: v for k, v in tracked.items() if k != "breakdown_at_peak"}
+    """(step_fn()'s result, the tracker's bytes by category) for one step (train/core/memtrack.py).
+    An optimizer whose step refuses the tracker (`optimizer_step_untracked`: torchao's compiled
+    8-bit AdamW) steps outside it: its states are the tracker's "optimizer" bytes at rest (tagged
+    on entry), its step's temporaries are not measured (no `optimizer_step_temp`)."""
+    outside = optimizer_step_untracked(optimizer)
+    with _step_outside_tracker(optimizer) if outside else nullcontext():
+        result, tracked = tracked_call(model, optimizer, step_fn, STRATEGY[strategy].fsdp)
+    tracked = {k: v for k, v in tracked.items() if k != "breakdown_at_peak"}
+    if outside:
+        del tracked["optimizer_step_temp"]
+    return result, tracked
 
 
 def step_peak_bytes(device: torch.device, model: nn.Module, optimizer, activations) -> tuple[int, dict]:

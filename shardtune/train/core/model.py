@@ -191,10 +191,12 @@ def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> N
 
 
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: DeviceMesh,
-                device: torch.device, seed: int, lora_cfg: LoraConfig | None = None) -> nn.Module:
+                device: torch.device, seed: int, lora_cfg: LoraConfig | None = None,
+                compile: bool = False) -> nn.Module:
     """The model to train: meta build → LoRA adapters (if lora_cfg.rank; before sharding, so each
     decoder layer's adapters shard with it, train/core/lora.py) → `build_parallel_model` (precision,
-    AC, shard, materialise on `device`, fill with `init_model_weights`; DDP after the fill)."""
+    AC, compile per decoder layer if `compile` (train.compile), shard, materialise on `device`, fill
+    with `init_model_weights`; DDP after the fill)."""
     model = build_meta_model(model_cfg)
     lora = lora_cfg is not None and lora_cfg.rank > 0
     quantize = None
@@ -209,7 +211,8 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: Devi
             model.config.shardtune_lora.update(quantize_base="nf4", nf4_shard=shard)
             quantize = lambda m: quantize_base(m, shard)  # noqa: E731
     model = build_parallel_model(model, parallel_cfg, mesh, device,
-                                 fill=lambda m: init_model_weights(m, model_cfg, seed), quantize=quantize)
+                                 fill=lambda m: init_model_weights(m, model_cfg, seed), compile=compile,
+                                 quantize=quantize)
     if lora:  # the frozen params' dtype as stored (apply_precision), which a resume must match
         hf = unwrap(model)
         frozen = next(p.dtype for p in hf.parameters() if not p.requires_grad)
