@@ -7,21 +7,23 @@ line (`--strict`: one refusing line, exit 2). On Kubernetes the pods see only th
 volumes, so input paths not already on the claim are moved onto it (`CLAIM/inputs/NAME`) and a
 note says what to copy there.
 
-Which strings are paths follows the trainer: `model.name` unless a catalogue name; data paths
-unless a dataset id of the local Hugging Face cache (train/data/sources.py `_load_hf`: an id
-does not exist as a path and does not look like one).
+Which keys hold paths is config/paths.py's `PATH_KEYS` (what `load_recipe` resolves against the
+recipe's folder; overrides on the command line stay relative to the current folder, as on the
+nodes); a value is a path unless a catalogue model or an `owner/name` id of the local Hugging
+Face cache that does not exist as a path (train/data/sources.py `_load_hf`'s rule).
 """
 from __future__ import annotations
 
+import glob
+import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.catalog.models import MODELS
 from shardtune.config import RunConfig
+from shardtune.config.paths import KEEP, PATH_KEYS
 from shardtune.errors import UserError
-
-GENERATED = "generated"
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class RecipePath:
 
     @property
     def exists(self) -> bool:
-        return Path(self.value).expanduser().exists()
+        v = str(Path(self.value).expanduser())
+        return bool(glob.glob(v)) if any(c in v for c in "*?[") else os.path.exists(v)
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -43,28 +46,32 @@ def _looks_like_path(spec: str) -> bool:
             or Path(spec).suffix.lower() in (*BUILDERS, *JSONL[:-1]))
 
 
-def _data_path(key: str, value: str | None) -> list[RecipePath]:
-    if value in (None, GENERATED):
+def _path(key: str, value, kind: str) -> list[RecipePath]:
+    """`value` of `key` as a RecipePath if the trainer reads it as a path (config/paths.py kinds)."""
+    if not isinstance(value, str) or value in KEEP:
         return []
-    p = RecipePath(key, str(value))
-    return [p] if p.exists or _looks_like_path(p.value) else []
+    p = RecipePath(key, value, output=kind == "folder")
+    if kind == "jinja" and not value.endswith(".jinja"):
+        return []  # a named template or the template's text
+    if kind == "name" and not p.exists:
+        if key == "model.name" and value in MODELS:
+            return []
+        if not _looks_like_path(value) and "/" in value:  # a Hub id of the local cache (model or dataset)
+            return []
+    return [p]
 
 
 def recipe_paths(cfg: RunConfig) -> list[RecipePath]:
-    """Every path of the resolved recipe that a node opens: model, data, chat template; run folder."""
+    """Every path of the resolved recipe that a node opens or writes (config/paths.py PATH_KEYS, the
+    data sources), and the run folder even when the recipe leaves it to the default."""
     found: list[RecipePath] = []
-    name = cfg.model.name
-    if name not in MODELS and (Path(name).expanduser().exists() or _looks_like_path(name) or "/" not in name):
-        found.append(RecipePath("model.name", name))
-    found += _data_path("data.path", cfg.data.path)
-    found += _data_path("data.val_path", cfg.data.val_path)
+    for section, key, kind in PATH_KEYS:
+        node = getattr(cfg, section) if section else cfg
+        found += _path(f"{section}.{key}" if section else key, getattr(node, key, None), kind)
     for i, src in enumerate(cfg.data.sources or []):
-        found += _data_path(f"data.sources[{i}].path", src.path)
-    if cfg.data.chat_template and cfg.data.chat_template.endswith(".jinja"):
-        found.append(RecipePath("data.chat_template", cfg.data.chat_template))
-    if cfg.data.cache_dir not in (None, "auto"):
-        found.append(RecipePath("data.cache_dir", cfg.data.cache_dir, output=True))
-    found.append(RecipePath("output_dir", str(cfg.run_dir), output=True))
+        found += _path(f"data.sources[{i}].path", src.path, "name")
+    if cfg.output_dir is None:
+        found.append(RecipePath("output_dir", str(cfg.run_dir), output=True))
     return found
 
 

@@ -93,7 +93,14 @@ def test_paths_the_nodes_will_not_see_are_one_line_each_and_strict_refuses(tmp_p
     assert [ln.split(" ")[1] for ln in lines if ln.startswith("warning:")][:3] == ["model.name", "data.path",
                                                                                    "output_dir"], err
     assert "'/path/to/Llama-3-8B' does not exist on this machine" in err
-    assert "data.path 'data/train.jsonl' is relative" in err and "output_dir 'runs/ft' is relative" in err
+    # the recipe's relative data.path is read against the recipe's folder (config/paths.py), here and on the nodes
+    assert f"data.path '{tmp_path}/data/train.jsonl' does not exist on this machine" in err
+    assert "output_dir 'runs/ft' is relative" in err  # the default: the current folder's runs/
+    # a path given on the command line stays relative to the folder the job starts in
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, f"model.name={tmp_path}", f"output_dir={tmp_path}/o",
+                        "data.path=rel/train.jsonl")
+    assert rc == 0 and err.splitlines()[0].startswith("warning: data.path 'rel/train.jsonl' is relative: each node "
+                                                      "reads it from the folder its job starts in"), err
     for launcher in (["slurm"], ["torchrun", "--nodes", "2", "--rdzv-host", "h0"]):
         rc, out, err = _run(capsys, "launch", *launcher, recipe, "--strict")
         assert rc == 2 and not out and err.count("\n") == 1, err
@@ -193,3 +200,34 @@ def test_dockerfile_is_lint_clean_and_installs_what_the_cluster_needs():
     r = subprocess.run(["make", "-n", "image", "IMAGE=ghcr.io/acme/shardtune:0.1"], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "docker build -t ghcr.io/acme/shardtune:0.1 .", r.stdout
+
+
+def test_which_recipe_strings_are_paths(tmp_path):
+    """As the trainer reads them: catalogue names and cached dataset ids are not paths; files,
+    globs and folders are (train/data/sources.py `_load_hf`), relative ones read against the
+    recipe's folder (config/paths.py)."""
+    from shardtune.config import load_recipe
+    from shardtune.launch.paths import node_problems, recipe_paths
+
+    (tmp_path / "mix").mkdir()
+    recipe = _recipe(tmp_path, f"""name: p
+output_dir: {tmp_path}/out
+model:
+  name: llama-3-8b
+data:
+  sources:
+    - path: HuggingFaceH4/ultrachat_200k
+    - path: ./local.jsonl
+    - path: {tmp_path}/mix/*.parquet
+    - path: {tmp_path}/mix
+""")
+    cfg = load_recipe(recipe)
+    assert [(p.key, p.value) for p in recipe_paths(cfg)] == [
+        ("output_dir", f"{tmp_path}/out"), ("data.sources[1].path", f"{tmp_path}/local.jsonl"),
+        ("data.sources[2].path", f"{tmp_path}/mix/*.parquet"), ("data.sources[3].path", f"{tmp_path}/mix")]
+    problems = node_problems(cfg)
+    # the file (read against the recipe's folder) and the glob match nothing here
+    assert [p.split(" ")[0] for p in problems] == ["data.sources[1].path", "data.sources[2].path"], problems
+    assert all("does not exist on this machine" in p for p in problems)
+    (tmp_path / "mix" / "a.parquet").write_bytes(b"")
+    assert [p.split(" ")[0] for p in node_problems(cfg)] == ["data.sources[1].path"]
