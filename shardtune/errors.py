@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import logging
 from pathlib import Path
 
 
@@ -48,13 +47,9 @@ def check_no_blocking_pipe(path, option: str) -> None:
             raise UserError(f"{option} {str(path)!r} is a named pipe nobody reads; give a file path") from None
 
 
-# Libraries' notices about themselves, logged while they import (torchao: "Failed to load <CUDA
-# kernel .so>" on a machine without those kernels; torch's pytree: an Enum deprecation torchao
-# triggers): not lines for the user, who would read them before a one-line error.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
 def quiet_library_notices() -> None:
-    """Only errors from QUIET_LOGGERS: called by each entry point (the CLI, a rank) before heavy imports."""
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """Third-party notices off the user's terminal (shardtune/quiet.py): called by each entry point
+    (the CLI, a rank) before heavy imports."""
+    from shardtune.quiet import quiet_third_party
+
+    quiet_third_party()

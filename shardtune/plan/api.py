@@ -16,6 +16,7 @@ from shardtune.plan.model import _load_model, _Model
 from shardtune.plan.timing import add_timing
 from shardtune.plan.tp import TP_DEGREES, check_tp_arch, tp_collectives, tp_combination_error
 from shardtune.plan.validate import PlanInputs, resolve_inputs
+from shardtune.plan.verdict import fallback, verdict
 from shardtune.strategies import STRATEGIES, STRATEGY, Layout, check_combination, resolve_optimizer_impl
 
 GIB = 2**30
@@ -283,7 +284,7 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
                 break
     if found:
         return " or ".join(found)
-    return _fallback(sp, inp)
+    return fallback(m, sp, inp, usable)  # re-planned alternatives (plan/verdict.py)
 
 
 def with_tp(inp: PlanInputs, tp: int, arch) -> PlanInputs | None:
@@ -299,32 +300,6 @@ def with_tp(inp: PlanInputs, tp: int, arch) -> PlanInputs | None:
     except UserError:
         return None
     return changed
-
-
-def _fallback(sp: StrategyPlan, inp: PlanInputs) -> str:
-    """When no single change fits: what dominates the peak decides, and nothing already on is
-    suggested (issue 18: LoRA does not shrink activations)."""
-    mem = sp.memory
-    states = mem.params + mem.grads + mem.optimizer + mem.optimizer_step_temp
-    if not STRATEGY[sp.name].reshard_after_forward and not _combination_error(inp, "zero3") \
-            and mem.activations < states + mem.buffers:  # whole params (or zero2's gathered copy) never fit
-        return "zero3"
-    if mem.activations >= states and mem.activations >= mem.buffers:
-        return (f"a shorter --seq-len: activations ({mem.activations / GIB:,.1f} GiB) dominate the peak"
-                + ("" if inp.ac == "full" else " even with --ac full"))
-    if not inp.lora_rank and inp.params is None:
-        return "LoRA (--lora-rank 16), or a larger GPU"
-    return f"a larger GPU: model states ({states / GIB:,.1f} GiB) dominate the peak"
-
-
-def _verdict(plans: list[StrategyPlan], usable: int) -> str:
-    fit = [p.name for p in plans if p.fits]
-    parts = [f"fits: {', '.join(fit) if fit else 'none'}"]
-    for p in plans:
-        if not p.fits:
-            parts.append(f"{p.name} needs {p.memory.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable"
-                         f" (try {p.suggestion})")
-    return "; ".join(parts)
 
 
 def default_reserve_bytes(gpu: GPU) -> int:
@@ -366,7 +341,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
                   "usable_bytes": usable, "gpus": inp.gpus, "nodes": inp.nodes,
                   "gpus_per_node": inp.gpus_per_node, "bf16_flops": gpu.bf16_flops, "source": gpu.source},
         inputs=inp.to_dict(), accounting=inp.accounting, strategies=plans,
-        verdict=_verdict(plans, usable), notes=notes,
+        verdict=verdict(plans, usable), notes=notes,
     )
     add_timing(result, m.arch, inp, gpu, **inp.timing_options())  # step time, tokens/s, MFU (plan/timing.py)
     return result

@@ -164,6 +164,10 @@ def report(run_dir: Path, console=None) -> list[Path]:
         console.print(f"loss {recs[0].get('loss', float('nan')):.4f} (step {recs[0].get('step')}) → "
                       f"{recs[-1].get('loss', float('nan')):.4f} (step {recs[-1].get('step')}); "
                       f"{tps:,.0f} tokens/s mean (global: all ranks)")
+    from shardtune.train.core.eval_lines import eval_lines
+
+    for line in eval_lines(run_dir, run["records"]):
+        console.print(line, markup=False, highlight=False)
     for p in written:
         console.print(f"wrote {p}")
     return written

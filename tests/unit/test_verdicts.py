@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from shardtune.plan import plan
 
 GIB = 2**30
@@ -50,11 +52,54 @@ def test_a_suggested_gpu_count_really_fits():
     assert again.strategy("zero3").fits
 
 
-def test_zero2_whose_gathered_params_cannot_fit_is_told_zero3():
+def test_zero2_whose_gathered_params_cannot_fit_is_told_a_zero3_that_fits():
+    # zero3 alone does not fit 70B on 8 × H100 (178 GiB): the suggestion is the zero3 that does
     r = plan("llama-3-70b", 8, strategies=["zero2"])
     s = _one(r, "zero2")
-    assert s.suggestion == "zero3"
-    assert plan("llama-3-70b", 8, strategies=["zero3"], ac="full").strategy("zero3").memory.total < s.memory.total
+    assert not plan("llama-3-70b", 8, strategies=["zero3"]).strategy("zero3").fits
+    assert s.suggestion.startswith("zero3 ") and "--offload all" in s.suggestion, s.suggestion
+    assert _fits_as_suggested(r, "zero2", s.suggestion)
+
+
+FLAGS = {"--ac": "ac", "--offload": "offload", "--gpus": "gpus", "--seq-len": "seq_len", "--lora-rank": "lora_rank",
+         "--quantize-base": "quantize_base", "--gpu": "gpu", "--micro-batch": "micro_batch", "--tp": "tp",
+         "--hsdp-shard-size": "hsdp_shard_size"}
+
+
+def _fits_as_suggested(result, strategy: str, suggestion: str) -> bool:
+    """Re-plan each alternative of a suggestion ("A or B") from its flags, independently of the
+    verdict code: every one must fit."""
+    inputs = dict(result.inputs)
+    base = {k: inputs[k] for k in ("seq_len", "micro_batch", "grad_accum", "precision", "ac", "offload", "lora_rank",
+                                   "quantize_base", "optimizer") if k in inputs}
+    for alt in suggestion.split(" or "):
+        words = re.sub(r"\(.*?\)|:.*$", "", alt).split()
+        name = words.pop(0) if words and words[0] in ("zero3",) else strategy
+        kw = dict(base, gpu=result.hardware["gpu"])
+        gpus = result.hardware["gpus"]
+        flags = [w for w in words if w.startswith("--")]
+        for flag in flags:
+            value = words[words.index(flag) + 1]
+            key = FLAGS[flag]
+            if key == "gpus":
+                gpus = int(value)
+            else:
+                kw[key] = int(value) if value.isdigit() else value
+        assert flags or name != strategy, alt
+        if not plan(result.model["name"], gpus, strategies=[name], **kw).strategy(name).fits:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("model, gpus, kw", [
+    ("llama-3-70b", 8, {}), ("llama-3-8b", 1, {"gpu": "rtx4090-24gb"}), ("llama-3-8b", 8, {"seq_len": 131072}),
+    ("llama-3-70b", 2, {"gpu": "rtx4090-24gb", "lora_rank": 16}), ("llama-3-8b", 8, {"gpu": "l40s-48gb",
+                                                                                     "micro_batch": 16})])
+def test_every_suggestion_in_a_verdict_fits_when_replanned(model, gpus, kw):
+    r = plan(model, gpus, **kw)
+    for s in r.strategies:
+        if not s.fits and not s.suggestion.startswith("nothing"):
+            assert _fits_as_suggested(r, s.name, s.suggestion), (s.name, s.suggestion)
 
 
 def test_paper_accounting_is_model_states_only_in_peak_and_fit():

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtune.strategies import STRATEGY
+from shardtune.train.core.eval_lines import eval_lines
 from shardtune.train.core.memory_json import measured_memory
 from shardtune.train.core.memtrack import tracked_call
 
@@ -148,6 +149,8 @@ def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, str
         console.print(f"loss {first['loss']:.4f} (step {first['step']}) → {last['loss']:.4f} "
                       f"(step {last['step']}), {tps:,.0f} tokens/s mean, "
                       f"{last['tflops']:.4f} TFLOP/s per rank")
+    for line in eval_lines(run_dir):  # val_loss and the last sample answers (eval_lines.py)
+        console.print(line, markup=False, highlight=False)
     plan_mem = {}
     if planned:
         plan_mem = next((s["memory"] for s in planned["strategies"] if s["name"] == strategy), {})

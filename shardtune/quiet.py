@@ -1,0 +1,37 @@
+"""Third-party notices that are not for the user's terminal, silenced at the source.
+
+Each entry is an exact message (or a library's own logger) seen on a plain `shardtune train`, with
+why it is noise; nothing else is hidden. `SHARDTUNE_VERBOSE=1` shows them all again. Called by each
+entry point (the CLI, every rank) before the heavy imports."""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# (message regex from its start, category, module regex): warnings.filterwarnings' fields
+WARNINGS = (
+    # torch's ModTracker (the memory tracker, train/core/memtrack.py) under activation checkpointing and
+    # FSDP2's hooks: printed twice per run, tearing the progress bar; the tracked figures are checked
+    # against the planner's in every run's summary
+    (r"The module hierarchy tracking maybe be messed up\. Please file a bug to PyTorch", UserWarning,
+     r"torch\.distributed\._tools\.mod_tracker"),
+    # setuptools' shim when a library imports distutils (torch's C++ builder): about setuptools itself
+    (r"Setuptools is replacing distutils", UserWarning, r"_distutils_hack"),
+    (r"", Warning, r"setuptools(\.|$)"),
+)
+# libraries' loggers whose warnings are about themselves: torchao "Failed to load <CUDA kernel .so>"
+# on a machine without those kernels; torch's pytree: an Enum deprecation torchao triggers;
+# bitsandbytes "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional kernel;
+# its fallback is used)
+LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
+
+
+def quiet_third_party() -> None:
+    """Install the filters above (idempotent); nothing with SHARDTUNE_VERBOSE=1."""
+    if os.environ.get("SHARDTUNE_VERBOSE") == "1":
+        return
+    for message, category, module in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name in LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -1,0 +1,46 @@
+"""What a user's terminal shows for a short `shardtune train` and `shardtune report`, as they run
+them: none of the third-party notices shardtune/quiet.py filters (torch's ModTracker "Please file a
+bug", torchao / bitsandbytes "Failed to load", setuptools), and the evaluation (val_loss from
+data.val_split's held-out examples, the last sample answers) in the summary and in `report`, equal
+to what the ranks wrote to metrics.jsonl and samples.jsonl. One launch."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune.testing.proc import run_bounded
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _runs import REPO  # noqa: E402
+
+pytestmark = [pytest.mark.e2e]
+NOISE = ("module hierarchy tracking", "Please file a bug", "Failed to load", "setuptools", "distutils",
+         "UserWarning", "FutureWarning", "DeprecationWarning", "kernels-community")
+PROMPT = "Apply 'upper' to the input.\n\nabc"
+
+
+@pytest.mark.timeout(420)
+def test_train_and_report_print_no_library_noise_and_the_evaluation(tmp_path):
+    run = tmp_path / "run"
+    proc = run_bounded([sys.executable, "-m", "shardtune.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "2",
+                        "--output-dir", str(run), "--max-steps", "4", "data.generated_examples=400",
+                        "data.val_split=0.05", "train.eval_every=2", f"train.sample_prompts={json.dumps([PROMPT])}",
+                        "train.sample_max_new_tokens=6", "checkpoint.export_hf=false"], timeout_s=400, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert not [line for line in out.splitlines() if any(n in line for n in NOISE)], out
+    vals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [r["step"] for r in vals] == [2, 4]
+    line = f"val_loss {vals[0]['val_loss']:.4f} (step 2) → {vals[-1]['val_loss']:.4f} (step 4)"
+    samples = [json.loads(s) for s in (run / "samples.jsonl").read_text().splitlines()]
+    answer = f'  "{json.dumps(PROMPT)[1:-1]}" → "{json.dumps(samples[-1]["completion"])[1:-1]}"'
+    assert line in proc.stdout.splitlines() and "samples at step 4 (samples.jsonl):" in proc.stdout
+    assert answer in proc.stdout.splitlines()
+
+    rep = run_bounded([sys.executable, "-m", "shardtune.cli", "report", str(run)], timeout_s=200, cwd=REPO)
+    assert rep.returncode == 0, (rep.stdout + rep.stderr)[-2000:]
+    assert line in rep.stdout.splitlines() and answer in rep.stdout.splitlines()
+    assert not [ln for ln in (rep.stdout + rep.stderr).splitlines() if any(n in ln for n in NOISE)]
