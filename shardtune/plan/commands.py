@@ -81,6 +81,9 @@ def plan_cmd(
     sequence_parallel: bool | None = typer.Option(
         _D.sequence_parallel, "--sequence-parallel/--no-sequence-parallel",
         help="Sequence parallelism with --tp (parallel.sequence_parallel; default on when tp > 1)."),
+    tp_across_nodes: bool = typer.Option(
+        _D.tp_across_nodes, "--tp-across-nodes",
+        help="Allow a --tp larger than a node (parallel.tp_across_nodes): TP priced on the inter-node link."),
     params: float | None = typer.Option(_D.params, "--params", metavar="COUNT",
                                         help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states "
                                              "only."),
@@ -129,7 +132,7 @@ def plan_cmd(
         optimizer_impl=optimizer_impl, ac=ac, ac_every=ac_every, offload=offload, lora_rank=lora_rank,
         quantize_base=quantize_base,
         loss_chunks=loss_chunks, accounting=accounting, hsdp_shard_size=hsdp_shard_size, tp=tp,
-        sequence_parallel=sequence_parallel, params=params,
+        sequence_parallel=sequence_parallel, tp_across_nodes=tp_across_nodes, params=params,
         reserve_gib=reserve_gib,
         strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,
         nics_per_node=nics_per_node, network_profile=network_profile, mfu=mfu, tokens=tokens)

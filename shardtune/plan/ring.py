@@ -139,9 +139,11 @@ def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1) ->
     # members when s < g (several shard groups per node) and 1 when s ≥ g; each of the s
     # (or g, if s ≥ g) local positions belongs to a different replica group.
     replica = Group(r, max(1, g // s) if s < g else 1, min(s, g))
-    dp = {k: Group(v.size, v.ranks_per_node, v.groups_per_node * tp) for k, v in
+    shared = min(tp, cluster.gpus_per_node)  # data-parallel groups (one per TP position) on a node
+    dp = {k: Group(v.size, v.ranks_per_node, v.groups_per_node * shared) for k, v in
           (("world", world), ("shard", shard), ("replica", replica))}
-    return dict(dp, tp=Group(tp, tp, max(1, cluster.gpus_per_node // tp)))
+    # a TP group larger than a node (--tp-across-nodes) spans tp / gpus_per_node whole nodes
+    return dict(dp, tp=Group(tp, min(tp, cluster.gpus_per_node), max(1, cluster.gpus_per_node // tp)))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ class PlanInputs:
     hsdp_shard_size: int | None = None  # default: data-parallel ranks per node (gpus_per_node / tp)
     tp: int = 1  # parallel.tp: tensor-parallel degree, inside a node (plan/tp.py)
     sequence_parallel: bool | None = None  # parallel.sequence_parallel; default: on when tp > 1
+    tp_across_nodes: bool = False  # parallel.tp_across_nodes: a TP group over several nodes' links
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
     strategies: list[str] | None = None  # default: all that apply
@@ -187,9 +188,12 @@ def _tp_layout(inp: PlanInputs) -> None:
         return
     if inp.gpus % t:
         raise UserError(f"--tp {t} does not divide --gpus {inp.gpus}; give a world of dp × tp GPUs")
-    if t > inp.gpus_per_node:
+    if t > inp.gpus_per_node and not inp.tp_across_nodes:
         raise UserError(f"--tp {t} exceeds the {inp.gpus_per_node} GPUs of a node: tensor parallelism "
-                        "talks every layer and needs the intra-node link; give --tp ≤ --gpus-per-node")
+                        "talks every layer and needs the intra-node link; give --tp ≤ --gpus-per-node "
+                        "(or --tp-across-nodes to insist)")
+    if t > inp.gpus_per_node and t % inp.gpus_per_node:
+        raise UserError(f"--tp {t} across nodes must be a multiple of the {inp.gpus_per_node} GPUs of a node")
     if inp.sequence_parallel and inp.seq_len % t:
         raise UserError(f"--seq-len {inp.seq_len} is not divisible by --tp {t}: sequence parallelism splits "
                         "the sequence; give a multiple of tp (or --no-sequence-parallel)")
