@@ -117,7 +117,10 @@ def plan_cmd(
                                         help="Tokens to train on: report wall-clock days and GPU-hours."),
     fit: bool = typer.Option(
         False, "--fit", help="Search strategy × tp × AC × offload × micro-batch × shard size × precision for the "
-        "fastest config that fits (a given --strategy, --tp or --offload is kept)."),
+        "fastest config that fits (a given --strategy, --tp or --offload is kept; the global batch and sequence "
+        "are kept)."),
+    fit_batch: bool = typer.Option(False, "--fit-batch", help="With --fit: also search the micro-batch (the global "
+                                   "batch then changes; each candidate says so)."),
 ) -> None:
     """Per-GPU memory (params, grads, optimizer, activations, buffers), fit and communication of
     every strategy: ddp, zero1, zero2, zero3, hsdp (with --tp: beside tensor parallelism)."""
@@ -139,8 +142,8 @@ def plan_cmd(
     if model and model.endswith((".yaml", ".yml")):
         values.update(recipe_inputs(model, _given_on_command_line(ctx) - {"model"}))
     inputs = PlanInputs(**values)
-    if fit:
-        _fit(inputs, as_json, model if model and model.endswith((".yaml", ".yml")) else None)
+    if fit or fit_batch:
+        _fit(inputs, as_json, model if model and model.endswith((".yaml", ".yml")) else None, fit_batch)
         return
     result = plan(inputs)
     if simulate:  # torch is imported only here (verify/simulate.py)
@@ -153,19 +156,24 @@ def plan_cmd(
         return
     from shardtune.plan.report import render_text
 
-    render_text(result, wide=wide)
+    mark = None
+    if model and model.endswith((".yaml", ".yml")):
+        from shardtune.config import load_recipe
+
+        mark = load_recipe(model).parallel.strategy  # its row is marked: the strategy the recipe runs
+    render_text(result, wide=wide, mark=mark)
     if simulate:
         from shardtune.verify.compare import render_simulated
 
         render_simulated(result)
 
 
-def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None) -> None:
+def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None, fit_batch: bool = False) -> None:
     from shardtune.plan.fit import render_fit, search
     from shardtune.plan.fit_commands import train_line
     from shardtune.plan.validate import resolve_inputs
 
-    result = search(inputs)
+    result = search(inputs, fit_batch=fit_batch)
     use = train_line(result.best, resolve_inputs(inputs), recipe) if result.best else None
     if as_json:
         json.dump(dict(result.to_dict(), train_command=use), sys.stdout, indent=2)

@@ -3,8 +3,11 @@
 Searches strategy × tensor-parallel degree (1, 2, 4, 8) × activation checkpointing × offload ×
 micro-batch × HSDP shard size × precision with the planner's memory model (plan/api.py) and the
 step-time model (plan/timing.py), keeping the user's grad_accum, sequence length, GPU and
-cluster. Each ranked entry says why it loses to the best (which per-token time component is
-larger), each rejected one why it does not fit. Also renders the per-strategy time table of a plan. Imports no torch.
+cluster, and the global batch (micro-batch × grad_accum × data-parallel ranks: the micro-batch
+follows the tensor-parallel degree) unless `fit_batch` (`--fit-batch`) searches the micro-batch
+too. Each ranked entry says what it changes (numerics, global batch, sequence) and why it loses
+to the best (which per-token time component is larger), each rejected one why it does not fit.
+Also renders the per-strategy time table of a plan. Imports no torch.
 """
 from __future__ import annotations
 
@@ -36,6 +39,15 @@ class Candidate:
     optimizer: str = "adamw"
     optimizer_impl: str = "auto"
     tp: int = 1  # tensor-parallel degree (plan/tp.py); sequence parallelism on with it
+    global_batch: int = 0  # sequences per optimizer step: micro-batch × grad_accum × data-parallel ranks
+
+    def changes(self, base: dict) -> dict:
+        """What this candidate changes against the plan's own inputs (`FitResult.base`), in words."""
+        def was(now, before) -> str:
+            return f"{now}" if now == before else f"{now} (was {before})"
+        return {"numerics": was(self.precision, base["precision"]),
+                "global batch": was(self.global_batch, base["global_batch"]),
+                "seq": f"{base['seq_len']} (kept)"}
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,13 +74,14 @@ class FitResult:
     searched: int
     network: dict
     notes: list[str] = field(default_factory=list)
+    base: dict = field(default_factory=dict)  # the plan's own precision, global batch, seq_len
 
     def to_dict(self) -> dict:
         def d(c):
-            return dict(asdict(c), tokens_per_s=c.tokens_per_s, flags=c.flags())
+            return dict(asdict(c), tokens_per_s=c.tokens_per_s, flags=c.flags(), changes=c.changes(self.base))
         return {"best": d(self.best) if self.best else None, "ranked": [d(c) for c in self.ranked],
                 "rejected": [d(c) for c in self.rejected], "searched": self.searched,
-                "network": self.network, "notes": self.notes}
+                "network": self.network, "notes": self.notes, "base": self.base}
 
 
 def _impl_for(base, precision: str) -> str:
@@ -93,8 +106,9 @@ def _shard_sizes(world: int, per_node: int) -> list[int]:
     return sorted(sizes)
 
 
-def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> FitResult:
-    """Every configuration of the search space, ranked; inputs as `shardtune.plan.plan`."""
+def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: bool = False, **fields) -> FitResult:
+    """Every configuration of the search space, ranked; inputs as `shardtune.plan.plan`. The global
+    batch is kept unless `fit_batch` (then the micro-batch is searched over MICRO_BATCHES)."""
     from shardtune.catalog.gpus import resolve_gpu
     from shardtune.plan import api
     from shardtune.plan.timing import time_strategy, timing_context
@@ -121,6 +135,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
         at_tp = api.with_tp(base, tp, m.arch) if tp != base.tp else base
         dp, dp_per_node = base.gpus // tp, max(1, base.gpus_per_node // tp)
         shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
+        mbs = micro_batches if fit_batch else _same_batch(base, tp)
         for shard in shards:
             for precision in PRECISIONS:
                 for ac in acs:
@@ -132,13 +147,13 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
                         if err:  # strategies.check_combination: nothing runs it
                             refused.setdefault(strategy, err)
                             continue
-                        for mb in micro_batches:
+                        for mb in mbs:
                             inp = replace(inp, micro_batch=mb)
                             sp = api._plan_strategy(m, strategy, inp, usable)
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
-                                          optimizer_impl=impl, tp=tp)
+                                          optimizer_impl=impl, tp=tp, global_batch=mb * base.grad_accum * dp)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)
                             out.append(c)
@@ -153,13 +168,24 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, **fields) -> F
     for c in fitting[1:top]:
         c.why = _why_loses(c, best)
     rejected = sorted((c for c in out if not c.fits), key=lambda c: -c.tokens_per_s)
+    g0 = base.micro_batch * base.grad_accum * (base.gpus // base.tp)
     notes = [f"grad_accum {base.grad_accum} and seq {base.seq_len} kept; micro-batch searched over "
-             f"{', '.join(map(str, MICRO_BATCHES))} (the global batch grows with it)",
+             f"{', '.join(map(str, micro_batches))} (the global batch changes with it)" if fit_batch else
+             f"global batch {g0} (micro-batch × grad_accum × data-parallel ranks) and seq {base.seq_len} kept: the "
+             "micro-batch follows tp; --fit-batch also searches the micro-batch (the global batch then changes)",
              f"compute at {ctx['mfu']:.0%} MFU ({ctx['network']['mfu_source']})"]
     if base.offload != "none":
         notes.insert(1, f"offload {base.offload} kept (--offload)" if len(offloads) == 1 else
                      f"offload {base.offload} is planner-only: the trainer's none and all searched")
-    return FitResult(best, fitting[:top], _distinct(rejected, top), len(out), ctx["network"], notes)
+    return FitResult(best, fitting[:top], _distinct(rejected, top), len(out), ctx["network"], notes,
+                     {"precision": base.precision, "global_batch": g0, "seq_len": base.seq_len})
+
+
+def _same_batch(base, tp: int) -> tuple[int, ...]:
+    """The micro-batch that keeps the global batch at tensor-parallel degree `tp` (dp = gpus / tp):
+    the plan's own × tp / its tp, or none when that is not a whole number."""
+    num = base.micro_batch * tp
+    return (num // base.tp,) if num % base.tp == 0 else ()
 
 
 def _distinct(cands: list[Candidate], top: int) -> list[Candidate]:
@@ -224,13 +250,34 @@ def render_fit(fit: FitResult, console, use: str | None = None) -> None:
         console.print(f"best: {b.label()} → {b.tokens_per_s:,.0f} tokens/s per GPU, step "
                       f"{_secs(b.timing['step_time_s'])} s, "
                       f"MFU {b.timing['mfu']:.1%}, peak {b.peak_gib:.1f} of {b.usable_gib:.1f} GiB")
+        changed = [f"{k} {v}" for k, v in b.changes(fit.base).items() if "(was" in v]
+        if changed:
+            console.print(f"  changes: {'; '.join(changed)}")
         console.print(f"  use: {use or b.flags()}", soft_wrap=True)
+        console.print(_top_table(fit))
         for i, c in enumerate(fit.ranked[1:], 2):
-            console.print(f"#{i} {c.label()}: {c.tokens_per_s:,.0f} tokens/s — {c.why}")
+            console.print(f"#{i} {c.tokens_per_s:,.0f} tokens/s — {c.why}")
     for c in fit.rejected:
         console.print(f"rejected: {c.label()} (would give {c.tokens_per_s:,.0f} tokens/s): {c.why}")
     for n in fit.notes:
         console.print(f"note: {n}")
+
+
+def _top_table(fit: FitResult):
+    """The top candidates side by side with what each changes against the plan's own inputs."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="Top configurations that fit (tokens/s per GPU, predicted); what each changes",
+                  box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("#", "configuration", "tokens/s", "peak GiB", "numerics", "global batch", "seq"):
+        table.add_column(col, justify="right" if col in ("#", "tokens/s", "peak GiB") else "left")
+    for i, c in enumerate(fit.ranked, 1):
+        ch = c.changes(fit.base)
+        conf = c.label().rsplit(", ", 1)[0]  # the precision has its own column
+        table.add_row(str(i), conf, f"{c.tokens_per_s:,.0f}", f"{c.peak_gib:.1f}", ch["numerics"],
+                      ch["global batch"], ch["seq"])
+    return table
 
 
 def _secs(v: float) -> str:

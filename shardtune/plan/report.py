@@ -27,9 +27,10 @@ def _gib(n: int) -> str:
 WIDE_COLUMNS = 112  # the all-columns memory table's width; narrower consoles get the compact tables
 
 
-def render_text(result: PlanResult, console=None, wide: bool = False) -> None:
+def render_text(result: PlanResult, console=None, wide: bool = False, mark: str | None = None) -> None:
     """Print the header lines, the per-strategy tables and the verdict. Tables show every column
-    when `wide` or the console has room (piped: 120), else a compact set that fits 80 columns."""
+    when `wide` or the console has room (piped: 120), else a compact set that fits 80 columns.
+    `mark`: a strategy (the recipe's) whose memory row is starred."""
     if console is None:
         console = make_console()
         if wide and console.width < 120:  # every column asked for: as wide as piped output
@@ -55,7 +56,9 @@ def render_text(result: PlanResult, console=None, wide: bool = False) -> None:
         sp = "with" if inp.get("sequence_parallel") else "without"
         console.print(f"layout: data-parallel {hw['gpus'] // inp['tp']} × tensor-parallel {inp['tp']} (inside a "
                       f"node, {sp} sequence parallelism); FSDP shards over the data-parallel ranks")
-    console.print(_memory_table(result) if wide else _compact_memory_table(result))
+    console.print(_memory_table(result, mark) if wide else _compact_memory_table(result, mark))
+    if mark and any(s.name == mark for s in result.strategies):
+        console.print(f"* the recipe's strategy (parallel.strategy {mark})")
     console.print(_comm_table(result, wide))
     if any(s.timing for s in result.strategies):  # plan/timing.py
         from shardtune.plan.fit import timing_table
@@ -73,7 +76,11 @@ def render_text(result: PlanResult, console=None, wide: bool = False) -> None:
 _SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
 
 
-def _memory_table(result: PlanResult):
+def _name(s, mark: str | None) -> str:
+    return f"{s.name} *" if s.name == mark else s.name
+
+
+def _memory_table(result: PlanResult, mark: str | None = None):
     from rich import box
     from rich.table import Table
 
@@ -87,13 +94,13 @@ def _memory_table(result: PlanResult):
         mem = s.memory
         shard = f"{s.shard_degree}×{tp}" if tp > 1 else str(s.shard_degree)  # the FSDP shard group × TP
         table.add_row(
-            s.name, shard, _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
+            _name(s, mark), shard, _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
             _gib(mem.activations), _gib(mem.buffers), _gib(mem.optimizer_step_temp), _gib(mem.total),
             f"{mem.total / GB:,.1f}", f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
     return table
 
 
-def _compact_memory_table(result: PlanResult):
+def _compact_memory_table(result: PlanResult, mark: str | None = None):
     """strategy, states (params + grads + optimizer), activations, buffers, opt tmp, peak, free, fits."""
     from rich import box
     from rich.table import Table
@@ -104,7 +111,7 @@ def _compact_memory_table(result: PlanResult):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
     for s in result.strategies:
         mem = s.memory
-        table.add_row(s.name, _gib(mem.params + mem.grads + mem.optimizer), _gib(mem.activations),
+        table.add_row(_name(s, mark), _gib(mem.params + mem.grads + mem.optimizer), _gib(mem.activations),
                       _gib(mem.buffers), _gib(mem.optimizer_step_temp), _gib(mem.total),
                       f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
     return table

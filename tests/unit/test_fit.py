@@ -149,3 +149,42 @@ def test_fit_keeps_an_offload_asked_for_and_refuses_it_with_ddp_as_plan_does(cap
     # a planner-only offload is not what the trainer runs: the search stays on none and all
     fit = search("llama-3-8b", gpus=8, offload="optimizer")
     assert {c.offload for c in fit.ranked + fit.rejected} <= {"none", "all"}
+
+
+@pytest.mark.parametrize("kw", [dict(model="llama-3-8b", gpus=8), dict(model="llama-3-8b", gpus=8, micro_batch=2,
+                                                                      grad_accum=4),
+                                dict(model="llama-3-70b", gpus=16, nodes=2, seq_len=4096, grad_accum=8)])
+def test_fit_keeps_the_global_batch_and_sequence_unless_asked(kw):
+    """Every candidate of a plain --fit trains micro × accum × (gpus / tp) = the plan's own sequences
+    per step at its seq_len; --fit-batch searches the micro-batch and says what it changes."""
+    fit = search(**kw)
+    want = kw.get("micro_batch", 1) * kw.get("grad_accum", 1) * kw["gpus"]
+    assert fit.ranked and fit.base["global_batch"] == want and fit.base["seq_len"] == kw.get("seq_len", 2048)
+    for c in fit.ranked + fit.rejected:
+        assert c.micro_batch * kw.get("grad_accum", 1) * (kw["gpus"] // c.tp) == want, c.label()
+        assert "(was" not in c.changes(fit.base)["global batch"]
+    wide = search(**kw, fit_batch=True)
+    assert {c.micro_batch for c in wide.ranked + wide.rejected} - {kw.get("micro_batch", 1)}
+    moved = [c for c in wide.ranked if c.global_batch != want]
+    assert all(f"(was {want})" in c.changes(wide.base)["global batch"] for c in moved)
+
+
+def test_fit_table_names_what_each_candidate_changes(capsys):
+    assert main(["plan", "llama-3-8b", "--gpus", "8", "--fit"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "numerics" in out and "global batch" in out and "2048 (kept)" in out
+    fit = search("llama-3-8b", gpus=8)
+    if fit.best.precision != "bf16-mixed":  # the plan's own numerics: a switch is said, never quiet
+        assert f"changes: numerics {fit.best.precision} (was bf16-mixed)" in out
+
+
+@pytest.mark.parametrize("recipe", ["tiny-cpu", "llama-3-8b-8xh100", "llama-3-70b-qlora-2x4090"])
+def test_plan_recipe_marks_the_recipes_own_strategy_row(recipe, capsys):
+    import yaml
+
+    path = f"recipes/{recipe}.yaml"
+    want = yaml.safe_load(open(path))["parallel"]["strategy"]
+    assert main(["plan", path, "--gpus", "2", "--wide"]) in (0, None)
+    out = capsys.readouterr().out
+    starred = [line.split()[0] for line in out.splitlines() if line.strip().split()[1:2] == ["*"]]
+    assert starred == [want] and f"* the recipe's strategy (parallel.strategy {want})" in out
