@@ -90,7 +90,8 @@ class RunConfig(_Section):
             optimizer_impl=self.optim.implementation, ac=self.parallel.activation_checkpointing,
             ac_every=self.parallel.ac_every, offload=self.parallel.offload,
             hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank,
-            quantize_base=self.lora.quantize_base, loss_chunks=self.train.loss_chunks)
+            quantize_base=self.lora.quantize_base, loss_chunks=self.train.loss_chunks,
+            objective=self.train.objective, reference=self.train.reference)
 
 
 

@@ -13,6 +13,7 @@ from shardtune.plan import comm, memory
 from shardtune.plan.activations import activation_bytes
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.plan.model import _load_model, _Model
+from shardtune.plan.preference import reference_bytes
 from shardtune.plan.timing import add_timing
 from shardtune.plan.tp import TP_DEGREES, check_tp_arch, tp_collectives, tp_combination_error
 from shardtune.plan.validate import PlanInputs, resolve_inputs
@@ -33,6 +34,7 @@ class Memory:
     buffers: int
     optimizer_step_temp: int
     total: int
+    reference: int = 0  # dpo: the frozen reference copy (plan/preference.py), included in total
 
 
 @dataclass
@@ -173,7 +175,9 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
         chunks = _loss_chunks(m, inp) if m.arch else 1
         tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
-    total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced)
+    ref = reference_bytes(shapes, -(-m.num_params // tp), strategy, dp, shard, inp.precision, inp.objective,
+                          inp.reference, inp.lora_rank)
+    total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced) + ref
     colls = comm.collectives(strategy, num_params=-(-m.num_params // tp),
                              trainable_params=-(-m.trainable // tp), world_size=dp, shard_degree=shard,
                              precision=inp.precision, shapes=shapes, accounting=inp.accounting)
@@ -187,7 +191,7 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
                 "sequence_parallel": inp.sequence_parallel},
         state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
-        memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total),
+        memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref),
         fits=total <= usable, headroom_bytes=usable - total,
         cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
         comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
@@ -360,4 +364,7 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
     notes += omitted
     if inp.lora_rank:
         notes.append(f"LoRA rank {inp.lora_rank}: only the adapters carry grads and optimizer states")
+    if inp.objective == "dpo":
+        notes.append("dpo: memory.reference is the frozen reference copy (0: LoRA's base with adapters off, or "
+                     "precomputed); a pair's chosen + rejected share one seq_len row (docs/dpo.md)")
     return notes

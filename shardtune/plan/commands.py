@@ -71,6 +71,12 @@ def plan_cmd(
     loss_chunks: int | None = typer.Option(
         _D.loss_chunks, "--loss-chunks", metavar="K",
         help="Cross-entropy over K token chunks (train.loss_chunks; default 8 above a 32k vocabulary, else 1)."),
+    objective: str = typer.Option(_D.objective, "--objective", metavar="[sft|dpo]",
+                                  help="dpo: preference tuning; adds the reference model (memory.reference) and "
+                                       "its forward (train.objective)."),
+    reference: str = typer.Option(_D.reference, "--reference", metavar="[live|precompute]",
+                                  help="dpo's reference log-probs: live (a sharded frozen copy; LoRA: the base) or "
+                                       "precompute (computed once, no copy held)."),
     accounting: str = typer.Option(_D.accounting, "--accounting", metavar="[shardtune|paper]",
                                    help="shardtune (what the trainer holds) | paper (ZeRO §5)."),
     hsdp_shard_size: int | None = typer.Option(_D.hsdp_shard_size, "--hsdp-shard-size", metavar="N",
@@ -134,8 +140,9 @@ def plan_cmd(
         micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
         optimizer_impl=optimizer_impl, ac=ac, ac_every=ac_every, offload=offload, lora_rank=lora_rank,
         quantize_base=quantize_base,
-        loss_chunks=loss_chunks, accounting=accounting, hsdp_shard_size=hsdp_shard_size, tp=tp,
-        sequence_parallel=sequence_parallel, tp_across_nodes=tp_across_nodes, params=params,
+        loss_chunks=loss_chunks, objective=objective, reference=reference, accounting=accounting,
+        hsdp_shard_size=hsdp_shard_size, tp=tp, sequence_parallel=sequence_parallel, tp_across_nodes=tp_across_nodes,
+        params=params,
         reserve_gib=reserve_gib,
         strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,
         nics_per_node=nics_per_node, network_profile=network_profile, mfu=mfu, tokens=tokens)

@@ -12,6 +12,7 @@ from shardtune.catalog.interconnects import default_intra_node, get_interconnect
 from shardtune.errors import UserError
 from shardtune.plan import compute as C
 from shardtune.plan.compute import achievable_mfu
+from shardtune.plan.preference import reference_forward as has_reference_forward
 from shardtune.plan.ring import (
     Cluster,
     Group,
@@ -184,7 +185,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                      trainable_params: int, num_params: int, active_params: int, lora: bool,
                      offload: str, optimizer: str, peak_flops_per_s: float, mfu: float,
                      mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True,
-                     tp: int = 1) -> dict:
+                     tp: int = 1, reference_forward: bool = False) -> dict:
     """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
 
     `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
@@ -208,6 +209,8 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     model_tok = C.model_flops_per_token(n_mm, L, H, Q, seq_len)
     if lora:  # frozen base weights: backward computes input grads (2N) but no weight grads (2N)
         model_tok -= 2.0 * n_mm
+    if reference_forward:  # dpo's live reference: one more forward a micro-batch (plan/preference.py)
+        fwd_tok, model_tok = 2 * fwd_tok, model_tok + fwd_tok
     recompute_tok = C.recompute_flops_per_token(ac, layer_mm, L, H, Q, seq_len, ac_every, down) if arch else (
         2.0 * num_params if ac == "full" else 0.0)
     tokens_mb = micro_batch * seq_len
@@ -268,7 +271,8 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
         num_params=model_info["params"], active_params=model_info.get("active_params") or model_info["params"],
         lora=bool(inp.lora_rank), offload=inp.offload, optimizer=inp.optimizer,
         peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], mem_bw_bytes_per_s=gpu.hbm_bytes_per_s,
-        tokens=ctx["tokens"], tp=getattr(inp, "tp", 1))
+        tokens=ctx["tokens"], tp=getattr(inp, "tp", 1),
+        reference_forward=has_reference_forward(inp.objective, inp.reference))
 
 
 def add_timing(result, arch, inp, gpu, **options) -> None:

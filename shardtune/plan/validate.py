@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import fields as dc_fields
 
 from shardtune.errors import UserError
+from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
     normalize_ac,
     normalize_offload,
@@ -50,6 +51,8 @@ class PlanInputs:
     lora_rank: int = 0
     quantize_base: str = "none"  # lora.quantize_base: nf4 stores the LoRA base in 4 bits (QLoRA)
     loss_chunks: int | None = None  # train.loss_chunks; default: plan/loss.py (8 above a 32k vocabulary)
+    objective: str = "sft"  # train.objective: dpo holds a reference model (plan/preference.py)
+    reference: str = "live"  # train.reference: live | precompute
     accounting: str = "shardtune"
     hsdp_shard_size: int | None = None  # default: data-parallel ranks per node (gpus_per_node / tp)
     tp: int = 1  # parallel.tp: tensor-parallel degree, inside a node (plan/tp.py)
@@ -132,6 +135,7 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.optimizer_impl = normalize_optimizer_impl(inp.optimizer_impl)
     inp.ac = normalize_ac(inp.ac)
     inp.offload = normalize_offload(inp.offload)
+    check_objective(inp.objective, inp.reference)
     if inp.accounting not in ACCOUNTINGS:
         raise UserError(f"unknown accounting {inp.accounting!r}; choose one of {', '.join(ACCOUNTINGS)}")
     if inp.strategies is not None:

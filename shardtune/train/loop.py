@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from shardtune.errors import UserError
+from shardtune.train.core.dpo import DPO
+from shardtune.train.core.dpo_ref import set_up_dpo
 from shardtune.train.core.evaluate import evaluate
 from shardtune.train.core.loggers import Loggers, check_loop_options
 from shardtune.train.core.metrics import (
@@ -40,6 +42,7 @@ from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.samples import Sampler
 from shardtune.train.core.step import StepOptions, StepResult, TrainState, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
+from shardtune.train.data.preference import build_pair_loader, pack_val_pairs
 from shardtune.train.data.val import build_val_batches
 from shardtune.train.durable.keeper import RunKeeper
 
@@ -75,6 +78,7 @@ class Run:
     sampler: Sampler | None = None  # train.sample_prompts
     last_record: dict | None = None  # iterate(): the last logged record
     rank_bytes: dict | None = None  # iterate(): this rank's bytes of its last logged (or stopping) step
+    objective: DPO | None = None  # train.objective dpo (train/core/dpo.py); None: sft
 
 
 def now_s(device: torch.device) -> float:
@@ -107,7 +111,9 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
-    loader = build_dataloader(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, cfg.train.seed)
+    dpo = cfg.train.objective == "dpo"  # the one branch on the objective: its loader, step and validation
+    loader = (build_pair_loader if dpo else build_dataloader)(cfg.data, cfg.train, tokenizer, ctx.rank,
+                                                              ctx.world_size, cfg.train.seed)
     val_batches = _val_batches(cfg, tokenizer, ctx)
     marks.append(("tokenizer and data", time.perf_counter()))
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
@@ -119,6 +125,8 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                         f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer=auto)")
+    opts = StepOptions.from_config(cfg, hf_config.vocab_size)
+    objective = set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir, opts) if dpo else None
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel, ctx.dp_group)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = TrainState(data=loader)
@@ -130,8 +138,8 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
               rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len),
               None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
-              StepOptions.from_config(cfg, hf_config.vocab_size),
-              MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches, None, threads)
+              opts, MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches, None, threads,
+              objective=objective)
     if cfg.train.sample_prompts:
         run.sampler = Sampler(cfg.train.sample_prompts, tokenizer, cfg.data, cfg.train.sample_max_new_tokens,
                               run_dir / "samples.jsonl" if ctx.rank == 0 else None)
@@ -170,7 +178,8 @@ def _startup(marks: list[tuple[str, float]]) -> str:
 
 def _val_batches(cfg: RunConfig, tokenizer, ctx: DistContext) -> list[dict] | None:
     """This rank's validation batches (data.val_path, train/data/val.py), or None."""
-    return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size)
+    pack = {"pack": pack_val_pairs} if cfg.train.objective == "dpo" else {}
+    return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, **pack)
 
 
 def describe_tokenizer(tok, model_name: str) -> str:
@@ -196,8 +205,9 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
     cfg, ctx = run.cfg, run.ctx
 
     def step_fn() -> StepResult:
-        return train_step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=None,
-                          dp_size=ctx.world_size, activations=run.activations)
+        step = run.objective.step if run.objective else train_step
+        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=None,
+                    dp_size=ctx.world_size, activations=run.activations)
 
     if track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank, cfg.train.compile):
         return tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
@@ -217,13 +227,15 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
     step's tensors reach the host."""
     # logged steps only: ONE small gather of [this rank's loss part, its peak bytes, its signal]
     # → the loss (sum over ranks), the ranks' max peak and max signal (float64: exact below 2**53)
+    # (dpo: and its metrics' parts, r.parts, summed like the loss)
+    width = 3 + len(r.parts)
     mine = torch.cat([r.loss_part.detach().double().reshape(1),
                       torch.tensor([float(peak), float(run.keeper.signal.signum)], dtype=torch.float64,
-                                   device=run.ctx.device)])
-    gathered = torch.empty(run.ctx.world_size * 3, dtype=torch.float64, device=run.ctx.device)
+                                   device=run.ctx.device), *(v.detach().double().reshape(1) for v in r.parts.values())])
+    gathered = torch.empty(run.ctx.world_size * width, dtype=torch.float64, device=run.ctx.device)
     # torch 2.13 renames all_gather_into_tensor (deprecated, a FutureWarning a run) all_gather_single
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)
-    per_rank = gathered.view(run.ctx.world_size, 3)
+    per_rank = gathered.view(run.ctx.world_size, width)
     loss, peak_all, signum = float(per_rank[:, 0].sum()), int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
     tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
@@ -231,6 +243,7 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
               "tokens_per_s": tokens_per_s, "tflops": tflops,
               "mfu": tflops * 1e12 / run.peak_flops if run.peak_flops else None,
               "peak_mem_bytes": peak_all, "step_time_s": dt, "target_tokens": int(r.num_tokens)}
+    record.update({k: float(per_rank[:, 3 + i].sum()) for i, k in enumerate(r.parts)})
     record.update(run.keeper.record_extra(run.state.step, r))
     return record, signum
 
@@ -270,7 +283,9 @@ def iterate(run: Run) -> Iterator[dict | None]:
             if logged:  # the state bytes are read where they are written: logged steps (the last too)
                 peak, run.rank_bytes = _rank_bytes(run, tracked)
                 record, signum = _record(run, r, peak, dt)
-                if evaluating:
+                if evaluating and run.objective:
+                    record.update(run.objective.evaluate(run.model, run.val_batches, ctx.device, run.opts))
+                elif evaluating:
                     record["val_loss"] = evaluate(run.model, run.val_batches, ctx.device, run.opts)
                 if run.writer:
                     run.writer.write(record)

@@ -335,12 +335,17 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     gpus = _check_backend(cfg.train.backend, local_world_size)
     _check_model_states_fit(cfg, world_size, local_world_size, gpus)
     check_recipe_paths(cfg)
-    check_dataset(cfg.data)
     if cfg.lora.rank > 0:
         _check_lora_targets(cfg)
-    _check_data_fills_a_batch(cfg, world_size)
-    if cfg.data.has_val:
-        _check_val(cfg)
+    if cfg.train.objective == "dpo":  # pairs: read, tokenised and packed as the ranks will (train/data/preference.py)
+        from shardtune.train.data.preference import check_preference_data
+
+        check_preference_data(cfg, world_size)
+    else:
+        check_dataset(cfg.data)
+        _check_data_fills_a_batch(cfg, world_size)
+        if cfg.data.has_val:
+            _check_val(cfg)
     _check_writable(cfg.run_dir)
     resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
     return layout

@@ -94,8 +94,10 @@ def _head(lm: nn.Module) -> nn.Linear:
 
 
 @contextmanager
-def _loss_in_root_forward(lm: nn.Module, target: torch.Tensor, num_chunks: int):
-    """Hooks that put the chunked loss into `lm`'s output as `.loss`, inside its forward."""
+def _loss_in_root_forward(lm: nn.Module, target: torch.Tensor, num_chunks: int, loss_fn=None):
+    """Hooks that put the chunked loss into `lm`'s output as `.loss`, inside its forward
+    (`loss_fn(hidden, weight, target, num_chunks)`, default `chunked_cross_entropy`)."""
+    loss_fn = loss_fn or chunked_cross_entropy
     head, seen = _head(lm), {}
 
     def keep_hidden(_module, _args, out):
@@ -103,7 +105,7 @@ def _loss_in_root_forward(lm: nn.Module, target: torch.Tensor, num_chunks: int):
 
     def add_loss(_module, _args, out):
         hidden = seen.pop("hidden")
-        out["loss"] = chunked_cross_entropy(hidden.flatten(0, 1), head.weight, target.flatten(), num_chunks)
+        out["loss"] = loss_fn(hidden.flatten(0, 1), head.weight, target.flatten(), num_chunks)
         return out
 
     handles = [lm.get_decoder().register_forward_hook(keep_hidden),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,12 +45,17 @@ class StepOptions:
     autocast_dtype: torch.dtype | None = None  # parallel.precision under ddp/zero1 (parallel/apply.py)
     grad_clip: float = 1.0  # optim.grad_clip (0: no clipping)
     skip_non_finite: bool = True  # a non-finite loss or grad norm skips the update (the simulator: off)
+    objective: str = "sft"  # train.objective; dpo: train/core/dpo.py's step and evaluation
+    dpo_beta: float = 0.1  # train.dpo_beta
+    dpo_label_smoothing: float = 0.0  # train.dpo_label_smoothing
 
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int, **overrides) -> StepOptions:
         """The options of a run of `cfg` on a model of `vocab_size` ids; `overrides` replace fields."""
         opts = cls(loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, vocab_size),
-                   autocast_dtype=autocast_dtype(cfg.parallel), grad_clip=cfg.optim.grad_clip)
+                   autocast_dtype=autocast_dtype(cfg.parallel), grad_clip=cfg.optim.grad_clip,
+                   objective=cfg.train.objective, dpo_beta=cfg.train.dpo_beta,
+                   dpo_label_smoothing=cfg.train.dpo_label_smoothing)
         return replace(opts, **overrides)
 
 
@@ -63,6 +68,8 @@ class StepResult:
     lr: float  # learning rate used by this step (the scheduler's, already on the host)
     num_tokens: torch.Tensor  # 0-dim int: target tokens over all micro-batches and ranks
     skipped: bool = False  # non-finite loss or grad norm on some rank: no update (train/durable/resilience.py)
+    # more of the step's global means, each as loss_part is: this rank's part (dpo: reward_acc, ...)
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,22 +93,32 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     dist.all_reduce(num_tokens, group=dp_group)  # ONE all-reduce per step
     denom = num_tokens.clamp(min=1).to(torch.float32)
     loss_sum = torch.zeros((), device=device)
-    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    is_fsdp = isinstance(model, FSDPModule)
     for i, mb in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        sync = not is_ddp or last  # DDP: all-reduce grads on the last only
-        if is_fsdp:
-            # HSDP: reduce-scatter inside the shard group every micro-batch (FSDP2 accumulates the
-            # shards), all-reduce across replicas on the last only. Set on every micro-batch so an
-            # interrupted step leaves nothing behind; no-op without a replicate dimension.
-            model.set_requires_all_reduce(last)
-        with (nullcontext() if sync else model.no_sync()):
+        with accumulation(model, last=i == len(micro_batches) - 1):
             with activations.micro_batch() if activations else nullcontext():
                 # full logits (1 chunk) or chunked cross-entropy (train.loss_chunks, docs/loss.md)
                 token_loss_sum = lm_token_loss_sum(model, mb, opts.loss_chunks, opts.autocast_dtype)
             (token_loss_sum * dp_size / denom).backward()
         loss_sum += token_loss_sum.detach()
+    norm, lr, skipped = clip_and_step(model, optimizer, scheduler, loss_sum, opts)
+    return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
+                      num_tokens=num_tokens, skipped=skipped)
+
+
+def accumulation(model: nn.Module, last: bool):
+    """The context of one micro-batch's backward: gradients synced across replicas on the last only."""
+    if isinstance(model, FSDPModule):
+        # HSDP: reduce-scatter inside the shard group every micro-batch (FSDP2 accumulates the
+        # shards), all-reduce across replicas on the last only. Set on every micro-batch so an
+        # interrupted step leaves nothing behind; no-op without a replicate dimension.
+        model.set_requires_all_reduce(last)
+    is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    return model.no_sync() if is_ddp and not last else nullcontext()  # DDP: all-reduce on the last only
+
+
+def clip_and_step(model: nn.Module, optimizer, scheduler, loss_sum: torch.Tensor, opts: StepOptions
+                  ) -> tuple[torch.Tensor, float, bool]:
+    """Clip, then step (or skip a non-finite step); (global grad norm, lr used, skipped)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip if opts.grad_clip > 0 else math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
     lr = scheduler.get_last_lr()[0]
@@ -115,8 +132,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     else:
         optimizer.step()
         scheduler.step()
-    return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
-                      num_tokens=num_tokens, skipped=skipped)
+    return norm, float(lr), skipped
 
 
 def global_loss(r: StepResult, group=None) -> float:

@@ -141,7 +141,6 @@ def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pac
                   shuffle: bool = True) -> PackedData:
     """Truncate to seq_len, drop examples without a target, pack next-fit in a seeded order
     (`shuffle` False: in file order, so rows keep the examples' order)."""
-    import torch
 
     tokens, targets, offsets = [], [], [0]
     truncated = dropped = 0
@@ -160,6 +159,15 @@ def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pac
     if not lengths:
         raise UserError(f"no example has a target token within seq_len={seq_len} (all {dropped} too long or without "
                         "response); raise train.seq_len or check the data")
+    rows = next_fit(lengths, seq_len, packing, seed, shuffle)
+    return PackedData(tokens, targets, offsets, rows, seq_len, truncated, dropped)
+
+
+def next_fit(lengths: list[int], seq_len: int, packing: bool, seed: int, shuffle: bool) -> list[list[int]]:
+    """Rows of unit indices: next-fit in a seeded order (`shuffle` False: in order), one a row
+    without `packing`."""
+    import torch
+
     order = (torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist() if shuffle
              else range(len(lengths)))
     rows: list[list[int]] = []
@@ -171,7 +179,7 @@ def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pac
         else:
             rows.append([k])
             fill = lengths[k]
-    return PackedData(tokens, targets, offsets, rows, seq_len, truncated, dropped)
+    return rows
 
 
 def build_row(data: PackedData, row: list[int], pad_id: int) -> tuple[list[int], list[int], list[int]]:

@@ -90,7 +90,7 @@ def normalize(obj, where: str, want: str, columns: dict[str, str] | None) -> dic
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
 
 
-def _read_jsonl(path: Path, where: str, data_cfg) -> list[dict]:
+def _read_jsonl(path: Path, where: str, data_cfg, norm=normalize) -> list[dict]:
     records = []
     try:
         with open(path, "rb") as f:
@@ -107,7 +107,7 @@ def _read_jsonl(path: Path, where: str, data_cfg) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise UserError(f"dataset {where} line {lineno}: malformed JSON ({e.msg} at column {e.colno}); "
                                     "fix or remove the line") from None
-                records.append(normalize(obj, f"dataset {where} line {lineno}", data_cfg.format, None))
+                records.append(norm(obj, f"dataset {where} line {lineno}", data_cfg.format, None))
     except OSError as e:
         raise UserError(f"dataset {where} cannot be read: {e.strerror}") from None
     return records
@@ -184,14 +184,15 @@ def _folder_split(datasets, folder: str, split: str, spec: str):
                         "data.split") from None
 
 
-def read_records(data_cfg, part: str = "train") -> list[dict]:
+def read_records(data_cfg, part: str = "train", norm=normalize) -> list[dict]:
     """The dataset's examples as dicts with `text`, or `prompt`+`response`, or `messages`.
 
     `data_cfg.path` None or 'generated' gives the built-in generated dataset. A missing or empty
     dataset, a row not of a known format, names the file and line (JSONL) or row. With
     `data.val_split`, `part` "train" is the examples not held out, "val" the held-out ones.
+    `norm(row, where, format, columns)` makes each row a record (preference pairs: train/data/preference.py).
     """
-    records = _read_all(data_cfg)
+    records = _read_all(data_cfg, norm)
     fraction = getattr(data_cfg, "val_split", None)
     return hold_out(records, fraction, part, data_cfg.path) if fraction else records
 
@@ -210,7 +211,7 @@ def hold_out(records: list, fraction: float, part: str, where) -> list:
     return [r for i, r in enumerate(records) if (i in held) == (part == "val")]
 
 
-def _read_all(data_cfg) -> list[dict]:
+def _read_all(data_cfg, norm=normalize) -> list[dict]:
     if data_cfg.path in (None, GENERATED):
         from shardtune.train.data.datagen import generate_examples
 
@@ -220,7 +221,7 @@ def _read_all(data_cfg) -> list[dict]:
     where = repr(spec)
     columns = getattr(data_cfg, "columns", None)
     if path.is_file() and path.suffix.lower() in JSONL and not columns:
-        records = _read_jsonl(path, where, data_cfg)
+        records = _read_jsonl(path, where, data_cfg, norm)
     else:
         ds = _load_hf(spec, getattr(data_cfg, "split", "train"))
         names = list(ds[0]) if isinstance(ds, list) and ds else getattr(ds, "column_names", [])
@@ -228,7 +229,7 @@ def _read_all(data_cfg) -> list[dict]:
         if missing:
             raise UserError(f"data.columns names {missing} but dataset {where} has columns {names}; fix "
                             "data.columns")
-        records = [normalize(row, f"dataset {where} row {i + 1}", data_cfg.format, columns)
+        records = [norm(row, f"dataset {where} row {i + 1}", data_cfg.format, columns)
                    for i, row in enumerate(ds)]
     if not records:
         raise UserError(f"dataset {where} is empty; give a dataset with at least one example")

@@ -39,12 +39,12 @@ def pack_val(data_cfg, seq_len: int, tokenizer):
                         "to measure a loss on); give examples with a response, or raise train.seq_len") from None
 
 
-def build_val_batches(data_cfg, train_cfg, tokenizer, rank: int, world_size: int) -> list[dict] | None:
+def build_val_batches(data_cfg, train_cfg, tokenizer, rank: int, world_size: int, pack=pack_val) -> list[dict] | None:
     """None without a val set (data.val_path / data.val_split); else this rank's val micro-batches
-    ((micro_batch, seq_len) long)."""
+    ((micro_batch, seq_len) long); `pack(data_cfg, seq_len, tokenizer)` (dpo: preference.pack_val_pairs)."""
     if not data_cfg.has_val:
         return None
-    data = pack_val(data_cfg, train_cfg.seq_len, tokenizer)
+    data = pack(data_cfg, train_cfg.seq_len, tokenizer)
     seq_len, mb = train_cfg.seq_len, train_cfg.micro_batch
     mine = [build_row(data, data.rows[i], tokenizer.pad_id) for i in range(rank, data.num_rows, world_size)]
     per_rank = -(-data.num_rows // world_size)

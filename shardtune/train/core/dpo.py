@@ -1,0 +1,201 @@
+"""Direct Preference Optimisation on the sharded step (`train.objective: dpo`, docs/dpo.md).
+
+Rafailov et al. 2023 eq. 7, with conservative label smoothing ε (TRL's "sigmoid" loss):
+  z = β·[(log πθ(y_c|x) − log π_ref(y_c|x)) − (log πθ(y_r|x) − log π_ref(y_r|x))]
+  loss = −(1 − ε)·log σ(z) − ε·log σ(−z);  rewards r_c, r_r = β·(log πθ − log π_ref) of each side.
+The log-probs are sums over each side's response tokens, computed in vocabulary chunks inside the
+root's forward (chunked_loss.py's hook), so [T, V] logits never exist; chosen and rejected share a
+row (train/data/preference.py), so one forward scores both. A side is sequence k of its row, found
+from the position restarts: slot (row, k // 2, k % 2) of a (B, P, 2) tensor, P = ⌈T / 2⌉.
+
+Normalisation as the SFT step's: each pair's loss / the number of pairs over all micro-batches
+and data-parallel ranks (one all-reduce of [pairs, target tokens] per step), so the gradient is the
+global mean over pairs. The metrics (reward_acc, reward_margin, chosen/rejected rewards) are this
+rank's parts of global means, summed over ranks by the loop's one logged-step gather.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardtune.plan.loss import resolve_loss_chunks
+from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward
+from shardtune.train.core.step import StepOptions, StepResult, accumulation, clip_and_step
+
+METRICS = ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected")
+
+
+class _ChunkedLinearLogProbs(torch.autograd.Function):
+    """Per row: log softmax(hidden @ weightᵀ)[target] (0 for IGNORE_INDEX rows), in row chunks."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, num_chunks: int):  # hidden (N, h) in the compute dtype
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(hidden.dtype)
+            lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
+            logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
+            for h_c, t_c, lse_c, out_c in zip(hidden.tensor_split(num_chunks), target.tensor_split(num_chunks),
+                                              lse.tensor_split(num_chunks), logp.tensor_split(num_chunks)):
+                logits = (h_c @ w.t()).float()  # (n, V)
+                lse_c.copy_(torch.logsumexp(logits, dim=-1))
+                valid = t_c != IGNORE_INDEX
+                picked = logits.gather(1, torch.where(valid, t_c, 0).unsqueeze(1)).squeeze(1)
+                out_c.copy_(torch.where(valid, picked - lse_c, 0.0))
+                del logits
+        ctx.save_for_backward(hidden, weight, target, lse)
+        ctx.num_chunks = num_chunks
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out (N,): d logp_i / d logits_i = onehot − softmax
+        hidden, weight, target, lse = ctx.saved_tensors
+        k, need_h, need_w = ctx.num_chunks, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=hidden.dtype) if need_w else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(hidden.dtype)
+            rows = zip(hidden.tensor_split(k), target.tensor_split(k), lse.tensor_split(k),
+                       grad_out.float().tensor_split(k), grad_h.tensor_split(k) if need_h else [None] * k)
+            for h_c, t_c, lse_c, g_c, gh_c in rows:
+                valid = t_c != IGNORE_INDEX
+                d = (h_c @ w.t()).float().sub_(lse_c.unsqueeze(1)).exp_().neg_()  # −softmax (n, V)
+                d.scatter_add_(1, torch.where(valid, t_c, 0).unsqueeze(1), torch.ones_like(d[:, :1]))
+                d.mul_(torch.where(valid, g_c, 0.0).unsqueeze(1))
+                d_logits = d.to(hidden.dtype)
+                del d
+                if need_h:
+                    gh_c.copy_(d_logits @ w)
+                if need_w:
+                    grad_w.addmm_(d_logits.t(), h_c)
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+
+
+def chunked_token_logps(hidden, weight, target, num_chunks: int) -> torch.Tensor:
+    """(N,) fp32 log-probs of `target` under `hidden` (N, h) projected by `weight` (V, h)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    return _ChunkedLinearLogProbs.apply(hidden, weight, target, max(1, min(int(num_chunks), hidden.shape[0])))
+
+
+def _slots(batch: dict) -> tuple[torch.Tensor, int]:
+    """(B, T) sequence index of every position (restarts of position_ids), and 2·P."""
+    seg = (batch["position_ids"] == 0).long().cumsum(1) - 1
+    t = seg.shape[1]
+    return seg.clamp(min=0), t + t % 2
+
+
+def _per_side(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """(B, T) per-position values summed per side: (B, P, 2)."""
+    seg, width = _slots(batch)
+    out = torch.zeros(values.shape[0], width, dtype=values.dtype, device=values.device)
+    return out.scatter_add(1, seg, values).view(values.shape[0], width // 2, 2)
+
+
+def valid_pairs(batch: dict) -> torch.Tensor:
+    """(B, P) bool: the slots holding a pair with response tokens on both sides."""
+    return (_per_side((batch["labels"] != IGNORE_INDEX).float(), batch) > 0).all(-1)
+
+
+def sequence_logps(model: nn.Module, batch: dict, loss_chunks: int | None,
+                   autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, P, 2) fp32: each side's summed response-token log-probs through `model` (FSDP2, DDP or a
+    plain HF causal LM), the LM head applied in chunks inside the root's forward."""
+    lm = getattr(model, "module", model)
+    k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
+    ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+    amp = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    no_position = torch.empty(0, dtype=torch.long, device=ids.device)
+    with amp, _loss_in_root_forward(lm, labels, k, chunked_token_logps):
+        out = model(input_ids=ids, position_ids=pos, logits_to_keep=no_position)
+    return _per_side(out.loss.view(ids.shape), batch)
+
+
+def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, beta: float, label_smoothing: float = 0.0):
+    """(losses, chosen rewards, rejected rewards), each (...,) from (..., 2) summed log-probs."""
+    rewards = beta * (policy - reference.to(policy.dtype))
+    z = rewards[..., 0] - rewards[..., 1]
+    losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return losses, rewards[..., 0].detach(), rewards[..., 1].detach()
+
+
+def pair_sums(losses, chosen, rejected, valid) -> torch.Tensor:
+    """[loss, reward_acc, reward_margin, reward_chosen, reward_rejected] summed over the valid pairs."""
+    v = valid.to(losses.dtype)
+    return torch.stack([(losses * v).sum(), ((chosen > rejected).to(v.dtype) * v).sum(),
+                        ((chosen - rejected) * v).sum(), (chosen * v).sum(), (rejected * v).sum()])
+
+
+class DPO:
+    """The objective's step and evaluation; `reference.logps(batch, opts)` gives reference log-probs
+    where a batch carries none (train/core/dpo_ref.py). β and ε come from StepOptions."""
+
+    def __init__(self, reference):
+        self.reference = reference
+
+    def ref_logps(self, batch: dict, opts: StepOptions) -> torch.Tensor:
+        return batch["ref_logps"] if "ref_logps" in batch else self.reference.logps(batch, opts)
+
+    def step(self, model, optimizer, scheduler, micro_batches: list[dict], opts: StepOptions, *, dp_group=None,
+             dp_size: int, activations=None) -> StepResult:
+        """dpo's train_step: forward/backward over the micro-batches, clip, optimizer step."""
+        optimizer.zero_grad(set_to_none=True)
+        valid = [valid_pairs(mb) for mb in micro_batches]
+        counts = torch.stack([torch.stack([v.sum() for v in valid]).sum(),
+                              torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()])
+        dist.all_reduce(counts, group=dp_group)  # ONE all-reduce: [pairs, target tokens]
+        denom = counts[0].clamp(min=1).to(torch.float32)
+        sums = torch.zeros(5, device=counts.device)
+        for i, mb in enumerate(micro_batches):
+            ref = self.ref_logps(mb, opts)
+            with accumulation(model, last=i == len(micro_batches) - 1):
+                with activations.micro_batch() if activations else nullcontext():
+                    pol = sequence_logps(model, mb, opts.loss_chunks, opts.autocast_dtype)
+                losses, chosen, rejected = dpo_losses(pol, ref, opts.dpo_beta, opts.dpo_label_smoothing)
+                part = pair_sums(losses, chosen, rejected, valid[i])
+                (part[0] * dp_size / denom).backward()
+            sums += part.detach()
+        norm, lr, skipped = clip_and_step(model, optimizer, scheduler, sums[0], opts)
+        parts = sums / denom
+        return StepResult(loss_part=parts[0], grad_norm=norm.detach(), lr=lr, num_tokens=counts[1], skipped=skipped,
+                          parts=dict(zip(METRICS, parts[1:])))
+
+    @torch.no_grad()
+    def evaluate(self, model, batches: list[dict], device, opts: StepOptions, group=None) -> dict:
+        """Held-out pairs (each batch carrying ref_logps): val_loss and val_<metric>, global means
+        over every rank's pairs (collective; every rank runs the same number of forwards)."""
+        n = torch.tensor([len(batches)], device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        sums = torch.zeros(7, dtype=torch.float64, device=device)
+        was_training = model.training
+        model.eval()
+        try:
+            for i in range(int(n)):
+                batch = {k: v.to(device) for k, v in batches[min(i, len(batches) - 1)].items()}
+                pol = sequence_logps(model, batch, opts.loss_chunks, opts.autocast_dtype)
+                losses, chosen, rejected = dpo_losses(pol, batch["ref_logps"], opts.dpo_beta, opts.dpo_label_smoothing)
+                valid = valid_pairs(batch) & (i < len(batches))
+                prefers = ((pol[..., 0] > pol[..., 1]) & valid).sum()  # the policy's own preference
+                sums += torch.cat([pair_sums(losses, chosen, rejected, valid), torch.stack([prefers, valid.sum()])
+                                   ]).double()
+        finally:
+            model.train(was_training)
+        dist.all_reduce(sums, group=group)
+        means = (sums[:6] / sums[6]).tolist() if float(sums[6]) > 0 else [float("nan")] * 6
+        return dict(zip(("val_loss", *(f"val_{m}" for m in METRICS), "val_pref_acc"), means))
+
+
+def reference_preference(batches: list[dict], device, group=None) -> tuple[int, int]:
+    """(held-out pairs whose chosen side the reference, i.e. the initial policy, scores higher,
+    held-out pairs) over every rank (collective)."""
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in batches:
+        valid = valid_pairs(b)
+        counts += torch.stack([((b["ref_logps"][..., 0] > b["ref_logps"][..., 1]) & valid).sum(), valid.sum()]
+                              ).double().to(device)
+    dist.all_reduce(counts, group=group)
+    return int(counts[0]), int(counts[1])

@@ -1,0 +1,106 @@
+"""DPO's pieces against independent references: chunked per-token log-probs (and their gradients) vs
+torch's log_softmax on full logits, the loss vs eq. 7 of Rafailov et al. 2023 written out, the pair
+formats (strings, UltraFeedback message lists) and the packing (a pair's sides share a row)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardtune.config import DataConfig
+from shardtune.errors import UserError
+from shardtune.train.core.dpo import _per_side, chunked_token_logps, dpo_losses, valid_pairs
+from shardtune.train.data.dataset import build_row
+from shardtune.train.data.preference import encode_pair, normalize_pair, pack_pairs
+from shardtune.train.data.tokenizer import ByteTokenizer
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 7])
+def test_chunked_logps_and_grads_equal_full_log_softmax(chunks):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(10, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 40, (10,), generator=g)
+    target[[2, 7]] = -100
+    coef = torch.randn(10, generator=g, dtype=torch.float64)
+    got = chunked_token_logps(h, w, target, chunks)
+    (got.double() * coef).sum().backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    full = F.log_softmax(h @ w.t(), -1).gather(1, target.clamp(min=0)[:, None])[:, 0]
+    want = torch.where(target != -100, full, 0.0)
+    (want * coef).sum().backward()
+    assert torch.allclose(got.double(), want, atol=1e-6)  # the forward runs in fp32
+    assert torch.allclose(gh, h.grad, atol=1e-5) and torch.allclose(gw, w.grad, atol=1e-5)
+
+
+def test_dpo_loss_is_eq7_with_label_smoothing():
+    pol = torch.tensor([[-3.0, -5.0], [-2.0, -1.0]])
+    ref = torch.tensor([[-4.0, -4.0], [-2.5, -1.5]])
+    beta, eps = 0.5, 0.1
+    losses, rc, rr = dpo_losses(pol, ref, beta, eps)
+    for i in range(2):
+        z = beta * ((pol[i, 0] - ref[i, 0]) - (pol[i, 1] - ref[i, 1]))
+        sig = 1 / (1 + math.exp(-z))
+        assert losses[i].item() == pytest.approx(-(1 - eps) * math.log(sig) - eps * math.log(1 - sig), rel=1e-6)
+        assert rc[i].item() == pytest.approx(beta * float(pol[i, 0] - ref[i, 0]))
+        assert rr[i].item() == pytest.approx(beta * float(pol[i, 1] - ref[i, 1]))
+
+
+def test_pair_formats():
+    s = normalize_pair({"prompt": "p?", "chosen": "yes", "rejected": "no"}, "row 1")
+    assert s == {"prompt": "p?", "chosen": "yes", "rejected": "no"}
+    user = {"role": "user", "content": "p?"}
+    uf = normalize_pair({"prompt": "p?", "chosen": [user, {"role": "assistant", "content": "yes"}],
+                         "rejected": [user, {"role": "assistant", "content": "no"}]}, "row 1")
+    assert uf == {"messages": [user], "chosen": "yes", "rejected": "no"}
+    implicit = normalize_pair({"chosen": [user, {"role": "assistant", "content": "yes"}],
+                               "rejected": [user, {"role": "assistant", "content": "no"}]}, "row 1")
+    assert implicit == uf
+    renamed = normalize_pair({"q": "p?", "good": "yes", "bad": "no"}, "row 1",
+                             columns={"prompt": "q", "chosen": "good", "rejected": "bad"})
+    assert renamed == s
+    with pytest.raises(UserError, match=r"columns \['prompt', 'response'\]"):
+        normalize_pair({"prompt": "p?", "response": "r"}, "row 1")
+    with pytest.raises(UserError, match="'rejected' side is empty"):
+        normalize_pair({"prompt": "p?", "chosen": "yes", "rejected": "  "}, "row 1")
+
+
+def test_encoded_pair_masks_the_prompt_and_packs_sides_together():
+    tok, cfg = ByteTokenizer(), DataConfig(tokenizer="byte", template="plain")
+    pairs = [{"prompt": f"q{i}:", "chosen": "right" * (i + 1), "rejected": "no"} for i in range(5)]
+    enc = [encode_pair(p, tok, cfg) for p in pairs]
+    (ids_c, m_c), (ids_r, m_r) = enc[0]
+    assert bytes(i for i, m in zip(ids_c, m_c) if m and i < 256) == b"right"  # targets: response + eos only
+    assert bytes(i for i, m in zip(ids_r, m_r) if m and i < 256) == b"no"
+    data = pack_pairs(enc, seq_len=48, packing=True, seed=0)
+    assert sorted(k for row in data.rows for k in row) == list(range(10))
+    for row in data.rows:
+        assert all(row[j] % 2 == 0 and row[j + 1] == row[j] + 1 for j in range(0, len(row), 2))
+    # the step finds each side of each pair from the position restarts
+    row = max(data.rows, key=len)
+    ids, labels, pos = map(lambda x: torch.tensor([x]), build_row(data, row, tok.pad_id))
+    batch = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    counts = _per_side((labels != -100).float(), batch)[0]
+    for j in range(len(row) // 2):
+        for s in (0, 1):
+            k = row[2 * j + s]
+            assert counts[j, s] == sum(data.targets[data.offsets[k] + 1:data.offsets[k + 1]])
+    assert valid_pairs(batch)[0].sum() == len(row) // 2
+
+
+def test_reference_cache_of_other_inputs_or_altered_is_named_and_not_used(tmp_path, capsys):
+    import numpy as np
+
+    from shardtune.train.core.dpo_ref import _load, _save
+
+    folder, arr = tmp_path / "ref-abc", np.array([-1.5, -2.25, -3.0, -0.5])
+    inputs = {"data": {"seq_len": 64}, "weights": [["model.safetensors", 10, 1]]}
+    _save(folder, inputs, arr)
+    assert (_load(folder, inputs, 4) == arr).all()
+    other = {**inputs, "weights": [["model.safetensors", 11, 2]]}  # another model
+    assert _load(folder, other, 4) is None and "weights differ" in capsys.readouterr().err
+    np.save(folder / "ref_logps.npy", arr + 1)  # altered after it was written
+    assert _load(folder, inputs, 4) is None and "does not match meta.json" in capsys.readouterr().err
