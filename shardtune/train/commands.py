@@ -96,8 +96,9 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
                   **flags) -> int:
     """Validate everything, own the run folder (train/runlock.py), decide re-runs and resumes
     (train/rerun.py), then start torchrun with `nproc` processes on this machine."""
+    from shardtune.train.durable.choice import CHOICE_ENV
     from shardtune.train.durable.diskfull import on_full_disk
-    from shardtune.train.rerun import check_rerun
+    from shardtune.train.rerun import decide
     from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
     if nproc < 1:
@@ -110,18 +111,19 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
     check_loop_options(cfg)
     validate_for_launch(cfg, nproc, nproc)
     with RunLock(cfg.run_dir) as lock:
-        done = check_rerun(cfg, move_aside)
-        if done:
-            print(done)
+        decision = decide(cfg, move_aside, nproc)
+        if decision.done:
+            print(decision.done)
             return 0
         os.environ[RUN_LOCK_ENV] = str(lock.path)  # the ranks: held by this launcher
+        os.environ[CHOICE_ENV] = str(decision.resume.path) if decision.resume else "none"  # choice.py
         log = cfg.run_dir / "logs" / "torchrun.log"
         with on_full_disk("creating logs/", cfg.run_dir):
             log.parent.mkdir(exist_ok=True)
             log.touch()
         # torchrun under train/agent.py: its own stderr goes to `log`, a rank's UserError is one line
         cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--",
-               *torchrun_command(nproc, recipe, overrides, flags, max_restarts)[3:]]
+               *torchrun_command(nproc, recipe, [*overrides, *decision.overrides], flags, max_restarts)[3:]]
         started = time.time()
         try:
             rc = run_process_group(cmd, cfg.train.threads_per_rank(nproc))
@@ -135,6 +137,7 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
             raise
         finally:
             os.environ.pop(RUN_LOCK_ENV, None)
+            os.environ.pop(CHOICE_ENV, None)
     stopped = stopped_by_signal(cfg.run_dir, started) if rc else None
     if stopped is not None:
         return stopped  # torchrun itself got the signal (e.g. SLURM signals every process): the ranks saved

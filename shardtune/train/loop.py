@@ -209,7 +209,9 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
         return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=None,
                     dp_size=ctx.world_size, activations=run.activations)
 
-    if track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank, cfg.train.compile):
+    # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
+    if len(micro_batches) == 1 and track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank,
+                                                   cfg.train.compile):
         return tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
     return step_fn(), None
 

@@ -6,20 +6,22 @@ checkpoint meaningless. Reads the run folder's files, never writes them (bar `mo
 from __future__ import annotations
 
 import json
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.errors import UserError
 from shardtune.train.durable import shards
+from shardtune.train.durable.choice import choose_checkpoint, misnamed_checkpoints
 from shardtune.train.durable.ckpt_files import (
     CheckpointInfo,
     check_resume_files,
     complete_checkpoints,
     malformed_checkpoints,
-    resolve_resume,
 )
-from shardtune.train.durable.compat import WAY_OUT, fmt, resume_changes
+from shardtune.train.durable.compat import WAY_OUT, fmt, resume_changes, saved_config
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
@@ -61,61 +63,100 @@ def check_same_model(ckpt: Path, cfg: RunConfig) -> None:
                         f"({', '.join(diff[:4])}); {WAY_OUT}")
 
 
-def checkpoint_to_resume(info: CheckpointInfo, auto: bool) -> CheckpointInfo:
-    """Before launch, the checkpoint the ranks will load. `--resume PATH`: `info`, which must have
-    every file at its recorded size, a `.metadata` that names only allowed globals and shards that
-    hold what it lists (shards.check_before_launch). `resume: auto`: the newest checkpoint whose
-    sizes and shards are right (a damaged one the ranks skip too, naming it), with such a `.metadata`."""
-    if not auto:
+def checkpoint_to_resume(cfg: RunConfig) -> CheckpointInfo | None:
+    """Before launch, the checkpoint the ranks will load (choice.py: the one rule both use), its lines
+    said. `--resume PATH`: it must have every file at its recorded size, a `.metadata` that names only
+    allowed globals and shards that hold what it lists (shards.check_before_launch). `resume: auto`:
+    the newest whose sizes and shards are right, each newer one named with why it is skipped."""
+    picked = choose_checkpoint(cfg.run_dir, cfg.checkpoint)
+    for line in picked.lines():
+        print(line, file=sys.stderr, flush=True)
+    info = picked.chosen
+    if info is None:
+        if picked.skipped:  # the ranks would skip each and stop: say so now, before any process starts
+            why = "; ".join(f"{p.name}: {w}" for p, w in picked.skipped[:3])
+            raise UserError(f"resume auto: no checkpoint of {cfg.run_dir} is intact ({why}); resume one by path "
+                            f"after repairing it, or {WAY_OUT}")
+        return None
+    if cfg.checkpoint.resume != "auto":
         shards.check_before_launch(info)
-        return info
-    skipped = []
-    for ckpt in reversed(complete_checkpoints(Path(info.path).parents[1])):
-        bad = shards.damage(ckpt, sizes_only=True)  # a refused .metadata pickle is an error here, not a fallback
-        if not bad:
-            check_resume_files(ckpt)
-            return ckpt
-        skipped.append(f"{ckpt.path.name}: {bad[0]}")
-    # the ranks would skip each and stop: say so now, before any process starts
-    raise UserError(f"resume auto: no checkpoint of {Path(info.path).parents[1]} is intact ({'; '.join(skipped[:3])}); "
-                    f"resume one by path after repairing it, or {WAY_OUT}")
+    check_resume_files(info)
+    return info
 
 
-def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
-    """None: launch. A string: the run is already complete (print it, exit 0). UserError: refused."""
+def keep_global_batch(info: CheckpointInfo, old: RunConfig | None, cfg: RunConfig, world_size: int,
+                      diff: list) -> list[str]:
+    """A resume on another number of ranks keeps the global batch (micro_batch × grad_accum × ranks):
+    the `train.grad_accum=K` override that does (said in one line), [] when nothing changes or the
+    user set micro_batch or grad_accum themselves; a UserError naming the choices when none does."""
+    if old is None or info.world_size == world_size or any(c[0] in ("train.micro_batch", "train.grad_accum")
+                                                            for c in diff):
+        return []
+    mb = cfg.train.micro_batch
+    rows = old.train.micro_batch * old.train.grad_accum * info.world_size
+    accum, rest = divmod(rows, mb * world_size)
+    if accum >= 1 and not rest:
+        print(f"shardtune: resuming on {world_size} ranks (saved on {info.world_size}): train.grad_accum "
+              f"{cfg.train.grad_accum} → {accum} keeps the global batch of {rows} rows")
+        return [f"train.grad_accum={accum}"]
+    fits = [n for n in range(1, 4 * max(world_size, info.world_size) + 1) if rows % (mb * n) == 0][:6]
+    raise UserError(f"resuming on {world_size} ranks cannot keep the global batch of {rows} rows (micro_batch "
+                    f"{old.train.micro_batch} × grad_accum {old.train.grad_accum} × {info.world_size} ranks): "
+                    f"{rows} is not a multiple of micro_batch {mb} × {world_size}; use --nproc "
+                    f"{' or '.join(map(str, fits)) or 'N'}, or set train.grad_accum (the global batch becomes "
+                    f"micro_batch × grad_accum × {world_size}) or train.micro_batch yourself")
+
+
+@dataclass
+class Decision:
+    done: str | None = None  # the run is already complete: print it, exit 0
+    resume: CheckpointInfo | None = None  # the checkpoint the ranks load (None: a fresh start)
+    overrides: list[str] = field(default_factory=list)  # key=value the ranks get on top of the user's
+
+
+def decide(cfg: RunConfig, move_old: bool = False, world_size: int | None = None) -> Decision:
+    """Launch (with the checkpoint to resume and any overrides), or the run is complete; a UserError:
+    refused. `world_size`: the ranks to start (None: not known, the global batch is not checked)."""
     run_dir = cfg.run_dir
     malformed = malformed_checkpoints(run_dir)
     if cfg.checkpoint.resume == "never":
         found = complete_checkpoints(run_dir)
-        if (found or malformed) and not move_old:
-            newest = f"step_{found[-1].step}" if found else malformed[-1][0].name
+        misnamed = misnamed_checkpoints(run_dir)
+        if (found or malformed or misnamed) and not move_old:
+            newest = f"step_{found[-1].step}" if found else (malformed or misnamed)[-1][0].name
             raise UserError(f"--resume never, but {run_dir} holds checkpoints of an earlier run (newest "
                             f"{newest}) that this run would mix with; {WAY_OUT}")
-        if found or malformed or (move_old and (run_dir / "metrics.jsonl").exists()):
+        if found or malformed or misnamed or (move_old and (run_dir / "metrics.jsonl").exists()):
             print(f"shardtune: moved the earlier run's checkpoints and metrics to {move_aside(run_dir)}")
-        return None
+        return Decision()
     if move_old:
         raise UserError("--move-aside applies with --resume never only")
-    info = resolve_resume(cfg.checkpoint, run_dir)
+    # the one the ranks will load: with resume auto, a damaged newest one is passed over here as there
+    # (so a finished run whose last checkpoint is damaged trains its last steps again)
+    info = checkpoint_to_resume(cfg)
     if info is None and malformed and cfg.checkpoint.resume == "auto":
         # a fresh start would save over it: say what is wrong instead
         path, why = malformed[-1]
         raise UserError(f"resume auto: {path} is no usable checkpoint ({why}) and no other is; repair it, or "
                         f"{WAY_OUT}")
     if info is None:
-        return None
-    # the one the ranks will load: with resume auto, a damaged newest one is passed over here as there
-    # (so a finished run whose last checkpoint is damaged trains its last steps again)
-    info = checkpoint_to_resume(info, auto=cfg.checkpoint.resume == "auto")
+        return Decision()
     check_same_model(info.path, cfg)
     diff = resume_changes(info.path, info.config_hash, cfg)
     if diff is None:  # no saved config to compare with: the ranks' own checks stand
-        return None
+        return Decision(resume=info)
     total = cfg.train.max_steps
     if total is not None and info.step >= total:
         ignored = f" ({', '.join(fmt(c) for c in diff)} ignored)" if diff else ""
-        return (f"shardtune: {run_dir} is already complete at step {info.step}{ignored}; nothing to do (raise "
-                f"train.max_steps to train on, or {WAY_OUT})")
+        return Decision(done=f"shardtune: {run_dir} is already complete at step {info.step}{ignored}; nothing to do "
+                             f"(raise train.max_steps to train on, or {WAY_OUT})", resume=info)
     if diff:
         print(f"shardtune: resuming {info.path} with changed settings: {', '.join(fmt(c) for c in diff)}")
-    return None
+    overrides = [] if world_size is None else keep_global_batch(
+        info, saved_config(run_dir, info.config_hash), cfg, world_size, diff)
+    return Decision(resume=info, overrides=overrides)
+
+
+def check_rerun(cfg: RunConfig, move_old: bool = False) -> str | None:
+    """None: launch. A string: the run is already complete (print it, exit 0). UserError: refused."""
+    return decide(cfg, move_old).done

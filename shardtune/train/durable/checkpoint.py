@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 from shardtune.errors import UserError, read_json_object
-from shardtune.train.durable import integrity, shards
+from shardtune.train.durable import ckpt_files, integrity, shards
 from shardtune.train.durable.ckpt_files import (
     FORMAT_VERSION,
     HF_DIR,
@@ -248,17 +249,25 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
                         f"output_dir to a larger disk, then resume ({kept})") from None
     if rank == 0:
         _fsync_dir(tmp)
-        _swap_in(tmp, final)
+        _swap_in(tmp, final, step, run_id)
         prune(run_dir, keep, run_id)
     dist.barrier()
     return final
 
 
-def _swap_in(tmp: Path, final: Path) -> None:
-    """tmp → final. A re-save of an existing step (resumed from an older one) moves the old copy to
-    `.old-step_N` first; between the two renames that copy is still found (ckpt_files reads
-    `.old-` copies of absent steps), and a start restores it (`remove_stale_temporaries`)."""
+def _swap_in(tmp: Path, final: Path, step: int, run_id: str) -> None:
+    """tmp → final. A re-save of this run's existing step (resumed from an older one) moves the old
+    copy to `.old-step_N` first; between the two renames that copy is still found (ckpt_files reads
+    `.old-` copies of absent steps), and a start restores it (`remove_stale_temporaries`). Anything
+    else under that name (another run's checkpoint, one of another step copied in, a damaged one)
+    is moved aside to `aside-<time>-step_N`, named in a line, never deleted."""
     old = final.parent / f"{OLD_PREFIX}{final.name}"
+    there = ckpt_files.read_info(final) if final.exists() else None
+    if final.exists() and not (there is not None and there.step == step and run_id and there.run_id == run_id):
+        aside = final.parent / time.strftime(f"aside-%Y%m%d-%H%M%S-{final.name}")
+        final.rename(aside)
+        print(f"shardtune: moved {final} aside to {aside.name} (it was not this run's step {step}) before "
+              "saving there", file=sys.stderr, flush=True)
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)

@@ -49,6 +49,10 @@ DTYPE_NAMES = frozenset(
     "float8_e5m2 float8_e5m2fnuz float8_e8m0fnu float4_e2m1fn_x2".split())
 
 
+class UnreadableMetadata(UserError):
+    """A `.metadata` cut short or garbled: damage (resume auto falls back past it), not tampering."""
+
+
 def refused_global(module: str, name: str) -> UserError:
     return UserError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never needs; "
                      "refusing to load it (was the checkpoint tampered with?)")
@@ -95,7 +99,7 @@ def check_metadata_pickle(path: Path) -> _Stub:
     except UserError:
         raise
     except Exception as e:  # truncated, garbage, an unregistered extension code
-        raise UserError(f"{path} is not a readable DCP metadata file ({type(e).__name__}); was the checkpoint "
+        raise UnreadableMetadata(f"{path} is not a readable DCP metadata file ({type(e).__name__}); was the checkpoint "
                         "damaged or tampered with?") from None
     if getattr(type(root), "pickled_as", None) != (_DCP_MD, "Metadata"):
         raise UserError(f"{path} holds a {type(root).__name__}, not DCP metadata; refusing to load it "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import signal
 import sys
 import uuid
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from shardtune.errors import UserError
 from shardtune.train.durable import ckpt_files, compat
+from shardtune.train.durable.choice import CHOICE_ENV, choose_checkpoint
 from shardtune.train.durable.resilience import BadStepCounter, DebugHooks, PreemptionSignal, agree_max
 from shardtune.train.durable.watchdog import Watchdog
 
@@ -58,14 +60,18 @@ class RunKeeper:
         if self.ctx.rank == 0:
             ckpt_files.remove_stale_temporaries(self.run_dir)
             try:
-                how = self.cfg.checkpoint.resume
-                info = ckpt_files.resolve_resume(self.cfg.checkpoint, self.run_dir)
-                older = [i for i in ckpt_files.complete_checkpoints(self.run_dir)[::-1]
-                         if info is not None and i.path != info.path] if how == "auto" else []
+                picked = choose_checkpoint(self.run_dir, self.cfg.checkpoint)  # the launcher's rule (choice.py)
+                handed = os.environ.get(CHOICE_ENV)
+                if handed is not None and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                    picked = picked.handed_on(handed)  # its lines were said by the launcher
+                else:
+                    for line in picked.lines():
+                        print(line, file=sys.stderr, flush=True)
+                info = picked.chosen
                 # the launcher's rule (compat.py), here too: a by-hand or multi-node torchrun skips it
                 diff = compat.resume_changes(info.path, info.config_hash, self.cfg) if info else None
                 self.resume_diff = [compat.fmt(c) for c in diff or []]
-                choice[0] = ("ok", [str(i.path) for i in ([info] if info else []) + older], uuid.uuid4().hex[:12])
+                choice[0] = ("ok", [str(i.path) for i in picked.candidates], uuid.uuid4().hex[:12])
             except Exception as e:  # every rank raises the same error, nobody waits
                 choice[0] = ("error", str(e), "")
         dist.broadcast_object_list(choice, src=0)

@@ -18,7 +18,12 @@ from pathlib import Path
 
 from shardtune.errors import UserError
 from shardtune.train.durable import integrity
-from shardtune.train.durable.ckpt_files import CheckpointInfo, check_metadata_pickle, check_resume_files
+from shardtune.train.durable.ckpt_files import (
+    CheckpointInfo,
+    UnreadableMetadata,
+    check_metadata_pickle,
+    check_resume_files,
+)
 
 ZIP_START, ZIP_END, ZIP_END_SIZE = b"PK\x03\x04", b"PK\x05\x06", 22
 _STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
@@ -69,7 +74,10 @@ def problems(folder: Path, rank: int = 0, world_size: int = 1) -> list[str]:
     found; one problem per file), for the files this rank checks (integrity.mine: all by default).
     A `.metadata` the allow-list refuses or cannot read is one line (UserError), as everywhere."""
     folder = Path(folder)
-    files, bad = _entries(folder)
+    try:
+        files, bad = _entries(folder)
+    except UnreadableMetadata as e:  # cut short or garbled: damage, the same on every rank
+        return [f".metadata is unreadable ({str(e).rsplit('(', 1)[-1].split(')')[0]})"] if rank == 0 else []
     out = bad if rank == 0 else []
     for name in integrity.mine(sorted(files), rank, world_size):
         if (problem := _file_problem(folder / name, files[name])) is not None:
@@ -86,6 +94,10 @@ def damage(info: CheckpointInfo, rank: int = 0, world_size: int = 1, sizes_only:
     if info.files is not None:
         names = integrity.mine(sorted(info.files), rank, world_size)
         bad = integrity.problems(info.path, info.files, names, sizes_only=sizes_only)
+        if ".metadata" in info.files and ".metadata" not in names:  # every rank reads it next: every rank checks it
+            meta_bad = integrity.problems(info.path, info.files, [".metadata"], sizes_only=sizes_only)
+            if meta_bad:  # its owner names it; here only this rank's own problems
+                return bad
     return bad or problems(info.path, rank, world_size)
 
 
