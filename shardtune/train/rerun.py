@@ -69,14 +69,14 @@ def checkpoint_to_resume(cfg: RunConfig) -> CheckpointInfo | None:
     allowed globals and shards that hold what it lists (shards.check_before_launch). `resume: auto`:
     the newest whose sizes and shards are right, each newer one named with why it is skipped."""
     picked = choose_checkpoint(cfg.run_dir, cfg.checkpoint)
+    info = picked.chosen
+    if info is None and picked.skipped:  # the ranks would skip each and stop: say so now, in one line
+        why = "; ".join(f"{p.name}: {w}" for p, w in picked.skipped[:3])
+        raise UserError(f"resume auto: no checkpoint of {cfg.run_dir} is intact ({why}); resume one by path "
+                        f"after repairing it, or {WAY_OUT}")
     for line in picked.lines():
         print(line, file=sys.stderr, flush=True)
-    info = picked.chosen
     if info is None:
-        if picked.skipped:  # the ranks would skip each and stop: say so now, before any process starts
-            why = "; ".join(f"{p.name}: {w}" for p, w in picked.skipped[:3])
-            raise UserError(f"resume auto: no checkpoint of {cfg.run_dir} is intact ({why}); resume one by path "
-                            f"after repairing it, or {WAY_OUT}")
         return None
     if cfg.checkpoint.resume != "auto":
         shards.check_before_launch(info)
