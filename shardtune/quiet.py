@@ -23,8 +23,8 @@ WARNINGS = (
 # libraries' loggers whose warnings are about themselves: torchao "Failed to load <CUDA kernel .so>"
 # on a machine without those kernels; torch's pytree: an Enum deprecation torchao triggers;
 # bitsandbytes "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional kernel;
-# its fallback is used)
-LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes")
+# its fallback is used); `kernels`, on that lookup offline: "Skipping publisher trust check ... offline mode"
+LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels")
 
 
 def quiet_third_party() -> None:
