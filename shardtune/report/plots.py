@@ -1,8 +1,10 @@
 """PNG plots of a run folder with matplotlib (Agg: no display needed).
 
-memory.png      stacked bars per source drawn (predicted = plan.json, simulated = simulated.json,
-                measured = memory.json's largest rank) by the table's categories, each source's
-                peak as a marker; per rank on CPU; GiB = 2^30 bytes (MiB under 1 GiB)
+memory.png      a group of bars per category of the report's table and one for the peak, a bar per
+                source drawn (predicted = plan.json, simulated = simulated.json, measured =
+                memory.json's largest rank), side by side and never stacked: each category's own
+                maximum need not coincide with the peak, so a stack of them would stand above it;
+                per rank on CPU; GiB = 2^30 bytes (MiB under 1 GiB)
 loss.png        training loss per step, its moving average, validation loss, resume markers
 throughput.png  global tokens/s (all ranks) per step and its mean (metrics.jsonl)
 """
@@ -16,8 +18,6 @@ import matplotlib.pyplot as plt
 matplotlib.use("Agg")  # files only, no display (report/commands.py imports this module lazily)
 
 STACK = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp")  # the table's
-COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",
-          "buffers": "#8172b3", "optimizer_step_temp": "#937860"}
 
 
 def per_device(measured_method: str | None) -> str:
@@ -30,31 +30,38 @@ def memory_title(sources: dict[str, dict], strategy: str | None, measured_method
     return f"Memory {per_device(measured_method)}, largest rank ({strategy or 'run'}): {' / '.join(sources)}"
 
 
+SOURCE_COLORS = {"predicted": "#4c72b0", "simulated": "#937860", "measured": "#c44e52"}
+
+
 def draw_memory(sources: dict[str, dict], title: str):
-    """Stacked bars of `sources` (name → memory dict with the planner's keys; missing keys are 0),
-    one legend entry per category of the report's table (its column names), and a black marker at
-    each source's `total` (its peak)."""
+    """Grouped bars: for each category of the report's table (its column names) and the peak, one
+    bar per source (name → memory dict with the planner's keys; a missing key draws no bar), each
+    from zero. Nothing is stacked: a category's maximum over the step and the peak (one moment) are
+    read against the same axis."""
     from shardtune.verify.compare import LABELS  # the table's column names
 
-    peak = max((m.get("total") or sum(m.get(k) or 0 for k in STACK) for m in sources.values()), default=0)
+    keys = [*STACK, "total"]
+    peak = max((m.get(k) or 0 for m in sources.values() for k in keys), default=0)
     unit, unit_name = (2**30, "GiB (2^30 B)") if peak >= 2**30 else (2**20, "MiB (2^20 B)")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     names = list(sources)
-    for i, name in enumerate(names):
-        bottom = 0.0
-        for k in STACK:
-            v = (sources[name].get(k) or 0) / unit
-            ax.bar(i, v, bottom=bottom, color=COLORS[k], label=LABELS[k] if i == 0 else None, width=0.6)
-            bottom += v
-    marked = [i for i, name in enumerate(names) if sources[name].get("total")]
-    for j, i in enumerate(marked):
-        ax.plot([i - 0.35, i + 0.35], [sources[names[i]]["total"] / unit] * 2, color="black", lw=2,
-                label=f"{LABELS['total']} (one moment)" if j == 0 else None)
-    ax.set_xticks(range(len(names)), names)
-    ax.set_xlabel("bars: each category's own maximum over the step (they need not coincide)", fontsize="small")
+    width = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        xs, hs = [], []
+        for i, k in enumerate(keys):
+            v = sources[name].get(k)
+            if v is not None:
+                xs.append(i - 0.4 + width * (j + 0.5))
+                hs.append(v / unit)
+        ax.bar(xs, hs, width=width, color=SOURCE_COLORS.get(name, f"C{j}"), label=name)
+    ax.set_xticks(range(len(keys)), [LABELS[k] for k in keys])
+    ax.axvline(len(keys) - 1.5, color="gray", lw=0.8, ls=":")
+    ax.set_xlabel("each category: its own maximum over the step; peak: the largest total at one moment\n"
+                  "(categories need not peak together, so they do not add up to the peak)", fontsize="small")
     ax.set_ylabel(f"memory, {unit_name}")
     ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
     return fig
 
 
