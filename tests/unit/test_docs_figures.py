@@ -105,7 +105,7 @@ def test_scaling_md_fit_and_lora_paragraphs_are_what_plan_prints():
 
     text = " ".join((DOCS / "scaling.md").read_text().split())
     cluster = dict(gpus=16, nodes=2, interconnect="eth-10g", seq_len=4096, grad_accum=8)
-    b = search("llama-3-70b", **cluster).best
+    b = search("llama-3-70b", **cluster, fit_batch=True).best  # the paragraph's --fit-batch
     t = b.timing
     tokens_per_step_gpu = b.micro_batch * 8
     assert (f"picks {b.strategy}, shard {b.hsdp_shard_size}, micro-batch {b.micro_batch}, pure bf16 (2-byte "
