@@ -65,6 +65,8 @@ def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, 
     norm's tensors are split along the sequence, the head's gathered input is whole."""
     e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size // tp
     logits = (e + 4 + 4) * V if e != 4 else 8 * V
+    if tp > 1:  # loss_parallel's log-softmax keeps one more fp32 [T, V/tp] (calibrated: --simulate)
+        logits += 4 * V
     normed = tokens // tp if sp else tokens
     norm_and_input = normed * ((4 + (4 if autocast else e)) * h + 4) + tokens * e * h
     if loss_chunks > 1:

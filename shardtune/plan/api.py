@@ -15,7 +15,13 @@ from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.plan.model import _load_model, _Model
 from shardtune.plan.preference import reference_bytes
 from shardtune.plan.timing import add_timing
-from shardtune.plan.tp import TP_DEGREES, check_tp_arch, tp_collectives, tp_combination_error
+from shardtune.plan.tp import (
+    TP_DEGREES,
+    check_tp_arch,
+    tp_collectives,
+    tp_combination_error,
+    tp_embedding_grad_bytes,
+)
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.plan.verdict import fallback, verdict
 from shardtune.strategies import STRATEGIES, STRATEGY, Layout, check_combination, resolve_optimizer_impl
@@ -172,6 +178,8 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
         net_of = shard if fsdp and not grads_in_forward and inp.offload != "all" else 0
         if fsdp:
             reduce = memory.fsdp_root_reduce_bytes(shapes, inp.precision, net_of)
+            if m.arch is not None:
+                reduce += tp_embedding_grad_bytes(m.arch, tp, memory.dtypes(inp.precision).compute)
         chunks = _loss_chunks(m, inp) if m.arch else 1
         tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward

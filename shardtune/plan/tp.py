@@ -133,3 +133,15 @@ def tp_combination_error(strategy: str, tp: int, quantize_base: str = "none", ac
         return (f"QLoRA ({quantize_base} base) under tensor parallelism (tp {tp}) is not supported: "
                 "lora.quantize_base / --quantize-base none, or parallel.tp / --tp 1")
     return ""
+
+
+def tp_embedding_grad_bytes(arch: Architecture, tp: int, elem_bytes: int) -> int:
+    """Bytes the vocabulary-parallel embedding's backward adds at the end of backward beyond its
+    own shard's gradient: torch makes the embedding's gradient over the whole vocabulary (V, h)
+    on every TP rank before it is sharded, e·V·h·(1 − 1/tp). Measured by `plan --simulate`
+    (FSDPMemTracker's unsharded grads at the end of backward: (1 + tp)·e/2 bytes per local root
+    element at tp 2, 4 and 8; docs/planner.md)."""
+    if tp == 1:
+        return 0
+    return elem_bytes * arch.vocab_size * arch.hidden_size * (tp - 1) // tp
+
