@@ -203,7 +203,7 @@ def test_fit_searches_tp_and_its_pick_plans_the_same():
     # the states do not fit; the search must go to tp > 1, and `plan` with the pick's flags agrees.
     from shardtune.plan.fit import search
 
-    fit = search("llama-3.1-405b", gpus=128, seq_len=32768)
+    fit = search("llama-3.1-405b", gpus=128, seq_len=32768, fit_batch=True)  # micro-batch searched too
     assert fit.best is not None and fit.best.tp in (2, 4, 8)
     assert not any(c.fits for c in fit.ranked + fit.rejected if c.tp == 1)
     b = fit.best
