@@ -87,7 +87,8 @@ def tp_collectives(arch: Architecture, tokens: int, tp: int, sp: bool, elem_byte
     Payload: `calls` × nccl-tests' whole buffer of one call, e·T·h (the all-gather's output,
     the reduce-scatter's input, the all-reduce's buffer). Per layer 2 forward + 2 backward of
     each kind with SP (2 all-reduces each way without); the embedding and the LM head add theirs
-    (module doc); AC re-runs the forward's collectives of each recomputed layer (op AC too: the
+    (module doc), and with SP the 2L + 1 norm weights' partial grads are all-reduced (h
+    elements each); AC re-runs the forward's collectives of each recomputed layer (op AC too: the
     gathered inputs of the matmuls it keeps are not kept). The loss's all-reduces over [T]
     (max, sum of exp, target logit: 3 × 4·T bytes) ride beside them."""
     if tp == 1:
@@ -104,7 +105,9 @@ def tp_collectives(arch: Architecture, tokens: int, tp: int, sp: bool, elem_byte
                 ("reduce_scatter", payload, "forward", 2 * L, "TP activations (sequence parallel)"),
                 ("all_reduce", payload, "forward", 1, "TP embedding output"),
                 ("all_gather", payload, "backward", 2 * L + 1, "TP activation grads"),
-                ("reduce_scatter", payload, "backward", 2 * L + 1, "TP activation grads")]
+                ("reduce_scatter", payload, "backward", 2 * L + 1, "TP activation grads"),
+                # each rank saw a slice of the sequence: the norm weights' grads are partial sums
+                ("all_reduce", elem_bytes * arch.hidden_size, "backward", 2 * L + 1, "SP norm weight grads")]
         if recomputed:
             out += [("all_gather", payload, "backward", 2 * recomputed, "TP recompute (AC)"),
                     ("reduce_scatter", payload, "backward", 2 * recomputed, "TP recompute (AC)")]

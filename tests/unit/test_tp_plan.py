@@ -140,7 +140,7 @@ def test_tp_comm_matches_korthikanti_counts():
     # twice backward (Korthikanti §4.2.2), e = 2 bytes. Beside the layers (parallel/tp.py): the
     # head's input all-gather (its reduce-scatter back), the embedding's output all-reduce
     # (replicated for HF's mask and rotary tables) and layer 0's slice (all-gather back); the
-    # loss 3 all-reduces of 4·T bytes. No AC.
+    # loss 3 all-reduces of 4·T bytes; the 2L + 1 norm weights' grads all-reduced (SP). No AC.
     r = plan("llama-3-8b", 8, tp=8, strategies=["zero3"], seq_len=4096)
     S, L, T = 2 * 4096 * 4096, 32, 4096
     got = {}
@@ -149,7 +149,8 @@ def test_tp_comm_matches_korthikanti_counts():
             got[c.op, c.phase] = got.get((c.op, c.phase), 0) + c.payload_bytes
     assert got == {("all_gather", "forward"): (2 * L + 1) * S, ("reduce_scatter", "forward"): 2 * L * S,
                    ("all_reduce", "forward"): S + 3 * 4 * T,
-                   ("all_gather", "backward"): (2 * L + 1) * S, ("reduce_scatter", "backward"): (2 * L + 1) * S}
+                   ("all_gather", "backward"): (2 * L + 1) * S, ("reduce_scatter", "backward"): (2 * L + 1) * S,
+                   ("all_reduce", "backward"): (2 * L + 1) * 2 * 4096}  # SP norm weights' partial grads
     # without SP: (2L + 1) all-reduces each way; AR = RS + AG on the wire, so about the same bytes
     r2 = plan("llama-3-8b", 8, tp=8, strategies=["zero3"], seq_len=4096, sequence_parallel=False)
     tp2 = [c for c in r2.strategy("zero3").collectives if c.group == "tp"]
@@ -212,3 +213,20 @@ def test_fit_searches_tp_and_its_pick_plans_the_same():
     assert r.strategy(b.strategy).fits
     assert r.strategy(b.strategy).memory.total / GIB == pytest.approx(b.peak_gib)
     assert f"--tp {b.tp}" in b.flags()
+
+
+def test_tp_collectives_match_commdebugmode_counts():
+    # Measured on the trainer (BENCHMARKS.md "Tensor + sequence parallelism on CPU", torch's
+    # CommDebugMode on the tp group, tests/dist/_comm_count.py): tiny-llama (L 4, h 128), tp 2 ×
+    # dp 2 zero3, 4 rows × 32 tokens a rank, fp32, SP, one step: all-gather 18 calls / 1,179,648
+    # bytes, reduce-scatter 17 / 1,114,112, all-reduce 14 / 71,836 (of which one is the grad
+    # norm's, 156 bytes: clipping, not the model's TP collectives).
+    r = plan("tiny-llama", 4, gpus_per_node=4, tp=2, seq_len=32, micro_batch=4, precision="fp32",
+             strategies=["zero3"])
+    got: dict[str, list[int]] = {}
+    for c in r.strategy("zero3").collectives:
+        if c.group == "tp":
+            calls, size = got.get(c.op, [0, 0])
+            got[c.op] = [calls + c.calls, size + c.payload_bytes]
+    assert got == {"all_gather": [18, 1_179_648], "reduce_scatter": [17, 1_114_112],
+                   "all_reduce": [14 - 1, 71_836 - 156]}
