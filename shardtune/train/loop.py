@@ -24,6 +24,7 @@ import torch.distributed as dist
 from shardtune.errors import UserError
 from shardtune.train.core.dpo import DPO
 from shardtune.train.core.dpo_ref import set_up_dpo
+from shardtune.train.core.effective import describe, effective_settings
 from shardtune.train.core.evaluate import evaluate
 from shardtune.train.core.loggers import Loggers, check_loop_options
 from shardtune.train.core.metrics import (
@@ -79,6 +80,7 @@ class Run:
     last_record: dict | None = None  # iterate(): the last logged record
     rank_bytes: dict | None = None  # iterate(): this rank's bytes of its last logged (or stopping) step
     objective: DPO | None = None  # train.objective dpo (train/core/dpo.py); None: sft
+    effective: dict | None = None  # what this rank runs, read from the built objects (core/effective.py)
 
 
 def now_s(device: torch.device) -> float:
@@ -140,6 +142,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
               None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
               opts, MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches, None, threads,
               objective=objective)
+    run.effective = effective_settings(model, optimizer, run.opts, ctx.world_size)
     if cfg.train.sample_prompts:
         run.sampler = Sampler(cfg.train.sample_prompts, tokenizer, cfg.data, cfg.train.sample_max_new_tokens,
                               run_dir / "samples.jsonl" if ctx.rank == 0 else None)
@@ -153,6 +156,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
               f"{total_steps} steps -> {run_dir}", flush=True)
         print(f"shardtune: weights: {describe_weights(cfg.model)} | tokenizer: "
               f"{describe_tokenizer(tokenizer, cfg.model.name)} | trained: {_trained_dtypes(run)}", flush=True)
+        print(f"shardtune: effective: {describe(run.effective)}", flush=True)
         print(f"shardtune: start-up {_startup(marks)}", flush=True)
     return run
 
@@ -321,11 +325,11 @@ def finish(run: Run, rank_bytes: dict) -> None:
     ctx = run.ctx
     run.keeper.finish(run.state.step)  # final checkpoint (checkpoint.save_final), collective
     all_bytes = [None] * ctx.world_size
-    dist.all_gather_object(all_bytes, rank_bytes)
+    dist.all_gather_object(all_bytes, dict(rank_bytes, effective=run.effective))
     if ctx.rank == 0:
         run.writer.close()
         if run.loggers:
             run.loggers.close()
-        write_memory_json(run.run_dir, ctx.device, all_bytes)
+        write_memory_json(run.run_dir, ctx.device, all_bytes, run.effective)
         print_summary(run.run_dir, all_bytes, run.planned, run.cfg.parallel.strategy)
     run.keeper.export_hf()  # rank 0 alone, after the last collective (checkpoint.export_hf)

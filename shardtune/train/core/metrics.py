@@ -235,7 +235,9 @@ def step_peak_bytes(device: torch.device, model: nn.Module, optimizer, activatio
     return peak, states
 
 
-def write_memory_json(run_dir: Path, device: torch.device, per_rank: list[dict]) -> None:
-    """memory.json: every rank's bytes of its last step (and the tracked step's, on CPU)."""
+def write_memory_json(run_dir: Path, device: torch.device, per_rank: list[dict], effective: dict | None = None) -> None:
+    """memory.json: every rank's bytes of its last step (and the tracked step's, on CPU), and what
+    the run actually ran (`effective`, rank 0's; each rank's own under per_rank[i]["effective"])."""
     method = "cuda max_memory_allocated" if device.type == "cuda" else "exact storage count (train/core/metrics.py)"
-    (Path(run_dir) / "memory.json").write_text(json.dumps({"method": method, "per_rank": per_rank}, indent=1))
+    out = {"method": method, "effective": effective, "per_rank": per_rank}
+    (Path(run_dir) / "memory.json").write_text(json.dumps(out, indent=1))

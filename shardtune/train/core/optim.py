@@ -119,7 +119,35 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: Para
         impl = resolve_optimizer_impl(optim_cfg.implementation, parallel_cfg.offload)
         kwargs.update(_IMPL_KWARGS[impl])
     params = [p for p in model.parameters() if p.requires_grad]
-    return build_strategy_optimizer(parallel_cfg, cls, params, dp_group, **kwargs)
+    optimizer = build_strategy_optimizer(parallel_cfg, cls, params, dp_group, **kwargs)
+    if type(optimizer).__module__.startswith("torchao"):
+        optimizer.register_load_state_dict_post_hook(_tensor_lr)
+    return optimizer
+
+
+def _tensor_lr(optimizer) -> None:
+    """After a load: torchao's optimizers need each group's lr as a tensor (their compiled step
+    refuses a float), and a checkpoint's param groups come back with plain numbers."""
+    for group in optimizer.param_groups:
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+
+
+def _plain(v):
+    """A 0-dim tensor (or a list of them) as Python floats."""
+    if isinstance(v, torch.Tensor):
+        return float(v)
+    return [_plain(x) for x in v] if isinstance(v, list) else v
+
+
+class _LambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """torch's LambdaLR whose state_dict holds plain numbers: torchao's optimizers (adamw-8bit
+    under FSDP) keep each group's lr as a tensor, so base_lrs and _last_lr become tensors, and the
+    checkpoint writes the scheduler's state as JSON (train/durable/checkpoint.py). Loading floats
+    back is exact: the scheduler fills the tensor lr in place (`_update_param_group_val`)."""
+
+    def state_dict(self) -> dict:
+        return {k: _plain(v) for k, v in super().state_dict().items()}
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, total_steps: int):
@@ -127,4 +155,4 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, to
     def factor(step: int) -> float:
         return lr_factor(step, optim_cfg.warmup_steps, total_steps, optim_cfg.schedule, optim_cfg.min_lr_ratio)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return _LambdaLR(optimizer, factor)

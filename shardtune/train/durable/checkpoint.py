@@ -305,8 +305,12 @@ def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *,
     set_model_optim_state(model, optimizer, sd)
     scheduler.load_state_dict(trainer["scheduler"])
     # LambdaLR restores its counter, not the optimizer's lr: set it to what the next step uses
+    # (in place where the lr is a tensor: torchao's 8-bit AdamW's compiled step refuses a float)
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(float(lr))
+        else:
+            group["lr"] = lr
     state.step, state.tokens_seen = int(trainer["step"]), int(trainer["tokens_seen"])
     if state.data is not None and trainer.get("data") is not None:
         state.data.load_state_dict(trainer["data"])

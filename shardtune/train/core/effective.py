@@ -1,0 +1,149 @@
+"""What a rank actually runs, read back from the built objects (model, optimizer, StepOptions,
+torch's thread count), not from the recipe: memory.json's `"effective"` and the start-up line.
+Keys are the recipe's names where one exists (docs/loop.md "What ran"). tests/e2e/test_effective.py
+compares them with the recipe and with plan.json's inputs, so a setting the trainer drops shows.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed._composable.contract import _get_registry
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+from shardtune.train.core.lora import is_adapter
+from shardtune.train.core.qlora import is_nf4
+from shardtune.train.core.step import StepOptions
+
+_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers in order, also once sharded (fully_shard renames the class
+    FSDP<name>: match the class HF's `_no_split_modules` names anywhere in the MRO)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+def _forwards(layer: nn.Module) -> Iterator:
+    """The layer's forward and the functions it wraps (compile's `_eager`, op AC's `inner`)."""
+    f, seen = layer.forward, 0
+    while f is not None and seen < 8:
+        yield f
+        seen += 1
+        code, closure = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
+        cells = dict(zip(getattr(code, "co_freevars", ()), closure))
+        f = (getattr(f, "__kwdefaults__", None) or {}).get("_eager") or (
+            cells["inner"].cell_contents if "inner" in cells else None)
+
+
+def _qualnames(layer: nn.Module) -> list[str]:
+    return [getattr(f, "__qualname__", "") for f in _forwards(layer)]
+
+
+def activation_checkpointing(model: nn.Module) -> tuple[str, list[int]]:
+    """(AC mode as the recipe names it, the checkpointed decoder layers' indices), from the layers:
+    torch's composable `checkpoint` registry (full / layer) or op AC's forward (parallel/apply.py)."""
+    layers = decoder_layers(model)
+    op = [i for i, layer in enumerate(layers) if any(q.startswith("_op_checkpoint_forward") for q in _qualnames(layer))]
+    if op:
+        return "op", op
+    ckpt = [i for i, layer in enumerate(layers) if "checkpoint" in _get_registry(layer)]
+    if not ckpt:
+        return "none", []
+    return ("full" if len(ckpt) == len(layers) else "layer"), ckpt
+
+
+def compiled(model: nn.Module) -> bool:
+    """Every decoder layer's forward is torch.compile's (parallel/build.py `apply_compile`)."""
+    layers = decoder_layers(model)
+    return bool(layers) and all(any(q.startswith("apply_compile") for q in _qualnames(layer)) for layer in layers)
+
+
+def _fsdp_group(model: nn.Module):
+    root = model if isinstance(model, FSDPModule) else None
+    return root._get_fsdp_state()._fsdp_param_group if root is not None else None
+
+
+def _strategy(model: nn.Module, optimizer) -> str:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "zero1" if hasattr(optimizer, "optim") else "ddp"  # ZeroRedundancyOptimizer
+    if not isinstance(model, FSDPModule):
+        return "none"
+    p = next(model.parameters())
+    if getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim == 2:
+        return "hsdp"
+    layers = [m for m in decoder_layers(model) if isinstance(m, FSDPModule)]
+    group = layers[0]._get_fsdp_state()._fsdp_param_group if layers else _fsdp_group(model)
+    return "zero3" if group is not None and group.post_forward_mesh_info is not None else "zero2"
+
+
+def optimizer_name(optimizer) -> str:
+    """"adamw (torch, fused)", "adamw-8bit (torchao)", "adamw-8bit (bitsandbytes)",
+    "adamw (shardtune, bf16-stochastic)": the class that steps, and its kernel."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    cls = type(inner)
+    if cls.__module__.startswith("torchao"):
+        return "adamw-8bit (torchao)"
+    if cls.__module__.startswith("bitsandbytes"):
+        return "adamw-8bit (bitsandbytes)"
+    if cls.__name__ == "AdamWStochasticBF16":
+        return "adamw (shardtune, bf16-stochastic)"
+    group = inner.param_groups[0]
+    kernel = "fused" if group.get("fused") else "foreach" if group.get("foreach") else (
+        "for-loop" if group.get("foreach") is False else "torch default")
+    return f"adamw (torch, {kernel})"
+
+
+def _dtypes(model: nn.Module, opts: StepOptions) -> tuple[str, str, str]:
+    """(precision as the recipe names it, master dtype of the trained params, compute dtype)."""
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    master = "/".join(sorted(_DTYPE.get(d, str(d)) for d in trained)) or "none"
+    group = _fsdp_group(model)
+    if group is not None:
+        compute = group.mp_policy.param_dtype or next(iter(trained), torch.float32)
+    else:
+        compute = opts.autocast_dtype or next(iter(trained), torch.float32)
+    compute_name = _DTYPE.get(compute, str(compute))
+    if master == "float32":
+        precision = "fp32" if compute == torch.float32 else "bf16-mixed"
+    else:
+        precision = "bf16" if master == "bfloat16" else master
+    return precision, master, compute_name
+
+
+def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_size: int) -> dict:
+    """What this rank runs (memory.json "effective"); `model` as the loop holds it (DDP-wrapped or not)."""
+    hf = getattr(model, "module", model)
+    ac, ac_layers = activation_checkpointing(hf)
+    precision, master, compute = _dtypes(hf, opts)
+    group = _fsdp_group(model)
+    adapters = [p for n, p in hf.named_parameters() if is_adapter(n) and ".lora_A." in n]
+    strategy = _strategy(model, optimizer)
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    return {
+        "strategy": strategy, "world_size": world_size,
+        "hsdp_shard_size": mesh.size(1) if strategy == "hsdp" else None,
+        "precision": precision, "master_dtype": master, "compute_dtype": compute,
+        "autocast_dtype": _DTYPE.get(opts.autocast_dtype) if opts.autocast_dtype else None,
+        "activation_checkpointing": ac, "ac_layers": ac_layers,
+        "offload": "all" if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy) else "none",
+        "compile": compiled(hf),
+        "loss_chunks": opts.loss_chunks, "grad_clip": opts.grad_clip, "skip_non_finite": opts.skip_non_finite,
+        "optimizer": optimizer_name(optimizer),
+        "lora_rank": int(adapters[0].shape[0]) if adapters else 0,  # lora_A: (rank, in_features)
+        "quantize_base": "nf4" if any(is_nf4(p) for p in hf.parameters()) else "none",
+        "threads": torch.get_num_threads(),
+    }
+
+
+def describe(eff: dict) -> str:
+    """The start-up line's form of `effective_settings`."""
+    ac = eff["activation_checkpointing"] + (f" (layers {eff['ac_layers']})" if eff["ac_layers"] else "")
+    lora = f"LoRA rank {eff['lora_rank']}" + (" on an nf4 base" if eff["quantize_base"] == "nf4" else "") \
+        if eff["lora_rank"] else "LoRA off"
+    return (f"{eff['strategy']}, {eff['precision']} (master {eff['master_dtype']}, compute {eff['compute_dtype']}, "
+            f"autocast {eff['autocast_dtype'] or 'off'}), AC {ac}, offload {eff['offload']}, "
+            f"compile {'on' if eff['compile'] else 'off'}, loss_chunks {eff['loss_chunks']}, "
+            f"optimizer {eff['optimizer']}, grad_clip {eff['grad_clip']}, {lora}, threads {eff['threads']}")
