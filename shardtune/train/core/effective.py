@@ -131,6 +131,7 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
         "offload": "all" if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy) else "none",
         "compile": compiled(hf),
         "loss_chunks": opts.loss_chunks, "grad_clip": opts.grad_clip, "skip_non_finite": opts.skip_non_finite,
+        "objective": opts.objective, "dpo_beta": opts.dpo_beta, "dpo_label_smoothing": opts.dpo_label_smoothing,
         "optimizer": optimizer_name(optimizer),
         "lora_rank": int(adapters[0].shape[0]) if adapters else 0,  # lora_A: (rank, in_features)
         "quantize_base": "nf4" if any(is_nf4(p) for p in hf.parameters()) else "none",
@@ -146,4 +147,5 @@ def describe(eff: dict) -> str:
     return (f"{eff['strategy']}, {eff['precision']} (master {eff['master_dtype']}, compute {eff['compute_dtype']}, "
             f"autocast {eff['autocast_dtype'] or 'off'}), AC {ac}, offload {eff['offload']}, "
             f"compile {'on' if eff['compile'] else 'off'}, loss_chunks {eff['loss_chunks']}, "
+            f"objective {eff['objective']}, "
             f"optimizer {eff['optimizer']}, grad_clip {eff['grad_clip']}, {lora}, threads {eff['threads']}")
