@@ -104,3 +104,44 @@ def test_reference_cache_of_other_inputs_or_altered_is_named_and_not_used(tmp_pa
     assert _load(folder, other, 4) is None and "weights differ" in capsys.readouterr().err
     np.save(folder / "ref_logps.npy", arr + 1)  # altered after it was written
     assert _load(folder, inputs, 4) is None and "does not match meta.json" in capsys.readouterr().err
+
+
+def test_lora_reference_is_the_base_model_with_full_logits():
+    """AdaptersOffReference on a LoRA model (B ≠ 0) = the model before the adapters were injected,
+    scored here from its full logits; the adapters are on again afterwards."""
+    import copy
+
+    from peft import inject_adapter_in_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardtune.config import LoraConfig
+    from shardtune.train.core.dpo import sequence_logps
+    from shardtune.train.core.dpo_ref import AdaptersOffReference
+    from shardtune.train.core.lora import peft_config
+    from shardtune.train.core.step import StepOptions
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    policy = inject_adapter_in_model(peft_config(LoraConfig(rank=4, target_modules=["q_proj", "v_proj"])),
+                                     copy.deepcopy(base))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    tok, cfg = ByteTokenizer(), DataConfig(tokenizer="byte", template="plain")
+    data = pack_pairs([encode_pair({"prompt": "q:", "chosen": "yes", "rejected": "nope"}, tok, cfg)], 32, False, 0)
+    ids, labels, pos = (torch.tensor([x]) for x in build_row(data, data.rows[0], tok.pad_id))
+    batch = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    opts = StepOptions(loss_chunks=1)
+    before = sequence_logps(policy, batch, 1)
+    got = AdaptersOffReference(policy).logps(batch, opts)
+    with torch.no_grad():
+        logp = F.log_softmax(base(input_ids=ids, position_ids=pos).logits[0].float(), -1)
+    want = []
+    for k in data.rows[0]:  # each side: the sum over its target labels
+        a, b = data.offsets[k] - data.offsets[data.rows[0][0]], data.offsets[k + 1] - data.offsets[data.rows[0][0]]
+        want.append(sum(float(logp[t, labels[0, t]]) for t in range(a, b) if labels[0, t] != -100))
+    assert got[0, 0].tolist() == pytest.approx(want, abs=1e-4)
+    assert not torch.allclose(before[0, 0], got[0, 0], atol=1e-3)  # the adapters do change the policy
+    assert torch.equal(sequence_logps(policy, batch, 1), before)  # and are on again
