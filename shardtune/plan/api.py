@@ -185,6 +185,8 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
     ref = reference_bytes(shapes, -(-m.num_params // tp), strategy, dp, shard, inp.precision, inp.objective,
                           inp.reference, inp.lora_rank)
+    if inp.offload == "all":  # the copy is sharded with the same CPUOffloadPolicy (train/core/dpo_ref.py)
+        cpu_per_rank, ref = cpu_per_rank + ref, 0
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced) + ref
     colls = comm.collectives(strategy, num_params=-(-m.num_params // tp),
                              trainable_params=-(-m.trainable // tp), world_size=dp, shard_degree=shard,

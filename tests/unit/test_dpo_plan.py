@@ -54,3 +54,46 @@ def test_plan_json_of_the_dpo_recipe_has_the_reference():
     z3 = next(s for s in d["strategies"] if s["name"] == "zero3")
     # fp32 recipe: the copy in fp32, half of the 134,515,008 parameters per rank (FSDP2 padding aside)
     assert 134_515_008 * 4 / 2 <= z3["memory"]["reference"] <= 134_515_008 * 4 / 2 * 1.001
+
+
+def test_offload_all_keeps_the_reference_on_the_host():
+    on_gpu, offloaded = _zero3(objective="dpo"), _zero3(objective="dpo", offload="all")
+    sft_offloaded = _zero3(offload="all")
+    assert offloaded.memory.reference == 0
+    assert (offloaded.cpu_offload_bytes_per_node - sft_offloaded.cpu_offload_bytes_per_node
+            == on_gpu.memory.reference * 8)  # 8 ranks a node
+
+
+def test_readme_dpo_table_is_what_the_planner_says():
+    """README's "Preference tuning (DPO) of 70B" rows, figure by figure, from the planner now."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    gib = 2**30
+
+    def z3(gpus, **kw):
+        return plan("llama-3-70b", gpus, strategies=["zero3"], objective="dpo", ac="full", seq_len=2048,
+                    **kw).strategy("zero3")
+
+    def cell(s, first: bool, host: bool = False) -> str:
+        if not s.fits:
+            return f"{s.memory.total / gib:.1f} GiB: does not fit"
+        tps = f"{s.timing['tokens_per_s']:,.0f}"
+        if host:
+            return (f"{s.memory.total / gib:.1f} GiB + {s.cpu_offload_bytes_per_node / gib:,.0f} GiB"
+                    f"{' host RAM a node' if first else ''}, {tps}")
+        return f"{s.memory.total / gib:.1f} GiB, {tps}"
+
+    lora8, lora16 = z3(8, lora_rank=16), z3(16, lora_rank=16)
+    assert (f"| LoRA r 16 (`--lora-rank 16`) | {lora8.memory.total / gib:.1f} GiB, "
+            f"{lora8.timing['tokens_per_s']:,.0f} tokens/s/GPU | {lora16.memory.total / gib:.1f} GiB, "
+            f"{lora16.timing['tokens_per_s']:,.0f} |") in readme
+    full8, full16 = z3(8), z3(16)
+    assert (f"| full, bf16-mixed, live reference ({full8.memory.reference / gib:.1f} / "
+            f"{full16.memory.reference / gib:.1f} GiB of it) | {cell(full8, True)} | {cell(full16, False)} |") in readme
+    assert f"| {cell(z3(8, precision='bf16'), True)} | {cell(z3(16, precision='bf16'), False)} |" in readme
+    pre8, pre16 = z3(8, precision="bf16", reference="precompute"), z3(16, precision="bf16", reference="precompute")
+    usable = plan("llama-3-70b", 8).hardware["usable_bytes"] / gib
+    assert (f"| {pre8.memory.total / gib:.1f} of {usable:.1f} GiB, {pre8.timing['tokens_per_s']:,.0f} | "
+            f"{cell(pre16, False)} |") in readme
+    assert f"| {cell(z3(8, offload='all'), True, True)} | {cell(z3(16, offload='all'), False, True)} |" in readme
