@@ -72,7 +72,7 @@ TRL_SIDE = """
 import json, sys, torch
 from datasets import Dataset
 import trl
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import DPOConfig, DPOTrainer
 folder, data, out = sys.argv[1:4]
 steps, batch, lr, beta = {steps}, {batch}, {lr}, {beta}
@@ -88,15 +88,16 @@ args = DPOConfig(output_dir=out + ".trl", per_device_train_batch_size=batch, gra
                  fp16=False, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
                  gradient_checkpointing=False, max_length=128, dataloader_num_workers=0)
 logs = []
+class Keep(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        keep.append(dict(logs or {{}}))
+keep = logs
 class Seq(DPOTrainer):
     def _get_train_sampler(self, *a, **k):
         return torch.utils.data.SequentialSampler(self.train_dataset)
-    def log(self, l, *a, **k):
-        logs.append(dict(l))
-        return super().log(l, *a, **k)
-trainer = Seq(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+trainer = Seq(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[Keep()])
 trainer.train()
-json.dump({{"trl": trl.__version__, "logs": [l for l in logs if "loss" in l]}}, open(out, "w"))
+json.dump({{"trl": trl.__version__, "logs": [l for l in logs if "rewards/margins" in l]}}, open(out, "w"))
 """
 
 

@@ -129,6 +129,8 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
                         f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer=auto)")
     opts = StepOptions.from_config(cfg, hf_config.vocab_size)
     objective = set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir, opts) if dpo else None
+    if dpo:
+        marks.append(("dpo reference", time.perf_counter()))
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel, ctx.dp_group)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = TrainState(data=loader)
