@@ -94,9 +94,7 @@ def _load_checkpoint_model(ckpt: Path, device):
     hf = ckpt / "hf"
     if json.loads((hf / "config.json").read_text()).get(CONFIG_KEY):  # LoRA: merged by the export
         with tempfile.TemporaryDirectory(prefix="shardtune-generate-") as tmp:
-            out = export_checkpoint(ckpt, Path(tmp) / "model")
-            return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, use_safetensors=True,
-                                                        local_files_only=True).to(device)
+            return _load_hf_folder(export_checkpoint(ckpt, Path(tmp) / "model", dtype="fp32"), device)
     reader = SafeFileSystemReader(ckpt)
     entries = model_tensors(ckpt)  # reads .metadata through the allow-list
     want = {k: torch.empty(shape, dtype=dt) for k, _, shape, dt in entries}
@@ -139,10 +137,24 @@ def _check_loaded(folder: Path, model, info: dict) -> None:
                             "matching config.json and weights")
 
 
+def _load_hf_folder(folder: Path, device):
+    """An HF folder's model in fp32, every tensor it builds read from the files (`_check_loaded`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, use_safetensors=True,
+                                                           local_files_only=True, output_loading_info=True)
+    except Exception as e:
+        raise UserError(f"cannot load the model in {folder}: {' '.join(str(e).split())[:160]}") from None
+    _check_loaded(folder, model, info)
+    return model.to(device)
+
+
 def load_for_generation(kind: str, folder: Path):
     """(model in eval mode, tokenizer, stop ids) for a resolved TARGET."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # stderr stays for errors; stdout holds only the answer
@@ -157,13 +169,10 @@ def load_for_generation(kind: str, folder: Path):
     if kind == "checkpoint":
         model = _load_checkpoint_model(folder, device)
     else:
-        try:
-            model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, use_safetensors=True,
-                                                               local_files_only=True, output_loading_info=True)
-        except Exception as e:
-            raise UserError(f"cannot load the model in {folder}: {' '.join(str(e).split())[:160]}") from None
-        _check_loaded(folder, model, info)
-        model = model.to(device)
+        from shardtune.train.durable.export_files import verify_weights
+
+        verify_weights(folder)  # an export's weights as it wrote them (its manifest's SHA-256)
+        model = _load_hf_folder(folder, device)
     stops = {tok.eos_token_id} - {None}
     if (tok_dir / "generation_config.json").is_file():
         eos = GenerationConfig.from_pretrained(str(tok_dir), local_files_only=True).eos_token_id

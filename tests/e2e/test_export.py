@@ -195,32 +195,77 @@ def _tree(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.timeout(120)
-def test_reexport_replaces_only_its_own_files_and_moves_a_users_folder_aside(run, tmp_path, capsys):
-    """A folder holding only an earlier export's files is replaced (its old shards go: they were
-    the export's); one holding a file the export did not write is moved aside whole, with a line,
-    never deleted; the training's end-of-run export (overwrite=True) follows the same rule."""
+@pytest.mark.timeout(180)
+def test_reexport_replaces_only_its_own_unchanged_files_and_names_the_users(run, tmp_path, capsys):
+    """The manifest lists each written file with its SHA-256 (hashlib here): a re-export (CLI, or the
+    end-of-run overwrite=True) replaces or removes only those still as written (old shards go); a
+    file the user added or edited (config.json) stays byte for byte and is named in one line; an
+    edited weights file is moved aside in the folder, never deleted."""
+    import hashlib
+
+    from shardtune import cli
     from shardtune.train.durable.export import MANIFEST, export_checkpoint
 
     out = tmp_path / "hf"
     export_checkpoint(run / "checkpoints" / "step_4", out, max_shard_bytes=10**6)
     assert len(list(out.glob("model-*.safetensors"))) > 1
-    export_checkpoint(run / "checkpoints" / "step_4", out, overwrite=True)
+    files = json.loads((out / MANIFEST).read_text())["files"]
+    assert sorted(files) == sorted(set(_tree(out)) - {MANIFEST})
+    for name, entry in files.items():
+        assert entry["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest(), name
+    capsys.readouterr()
+    assert cli.main(["export", str(run / "checkpoints" / "step_4"), str(out)]) == 0  # onto an earlier export
     assert not list(out.glob("model-*")) and (out / "model.safetensors").is_file()
     assert sorted(json.loads((out / MANIFEST).read_text())["files"]) == sorted(set(_tree(out)) - {MANIFEST})
-    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # nothing aside, no temporary left
-    capsys.readouterr()
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"] and "kept" not in capsys.readouterr().err
 
+    config = json.loads((out / "config.json").read_text()) | {"max_position_embeddings": 256}
+    (out / "config.json").write_text(json.dumps(config))  # the user's edit
     (out / "notes.txt").write_text("my notes")
     (out / "sub").mkdir()
     (out / "sub" / "eval.json").write_text("{}")
-    before = _tree(out)
+    users = {n: b for n, b in _tree(out).items() if n in ("config.json", "notes.txt", "sub/eval.json")}
     export_checkpoint(run / "checkpoints" / "step_5", out, overwrite=True)
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith("hf.previous-")]
-    assert len(aside) == 1 and _tree(aside[0]) == before  # the whole folder, byte for byte
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "notes.txt" in err and str(aside[0]) in err, err
-    assert "notes.txt" not in _tree(out) and (out / "model.safetensors").is_file()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(n in err[0] for n in users), err
+    assert {n: b for n, b in _tree(out).items() if n in users} == users  # kept, byte for byte
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert "config.json" not in manifest["files"] and "config.json" in manifest["kept"]
+
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(weights[:-4] + b"\0\0\0\0")
+    edited = (out / "model.safetensors").read_bytes()
+    export_checkpoint(run / "checkpoints" / "step_5", out, overwrite=True)
+    aside = list(out.glob("model.safetensors.previous-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == edited
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert any(aside[0].name in line for line in capsys.readouterr().err.splitlines())
+
+
+@pytest.mark.timeout(180)
+def test_an_export_onto_a_link_fills_its_target_and_generate_refuses_altered_weights(run, tmp_path, capsys):
+    """OUT a symlink to a folder: the files go into the link's target, the link stays, nothing else
+    appears beside it. Weights changed after the export: `shardtune generate` is one line, exit 2,
+    and a config.json the user edits is no reason to refuse."""
+    from shardtune import cli
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert cli.main(["export", str(run / "checkpoints" / "step_4"), str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    assert (tmp_path / "real" / "model.safetensors").is_file() and (tmp_path / "real" / "config.json").is_file()
+    cfg = tmp_path / "real" / "config.json"
+    cfg.write_text(json.dumps(json.loads(cfg.read_text()) | {"use_cache": True}))
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "link"), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    weights = tmp_path / "real" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of one weight: loads fine, answers from altered weights
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli.main(["generate", str(tmp_path / "link"), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1 and "SHA-256" in out.err, out
 
 
 @pytest.mark.timeout(120)

@@ -58,3 +58,18 @@ def test_exported_model_gives_the_source_logits_and_stops_at_im_end(exported):
     assert im_end in gen and len(gen) < 40, gen  # stopped at the stop token, before the limit
     assert gen[-1] == im_end
     assert "Paris" in tok.decode(gen[:-1])
+
+
+def test_full_fine_tune_export_says_the_dtype_it_stores(exported):
+    """The fp32 weights of a full fine-tune of a bf16 source: config.json says float32 (not the
+    source's bfloat16), so a plain from_pretrained loads them as stored."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    src, hf = exported
+    assert json.loads((src / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(str(hf / "model.safetensors"), "pt") as st:
+        stored = {str(st.get_slice(k).get_dtype()) for k in st.keys()}
+    config = json.loads((hf / "config.json").read_text())
+    assert stored == {"F32"} and config["dtype"] == config["torch_dtype"] == "float32", (stored, config)
+    assert next(AutoModelForCausalLM.from_pretrained(str(hf)).parameters()).dtype == torch.float32

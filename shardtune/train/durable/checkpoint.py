@@ -97,15 +97,29 @@ def _options(model):
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
+def _without_frozen(model, model_sd: dict) -> dict:
+    """`ignore_frozen_params` drops a frozen parameter under its first name only (named_parameters
+    lists a shared tensor once): a tied `lm_head.weight`, the embedding's second name, stayed in
+    LoRA checkpoints (28.3 M of 35.6 M saved elements on SmolLM2). Every name of a frozen one goes."""
+    from shardtune.train.core.model import unwrap
+
+    clean = lambda n: ".".join(s for s in n.split(".") if s not in _WRAPPERS)  # noqa: E731
+    frozen = {clean(n) for n, p in unwrap(model).named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen} if frozen else model_sd
+
+
+_WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
 def model_optim_state(model, optimizer, *, for_load: bool = False) -> dict:
     """{"model": ..., "optim": ...} in FQN form for DCP (DTensors under FSDP2, tensors under DDP)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if _is_zero1(optimizer):
-        return {"model": get_model_state_dict(model, options=_options(model)),
+        return {"model": _without_frozen(model, get_model_state_dict(model, options=_options(model))),
                 "optim": zero1_optim_state(model, optimizer, for_load=for_load)}
     model_sd, optim_sd = get_state_dict(model, optimizers=optimizer, options=_options(model))
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": _without_frozen(model, model_sd), "optim": optim_sd}
 
 
 def set_model_optim_state(model, optimizer, sd: dict) -> None:

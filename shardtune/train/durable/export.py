@@ -15,8 +15,6 @@ import json
 import os
 import re
 import shutil
-import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -27,11 +25,11 @@ from shardtune.train.core import lora as lora_mod
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info, why_not_checkpoint
 from shardtune.train.durable.diskfull import check_room, is_disk_full, on_full_disk
+from shardtune.train.durable.export_files import MANIFEST, TMP, place, target_of
 from shardtune.train.durable.shards import damage
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
-MANIFEST = ".shardtune_export.json"  # the files an export wrote: a re-export replaces only those
 # a source model folder's files an export carries over as they are (tokenizer, special tokens, chat
 # templates, generation settings such as Llama-3-Instruct's stop tokens); config.json is the run's
 SOURCE_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
@@ -63,6 +61,13 @@ def parse_size_bytes(text: str | int) -> int:
 def check_dtype(dtype: str | None) -> None:
     if dtype is not None and dtype not in _DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose fp32, bf16 or fp16")
+
+
+def stored_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The one dtype an export stores without `--dtype`: the checkpoint's, or its widest when it
+    mixes float dtypes (a LoRA's fp32 adapters merged into a bf16 base stay bf16: W's dtype)."""
+    floats = set(dtypes)
+    return floats.pop() if len(floats) == 1 else max(floats, key=lambda d: d.itemsize)
 
 
 def hf_name(dcp_key: str) -> str:
@@ -124,8 +129,8 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     `overwrite`), a place that cannot be written (read-only folder or file system)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"export folder {out_dir} is a file; give a new or empty folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"output folder {out_dir} is not empty; give a new or empty folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite and not (out_dir / MANIFEST).is_file():
+        raise UserError(f"output folder {out_dir} is not empty; give a new or empty folder (or an earlier export)")
     parent = out_dir.parent
     while not parent.exists():
         parent = parent.parent
@@ -134,40 +139,15 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> None:
             raise UserError(f"export folder {out_dir} cannot be written ({where} is read-only); give another folder")
 
 
-def swap_in_export(tmp: Path, out_dir: Path) -> Path:
-    """Put the finished export `tmp` at `out_dir`. An earlier export there is replaced when it holds
-    only files an export wrote (its manifest); a folder with anything else (a user's file) is moved
-    aside to `<out_dir>.previous-<time>` with a line, never deleted."""
-    old = None
-    if out_dir.is_dir():
-        try:
-            ours = set(json.loads((out_dir / MANIFEST).read_text())["files"]) | {MANIFEST}
-        except (OSError, ValueError, KeyError, TypeError):
-            ours = set()
-        theirs = [n for n in integrity.listing(out_dir) if n not in ours]
-        if theirs:
-            aside = out_dir.with_name(f"{out_dir.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}")
-            out_dir.rename(aside)
-            print(f"shardtune: {out_dir} held files an export did not write ({', '.join(theirs[:3])}"
-                  f"{', ...' if len(theirs) > 3 else ''}); moved that folder to {aside}", file=sys.stderr, flush=True)
-        else:
-            old = out_dir.with_name(f".{out_dir.name}.old-export")
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-    tmp.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out_dir
-
-
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str | None = None,
                       overwrite: bool = False, adapter_only: bool = False) -> Path:
     """Write an HF folder from a complete, verified shardtune checkpoint; returns `out_dir`. Peak host
     memory: one shard's tensors. `dtype` (fp32 | bf16 | fp16) casts on the way out; None keeps the
-    saved one. The folder is written under a temporary name, then swapped in (`swap_in_export`:
-    files it did not write are moved aside, never deleted); `overwrite` allows a non-empty
-    `out_dir` (training's end-of-run export). Files are 0666 less the umask, as the user's own.
+    checkpoint's one, and config.json says it. The files are written into a temporary folder, then
+    placed (export_files.py: only the export's own files are replaced, a link's target gets them,
+    the manifest records their SHA-256); `overwrite` allows a non-empty `out_dir` that is no
+    earlier export (training's end-of-run export). Files are 0666 less the umask, as the user's own.
     LoRA checkpoints (train/core/lora.py): each target weight is merged, W + (alpha/r)·B A, as its shard
     streams (its A and B are read with it); `adapter_only` writes a PEFT adapter folder instead
     (adapter_config.json + adapter_model.safetensors, for `PeftModel.from_pretrained`)."""
@@ -182,6 +162,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     if not (ckpt / HF_DIR / "config.json").is_file():
         raise UserError(f"{ckpt} has no {HF_DIR}/config.json; it was not written by shardtune train")
     check_dtype(dtype)
+    out_dir = target_of(out_dir)  # a link to a folder: the files go where it points
     if out_dir.resolve() == ckpt.resolve() or ckpt.resolve() in out_dir.resolve().parents:
         raise UserError(f"export folder {out_dir} is inside the checkpoint {ckpt}; give a folder outside it")
     check_out_dir(out_dir, overwrite)
@@ -192,11 +173,13 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     if adapter_only and not lora:
         raise UserError(f"{ckpt} was not trained with LoRA (lora.rank > 0); drop --adapter-only")
     entries, adapters = lora_mod.split_adapters(entries) if lora else (entries, {})
-    # a LoRA checkpoint holds no base weights (train/durable/checkpoint.py): a merged export rebuilds them
-    # from its pointer, one tensor at a time (key "base:<name>", never a DCP key)
-    base = {} if adapter_only or not lora or entries else {
+    # a LoRA checkpoint holds the adapters and what else was trained, not the frozen base
+    # (train/durable/checkpoint.py): a merged export rebuilds every tensor it lacks from the base
+    # pointer, one at a time (key "base:<name>", never a DCP key)
+    saved = {name for _, name, _, _ in entries}
+    base = {} if adapter_only or not lora else {
         f"base:{name}": (shape, dt, read)
-        for name, (shape, dt, read) in lora_mod.base_tensors(lora, ckpt / HF_DIR).items()}
+        for name, (shape, dt, read) in lora_mod.base_tensors(lora, ckpt / HF_DIR).items() if name not in saved}
     entries += [(k, k.removeprefix("base:"), shape, dt) for k, (shape, dt, _) in base.items()]
     if adapter_only:
         entries = [a for pair in adapters.values() for a in pair.values()]
@@ -207,6 +190,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
         entries = [e for e in entries if e[1] != "lm_head.weight"]
     if not entries:
         raise UserError(f"{ckpt} holds no model tensors")
+    if out_dtype is None and not adapter_only:  # config.json says the dtype every tensor is stored in
+        out_dtype = stored_dtype([dt for *_, dt in entries])
     elem = lambda dt: torch.empty((), dtype=out_dtype or dt).element_size()  # noqa: E731
     sizes = [(k, shape.numel() * elem(dt)) for k, _, shape, dt in entries]
     # adapters are small (r × (in + out) per target) and PEFT reads one file: never split them
@@ -215,30 +200,38 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     merge = {} if adapter_only else adapters
     meta.update({e[0]: (e[1], e[2], e[3]) for pair in merge.values() for e in pair.values()})
 
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-export"
-    shutil.rmtree(tmp, ignore_errors=True)
-    # the new folder is written whole before the old one goes: both must fit
+    # written whole into a temporary folder inside OUT before any file there changes: both must fit
+    tmp, created = out_dir / TMP, not out_dir.exists()
+
+    def cleanup() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+
     needed = sum(n for _, n in sizes) + sum(f.stat().st_size for f in (ckpt / HF_DIR).iterdir() if f.is_file())
     check_room("the export", out_dir, needed)
-    with on_full_disk("writing the export", out_dir, needed, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+    with on_full_disk("writing the export", out_dir, needed, cleanup=cleanup):
         try:
+            shutil.rmtree(tmp, ignore_errors=True)  # an interrupted export's leftover
             tmp.mkdir(parents=True)
         except OSError as e:
             if is_disk_full(e):
                 raise
+            cleanup()
             raise UserError(f"export folder {out_dir} cannot be written ({e.strerror or e}); "
                             "give another folder") from None
         try:
             _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            cleanup()
             raise
     try:
-        return swap_in_export(tmp, out_dir)
-    except OSError as e:  # OUT changed under us (a link, a mount): the finished export is not left half-placed
+        place(tmp, out_dir, _file_mode())
+    except OSError as e:  # OUT changed under us (a mount gone read-only): the manifest says what was placed
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"export folder {out_dir} cannot be replaced ({e.strerror or e}); "
+        raise UserError(f"export folder {out_dir} cannot be written ({e.strerror or e}); "
                         "give another folder") from None
+    return out_dir
 
 
 def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only) -> None:
@@ -287,13 +280,10 @@ def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora
         cfg = json.loads((tmp / "config.json").read_text())
         cfg.pop(lora_mod.CONFIG_KEY, None)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    if out_dtype is not None and not adapter_only:
+    if not adapter_only:  # from_pretrained loads in the config's dtype: it must be the files' one
         cfg = json.loads((tmp / "config.json").read_text())
         cfg["dtype"] = cfg["torch_dtype"] = str(out_dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    written = integrity.listing(tmp)
     mode = _file_mode()
-    for name in written:  # safetensors writes 0600; an export is as readable as any file the user makes
+    for name in integrity.listing(tmp):  # safetensors writes 0600; an export is as readable as any user file
         os.chmod(tmp / name, mode)
-    (tmp / MANIFEST).write_text(json.dumps({"files": written}, indent=1))
-    os.chmod(tmp / MANIFEST, mode)
