@@ -38,7 +38,7 @@ lora: {alpha: 8}
 """
 
 
-def _shardtune(*args: str, timeout_s: float = 150) -> subprocess.CompletedProcess:
+def _shardtune(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     return run_bounded([sys.executable, "-m", "shardtune.cli", *args], timeout_s=timeout_s, cwd=REPO,
                        stderr=subprocess.STDOUT, env=env)
