@@ -113,7 +113,14 @@ def _number(v, integer: bool) -> bool:
 def report(run_dir: Path, console=None) -> list[Path]:
     """Draw RUN_DIR/plots/*.png and print the differences; returns the files written."""
     from shardtune.plan.report import make_console
-    from shardtune.report.plots import memory_title, per_device, plot_loss, plot_memory, plot_throughput
+    from shardtune.report.plots import (
+        memory_title,
+        per_device,
+        plot_loss,
+        plot_memory,
+        plot_rewards,
+        plot_throughput,
+    )
     from shardtune.verify.compare import MEASURED_KEYS, MEMORY_KEYS, differences, memory_table
 
     console = console or make_console(140)
@@ -128,7 +135,8 @@ def report(run_dir: Path, console=None) -> list[Path]:
         written.append(plot_memory(sources, plots / "memory.png",
                                    memory_title(sources, run["strategy"], run["measured_method"])))
     for p in (plot_loss(run["records"], plots / "loss.png", run["name"]),
-              plot_throughput(run["records"], plots / "throughput.png", run["name"], run["world_size"])):
+              plot_throughput(run["records"], plots / "throughput.png", run["name"], run["world_size"]),
+              plot_rewards(run["records"], plots / "rewards.png", run["name"])):  # dpo runs only
         if p:
             written.append(p)
     rows = []

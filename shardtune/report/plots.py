@@ -140,3 +140,34 @@ def draw_throughput(records: list[dict], run_name: str, world_size: int | None):
 def plot_throughput(records: list[dict], path: Path, run_name: str, world_size: int | None) -> Path | None:
     fig = draw_throughput(records, run_name, world_size)
     return _save(fig, path) if fig is not None else None
+
+
+def draw_rewards(records: list[dict], run_name: str):
+    """DPO runs (train.objective: dpo): the implicit rewards of chosen and rejected, their margin
+    and the reward accuracy per step, with the held-out pairs' (val_*) where evaluated; None otherwise."""
+    rows = [r for r in records if r.get("reward_margin") is not None and "step" in r]
+    if not rows:
+        return None
+    fig, (ax, acc) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in rows]
+    for key, color in (("reward_chosen", "#55a868"), ("reward_rejected", "#c44e52"), ("reward_margin", "#4c72b0")):
+        ax.plot(steps, [r[key] for r in rows], lw=1.5, color=color, label=key.replace("_", " "))
+    acc.plot(steps, [r["reward_acc"] for r in rows], lw=1.5, color="#4c72b0", label="reward accuracy")
+    val = [r for r in records if r.get("val_pref_acc") is not None and "step" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_reward_margin"] for r in val], "o", color="#4c72b0",
+                label="held-out reward margin")
+        acc.plot([r["step"] for r in val], [r["val_reward_acc"] for r in val], "o", color="#4c72b0",
+                 label="held-out reward accuracy")
+        acc.plot([r["step"] for r in val], [r["val_pref_acc"] for r in val], "s", color="#dd8452",
+                 label="held-out: policy prefers chosen")
+    _per_step_axes(ax, "β · (log π − log π_ref), pair mean", f"{run_name}: DPO rewards")
+    _per_step_axes(acc, "share of pairs", f"{run_name}: DPO accuracy")
+    acc.set_ylim(-0.02, 1.02)
+    fig.tight_layout()
+    return fig
+
+
+def plot_rewards(records: list[dict], path: Path, run_name: str) -> Path | None:
+    fig = draw_rewards(records, run_name)
+    return _save(fig, path) if fig is not None else None

@@ -145,3 +145,13 @@ def test_lora_reference_is_the_base_model_with_full_logits():
     assert got[0, 0].tolist() == pytest.approx(want, abs=1e-4)
     assert not torch.allclose(before[0, 0], got[0, 0], atol=1e-3)  # the adapters do change the policy
     assert torch.equal(sequence_logps(policy, batch, 1), before)  # and are on again
+
+
+def test_report_draws_rewards_for_dpo_runs_only(tmp_path):
+    from shardtune.report.plots import plot_rewards
+
+    dpo = [{"step": s, "loss": 0.6, "reward_acc": 0.5 + s / 10, "reward_margin": s / 10, "reward_chosen": s / 20,
+            "reward_rejected": -s / 20} for s in (1, 2, 3)]
+    dpo[-1].update(val_loss=0.6, val_reward_acc=0.7, val_reward_margin=0.2, val_pref_acc=0.6)
+    assert plot_rewards(dpo, tmp_path / "rewards.png", "run").stat().st_size > 10_000
+    assert plot_rewards([{"step": 1, "loss": 2.0}], tmp_path / "sft.png", "run") is None
