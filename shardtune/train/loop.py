@@ -140,7 +140,8 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     num_params = sum(p.numel() for p in unwrap(model).parameters())
     on_cpu = ctx.device.type == "cpu"
     run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
-              rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len),
+              rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len)
+              * (4 / 3 if dpo and cfg.train.reference == "live" else 1),  # + the reference's forward (docs/dpo.md)
               None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
               opts, MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches, None, threads,
               objective=objective)
