@@ -51,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardtune: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        from shardtune.train.durable import faults
         from shardtune.train.durable.resilience import is_peer_failure
 
+        text = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if not is_peer_failure(e):
+            faults.record(os.environ.get("RANK", "0"), text)  # the agent's last line names it, if first
             raise
         # another rank failed first and its error is the one to read: one line here, no traceback
-        print(f"shardtune: rank {os.environ.get('RANK', '?')}: stopped because another rank failed "
-              f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})", file=sys.stderr)
-        return 1
+        print(f"shardtune: rank {os.environ.get('RANK', '?')}: stopped because another rank failed ({text[:200]})",
+              file=sys.stderr)
+        return faults.PEER_EXIT
     return 0
 
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
+
+from shardtune.train.durable import faults
 
 USER_ERROR = "UserError: "
 LAUNCHER_PID_ENV = "SHARDTUNE_LAUNCHER_PID"  # set by train/commands.py: the process to die with
@@ -42,11 +45,52 @@ def _text(message) -> str:
     return str(message or "").strip().splitlines()[-1] if message else ""
 
 
+class FallbackLog:
+    """torchrun's log file, line-buffered; on a full disk (any OSError writing it) the rest goes to
+    the terminal's stderr, so the one line that ends the job is never lost to the disk."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            self._f = open(path, "a", buffering=1)  # noqa: SIM115 (open for torchrun's whole life)
+        except OSError:
+            self._f = None
+
+    def write(self, text: str) -> int:
+        if self._f is not None:
+            try:
+                return self._f.write(text)
+            except OSError:
+                self._f = None
+        return sys.__stderr__.write(text)
+
+    def flush(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.flush()
+            except OSError:
+                self._f = None
+
+    def isatty(self) -> bool:
+        return False
+
+
+def first_failure_line(failures: list[tuple[int, int, float]], log_path: str, since: float) -> str:
+    """The last line of a failed job: the first rank to fail and why (its recorded error line,
+    train/durable/faults.py), else the first rank that did not stop because another failed."""
+    fault = faults.read(os.environ.get(faults.FAULT_ENV), since)
+    if fault is not None:
+        return f"shardtune: error: rank {fault['rank']} failed first: {fault['why']} (torchrun's report in {log_path})"
+    rank, code = faults.first_failed(failures)
+    return (f"shardtune: error: rank {rank} failed first ({faults.exit_words(code)}); its traceback, if any, is "
+            f"above, torchrun's report in {log_path}")
+
+
 def main(argv: list[str]) -> int:
     log_path, args = argv[0], argv[2:] if argv[1:2] == ["--"] else argv[1:]
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
     die_with_parent(int(launcher) if launcher.isdigit() else None)
-    log = open(log_path, "a", buffering=1)  # noqa: SIM115 (stays open for torchrun's whole life)
+    started = time.time()
+    log = FallbackLog(log_path)
     sys.stderr = log
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -62,9 +106,8 @@ def main(argv: list[str]) -> int:
         if user:  # "UserError: ..." or "shardtune.errors.UserError: ...", as torch formats it
             print(f"shardtune: error: {user[0].split(USER_ERROR, 1)[1]}", file=sys.__stderr__)
             return 2
-        rank, first = failures[0]
-        print(f"shardtune: error: rank {rank} failed (exit code {first.exitcode}); its traceback is above, "
-              f"torchrun's report in {log_path}", file=sys.__stderr__)
+        print(first_failure_line([(r, f.exitcode, f.timestamp) for r, f in failures], log_path, started),
+              file=sys.__stderr__)
         return 1
     except SignalException as e:  # stopped by a signal: the launcher says how (train/commands.py)
         traceback.print_exc(file=log)

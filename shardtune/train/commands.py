@@ -98,6 +98,8 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
     (train/rerun.py), then start torchrun with `nproc` processes on this machine."""
     from shardtune.train.durable.choice import CHOICE_ENV
     from shardtune.train.durable.diskfull import on_full_disk
+    from shardtune.train.durable.faults import FAULT_ENV
+    from shardtune.train.durable.faults import clear as clear_faults
     from shardtune.train.rerun import decide
     from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
@@ -117,10 +119,12 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
             return 0
         os.environ[RUN_LOCK_ENV] = str(lock.path)  # the ranks: held by this launcher
         os.environ[CHOICE_ENV] = str(decision.resume.path) if decision.resume else "none"  # choice.py
+        os.environ[FAULT_ENV] = str(cfg.run_dir / "logs" / "first_failure.json")  # durable/faults.py
         log = cfg.run_dir / "logs" / "torchrun.log"
         with on_full_disk("creating logs/", cfg.run_dir):
             log.parent.mkdir(exist_ok=True)
             log.touch()
+            clear_faults(log.parent / "first_failure.json")  # an earlier launch's
         # torchrun under train/agent.py: its own stderr goes to `log`, a rank's UserError is one line
         cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--",
                *torchrun_command(nproc, recipe, [*overrides, *decision.overrides], flags, max_restarts)[3:]]
@@ -138,6 +142,7 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
         finally:
             os.environ.pop(RUN_LOCK_ENV, None)
             os.environ.pop(CHOICE_ENV, None)
+            os.environ.pop(FAULT_ENV, None)
     stopped = stopped_by_signal(cfg.run_dir, started) if rc else None
     if stopped is not None:
         return stopped  # torchrun itself got the signal (e.g. SLURM signals every process): the ranks saved

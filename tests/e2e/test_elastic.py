@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,14 +64,14 @@ def reference(tmp_path_factory) -> list[dict]:
     return _records(tmp / "ref")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_sigkill_mid_run_and_in_a_save_restart_and_resume(tmp_path, reference):
     """Attempt 0: rank 1 SIGKILLed before step 5 → restart, resume from step_4. Attempt 1: rank 1
     SIGKILLed inside the save of step 6 → restart, resume from step_4 again (step_6 never became
     complete). Attempt 2 finishes."""
     rc, out, _ = _train(tmp_path, "run", "--checkpoint-every", "2", "--max-restarts", "2",
                         env={"SHARDTUNE_TEST_KILL": "5:1", "SHARDTUNE_TEST_KILL_IN_SAVE": "6:1@1"},
-                        timeout_s=200)
+                        timeout_s=330)  # three starts: 45 s each were seen on a loaded 2-core machine
     assert rc == 0, out[-3000:]
     run = tmp_path / "run"
     assert [e["step"] for e in _events(run) if e["event"] == "resume"] == [4, 4]
@@ -83,10 +84,16 @@ def test_sigkill_mid_run_and_in_a_save_restart_and_resume(tmp_path, reference):
     assert sorted(p.name for p in ck.iterdir()) == ["step_6", "step_8"]  # keep 2, no temporaries
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 def test_one_rank_raising_ends_the_job_with_its_error_once(tmp_path):
-    rc, out, wall_s = _train(tmp_path, "run", env={"SHARDTUNE_TEST_RAISE": "3:1"}, timeout_s=90)
+    rc, out, wall_s = _train(tmp_path, "run", env={"SHARDTUNE_TEST_RAISE": "3:1"}, timeout_s=150)
     assert rc != 0
-    assert out.count("injected failure on rank 1 at step 3") == 1, out[-4000:]
+    # once in rank 1's traceback, once in the last line, which names the first rank to fail and why
+    assert out.count("injected failure on rank 1 at step 3") == 2, out[-4000:]
+    assert out.strip().splitlines()[-1].startswith("shardtune: error: rank 1 failed first: RuntimeError: injected "
+                                                   "failure on rank 1 at step 3"), out[-4000:]
     assert "stopped because another rank failed" in out or "Traceback" not in out.split("injected failure")[0]
-    assert wall_s < 60, f"the job took {wall_s:.0f} s to end (train.timeout_s is 45)"
+    # the job ends soon after the failure, not after the collective timeout (train.timeout_s 45 s);
+    # the start-up (imports, process group: 10 s on a quiet machine, 45 s seen under load) not counted
+    startup = float(re.search(r"start-up ([\d.]+) s", out).group(1))
+    assert wall_s - startup < 40, f"the job took {wall_s - startup:.0f} s after start-up to end (timeout_s 45)"

@@ -155,6 +155,9 @@ def _end(r: int, f: list[str], why: str, limit: float, own_pid: int) -> None:
     where = f"in its save of step {step}" if phase == "save" else f"last step {max(step - 1, 0)}, in step {step}"
     print(f"shardtune: rank {r} (pid {pid} on {host}) is hung: {why}; {where}; the other ranks have been waiting "
           f"for it; ending the job (watchdog limit {limit:.0f} s, docs/checkpoints.md)", file=sys.stderr, flush=True)
+    from shardtune.train.durable import faults
+
+    faults.record(r, f"hung, {why}; {where} (watchdog limit {limit:.0f} s)")
     if host == socket.gethostname():
         for sig, pause in ((signal.SIGCONT, 0.0), (STACK_SIGNAL, 1.0), (signal.SIGKILL, 0.0)):
             try:  # a stopped rank must run again to dump its stacks
