@@ -292,6 +292,8 @@ def iterate(run: Run) -> Iterator[dict | None]:
             if logged:  # the state bytes are read where they are written: logged steps (the last too)
                 peak, run.rank_bytes = _rank_bytes(run, tracked)
                 record, signum = _record(run, r, peak, dt)
+                if evaluating:  # validation and samples are no step: the watchdog's deadlock check waits
+                    run.keeper.watchdog.beat(state.step, "eval")
                 if evaluating and run.objective:
                     record.update(run.objective.evaluate(run.model, run.val_batches, ctx.device, run.opts))
                 elif evaluating:

@@ -2,8 +2,8 @@
 line and exit 0 with stopped.json for the launcher. The ranks agree on a signal in the gather of
 a logged step (train/loop.py), so the save comes within `train.log_every` steps.
 Hooks: SHARDTUNE_TEST_* (resilience.py).
-(The hung-rank watchdog, train/durable/watchdog.py, is off by default: its thread cannot run while
-the main thread waits in a GIL-holding collective; measured, see docs/checkpoints.md.)"""
+(The hung-rank watchdog, train/durable/watchdog.py, is on by default: a watcher process per rank;
+tests/e2e/test_watchdog.py.)"""
 from __future__ import annotations
 
 import json

@@ -15,12 +15,15 @@ SIGKILLs it and its own rank, so torchrun's group fails at once (with `--max-res
 resumes from the last checkpoint). Rank 0's watcher acts; rank 1's only when rank 0 is the hung one.
 
 limit_s = max(floor, 10 × the longest step seen so far), capped at timeout_s / 2; the floor is
-`SHARDTUNE_WATCHDOG_S` (unset: off, as before; tests/e2e/test_watchdog.py measures it).
+120 s, or `SHARDTUNE_WATCHDOG_S` (0: off; tests/e2e/test_watchdog.py measures it with 5). On by
+default for every run of more than one rank. Validation and sample prompts beat phase "eval": like a
+save, no deadlock is judged while it lasts (the heartbeat still must move).
 
     python -m shardtune.train.durable.watchdog BEAT_FILE RANK WORLD PID TIMEOUT_S FLOOR_S  # the watcher
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -32,12 +35,12 @@ import sys
 import tempfile
 import time
 
-FLOOR_S = 60.0
+FLOOR_S = 120.0  # the default floor (issue 32: a hung rank ends the job within max(120 s, k × step time))
 STEP_FACTOR = 10.0
 WATCHERS = (0, 1)
 STACK_SIGNAL = signal.SIGUSR2  # faulthandler dumps every thread's stack on it (registered in the rank)
 _BEAT = struct.Struct("<qbd")  # step, phase (0 step, 1 save, 2 stopped), longest step s
-_PHASES = ("step", "save", "stop")
+_PHASES = ("step", "save", "stop", "eval")
 
 
 def limit_s(floor_s: float, longest_step_s: float, timeout_s: float) -> float:
@@ -52,7 +55,7 @@ class Watchdog:
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, floor_s: float | None = None) -> None:
         env = os.environ.get("SHARDTUNE_WATCHDOG_S")
-        self.floor_s = float(env) if env else (0.0 if floor_s is None else floor_s)  # off by default
+        self.floor_s = float(env) if env else (FLOOR_S if floor_s is None else floor_s)  # 0: off
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.enabled = world_size > 1 and self.floor_s > 0
         self.step, self.phase, self.longest_step_s = 0, "step", 0.0
@@ -186,7 +189,11 @@ def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float
                 step, phase, longest = _BEAT.unpack(os.pread(f.fileno(), _BEAT.size, 0))
             except (OSError, struct.error):
                 return 0
-            if _PHASES[phase] == "stop" or not os.path.exists(f"/proc/{pid}"):
+            if _PHASES[phase] == "stop":
+                return 0
+            if not os.path.exists(f"/proc/{pid}"):  # its rank was killed: nobody else removes the file
+                with contextlib.suppress(OSError):
+                    os.unlink(beat_file)
                 return 0
             counter += proc_alive(pid)
             try:
