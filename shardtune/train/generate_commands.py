@@ -180,6 +180,17 @@ def load_for_generation(kind: str, folder: Path):
     return model.eval(), tok, sorted(stops)
 
 
+def check_text(prompt: str, system: str | None) -> None:
+    """Bytes that are not UTF-8 reach argv as surrogates (os.fsdecode): one line naming the option,
+    before anything loads (not a tokenizer's or chat template's error)."""
+    for option, text in (("--prompt", prompt), ("--system", system or "")):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise UserError(f"{option} is not text: byte {ord(text[e.start]) & 0xFF:#04x} at character {e.start} "
+                            "is not UTF-8 (binary data?); give the prompt as text") from None
+
+
 def prompt_ids(tok, prompt: str, system: str | None) -> list[int]:
     """The chat template with a generation prompt; plain text (system, blank line, prompt) without one."""
     if tok.chat_template:
@@ -218,6 +229,7 @@ def generate_answer(target: str, prompt: str, *, max_new_tokens: int = 256, temp
     from transformers import GenerationConfig
 
     check_options(max_new_tokens, temperature, top_p, seed)
+    check_text(prompt, system)
     kind, folder = resolve_target(target)
     model, tok, stops = load_for_generation(kind, folder)
     ids = torch.tensor([prompt_ids(tok, prompt, system)], device=model.device)

@@ -26,6 +26,10 @@ def check_loop_options(cfg) -> None:
         if importlib.util.find_spec(PACKAGES[name]) is None:
             raise UserError(f"train.loggers: {name} needs the {PACKAGES[name]} package; "
                             f"pip install 'shardtune[{name}]' (or drop it from train.loggers)")
+    tb = Path(cfg.run_dir) / "tensorboard"
+    if "tensorboard" in cfg.train.loggers and (tb.exists() or tb.is_symlink()) and not tb.is_dir():
+        raise UserError(f"train.loggers: tensorboard writes into {str(tb)!r}, which is a file, not a folder; move it "
+                        "away (or drop tensorboard from train.loggers)")
     if cfg.train.eval_every and not cfg.data.has_val and not cfg.train.sample_prompts:
         raise UserError(f"train.eval_every={cfg.train.eval_every} needs validation data or sample prompts: set "
                         "data.val_path, data.val_split or train.sample_prompts (or train.eval_every=0)")
