@@ -14,7 +14,9 @@ step, dumps the hung rank's Python stacks (faulthandler, SIGUSR2) when it is on 
 SIGKILLs it and its own rank, so torchrun's group fails at once (with `--max-restarts` the restart
 resumes from the last checkpoint). Rank 0's watcher acts; rank 1's only when rank 0 is the hung one.
 
-limit_s = max(floor, 10 × the longest step seen so far), capped at timeout_s / 2; the floor is
+limit_s = max(floor, 10 × the longest step seen so far), capped at 0.9 × timeout_s (a step that
+slow already makes the others' collective wait near the timeout, which would end the job anyway:
+the watchdog then only names it; a lower cap ended slow but healthy steps); the floor is
 120 s, or `SHARDTUNE_WATCHDOG_S` (0: off; tests/e2e/test_watchdog.py measures it with 5). On by
 default for every run of more than one rank. Validation and sample prompts beat phase "eval": like a
 save, no deadlock is judged while it lasts (the heartbeat still must move).
@@ -37,6 +39,7 @@ import time
 
 FLOOR_S = 120.0  # the default floor (issue 32: a hung rank ends the job within max(120 s, k × step time))
 STEP_FACTOR = 10.0
+CAP = 0.9  # of train.timeout_s
 WATCHERS = (0, 1)
 STACK_SIGNAL = signal.SIGUSR2  # faulthandler dumps every thread's stack on it (registered in the rank)
 _BEAT = struct.Struct("<qbd")  # step, phase (0 step, 1 save, 2 stopped), longest step s
@@ -45,7 +48,7 @@ _PHASES = ("step", "save", "stop", "eval")
 
 def limit_s(floor_s: float, longest_step_s: float, timeout_s: float) -> float:
     """How long a heartbeat or the step count may stand still before the job is ended."""
-    return min(max(floor_s, STEP_FACTOR * longest_step_s), timeout_s / 2)
+    return min(max(floor_s, STEP_FACTOR * longest_step_s), CAP * timeout_s)
 
 
 class Watchdog:
