@@ -145,39 +145,100 @@ class Layout:
     strategy: Strategy
     world_size: int
     gpus_per_node: int
-    shard_degree: int
+    shard_degree: int  # of the data-parallel ranks (world / tp)
     replicate_degree: int
+    tp: int = 1  # tensor-parallel degree: ranks one layer's matmuls are split over, innermost
+    sequence_parallel: bool = False  # with tp > 1: norms and residuals on sequence shards
 
     @property
     def num_nodes(self) -> int:
         return max(1, self.world_size // self.gpus_per_node)
 
     @property
+    def dp(self) -> int:
+        """The data-parallel degree: world / tp (ranks of one TP group read the same batch)."""
+        return self.world_size // self.tp
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The strategy's axes; with tp > 1 the 3-D ("dp_replicate", "dp_shard", "tp"), TP innermost
+        (consecutive ranks: one node, its fast links), as torchtitan's ParallelDims."""
+        return self.strategy.mesh_axes if self.tp == 1 else TP_MESH_AXES
+
+    @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """The device mesh's shape along `strategy.mesh_axes`."""
+        """The device mesh's shape along `mesh_axes`."""
+        if self.tp > 1:
+            return (self.replicate_degree, self.shard_degree, self.tp)
         if self.strategy.hybrid:
             return (self.replicate_degree, self.shard_degree)
         return (self.world_size,)
 
     @classmethod
     def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,
-              hsdp_shard_size: int | None = None) -> Layout:
-        """Validated layout; a bad world or an hsdp shard size that does not divide it is a UserError."""
+              hsdp_shard_size: int | None = None, tp: int = 1, sequence_parallel: bool = True,
+              tp_across_nodes: bool = False) -> Layout:
+        """Validated layout; a bad world, a tp that does not divide it (or spans nodes unless
+        `tp_across_nodes`) or an hsdp shard size that does not divide world / tp is a UserError."""
         s = strategy_name if isinstance(strategy_name, Strategy) else strategy(strategy_name)
         if not isinstance(world_size, int) or world_size < 1:
             raise UserError(f"world size {world_size!r} is not positive; start at least one process")
         per_node = world_size if gpus_per_node is None else gpus_per_node
         if not isinstance(per_node, int) or per_node < 1:
             raise UserError(f"processes per node {per_node!r} is not positive")
+        dp = _check_tp_world(s, world_size, per_node, tp, tp_across_nodes)
+        sp = bool(sequence_parallel) and tp > 1
         if s.hybrid:
-            shard = hsdp_shard_size if hsdp_shard_size is not None else min(per_node, world_size)
-            if shard < 1 or shard > world_size or world_size % shard:
-                raise UserError(f"hsdp shard size {shard} does not divide the world size {world_size}; "
-                                f"set parallel.hsdp_shard_size (plan: --hsdp-shard-size) to a divisor of {world_size}")
-            return cls(s, world_size, per_node, shard, world_size // shard)
+            shard = hsdp_shard_size if hsdp_shard_size is not None else min(max(1, per_node // tp), dp)
+            if shard < 1 or shard > dp or dp % shard:
+                what = f"the world size {world_size}" if tp == 1 else f"the data-parallel degree {dp} (world / tp)"
+                raise UserError(f"hsdp shard size {shard} does not divide {what}; "
+                                f"set parallel.hsdp_shard_size (plan: --hsdp-shard-size) to a divisor of {dp}")
+            return cls(s, world_size, per_node, shard, dp // shard, tp, sp)
         if not s.shards_optimizer:
-            return cls(s, world_size, per_node, 1, world_size)
-        return cls(s, world_size, per_node, world_size, 1 if s.shards_params else world_size)
+            return cls(s, world_size, per_node, 1, dp, tp, sp)
+        return cls(s, world_size, per_node, dp, 1 if s.shards_params else dp, tp, sp)
+
+
+TP_MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+def _check_tp_world(s: Strategy, world_size: int, per_node: int, tp: int, across_nodes: bool) -> int:
+    """The data-parallel degree world / tp, once tp fits the world, the node and the strategy."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UserError(f"tensor-parallel degree {tp!r} is not a positive integer (parallel.tp / --tp)")
+    if world_size % tp:
+        raise UserError(f"tp {tp} does not divide the world size {world_size} (world = dp x tp); "
+                        f"start a multiple of {tp} processes or lower parallel.tp / --tp")
+    if tp > 1 and not s.fsdp:
+        raise UserError(f"tp {tp} composes with FSDP2 strategies ({', '.join(FSDP_STRATEGIES)}), not {s.name!r} "
+                        "(DDP/ZeroRedundancyOptimizer take no DTensor params): parallel.strategy / --strategy")
+    if tp > per_node and not across_nodes:
+        raise UserError(f"tp {tp} spans more than one node's {per_node} processes (TP's per-layer collectives want "
+                        "the intra-node links); lower parallel.tp, or set parallel.tp_across_nodes=true to insist")
+    return world_size // tp
+
+
+def check_tp_model(tp: int, hf: dict, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
+    """tp divides what it splits (attention and KV heads, the MLP's intermediate size, the
+    vocabulary: no padding is done) and, with sequence parallelism, the sequence length; a
+    model with tied embeddings is refused (the embedding and the head would each shard their
+    own copy of the one weight). `hf`: the model's config.json values;
+    `seq_len` None: not checked."""
+    if tp == 1:
+        return
+    for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads"),
+                      ("intermediate_size", "the MLP's intermediate size"), ("vocab_size", "the vocabulary")):
+        n = hf.get(key, hf.get("num_attention_heads") if key == "num_key_value_heads" else None)
+        if n is not None and n % tp:
+            raise UserError(f"tp {tp} does not divide {what} ({key} {n}; no padding is done): choose a tp "
+                            f"that divides {n} (parallel.tp / --tp)")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise UserError(f"sequence parallelism splits train.seq_len {seq_len} over tp {tp}: make it a multiple "
+                        f"of {tp}, or parallel.sequence_parallel=false")
+    if hf.get("tie_word_embeddings"):
+        raise UserError(f"tp {tp} with tied embeddings (tie_word_embeddings) is not supported yet: the embedding "
+                        "and the head would each get a sharded copy of the one weight; use parallel.tp 1 for this model")
 
 
 # Modes the planner plans as what-ifs but the trainer does not offer (plan notes say so).
@@ -190,7 +251,7 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                       hsdp_shard_size: int | None = None, activation_checkpointing: str = "none",
                       ac_every: int = 2, device: str | None = None, planner_modes: bool = False,
                       quantize_base: str = "none", compile: bool = False,
-                      loss_chunks: int | None = None) -> None:
+                      loss_chunks: int | None = None, tp: int = 1) -> None:
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
@@ -258,6 +319,32 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     if quantize_base != "none" and importlib.util.find_spec("torchao") is None:
         raise UserError(f"quantize_base {quantize_base!r} (QLoRA) needs torchao's NF4Tensor "
                         "(pip install 'shardtune[8bit]'), or lora.quantize_base / --quantize-base none")
+    _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, lora_rank=lora_rank, compile=compile,
+                          loss_chunks=loss_chunks)
     if quantize_base != "none" and compile:  # torch.compile over NF4's dequantising linear: not tried
         raise UserError(f"quantize_base {quantize_base!r} with train.compile is not implemented yet: "
                         "train.compile=false, or lora.quantize_base none")
+
+
+def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str, lora_rank: int, compile: bool,
+                          loss_chunks: int | None) -> None:
+    """What tensor parallelism (parallel.tp > 1) does not compose with yet, one line each."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UserError(f"tensor-parallel degree {tp!r} is not a positive integer (parallel.tp / --tp)")
+    if tp == 1:
+        return
+    refused = (
+        (not s.fsdp, f"strategy {s.name!r} (DDP/ZeroRedundancyOptimizer take no DTensor params); use "
+                     f"{', '.join(FSDP_STRATEGIES)}: parallel.strategy / --strategy"),
+        (lora_rank > 0, "LoRA or QLoRA (adapters on tensor-parallel linears are not implemented yet): "
+                        "lora.rank 0, or parallel.tp 1"),
+        (compile, "train.compile (not tried under tensor parallelism): train.compile=false"),
+        (offload != "none", f"offload {offload!r} (not tried under tensor parallelism): parallel.offload none"),
+        (optimizer != "adamw", f"optimizer {optimizer!r} (not tried on 2-D DTensor params): optim.name adamw"),
+        (loss_chunks is not None and loss_chunks > 1,
+         f"train.loss_chunks {loss_chunks} (under tp the loss is vocabulary-parallel, loss_parallel: the full "
+         "logits never exist on one rank): leave train.loss_chunks unset or 1"),
+    )
+    for bad, what in refused:
+        if bad:
+            raise UserError(f"parallel.tp {tp} does not compose with {what}")

@@ -70,7 +70,10 @@ class RunConfig(_Section):
                           optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
-                          compile=self.train.compile)
+                          compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp)
+        if par.tp > 1 and self.train.sample_prompts:
+            raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (generation "
+                             "lengths are not multiples of tp); drop train.sample_prompts or use parallel.tp 1")
         if self.optim.implementation == "bf16-stochastic" and self.parallel.precision != "bf16":
             raise ValueError("optim.implementation 'bf16-stochastic' rounds bf16 weights: it needs "
                              f"parallel.precision bf16, not {self.parallel.precision!r}")

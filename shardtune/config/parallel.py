@@ -1,4 +1,4 @@
-"""`parallel:` — strategy, precision, activation checkpointing, offload."""
+"""`parallel:` — strategy, precision, activation checkpointing, offload, tensor parallelism."""
 from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
@@ -27,6 +27,11 @@ class ParallelConfig(_Section):
     ac_every: int = Field(2, ge=1, description="layer AC: checkpoint every k-th decoder layer.")
     offload: str = Field("none", description="none | all (FSDP2 CPUOffloadPolicy: params, grads and optimizer "
                                              "on CPU; FSDP strategies only).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (docs/parallelism.md): each layer's matmuls split "
+                                         "over tp ranks of a node; data-parallel degree = world / tp.")
+    sequence_parallel: bool = Field(True, description="With tp > 1: norms and residuals on sequence shards "
+                                                      "(activations / tp; seq_len must divide by tp).")
+    tp_across_nodes: bool = Field(False, description="Allow a tp larger than one node's processes (slow links).")
 
     _norm = field_validator("strategy")(lambda v: normalize_strategy(v))
     _prec = field_validator("precision")(lambda v: normalize_precision(v))

@@ -25,17 +25,65 @@ if TYPE_CHECKING:
     from shardtune.config import ParallelConfig
 
 
+def build_layout(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int) -> Layout:
+    """The run's `Layout` (the one place degrees are derived and checked)."""
+    return Layout.build(parallel_cfg.strategy, world_size, local_world_size, parallel_cfg.hsdp_shard_size,
+                        tp=parallel_cfg.tp, sequence_parallel=parallel_cfg.sequence_parallel,
+                        tp_across_nodes=parallel_cfg.tp_across_nodes)
+
+
 def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int,
                device_type: str) -> DeviceMesh:
-    """The strategy's mesh: 1-D ("dp",) for ddp/zero1/zero2/zero3, 2-D ("replicate", "shard") for
-    hsdp (`Layout.build` checks the shard size). Needs an initialised default process group."""
-    layout = Layout.build(parallel_cfg.strategy, world_size, local_world_size, parallel_cfg.hsdp_shard_size)
-    return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.strategy.mesh_axes)
+    """The layout's mesh: 1-D ("dp",) for ddp/zero1/zero2/zero3, 2-D ("replicate", "shard") for
+    hsdp, 3-D ("dp_replicate", "dp_shard", "tp") with tp > 1 (`Layout.build` checks the degrees).
+    Needs an initialised default process group."""
+    layout = build_layout(parallel_cfg, world_size, local_world_size)
+    return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
+
+
+def has_tp(mesh: DeviceMesh) -> bool:
+    return "tp" in (mesh.mesh_dim_names or ())
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D tensor-parallel sub-mesh, or None without tp."""
+    return mesh["tp"] if has_tp(mesh) else None
+
+
+def fsdp_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
+    """The mesh FSDP2 shards over: the whole mesh without tp; with tp, "dp_shard" (hsdp:
+    ("dp_replicate", "dp_shard"), a 2-D mesh FSDP2 reads as replicate × shard)."""
+    if not has_tp(mesh):
+        return mesh
+    return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of the data-parallel ranks (flattened to 1-D; the whole mesh without tp)."""
+    if not has_tp(mesh):
+        return mesh
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel degree): ranks of one TP group share one."""
+    if not has_tp(mesh):
+        return mesh.get_rank() if mesh.ndim == 1 else _flat_rank(mesh), mesh.size()
+    dp = dp_mesh(mesh)
+    return dp.get_local_rank(), dp.size()
+
+
+def _flat_rank(mesh: DeviceMesh) -> int:
+    r, s = mesh.get_coordinate()
+    return r * mesh.size(1) + s
 
 
 def dp_group(mesh: DeviceMesh):
-    """The group over all data-parallel ranks of a 1-D mesh (zero1 shards its optimizer over it);
-    None on hsdp's 2-D mesh, whose strategy needs none."""
+    """The group over all data-parallel ranks (zero1 shards its optimizer over it; the loss's token
+    count is summed over it); None on hsdp's 2-D mesh without tp (every rank is a dp rank: the
+    world)."""
+    if has_tp(mesh):
+        return dp_mesh(mesh).get_group()
     return mesh.get_group() if mesh.ndim == 1 else None
 
 
@@ -136,6 +184,7 @@ def apply_fsdp(model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh)
     """FSDP2 `fully_shard` on every decoder layer, then on the root (it owns the embeddings, final
     norm and head; the seed's transformer_auto_wrap_policy)."""
     s = STRATEGY[parallel_cfg.strategy]
+    mesh = fsdp_mesh(mesh, s.hybrid)
     if len(s.mesh_axes) != mesh.ndim:
         raise ValueError(f"strategy {s.name} needs a {len(s.mesh_axes)}-D mesh {s.mesh_axes}, got {mesh.ndim}-D")
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

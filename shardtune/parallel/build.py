@@ -20,7 +20,9 @@ from shardtune.parallel.apply import (
     apply_fsdp,
     apply_precision,
     decoder_layers,
+    tp_mesh,
 )
+from shardtune.parallel.tp import apply_tp
 from shardtune.strategies import STRATEGY
 
 if TYPE_CHECKING:
@@ -46,6 +48,8 @@ def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, me
     # and fill. ddp/zero1 (`materialise_before_wrap`): DDP broadcasts rank 0's parameters when
     # built, so materialise and fill first and wrap last.
     apply_precision(meta_model, parallel_cfg)
+    if tp_mesh(mesh) is not None:  # TP first (torchtitan's order TP → AC → compile → FSDP): FSDP shards DTensors
+        apply_tp(meta_model, tp_mesh(mesh), parallel_cfg.sequence_parallel)
     if quantize is not None:  # QLoRA (helper D, train/core/qlora.py): NF4 base after precision, before shard
         quantize(meta_model)
     apply_activation_checkpointing(meta_model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)

@@ -16,7 +16,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from shardtune.parallel.tp import is_tp
 from shardtune.plan.loss import resolve_loss_chunks
 
 IGNORE_INDEX = -100  # as train/core/step.py (HF / torch cross_entropy convention)
@@ -124,7 +126,8 @@ def lm_token_loss_sum(model: nn.Module, batch: dict, loss_chunks: int | None,
     F.cross_entropy as before, bit for bit; K > 1: the chunked loss inside the root's forward,
     the head applied to no position there. The model runs under autocast to `autocast_dtype`."""
     lm = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
-    k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
+    # tensor parallel: vocabulary-sharded logits and loss_parallel (the caller's loss_context), one chunk
+    k = 1 if is_tp(lm) else resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
     ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     amp = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     if k == 1:
@@ -132,8 +135,9 @@ def lm_token_loss_sum(model: nn.Module, batch: dict, loss_chunks: int | None,
             logits = model(input_ids=ids, position_ids=pos).logits
         # the logits die with this frame: nothing in backward needs them (the loss saved its own
         # fp32 log-softmax), e·T·V bytes freed before backward (docs/calibration.md)
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                            ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss  # TP: replicated, no comm
     no_position = torch.empty(0, dtype=torch.long, device=ids.device)
     with amp, _loss_in_root_forward(lm, labels, k):
         out = model(input_ids=ids, position_ids=pos, logits_to_keep=no_position)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtune.parallel.tp import loss_context, tp_degree
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
 from shardtune.train.core.step import StepOptions
 
@@ -30,14 +31,15 @@ def evaluate(model: nn.Module, batches: list[dict], device: torch.device, opts: 
     n_mine = torch.tensor([len(batches)], dtype=torch.int64, device=device)
     dist.all_reduce(n_mine, op=dist.ReduceOp.MAX, group=group)  # forwards every rank runs
     n_all = int(n_mine)
-    dummy = {"input_ids": torch.zeros((1, 2), dtype=torch.long, device=device),
-             "position_ids": torch.arange(2, device=device).unsqueeze(0),
-             "labels": torch.full((1, 2), IGNORE_INDEX, dtype=torch.long, device=device)}
+    n = max(2, tp_degree(model))  # sequence parallelism splits the dummy's length over tp
+    dummy = {"input_ids": torch.zeros((1, n), dtype=torch.long, device=device),
+             "position_ids": torch.arange(n, device=device).unsqueeze(0),
+             "labels": torch.full((1, n), IGNORE_INDEX, dtype=torch.long, device=device)}
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), loss_context(model):  # TP: vocabulary-parallel cross-entropy
             for i in range(n_all):
                 mine = i < len(batches)
                 batch = batches[i] if mine else (batches[0] if batches else dummy)

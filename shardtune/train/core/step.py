@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtune.parallel.apply import autocast_dtype
+from shardtune.parallel.tp import loss_context
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
 
@@ -94,7 +95,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     denom = num_tokens.clamp(min=1).to(torch.float32)
     loss_sum = torch.zeros((), device=device)
     for i, mb in enumerate(micro_batches):
-        with accumulation(model, last=i == len(micro_batches) - 1):
+        with accumulation(model, last=i == len(micro_batches) - 1), loss_context(model):  # TP: loss_parallel
             with activations.micro_batch() if activations else nullcontext():
                 # full logits (1 chunk) or chunked cross-entropy (train.loss_chunks, docs/loss.md)
                 token_loss_sum = lm_token_loss_sum(model, mb, opts.loss_chunks, opts.autocast_dtype)

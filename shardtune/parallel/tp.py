@@ -1,0 +1,103 @@
+"""Tensor (and sequence) parallelism on a Hugging Face Llama-style causal LM: a pure function of
+(model, tp mesh, options), applied on the meta model before activation checkpointing and FSDP
+(torchtitan's order: TP → AC → compile → FSDP). What each module becomes: docs/parallelism.md.
+
+Per decoder layer: q/k/v and gate/up column-parallel (heads and the MLP's hidden split over tp),
+o and down row-parallel; with sequence parallelism the norms run on sequence shards (Shard(1)),
+attention and MLP all-gather their input and reduce-scatter their output. The embedding is
+vocabulary-parallel with a replicated output: HF's model builds the attention mask and rotary
+tables from it, at the full length (a sequence-sharded output gives them the local length, the
+trap issue 29 records); the first layer takes its sequence shard locally. The head is column-
+parallel with its logits left vocabulary-sharded for `loss_parallel`: the full [T, V] logits
+never exist on one rank.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from shardtune.parallel.apply import decoder_layers
+from shardtune.strategies import check_tp_model
+
+TP_ATTR = "_shardtune_tp"  # set on the model: (tp degree, sequence_parallel); the step reads it
+
+
+def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
+    """A module every tp rank computes whole (a norm without SP): its params become Replicate
+    DTensors on the tp mesh (so FSDP then shards every param on the same 2-D mesh and the grad
+    norm sees one mesh), it takes and returns plain tensors."""
+    def to_dtensor(_mod, inputs, _mesh):
+        from torch.distributed.tensor import DTensor
+
+        return tuple(DTensor.from_local(x, _mesh, (Replicate(),), run_check=False)
+                     if hasattr(x, "dim") and not isinstance(x, DTensor) else x for x in inputs)
+
+    def to_local(_mod, out, _mesh):
+        return out.to_local() if hasattr(out, "to_local") else out
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Tensor-parallel `model` in place over the 1-D `tp_mesh` (call on the meta model)."""
+    check_tp_model(tp_mesh.size(), model.config.to_dict())  # a by-hand torchrun gets preflight's line
+    sp = sequence_parallel
+    seq = Shard(1) if sp else Replicate()
+    inner = model.get_decoder()
+    parallelize_module(inner.embed_tokens, tp_mesh,
+                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    head = model.get_output_embeddings()
+    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                                      use_local_output=False))
+    if sp:
+        parallelize_module(inner.norm, tp_mesh, SequenceParallel())
+    else:
+        _replicated(inner.norm, tp_mesh)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        plan = {
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        }
+        if sp:
+            plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
+            if i == 0:  # the replicated embedding output → this rank's sequence shard (a local slice)
+                parallelize_module(layer, tp_mesh, PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+        else:
+            _replicated(layer.input_layernorm, tp_mesh)
+            _replicated(layer.post_attention_layernorm, tp_mesh)
+        parallelize_module(layer, tp_mesh, plan)
+    setattr(model, TP_ATTR, (tp_mesh.size(), sp))
+
+
+def is_tp(model: nn.Module) -> bool:
+    """Whether `apply_tp` made `model` (or the model a DDP wrapper holds) tensor-parallel."""
+    return hasattr(getattr(model, "module", model), TP_ATTR)
+
+
+def tp_degree(model: nn.Module) -> int:
+    """The model's tensor-parallel degree (1 for a model `apply_tp` did not touch)."""
+    return getattr(getattr(model, "module", model), TP_ATTR, (1, False))[0]
+
+
+def loss_context(model: nn.Module):
+    """`loss_parallel()` for a tensor-parallel model (its logits are vocabulary-sharded: the
+    cross-entropy and its backward must both run inside), else a no-op context."""
+    return loss_parallel() if is_tp(model) else nullcontext()

@@ -1,0 +1,81 @@
+"""One rank of the tensor-parallel tests (tests/dist/test_tp.py): several cases in the same processes,
+rank<r>.json with what each measured. argv: cases.json out_dir.
+
+A case: {name, parallel: {...ParallelConfig with tp}, model: {...ModelConfig}, steps, rows, seq_len, grad_accum, lr, comm: bool}.
+Each rank takes its data-parallel share of `_batches.global_batch` (ranks of one TP group the same
+rows); `comm` counts one step's collectives with torch's CommDebugMode.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _batches import global_batch, rank_micro_batches  # noqa: E402
+from _rank import process_group, write_result  # noqa: E402
+
+from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group, dp_rank_size, tp_mesh  # noqa: E402
+from shardtune.train.core.metrics import model_state_bytes  # noqa: E402
+from shardtune.train.core.model import build_model  # noqa: E402
+from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
+from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    pcfg = ParallelConfig(**case["parallel"])
+    mesh = build_mesh(pcfg, world, world, "cpu")
+    dp_rank, dp_size = dp_rank_size(mesh)
+    group = dp_group(mesh)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0)
+    ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
+                       weight_decay=0.0)
+    opt = build_optimizer(model, ocfg, pcfg, group)
+    sched = build_scheduler(opt, ocfg, case["steps"])
+    out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size}
+    for step in range(case["steps"]):
+        batch = global_batch(step, case["rows"], case["seq_len"])
+        mbs = rank_micro_batches(batch, dp_rank, dp_size, case.get("grad_accum", 1))
+        counting = case.get("comm") and step == 1  # a step after the first: states exist
+        if counting:
+            from _comm_count import CommCounter
+
+            labels = {tp_mesh(mesh).get_group().group_name: "tp"}
+            if group is not None:
+                labels[group.group_name] = "dp"
+            mode = CommCounter(labels)
+            with mode:
+                r = train_step(model, opt, sched, mbs, dp_group=group, dp_size=dp_size, grad_clip=1.0,
+                               autocast_dtype=autocast_dtype(pcfg))
+            out["comm"] = mode.result()
+        else:
+            r = train_step(model, opt, sched, mbs, dp_group=group, dp_size=dp_size, grad_clip=1.0,
+                           autocast_dtype=autocast_dtype(pcfg))
+        out["losses"].append(global_loss(r, group))
+        out["grad_norms"].append(float(r.grad_norm))
+        if step == 0:
+            out["bytes"] = model_state_bytes(model, opt)
+    del model, opt, sched
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    results = {}
+    with process_group() as (rank, world):
+        for case in cases:
+            results[case["name"]] = run_case(case, rank, world)
+            dist.barrier()
+    write_result(out_dir, rank, results)
+
+
+if __name__ == "__main__":
+    main()
