@@ -71,6 +71,9 @@ class RunConfig(_Section):
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp)
+        if par.tp > 1 and self.train.objective == "dpo":
+            raise ValueError(f"train.objective dpo with parallel.tp {par.tp} is not implemented yet (its pair loss and "
+                             "reference model are not tensor-parallel); use parallel.tp 1")
         if par.tp > 1 and self.train.sample_prompts:
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (generation "
                              "lengths are not multiples of tp); drop train.sample_prompts or use parallel.tp 1")
@@ -94,7 +97,8 @@ class RunConfig(_Section):
             ac_every=self.parallel.ac_every, offload=self.parallel.offload,
             hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank,
             quantize_base=self.lora.quantize_base, loss_chunks=self.train.loss_chunks,
-            objective=self.train.objective, reference=self.train.reference)
+            objective=self.train.objective, reference=self.train.reference, tp=self.parallel.tp,
+            sequence_parallel=self.parallel.sequence_parallel, tp_across_nodes=self.parallel.tp_across_nodes)
 
 
 

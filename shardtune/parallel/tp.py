@@ -13,6 +13,7 @@ never exist on one rank.
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 from torch import nn
@@ -31,6 +32,21 @@ from shardtune.parallel.apply import decoder_layers
 from shardtune.strategies import check_tp_model
 
 TP_ATTR = "_shardtune_tp"  # set on the model: (tp degree, sequence_parallel); the step reads it
+
+
+class _QuietTwoStepNorm(logging.Filter):
+    """The grad norm over a (dp_shard, tp) mesh all-reduces once per mesh dim (scalars): DTensor
+    warns on every step that one flattened all-reduce would be faster; a run's log keeps it once."""
+    seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "sequential all_reduce operations" not in record.getMessage():
+            return True
+        first, _QuietTwoStepNorm.seen = not _QuietTwoStepNorm.seen, True
+        return first
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_QuietTwoStepNorm())
 
 
 def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:

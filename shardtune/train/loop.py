@@ -114,11 +114,11 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     torch.manual_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
     dpo = cfg.train.objective == "dpo"  # the one branch on the objective: its loader, step and validation
-    loader = (build_pair_loader if dpo else build_dataloader)(cfg.data, cfg.train, tokenizer, ctx.rank,
-                                                              ctx.world_size, cfg.train.seed)
+    loader = (build_pair_loader if dpo else build_dataloader)(cfg.data, cfg.train, tokenizer, ctx.dp_rank,
+                                                              ctx.dp_size, cfg.train.seed)
     val_batches = _val_batches(cfg, tokenizer, ctx)
     marks.append(("tokenizer and data", time.perf_counter()))
-    rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.world_size
+    rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.dp_size  # a TP group reads one share
     total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
     model = build_model(cfg.model, cfg.parallel, ctx.mesh, ctx.device, cfg.train.seed, cfg.lora,
                         compile=cfg.train.compile)
@@ -152,10 +152,13 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     if ctx.rank == 0:
         if cfg.train.loggers:
             run.loggers = Loggers(cfg.train.loggers, run_dir, cfg.name, cfg.model_dump(mode="json"))
-        print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s) ({ctx.device.type}, "
+        tp = "" if ctx.tp == 1 else (f" as dp {ctx.dp_size} x tp {ctx.tp}"
+                                     f"{' (sequence parallel)' if cfg.parallel.sequence_parallel else ''}")
+        ranks = f"ranks {ctx.world_size}" if ctx.tp == 1 else f"dp ranks {ctx.dp_size}"
+        print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s){tp} ({ctx.device.type}, "
               f"{threads} thread{'s' if threads > 1 else ''} per rank), "
               f"{num_params:,} params, global batch {rows_per_step} x {cfg.train.seq_len} tokens "
-              f"(micro {cfg.train.micro_batch} x accum {cfg.train.grad_accum} x ranks {ctx.world_size}), "
+              f"(micro {cfg.train.micro_batch} x accum {cfg.train.grad_accum} x {ranks}), "
               f"{total_steps} steps -> {run_dir}", flush=True)
         print(f"shardtune: weights: {describe_weights(cfg.model)} | tokenizer: "
               f"{describe_tokenizer(tokenizer, cfg.model.name)} | trained: {_trained_dtypes(run)}", flush=True)
@@ -186,7 +189,7 @@ def _startup(marks: list[tuple[str, float]]) -> str:
 def _val_batches(cfg: RunConfig, tokenizer, ctx: DistContext) -> list[dict] | None:
     """This rank's validation batches (data.val_path, train/data/val.py), or None."""
     pack = {"pack": pack_val_pairs} if cfg.train.objective == "dpo" else {}
-    return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.rank, ctx.world_size, **pack)
+    return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.dp_rank, ctx.dp_size, **pack)
 
 
 def describe_tokenizer(tok, model_name: str) -> str:
@@ -213,8 +216,8 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
 
     def step_fn() -> StepResult:
         step = run.objective.step if run.objective else train_step
-        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=None,
-                    dp_size=ctx.world_size, activations=run.activations)
+        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.dp_group,
+                    dp_size=ctx.dp_size, activations=run.activations)
 
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
     if len(micro_batches) == 1 and track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank,
@@ -245,7 +248,9 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
     # torch 2.13 renames all_gather_into_tensor (deprecated, a FutureWarning a run) all_gather_single
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)
     per_rank = gathered.view(run.ctx.world_size, width)
-    loss, peak_all, signum = float(per_rank[:, 0].sum()), int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
+    # the ranks of one TP group (consecutive: TP is innermost) hold the same loss part: count it once
+    loss = float(per_rank[::run.ctx.tp, 0].sum())
+    peak_all, signum = int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
     tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
     record = {"step": run.state.step, "loss": loss, "lr": r.lr, "grad_norm": float(r.grad_norm),

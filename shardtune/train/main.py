@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardtune.config import dump_config
 from shardtune.errors import UserError
-from shardtune.parallel.apply import build_mesh, dp_group
+from shardtune.parallel.apply import build_mesh, dp_group, dp_rank_size, has_tp
 from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
 if TYPE_CHECKING:
@@ -41,8 +41,23 @@ class DistContext:
 
     @property
     def dp_group(self):
-        """The group over all data-parallel ranks (every rank: there is no model parallelism)."""
+        """The group over all data-parallel ranks (with tp: the ranks holding this rank's TP shard)."""
         return dp_group(self.mesh)
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1 without tp)."""
+        return self.mesh["tp"].size() if has_tp(self.mesh) else 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of each global batch it reads."""
+        return dp_rank_size(self.mesh)[0]
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree world / tp (ranks of one TP group read the same rows)."""
+        return self.world_size // self.tp
 
 
 def setup_distributed(cfg: RunConfig) -> DistContext:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_files
 from shardtune.errors import UserError, suggest
-from shardtune.strategies import Layout
+from shardtune.strategies import Layout, check_tp_model
 from shardtune.train.data.dataset import check_dataset
 from shardtune.train.durable.ckpt_files import resolve_resume
 
@@ -327,11 +327,14 @@ def _check_val(cfg: RunConfig) -> None:
 def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) -> Layout:
     """The run's layout on `world_size` ranks (`local_world_size` per node), once every check has
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
-    layout = Layout.build(cfg.parallel.strategy, world_size, local_world_size, cfg.parallel.hsdp_shard_size)
+    par = cfg.parallel
+    layout = Layout.build(par.strategy, world_size, local_world_size, par.hsdp_shard_size, tp=par.tp,
+                          sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes)
     from shardtune.config.paths import check_recipe_paths  # pydantic stays out of CLI start-up
 
     check_recipe_paths(cfg, "model.")
     _check_model(cfg.model, cfg.train.seq_len)
+    check_tp_model(par.tp, resolve_model_config(cfg.model.name), cfg.train.seq_len, par.sequence_parallel)
     gpus = _check_backend(cfg.train.backend, local_world_size)
     _check_model_states_fit(cfg, world_size, local_world_size, gpus)
     check_recipe_paths(cfg)
@@ -343,7 +346,7 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
         check_preference_data(cfg, world_size)
     else:
         check_dataset(cfg.data)
-        _check_data_fills_a_batch(cfg, world_size)
+        _check_data_fills_a_batch(cfg, layout.dp)  # the ranks of one TP group read the same rows
         if cfg.data.has_val:
             _check_val(cfg)
     _check_writable(cfg.run_dir)

@@ -24,7 +24,7 @@ from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group, dp_ra
 from shardtune.train.core.metrics import model_state_bytes  # noqa: E402
 from shardtune.train.core.model import build_model  # noqa: E402
 from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import global_loss, train_step  # noqa: E402
+from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
@@ -38,6 +38,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                        weight_decay=0.0)
     opt = build_optimizer(model, ocfg, pcfg, group)
     sched = build_scheduler(opt, ocfg, case["steps"])
+    opts = StepOptions(autocast_dtype=autocast_dtype(pcfg))  # grad clip 1.0, loss chunks from the vocabulary
     out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size}
     for step in range(case["steps"]):
         batch = global_batch(step, case["rows"], case["seq_len"])
@@ -51,12 +52,10 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 labels[group.group_name] = "dp"
             mode = CommCounter(labels)
             with mode:
-                r = train_step(model, opt, sched, mbs, dp_group=group, dp_size=dp_size, grad_clip=1.0,
-                               autocast_dtype=autocast_dtype(pcfg))
+                r = train_step(model, opt, sched, mbs, opts, dp_group=group, dp_size=dp_size)
             out["comm"] = mode.result()
         else:
-            r = train_step(model, opt, sched, mbs, dp_group=group, dp_size=dp_size, grad_clip=1.0,
-                           autocast_dtype=autocast_dtype(pcfg))
+            r = train_step(model, opt, sched, mbs, opts, dp_group=group, dp_size=dp_size)
         out["losses"].append(global_loss(r, group))
         out["grad_norms"].append(float(r.grad_norm))
         if step == 0:

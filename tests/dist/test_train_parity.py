@@ -45,11 +45,12 @@ def _plain_model(folder: Path | None = None):
     return model
 
 
-def reference(steps=STEPS, lr=LR, same_batch=False,
-              optimizer_class=torch.optim.AdamW) -> tuple[list[float], list[float]]:
-    """Losses and pre-clip grad norms of a plain one-process run on the whole global batch."""
+def reference(steps=STEPS, lr=LR, same_batch=False, optimizer_class=torch.optim.AdamW,
+              model=None) -> tuple[list[float], list[float]]:
+    """Losses and pre-clip grad norms of a plain one-process run on the whole global batch (of
+    `model`, default tiny-llama with the trainer's seeded init)."""
     torch.manual_seed(0)
-    model = _plain_model()
+    model = _plain_model() if model is None else model
     opt = optimizer_class(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     losses, norms = [], []
     for step in range(steps):

@@ -1,0 +1,152 @@
+"""Tensor (+ sequence) parallelism composed with FSDP2 against one plain process (gloo, 4 ranks, one
+launch): tp 2 × dp 2 (zero3, zero2 with grad accumulation, hsdp, AC full without SP, AC op,
+bf16-mixed) and tp 4 × dp 1, fp32, 4 steps, on `_batches`' packed rows with masked prompts. The
+reference is test_train_parity's: a plain transformers model on the whole global batch, torch's
+cross_entropy, AdamW and clip_grad_norm_ (tp 2 × dp 1 runs through the CLI: tests/e2e/test_tp_cli.py).
+
+Collectives (torch's CommDebugMode, bytes added: _comm_count.py) of one tp 2 × dp 2 step against a
+hand count of the TP plan (docs/parallelism.md): per decoder layer, with SP, forward all-gathers the
+(b, s, h) input of attention and MLP and reduce-scatters their outputs, backward the reverse; plus
+the head's all-gather (forward) / reduce-scatter (backward), layer 0's sequence split (all-gather of
+its gradient), the embedding's all-reduce, loss_parallel's three all-reduces of (b·s) fp32 values,
+one all-reduce per SP norm weight's gradient and one for the grad norm.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _harness import launch, rank_results  # noqa: E402
+from test_train_parity import ROWS, SEQ, reference  # noqa: E402
+
+pytestmark = [pytest.mark.dist]
+WORKER = Path(__file__).parent / "_tp_worker.py"
+STEPS = 4
+TINY = dict(V=264, h=128, I=344, L=4)  # tiny-llama (catalog/models.py), untied, 2 KV heads of 32
+
+
+def _case(name, tp=2, strategy="zero3", precision="fp32", **kw):
+    par = {"strategy": strategy, "precision": precision, "tp": tp, **kw.pop("parallel", {})}
+    return {"name": name, "parallel": par, "steps": STEPS, "rows": ROWS, "seq_len": SEQ, **kw}
+
+
+def _kv4_config(tmp: Path) -> Path:
+    """tiny-llama with 4 KV heads: tp 4 must divide them (2 do not: the check refuses it)."""
+    from shardtune.catalog.models import resolve_model_config
+
+    cfg = resolve_model_config("tiny-llama")
+    cfg["num_key_value_heads"] = 4
+    path = tmp / "kv4.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp4")
+    kv4 = _kv4_config(tmp)
+    cases = [
+        _case("tp2_zero3", comm=True),
+        _case("tp2_zero2_accum", strategy="zero2", grad_accum=2),
+        _case("tp2_hsdp", strategy="hsdp", parallel={"hsdp_shard_size": 1}),
+        _case("tp2_nosp_acfull", parallel={"sequence_parallel": False, "activation_checkpointing": "full"}),
+        _case("tp2_acop", parallel={"activation_checkpointing": "op"}),
+        _case("tp2_bf16mixed", precision="bf16-mixed"),
+        _case("tp4", tp=4, model={"name": str(kv4)}),
+    ]
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    launch(WORKER, 4, [str(tmp / "cases.json"), str(tmp)], timeout_s=400, log_dir=tmp / "logs")
+    return rank_results(tmp, 4), kv4
+
+
+def _reference_kv4(kv4: Path) -> list[float]:
+    """test_train_parity's reference loop on the 4-KV-head model, seeded as the trainer inits it."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config import ModelConfig
+    from shardtune.train.core.model import build_hf_config, init_model_weights
+
+    mcfg = ModelConfig(name=str(kv4))
+    model = AutoModelForCausalLM.from_config(build_hf_config(mcfg), attn_implementation="sdpa")
+    init_model_weights(model, mcfg, seed=0)
+    return reference(steps=STEPS, model=model)[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tp2_zero3", "tp2_zero2_accum", "tp2_hsdp", "tp2_nosp_acfull", "tp2_acop"])
+def test_tp2_dp2_matches_one_process(world4, name):
+    want_losses, want_norms = reference(steps=STEPS)
+    for rank_result in world4[0]:
+        got = rank_result[name]
+        assert got["dp_size"] == 2
+        assert got["losses"] == pytest.approx(want_losses, abs=1e-5), name
+        assert got["grad_norms"] == pytest.approx(want_norms, rel=1e-4), name
+    assert [r[name]["dp_rank"] for r in world4[0]] == [0, 0, 1, 1]  # TP innermost: ranks 0, 1 share rows
+
+
+@pytest.mark.timeout(600)
+def test_tp4_matches_one_process(world4):
+    results, kv4 = world4
+    want = _reference_kv4(kv4)
+    for rank_result in results:
+        assert rank_result["tp4"]["dp_size"] == 1
+        assert rank_result["tp4"]["losses"] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_tp2_bf16_mixed_close(world4):
+    want, _ = reference(steps=STEPS)
+    got = world4[0][0]["tp2_bf16mixed"]["losses"]
+    assert got == pytest.approx(want, abs=2e-2)
+    assert got != pytest.approx(want, abs=1e-7)  # bf16 compute really used
+
+
+def _tp_collectives(b: int, s: int, h: int, L: int, e: int = 4) -> dict:
+    """{op: [count, bytes]} on the tp group for one step, hand-counted (module docstring)."""
+    act = b * s * h * e  # one (b, s, h) activation
+    tokens = b * s * 4  # loss_parallel: max, sum of exp, target logit per token (fp32)
+    norms = 2 * L + 1  # SP norm weights: their gradient is a partial sum over the sequence shards
+    return {"all_gather_into_tensor": [(2 * L + 1) * 2, (2 * L + 1) * 2 * act],
+            "reduce_scatter_tensor": [2 * L + 2 * L + 1, (4 * L + 1) * act],
+            "all_reduce": [1 + 3 + norms + 1, act + 3 * tokens + norms * h * 4]}  # bytes: bar the grad norm's
+
+
+@pytest.mark.timeout(600)
+def test_tp_collectives_per_step_match_the_hand_count(world4):
+    b, s, h, L = ROWS // 2, SEQ, TINY["h"], TINY["L"]  # per dp rank: 4 rows of 32
+    want = _tp_collectives(b, s, h, L)
+    got = world4[0][0]["tp2_zero3"]["comm"]["tp"]
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        assert got[op] == want[op], (op, got[op], want[op])
+    n, nbytes = got["all_reduce"]
+    assert n == want["all_reduce"][0]
+    # the grad norm's all-reduce: one fp32 value per parameter tensor that the mesh splits (a few
+    # hundred bytes; torch's foreach norm decides the grouping), beside 130 KB of activations
+    assert 0 < nbytes - want["all_reduce"][1] < 512
+    if os.environ.get("SHARDTUNE_TP_COMM_JSON"):  # for the planner's comparison (BENCHMARKS.md)
+        Path(os.environ["SHARDTUNE_TP_COMM_JSON"]).write_text(json.dumps(
+            {"case": "tiny-llama tp 2 x dp 2 zero3 fp32, one step, per rank", "b": b, "s": s, "h": h, "L": L,
+             "measured": world4[0][0]["tp2_zero3"]["comm"], "hand_count_tp": want}, indent=1))
+
+
+@pytest.mark.timeout(600)
+def test_state_bytes_per_rank_are_params_over_tp_times_dp_shard(world4):
+    """fp32 AdamW states of tp 2 × dp_shard 2: every weight split 4 ways, the SP norm weights
+    (replicated over tp) 2 ways; m and v 8 B/param, + a 4-byte `step` per tensor."""
+    V, h, I, L = TINY["V"], TINY["h"], TINY["I"], TINY["L"]
+    kv = 2 * 32
+    norms = (2 * L + 1) * h
+    split = 2 * V * h + L * (2 * h * h + 2 * h * kv + 3 * h * I)
+    params = split // 4 + norms // 2
+    tensors = 3 + 9 * L
+    for rank_result in world4[0]:
+        got = rank_result["tp2_zero3"]["bytes"]
+        assert got["params_bytes"] == 4 * params
+        assert got["grads_bytes"] == 4 * params
+        assert got["optimizer_bytes"] == 8 * params + 4 * tensors

@@ -1,0 +1,118 @@
+"""Tensor parallelism's layout and checks (strategies.Layout, check_tp_model, the combination rule)
+and `shardtune train --tp` refusing what cannot run: one line, exit 2, before any process starts."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from shardtune.catalog.models import resolve_model_config
+from shardtune.errors import UserError
+from shardtune.strategies import Layout, check_combination, check_tp_model
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
+
+
+@pytest.mark.parametrize("strategy, world, per_node, tp, shard, mesh", [
+    ("zero3", 8, 8, 2, None, (1, 4, 2)),  # dp 4, all sharded
+    ("zero2", 4, 4, 4, None, (1, 1, 4)),
+    ("hsdp", 16, 8, 2, None, (2, 4, 2)),  # shard group: one node's 8 ranks / tp 2 = 4 dp ranks
+    ("hsdp", 8, 8, 2, 2, (2, 2, 2)),
+    ("zero3", 4, 4, 1, None, (4,)),  # tp 1: the 1-D mesh as before
+])
+def test_layout_degrees_and_mesh(strategy, world, per_node, tp, shard, mesh):
+    lay = Layout.build(strategy, world, per_node, shard, tp=tp)
+    assert lay.mesh_shape == mesh
+    assert lay.dp == world // tp
+    assert lay.replicate_degree * lay.shard_degree * lay.tp == world
+    assert lay.mesh_axes == (("dp_replicate", "dp_shard", "tp") if tp > 1 else ("dp",))
+    assert lay.sequence_parallel == (tp > 1)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(strategy_name="zero3", world_size=6, tp=4), "tp 4 does not divide the world size 6"),
+    (dict(strategy_name="ddp", world_size=4, tp=2), "composes with FSDP2 strategies"),
+    (dict(strategy_name="zero1", world_size=4, tp=2), "not 'zero1'"),
+    (dict(strategy_name="zero3", world_size=16, gpus_per_node=8, tp=16), "spans more than one node"),
+    (dict(strategy_name="hsdp", world_size=8, tp=2, hsdp_shard_size=3), "data-parallel degree 4"),
+    (dict(strategy_name="zero3", world_size=4, tp=0), "not a positive integer"),
+])
+def test_layout_refusals_are_one_line(kwargs, needle):
+    with pytest.raises(UserError) as e:
+        Layout.build(**kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tp_across_nodes_when_the_user_insists():
+    assert Layout.build("zero3", 16, 8, tp=16, tp_across_nodes=True).mesh_shape == (1, 1, 16)
+
+
+def test_model_checks_name_what_tp_does_not_divide():
+    hf = resolve_model_config("tiny-llama")  # 4 heads, 2 KV heads, intermediate 344, vocab 264
+    check_tp_model(2, hf, 64)
+    for tp, seq, needle in ((4, 64, "KV heads"), (8, 64, "attention heads"), (3, 63, "attention heads"),
+                            (2, 63, "seq_len 63")):
+        with pytest.raises(UserError, match=needle):
+            check_tp_model(tp, hf, seq)
+    check_tp_model(2, hf, 63, sequence_parallel=False)  # no SP: any length
+    with pytest.raises(UserError, match="intermediate size"):
+        check_tp_model(2, {**hf, "intermediate_size": 345}, 64)
+    with pytest.raises(UserError, match="vocabulary"):
+        check_tp_model(2, {**hf, "vocab_size": 265}, 64)
+    with pytest.raises(UserError, match="tied embeddings"):
+        check_tp_model(2, {**hf, "tie_word_embeddings": True}, 64)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(lora_rank=8), "LoRA"),
+    (dict(lora_rank=8, quantize_base="nf4"), "LoRA or QLoRA"),
+    (dict(offload="all"), "offload"),
+    (dict(loss_chunks=8), "loss_chunks 8"),
+    (dict(strategy="ddp"), "'ddp'"),
+])
+def test_what_tp_does_not_compose_with_is_refused_by_the_one_rule(kwargs, needle):
+    strategy = kwargs.pop("strategy", "zero3")
+    if kwargs.get("quantize_base") and __import__("importlib").util.find_spec("torchao") is None:
+        pytest.skip("torchao absent: the NF4 check fires first")
+    with pytest.raises(UserError, match=needle):
+        check_combination(strategy, tp=2, **kwargs)
+    check_combination(strategy if strategy != "ddp" else "zero3", tp=1, **{k: v for k, v in kwargs.items()
+                                                                          if k != "quantize_base"})
+
+
+def test_config_keys_and_flag():
+    from shardtune.config import load_recipe
+    from shardtune.train.flags import flag_overrides
+
+    cfg = load_recipe(RECIPE, flag_overrides(tp=2))
+    assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel is True
+    assert load_recipe(RECIPE, ["parallel.sequence_parallel=false"]).parallel.sequence_parallel is False
+    with pytest.raises(UserError, match="sample_prompts"):
+        load_recipe(RECIPE, ["parallel.tp=2", "train.sample_prompts=[hi]"])
+
+
+BAD = [
+    (["--nproc", "3", "--tp", "2"], "tp 2 does not divide the world size 3"),
+    (["--nproc", "4", "--tp", "4"], "KV heads"),
+    (["--nproc", "2", "--tp", "2", "--strategy", "ddp"], "'ddp'"),
+    (["--nproc", "2", "--tp", "2", "train.seq_len=127"], "seq_len 127"),
+    (["--nproc", "2", "--tp", "2", "--lora-rank", "4"], "LoRA"),
+    (["--nproc", "4", "--tp", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=4"], "data-parallel degree 2"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, needle", BAD, ids=[b[1] for b in BAD])
+def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, args, needle):
+    from shardtune import cli
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started for bad input")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    rc = cli.main(["train", str(RECIPE), "--output-dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert needle in err
