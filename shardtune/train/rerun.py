@@ -86,25 +86,29 @@ def checkpoint_to_resume(cfg: RunConfig) -> CheckpointInfo | None:
 
 def keep_global_batch(info: CheckpointInfo, old: RunConfig | None, cfg: RunConfig, world_size: int,
                       diff: list) -> list[str]:
-    """A resume on another number of ranks keeps the global batch (micro_batch × grad_accum × ranks):
+    """A resume on another number of data-parallel ranks (world / tp) keeps the global batch
+    (micro_batch × grad_accum × data-parallel ranks):
     the `train.grad_accum=K` override that does (said in one line), [] when nothing changes or the
     user set micro_batch or grad_accum themselves; a UserError naming the choices when none does."""
-    if old is None or info.world_size == world_size or any(c[0] in ("train.micro_batch", "train.grad_accum")
-                                                            for c in diff):
+    if old is None:
+        return []
+    saved, now = info.world_size // old.parallel.tp, world_size // cfg.parallel.tp  # data-parallel ranks (tp)
+    if saved == now or any(c[0] in ("train.micro_batch", "train.grad_accum") for c in diff):
         return []
     mb = cfg.train.micro_batch
-    rows = old.train.micro_batch * old.train.grad_accum * info.world_size
-    accum, rest = divmod(rows, mb * world_size)
+    rows = old.train.micro_batch * old.train.grad_accum * saved
+    accum, rest = divmod(rows, mb * now)
     if accum >= 1 and not rest:
         print(f"shardtune: resuming on {world_size} ranks (saved on {info.world_size}): train.grad_accum "
               f"{cfg.train.grad_accum} → {accum} keeps the global batch of {rows} rows")
         return [f"train.grad_accum={accum}"]
-    fits = [n for n in range(1, 4 * max(world_size, info.world_size) + 1) if rows % (mb * n) == 0][:6]
+    tp = cfg.parallel.tp  # --nproc = data-parallel ranks × tp
+    fits = [n * tp for n in range(1, 4 * max(now, saved) + 1) if rows % (mb * n) == 0][:6]
     raise UserError(f"resuming on {world_size} ranks cannot keep the global batch of {rows} rows (micro_batch "
-                    f"{old.train.micro_batch} × grad_accum {old.train.grad_accum} × {info.world_size} ranks): "
-                    f"{rows} is not a multiple of micro_batch {mb} × {world_size}; use --nproc "
+                    f"{old.train.micro_batch} × grad_accum {old.train.grad_accum} × {saved} ranks): "
+                    f"{rows} is not a multiple of micro_batch {mb} × {now}; use --nproc "
                     f"{' or '.join(map(str, fits)) or 'N'}, or set train.grad_accum (the global batch becomes "
-                    f"micro_batch × grad_accum × {world_size}) or train.micro_batch yourself")
+                    f"micro_batch × grad_accum × {now}) or train.micro_batch yourself")
 
 
 @dataclass

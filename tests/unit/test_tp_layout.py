@@ -116,3 +116,20 @@ def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, args, n
     assert rc == 2
     assert len(err.strip().splitlines()) == 1, err
     assert needle in err
+
+
+def test_a_resume_keeps_the_global_batch_over_data_parallel_ranks():
+    """Saved at tp 2 on 4 ranks (dp 2, micro 4: 8 rows); resumed on 4 ranks at tp 1 (dp 4) with
+    micro 1: grad_accum 2; at tp 2 on 4 ranks: nothing changes; at tp 2 on 8 ranks (dp 4), micro 4:
+    one line naming the --nproc that fit."""
+    from types import SimpleNamespace
+
+    from shardtune.config import load_recipe
+    from shardtune.train.rerun import keep_global_batch
+
+    old = load_recipe(RECIPE, ["parallel.tp=2", "train.micro_batch=4"])
+    info = SimpleNamespace(world_size=4)
+    assert keep_global_batch(info, old, load_recipe(RECIPE, ["train.micro_batch=1"]), 4, []) == ["train.grad_accum=2"]
+    assert keep_global_batch(info, old, load_recipe(RECIPE, ["parallel.tp=2", "train.micro_batch=1"]), 4, []) == []
+    with pytest.raises(UserError, match="--nproc 2 or 4,"):  # dp 1 or 2 at tp 2: 8 rows of micro 4
+        keep_global_batch(info, old, load_recipe(RECIPE, ["parallel.tp=2", "train.micro_batch=4"]), 8, [])
