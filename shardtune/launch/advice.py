@@ -40,16 +40,17 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
              strategy: str | None = None, shard_size: int | None = None) -> Estimate:
     """The planner's predicted step (`shardtune.plan.plan`) for the recipe, or for `strategy`,
     on nodes × gpus_per_node GPUs joined by `link` (default: the preset's catalogue link)."""
-    strategy = strategy or cfg.parallel.strategy
-    # hsdp's shard group: the one rule (strategies.Layout), one node's GPUs unless the recipe says
-    layout = Layout.build(strategy, nodes * gpus_per_node, gpus_per_node, shard_size or cfg.parallel.hsdp_shard_size)
+    strategy, par = strategy or cfg.parallel.strategy, cfg.parallel
+    # hsdp's shard group: the one rule (strategies.Layout), one node's data-parallel ranks unless the recipe says
+    layout = Layout.build(strategy, nodes * gpus_per_node, gpus_per_node, shard_size or par.hsdp_shard_size,
+                          tp=par.tp, sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes)
     shard_size = layout.shard_degree if layout.strategy.hybrid else None
     p = plan(cfg.model.plan_name(), gpus=nodes * gpus_per_node, nodes=nodes, gpus_per_node=gpus_per_node,
              gpu=cfg.train.gpu, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
-             grad_accum=cfg.train.grad_accum, precision=cfg.parallel.precision,
-             ac=cfg.parallel.activation_checkpointing, ac_every=cfg.parallel.ac_every, offload=cfg.parallel.offload,
-             hsdp_shard_size=shard_size, strategies=[strategy],
-             interconnect=link or DEFAULT_LINK[interconnect])
+             grad_accum=cfg.train.grad_accum, precision=par.precision,
+             ac=par.activation_checkpointing, ac_every=par.ac_every, offload=par.offload,
+             hsdp_shard_size=shard_size, strategies=[strategy], tp=par.tp, sequence_parallel=par.sequence_parallel,
+             tp_across_nodes=par.tp_across_nodes, interconnect=link or DEFAULT_LINK[interconnect])
     t = p.strategy(strategy).timing
     return Estimate(strategy, shard_size, t["step_time_s"], t["compute_time_s"],
                     t["comm_time_s"])
@@ -71,12 +72,13 @@ def comm_bound_warning(cfg: RunConfig, nodes: int, gpus_per_node: int, interconn
     msg = (f"warning: {cur.strategy} across {where} is communication-bound: ~{cur.comm_s:.3g} s of collectives "
            f"per step vs ~{cur.compute_s:.3g} s of compute (predicted step {cur.step_s:.3g} s; `shardtune plan` "
            "gives the details).")
-    if gpus_per_node > 1 and cur.shard_size != gpus_per_node:  # shard_size: None unless hybrid
-        alt = estimate(cfg, nodes, gpus_per_node, interconnect, link, strategy="hsdp", shard_size=gpus_per_node)
+    in_node = gpus_per_node // cfg.parallel.tp  # a node's data-parallel ranks (TP takes the rest)
+    if in_node > 1 and cur.shard_size != in_node:  # shard_size: None unless hybrid
+        alt = estimate(cfg, nodes, gpus_per_node, interconnect, link, strategy="hsdp", shard_size=in_node)
         if alt.step_s < cur.step_s:
             msg += (f" Better: hsdp with the shard group inside a node, ~{alt.step_s:.3g} s per step "
                     f"({cur.step_s / alt.step_s:.1f}x faster): add parallel.strategy=hsdp "
-                    f"parallel.hsdp_shard_size={gpus_per_node}.")
+                    f"parallel.hsdp_shard_size={in_node}.")
             if alt.comm_bound:
                 msg += (" Even that stays communication-bound: a faster interconnect or more tokens per "
                         "micro-batch would help.")

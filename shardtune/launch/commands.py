@@ -82,6 +82,32 @@ def resolve_interconnect(name: str, link: str | None) -> tuple[str, str | None]:
     return transport, link or named
 
 
+def check_tp_placement(cfg, gpus_per_node: int) -> None:
+    """Each tensor-parallel group inside one node. torchrun numbers ranks node by node (global rank
+    = node rank x processes per node + local rank) and the trainer's TP groups are consecutive
+    ranks (the innermost mesh axis, strategies.Layout), so a group lies in one node exactly when tp
+    divides the processes per node; with parallel.tp_across_nodes, when it spans whole nodes. The
+    model's own tp checks (heads, vocabulary, sequence) as the trainer's preflight makes them."""
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.strategies import check_tp_model
+
+    par = cfg.parallel
+    if par.tp <= 1:
+        return
+    if par.tp <= gpus_per_node and gpus_per_node % par.tp:
+        raise UserError(f"parallel.tp {par.tp} does not divide --gpus-per-node {gpus_per_node}: a tensor-parallel "
+                        "group (consecutive ranks, numbered node by node) would straddle two nodes; choose a tp that "
+                        f"divides {gpus_per_node}")
+    if par.tp > gpus_per_node and par.tp % gpus_per_node:  # Layout refused it unless tp_across_nodes
+        raise UserError(f"parallel.tp {par.tp} across nodes is not a multiple of --gpus-per-node {gpus_per_node}: a "
+                        "tensor-parallel group would hold part of a node; give whole nodes per group")
+    try:
+        hf = resolve_model_config(cfg.model.plan_name())
+    except UserError:  # a folder not on this machine and no model.architecture: the nodes' preflight checks
+        return
+    check_tp_model(par.tp, hf, cfg.train.seq_len, par.sequence_parallel)
+
+
 def _build(recipe: str, overrides: list[str] | None, **kw):
     """Validate the recipe (as the trainer will see it) and the launch options."""
     from shardtune.config import load_recipe
@@ -91,12 +117,14 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     kw["interconnect"], link = resolve_interconnect(kw["interconnect"], kw.pop("link", None))
     # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
     spec = validate(LaunchSpec(recipe=os.path.abspath(recipe), overrides=tuple(overrides or ()), **kw))
-    # the trainer checks its layout on every node; a bad hsdp shard size is refused here, before a
-    # script is written (an elastic job may run at any node count from MIN to MAX)
+    # the trainer checks its layout on every node; a bad hsdp shard size or tp is refused here, before
+    # a script is written (an elastic job may run at any node count from MIN to MAX)
+    par = cfg.parallel
     lo, hi = spec.elastic or (spec.nodes, spec.nodes)
     for nodes in range(max(lo, 1), hi + 1):
-        Layout.build(cfg.parallel.strategy, nodes * spec.gpus_per_node, spec.gpus_per_node,
-                     cfg.parallel.hsdp_shard_size)
+        Layout.build(par.strategy, nodes * spec.gpus_per_node, spec.gpus_per_node, par.hsdp_shard_size, tp=par.tp,
+                     sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes)
+    check_tp_placement(cfg, spec.gpus_per_node)
     return cfg, spec, link
 
 

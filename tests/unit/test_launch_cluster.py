@@ -231,3 +231,55 @@ data:
     assert all("does not exist on this machine" in p for p in problems)
     (tmp_path / "mix" / "a.parquet").write_bytes(b"")
     assert [p.split(" ")[0] for p in node_problems(cfg)] == ["data.sources[1].path"]
+
+
+def _tp_groups_by_node(world: int, per_node: int, tp: int) -> set[frozenset[int]]:
+    """The nodes each TP group of the trainer's mesh lands on: init_device_mesh lays ranks out
+    row-major over the mesh shape (torch.arange(world).view(shape)); the TP axis is innermost
+    (strategies.Layout), and torchrun gives node n the ranks n*per_node ... (n+1)*per_node - 1."""
+    from shardtune.strategies import Layout
+
+    layout = Layout.build("zero3", world, per_node, tp=tp, tp_across_nodes=tp > per_node)
+    assert layout.mesh_axes[-1] == "tp" and layout.mesh_shape[-1] == tp
+    ranks = list(range(world))  # row-major: the innermost axis varies fastest
+    return {frozenset(r // per_node for r in ranks[i:i + tp]) for i in range(0, world, tp)}
+
+
+def test_tp_groups_stay_inside_a_node(tmp_path, capsys):
+    recipe = _recipe(tmp_path)  # llama-3-8b: 32 heads, 8 KV heads, 14,336 MLP, 128,256 vocab: tp 8 divides all
+    ok = [f"output_dir={tmp_path}/run", "train.seq_len=2048"]
+    # every group of tp 8 on 2 nodes x 8 lies in one node; tp 4 on 6-GPU nodes would not (ranks 4-7)
+    assert all(len(nodes) == 1 for nodes in _tp_groups_by_node(16, 8, 8))
+    assert {len(nodes) for nodes in _tp_groups_by_node(12, 6, 4)} == {1, 2}
+    for launcher in (["slurm"], ["k8s", "--image", "img"], ["torchrun", "--rdzv-host", "h0"]):
+        rc, out, err = _run(capsys, "launch", *launcher, recipe, "--nodes", "2", "--gpus-per-node", "8",
+                            "parallel.tp=8", *ok)
+        assert rc == 0 and out, (launcher, err)
+        rc, out, err = _run(capsys, "launch", *launcher, recipe, "--nodes", "2", "--gpus-per-node", "6",
+                            "parallel.tp=4", *ok)
+        assert rc == 2 and not out and err.count("\n") == 1, (launcher, err)
+        assert "parallel.tp 4 does not divide --gpus-per-node 6" in err
+    # larger than a node: the trainer's rule (strategies.Layout) refuses unless tp_across_nodes, then whole nodes
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "4", "--gpus-per-node", "8", "parallel.tp=16",
+                        *ok)
+    assert rc == 2 and "tp_across_nodes" in err and not out, err
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "4", "--gpus-per-node", "4", "parallel.tp=8",
+                        "parallel.tp_across_nodes=true", *ok)
+    assert rc == 0 and all(len(nodes) == 2 for nodes in _tp_groups_by_node(16, 4, 8)), err
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "4", "--gpus-per-node", "6", "parallel.tp=8",
+                        "parallel.tp_across_nodes=true", *ok)
+    assert rc == 2 and "not a multiple of --gpus-per-node 6" in err, err
+    # the model's own tp checks, as the trainer's preflight: 8 KV heads do not split 16 ways
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "2", "--gpus-per-node", "8", "parallel.tp=16",
+                        "parallel.tp_across_nodes=true", *ok)
+    assert rc == 2 and "KV heads" in err, err
+
+
+def test_comm_advice_under_tp_offers_hsdp_over_a_nodes_data_parallel_ranks():
+    from shardtune.config import load_recipe
+    from shardtune.launch.advice import comm_bound_warning
+
+    # 8 GPUs per node, tp 2: each node holds 8 / 2 = 4 data-parallel ranks, hsdp's shard group there
+    cfg = load_recipe(None, ["model.name=llama-3-8b", "train.seq_len=2048", "train.micro_batch=2", "parallel.tp=2"])
+    msg = comm_bound_warning(cfg, 2, 8, "eth")
+    assert msg and "parallel.strategy=hsdp parallel.hsdp_shard_size=4" in msg, msg
