@@ -43,13 +43,16 @@ class TrainConfig(_Section):
                                                             "(None: 8 above a 32k vocabulary, else 1; 1: the full "
                                                             "computation; docs/loss.md).")
     compile: bool = Field(False, description="torch.compile each decoder layer before sharding.")
-    objective: Literal["sft", "dpo"] = Field("sft", description="sft: next-token loss on responses; dpo: Direct "
-                                             "Preference Optimisation on prompt/chosen/rejected pairs (docs/dpo.md).")
+    objective: Literal["sft", "dpo", "simpo"] = Field(
+        "sft", description="sft: next-token loss on responses; dpo: Direct Preference Optimisation on "
+                           "prompt/chosen/rejected pairs; simpo: SimPO on the same pairs, no reference (docs/dpo.md).")
     reference: Literal["live", "precompute"] = Field(
         "live", description="dpo: the reference log-probs computed each step (live: LoRA's base with adapters off, "
                             "else a frozen copy sharded like the policy) or once before training and cached beside "
                             "the tokenised data (precompute).")
-    dpo_beta: float = Field(0.1, gt=0, description="dpo: β, the KL strength (Rafailov et al. 2023 eq. 7).")
+    dpo_beta: float = Field(0.1, gt=0, description="dpo: β, the KL strength (Rafailov et al. 2023 eq. 7); simpo: "
+                                                   "β, the reward scale (SimPO uses 2 to 10).")
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: γ, the target reward margin (Meng et al. 2024 eq. 6).")
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo: ε, the share of pairs assumed flipped "
                                                                       "(conservative DPO; 0: plain DPO).")
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite "

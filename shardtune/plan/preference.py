@@ -14,7 +14,7 @@ from __future__ import annotations
 from shardtune.errors import UserError
 from shardtune.plan.memory import dtypes, local_numels
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "simpo")  # simpo: no reference
 REFERENCES = ("live", "precompute")
 
 

@@ -113,7 +113,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
-    dpo = cfg.train.objective == "dpo"  # the one branch on the objective: its loader, step and validation
+    dpo = cfg.train.objective != "sft"  # the one branch on the objective: its loader, step and validation
     loader = (build_pair_loader if dpo else build_dataloader)(cfg.data, cfg.train, tokenizer, ctx.dp_rank,
                                                               ctx.dp_size, cfg.train.seed)
     val_batches = _val_batches(cfg, tokenizer, ctx)
@@ -141,7 +141,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     on_cpu = ctx.device.type == "cpu"
     run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
               rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len)
-              * (4 / 3 if dpo and cfg.train.reference == "live" else 1),  # + the reference's forward (docs/dpo.md)
+              * (4 / 3 if cfg.train.objective == "dpo" and cfg.train.reference == "live" else 1),  # + the reference's
               None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
               opts, MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches, None, threads,
               objective=objective)
@@ -188,7 +188,7 @@ def _startup(marks: list[tuple[str, float]]) -> str:
 
 def _val_batches(cfg: RunConfig, tokenizer, ctx: DistContext) -> list[dict] | None:
     """This rank's validation batches (data.val_path, train/data/val.py), or None."""
-    pack = {"pack": pack_val_pairs} if cfg.train.objective == "dpo" else {}
+    pack = {"pack": pack_val_pairs} if cfg.train.objective != "sft" else {}
     return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.dp_rank, ctx.dp_size, **pack)
 
 

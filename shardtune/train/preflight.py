@@ -340,7 +340,7 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     check_recipe_paths(cfg)
     if cfg.lora.rank > 0:
         _check_lora_targets(cfg)
-    if cfg.train.objective == "dpo":  # pairs: read, tokenised and packed as the ranks will (train/data/preference.py)
+    if cfg.train.objective != "sft":  # pairs: read, tokenised and packed as the ranks will (train/data/preference.py)
         from shardtune.train.data.preference import check_preference_data
 
         check_preference_data(cfg, world_size)

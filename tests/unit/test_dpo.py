@@ -155,3 +155,16 @@ def test_report_draws_rewards_for_dpo_runs_only(tmp_path):
     dpo[-1].update(val_loss=0.6, val_reward_acc=0.7, val_reward_margin=0.2, val_pref_acc=0.6)
     assert plot_rewards(dpo, tmp_path / "rewards.png", "run").stat().st_size > 10_000
     assert plot_rewards([{"step": 1, "loss": 2.0}], tmp_path / "sft.png", "run") is None
+
+
+def test_simpo_loss_is_eq6():
+    """SimPO (Meng et al. 2024 eq. 6) written out: −log σ(β/|y_w| log π(y_w) − β/|y_l| log π(y_l) − γ)."""
+    from shardtune.train.core.dpo import simpo_losses
+
+    pol, lengths = torch.tensor([[-6.0, -4.0], [-3.0, -9.0]]), torch.tensor([[3.0, 1.0], [2.0, 3.0]])
+    beta, gamma = 2.0, 0.5
+    losses, rc, rr = simpo_losses(pol, lengths, beta, gamma)
+    for i in range(2):
+        z = beta * float(pol[i, 0] / lengths[i, 0]) - beta * float(pol[i, 1] / lengths[i, 1]) - gamma
+        assert losses[i].item() == pytest.approx(math.log1p(math.exp(-z)), rel=1e-6)
+        assert rc[i].item() == pytest.approx(beta * float(pol[i, 0] / lengths[i, 0]))

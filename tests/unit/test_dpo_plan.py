@@ -97,3 +97,9 @@ def test_readme_dpo_table_is_what_the_planner_says():
     assert (f"| {pre8.memory.total / gib:.1f} of {usable:.1f} GiB, {pre8.timing['tokens_per_s']:,.0f} | "
             f"{cell(pre16, False)} |") in readme
     assert f"| {cell(z3(8, offload='all'), True, True)} | {cell(z3(16, offload='all'), False, True)} |" in readme
+
+
+def test_simpo_holds_no_reference_and_runs_no_reference_forward():
+    sft, simpo = _zero3(), _zero3(objective="simpo")
+    assert simpo.memory.reference == 0 and simpo.memory.total == sft.memory.total
+    assert simpo.timing["compute_time_s"] == sft.timing["compute_time_s"]

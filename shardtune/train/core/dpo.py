@@ -123,6 +123,21 @@ def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, beta: float, label
     return losses, rewards[..., 0].detach(), rewards[..., 1].detach()
 
 
+def simpo_losses(policy: torch.Tensor, lengths: torch.Tensor, beta: float, gamma: float,
+                 label_smoothing: float = 0.0):
+    """SimPO (Meng et al. 2024 eq. 6): no reference; the rewards are β × each side's mean token
+    log-prob, and the loss asks their margin to exceed γ: −log σ(r_c − r_r − γ)."""
+    rewards = beta * policy / lengths.clamp(min=1).to(policy.dtype)
+    z = rewards[..., 0] - rewards[..., 1] - gamma
+    losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return losses, rewards[..., 0].detach(), rewards[..., 1].detach()
+
+
+def side_lengths(batch: dict) -> torch.Tensor:
+    """(B, P, 2): the response tokens of each side."""
+    return _per_side((batch["labels"] != IGNORE_INDEX).float(), batch)
+
+
 def pair_sums(losses, chosen, rejected, valid) -> torch.Tensor:
     """[loss, reward_acc, reward_margin, reward_chosen, reward_rejected] summed over the valid pairs."""
     v = valid.to(losses.dtype)
@@ -140,6 +155,12 @@ class DPO:
     def ref_logps(self, batch: dict, opts: StepOptions) -> torch.Tensor:
         return batch["ref_logps"] if "ref_logps" in batch else self.reference.logps(batch, opts)
 
+    def losses(self, policy: torch.Tensor, batch: dict, opts: StepOptions):
+        """(losses, chosen rewards, rejected rewards) of the objective (dpo or simpo)."""
+        if opts.objective == "simpo":
+            return simpo_losses(policy, side_lengths(batch), opts.dpo_beta, opts.simpo_gamma, opts.dpo_label_smoothing)
+        return dpo_losses(policy, self.ref_logps(batch, opts), opts.dpo_beta, opts.dpo_label_smoothing)
+
     def step(self, model, optimizer, scheduler, micro_batches: list[dict], opts: StepOptions, *, dp_group=None,
              dp_size: int, activations=None) -> StepResult:
         """dpo's train_step: forward/backward over the micro-batches, clip, optimizer step."""
@@ -151,11 +172,12 @@ class DPO:
         denom = counts[0].clamp(min=1).to(torch.float32)
         sums = torch.zeros(5, device=counts.device)
         for i, mb in enumerate(micro_batches):
-            ref = self.ref_logps(mb, opts)
+            if opts.objective == "dpo":
+                mb["ref_logps"] = self.ref_logps(mb, opts)  # no grad, outside the policy's backward
             with accumulation(model, last=i == len(micro_batches) - 1):
                 with activations.micro_batch() if activations else nullcontext():
                     pol = sequence_logps(model, mb, opts.loss_chunks, opts.autocast_dtype)
-                losses, chosen, rejected = dpo_losses(pol, ref, opts.dpo_beta, opts.dpo_label_smoothing)
+                losses, chosen, rejected = self.losses(pol, mb, opts)
                 part = pair_sums(losses, chosen, rejected, valid[i])
                 (part[0] * dp_size / denom).backward()
             sums += part.detach()
@@ -177,9 +199,10 @@ class DPO:
             for i in range(int(n)):
                 batch = {k: v.to(device) for k, v in batches[min(i, len(batches) - 1)].items()}
                 pol = sequence_logps(model, batch, opts.loss_chunks, opts.autocast_dtype)
-                losses, chosen, rejected = dpo_losses(pol, batch["ref_logps"], opts.dpo_beta, opts.dpo_label_smoothing)
+                losses, chosen, rejected = self.losses(pol, batch, opts)
                 valid = valid_pairs(batch) & (i < len(batches))
-                prefers = ((pol[..., 0] > pol[..., 1]) & valid).sum()  # the policy's own preference
+                score = pol / side_lengths(batch).clamp(min=1) if opts.objective == "simpo" else pol
+                prefers = ((score[..., 0] > score[..., 1]) & valid).sum()  # the policy's own preference
                 sums += torch.cat([pair_sums(losses, chosen, rejected, valid), torch.stack([prefers, valid.sum()])
                                    ]).double()
         finally:

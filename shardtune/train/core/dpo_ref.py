@@ -177,7 +177,9 @@ def _save(folder: Path, inputs: dict, arr: np.ndarray) -> None:
 
 def set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir: Path, opts) -> DPO:
     """The DPO objective of this run: its reference, precomputed (and cached) if asked, and the
-    validation pairs' reference log-probs."""
+    validation pairs' reference log-probs. simpo has no reference."""
+    if cfg.train.objective == "simpo":
+        return DPO(None)
     lora = cfg.lora.rank > 0
     ref_model = None
     if lora:

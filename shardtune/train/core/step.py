@@ -46,9 +46,10 @@ class StepOptions:
     autocast_dtype: torch.dtype | None = None  # parallel.precision under ddp/zero1 (parallel/apply.py)
     grad_clip: float = 1.0  # optim.grad_clip (0: no clipping)
     skip_non_finite: bool = True  # a non-finite loss or grad norm skips the update (the simulator: off)
-    objective: str = "sft"  # train.objective; dpo: train/core/dpo.py's step and evaluation
+    objective: str = "sft"  # train.objective; dpo, simpo: train/core/dpo.py's step and evaluation
     dpo_beta: float = 0.1  # train.dpo_beta
     dpo_label_smoothing: float = 0.0  # train.dpo_label_smoothing
+    simpo_gamma: float = 0.5  # train.simpo_gamma
 
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int, **overrides) -> StepOptions:
@@ -56,7 +57,7 @@ class StepOptions:
         opts = cls(loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, vocab_size),
                    autocast_dtype=autocast_dtype(cfg.parallel), grad_clip=cfg.optim.grad_clip,
                    objective=cfg.train.objective, dpo_beta=cfg.train.dpo_beta,
-                   dpo_label_smoothing=cfg.train.dpo_label_smoothing)
+                   dpo_label_smoothing=cfg.train.dpo_label_smoothing, simpo_gamma=cfg.train.simpo_gamma)
         return replace(opts, **overrides)
 
 
