@@ -19,7 +19,6 @@ from shardtune.plan.tp import (
     TP_DEGREES,
     check_tp_arch,
     tp_collectives,
-    tp_combination_error,
     tp_embedding_grad_bytes,
 )
 from shardtune.plan.validate import PlanInputs, resolve_inputs
@@ -229,11 +228,13 @@ def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
         check_combination(strategy, precision=inp.precision, offload=inp.offload, optimizer=inp.optimizer,
                           optimizer_impl=inp.optimizer_impl, lora_rank=inp.lora_rank,
                           activation_checkpointing=inp.ac, ac_every=inp.ac_every, planner_modes=True,
-                          loss_chunks=inp.loss_chunks, quantize_base=inp.quantize_base)
+                          loss_chunks=inp.loss_chunks, quantize_base=inp.quantize_base,
+                          # the ZeRO paper's accounting plans Megatron's model parallelism beside any
+                          # ZeRO stage (its Table 2), not this trainer's TP
+                          tp=1 if inp.accounting == "paper" else inp.tp)
     except UserError as e:
         return e
-    why = tp_combination_error(strategy, inp.tp, inp.quantize_base, inp.accounting)
-    return UserError(why) if why else None
+    return None
 
 
 def _applicable(inp: PlanInputs) -> tuple[list[str], list[str]]:
@@ -275,7 +276,7 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
         scale_out.append(("--micro-batch 1", replace(inp, micro_batch=1)))
     if STRATEGY[sp.name].fsdp and inp.tp == 1 and m.arch is not None and inp.accounting == "shardtune":
         for t in TP_DEGREES[1:]:  # tensor parallelism divides the states and activations on the same GPUs
-            changed = with_tp(inp, t, m.arch)
+            changed = with_tp(inp, t, m)
             if changed:
                 scale_out.append((f"--tp {t}", changed))
     if STRATEGY[sp.name].shards_optimizer:  # more GPUs shrink nothing under ddp
@@ -301,7 +302,7 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
     return fallback(m, sp, inp, usable)  # re-planned alternatives (plan/verdict.py)
 
 
-def with_tp(inp: PlanInputs, tp: int, arch) -> PlanInputs | None:
+def with_tp(inp: PlanInputs, tp: int, m: _Model) -> PlanInputs | None:
     """`inp` at tensor-parallel degree `tp` (the HSDP shard size re-derived), or None where that
     layout cannot run (validate's and check_tp_arch's rules)."""
     from dataclasses import fields, replace
@@ -310,7 +311,7 @@ def with_tp(inp: PlanInputs, tp: int, arch) -> PlanInputs | None:
         changed = replace(inp, tp=tp, sequence_parallel=None if tp > 1 else False,
                           hsdp_shard_size=None if inp.tp != tp else inp.hsdp_shard_size)
         changed = resolve_inputs(PlanInputs(**{f.name: getattr(changed, f.name) for f in fields(PlanInputs)}))
-        check_tp_arch(arch, tp)
+        check_tp_arch(m.arch, m.config, tp)
     except UserError:
         return None
     return changed
@@ -336,7 +337,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
     usable = gpu.memory_bytes - reserve
     m = _load_model(inp.model, inp.params, inp.lora_rank, inp.quantize_base)
     if m.arch is not None:
-        check_tp_arch(m.arch, inp.tp)
+        check_tp_arch(m.arch, m.config, inp.tp)
     names, omitted = _applicable(inp)
     plans = [_plan_strategy(m, s, inp, usable) for s in names]
     ddp_bytes = comm.bytes_per_step(comm.collectives(

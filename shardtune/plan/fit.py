@@ -130,9 +130,9 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     out: list[Candidate] = []
     refused: dict[str, Exception] = {}
     # tensor parallelism: a --tp given is kept, else every degree of plan/tp.py that can run here
-    tps = [base.tp] if base.tp > 1 or m.arch is None else [t for t in TP_DEGREES if api.with_tp(base, t, m.arch)]
+    tps = [base.tp] if base.tp > 1 or m.arch is None else [t for t in TP_DEGREES if api.with_tp(base, t, m)]
     for tp, strategy in ((t, s) for t in tps for s in strategies):
-        at_tp = api.with_tp(base, tp, m.arch) if tp != base.tp else base
+        at_tp = api.with_tp(base, tp, m) if tp != base.tp else base
         dp, dp_per_node = base.gpus // tp, max(1, base.gpus_per_node // tp)
         shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
         mbs = micro_batches if fit_batch else _same_batch(base, tp)

@@ -20,6 +20,7 @@ class _Model:
     arch: object | None
     active: int
     buffer_cache: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)  # the HF config.json values (None: --params)
 
     def local_shapes(self, tp: int) -> list[ParamShape] | None:
         """Each tensor's shape on one tensor-parallel rank (plan/tp.py), before FSDP shards it."""
@@ -44,4 +45,4 @@ def _load_model(model, params: float | None, lora_rank: int, quantize_base: str 
     source = MODELS[name]["source"] if name in MODELS else name
     total = sum(p.numel for p in shapes)  # with LoRA: the frozen base and the adapters
     trainable = sum(p.numel for p in shapes if p.trainable)
-    return _Model(name, source, total, trainable, shapes, arch, count_active_params(arch))
+    return _Model(name, source, total, trainable, shapes, arch, count_active_params(arch), config=cfg)

@@ -65,19 +65,16 @@ def tp_local_shapes(shapes: list[ParamShape], tp: int) -> list[ParamShape]:
     return out
 
 
-def check_tp_arch(arch: Architecture, tp: int) -> None:
-    """tp divides every dimension TP splits: heads, KV heads, the MLP width and the vocabulary
-    (torch's ColwiseParallel/RowwiseParallel split evenly; nothing pads). One-line UserError."""
-    if tp == 1:
-        return
-    if arch.num_experts:
-        raise UserError(f"--tp {tp}: tensor parallelism of MoE experts ({arch.model_type}) is not planned; use --tp 1")
-    for what, n in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
-                    ("intermediate size", arch.intermediate_size), ("vocabulary", arch.vocab_size)):
-        if n % tp:
-            raise UserError(f"--tp {tp} does not divide the model's {what} ({n}); give a tp that divides "
-                            f"heads {arch.num_heads}, KV heads {arch.num_kv_heads}, intermediate "
-                            f"{arch.intermediate_size} and vocabulary {arch.vocab_size}")
+def check_tp_arch(arch: Architecture, config: dict, tp: int) -> None:
+    """The trainer's rule (strategies.check_tp_model: tp divides the heads, KV heads, the MLP
+    width and the vocabulary, no tied embeddings) and the MoE experts, which its plan does not
+    split. One-line UserError."""
+    from shardtune.strategies import check_tp_model
+
+    if tp > 1 and arch.num_experts:
+        raise UserError(f"--tp {tp}: tensor parallelism of MoE experts ({arch.model_type}) is not supported; "
+                        "use --tp 1")
+    check_tp_model(tp, config)
 
 
 def tp_collectives(arch: Architecture, tokens: int, tp: int, sp: bool, elem_bytes: int, ac: str,
@@ -118,24 +115,6 @@ def tp_collectives(arch: Architecture, tokens: int, tp: int, sp: bool, elem_byte
             out.append(("all_reduce", payload, "backward", 2 * recomputed, "TP recompute (AC)"))
     out.append(("all_reduce", 4 * tokens, "forward", 3, "loss parallel (max, sum exp, target)"))
     return [(op, size * calls, phase, calls, what) for op, size, phase, calls, what in raw]
-
-
-def tp_combination_error(strategy: str, tp: int, quantize_base: str = "none", accounting: str = "shardtune") -> str:
-    """Why `strategy` cannot run with tensor parallelism `tp` ("" when it can): FSDP2 composes
-    with DTensor TP on a 2-D mesh; DDP and ZeroRedundancyOptimizer do not take DTensor params;
-    torchao's NF4 tensor is not a DTensor. The ZeRO paper's accounting plans Megatron's model
-    parallelism beside any ZeRO stage (its Table 2), so it allows every strategy."""
-    from shardtune.strategies import FSDP_STRATEGIES, STRATEGY
-
-    if tp == 1 or accounting == "paper":
-        return ""
-    if not STRATEGY[strategy].fsdp:
-        return (f"{strategy} with tensor parallelism (tp {tp}) cannot run: TP composes with FSDP2 only "
-                f"({', '.join(FSDP_STRATEGIES)}): parallel.strategy / --strategy, or parallel.tp / --tp 1")
-    if quantize_base != "none":
-        return (f"QLoRA ({quantize_base} base) under tensor parallelism (tp {tp}) is not supported: "
-                "lora.quantize_base / --quantize-base none, or parallel.tp / --tp 1")
-    return ""
 
 
 def tp_embedding_grad_bytes(arch: Architecture, tp: int, elem_bytes: int) -> int:

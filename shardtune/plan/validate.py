@@ -136,6 +136,8 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.ac = normalize_ac(inp.ac)
     inp.offload = normalize_offload(inp.offload)
     check_objective(inp.objective, inp.reference)
+    if inp.objective == "dpo" and inp.tp > 1:  # as the trainer's config (config/__init__.py)
+        raise UserError(f"--objective dpo with --tp {inp.tp} is not implemented yet; give --tp 1")
     if inp.accounting not in ACCOUNTINGS:
         raise UserError(f"unknown accounting {inp.accounting!r}; choose one of {', '.join(ACCOUNTINGS)}")
     if inp.strategies is not None:

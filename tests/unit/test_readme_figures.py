@@ -59,7 +59,7 @@ def recipe_plans():
 
 
 RECIPE_GPUS = {"llama-3-70b-lora-8xh100": 8, "llama-3-70b-8xh100": 8, "llama-3-70b-bf16-8xh100": 8,
-               "llama-3-70b-qlora-2x4090": 2}
+               "llama-3-70b-qlora-2x4090": 2, "llama-3.1-405b-tp8-16x8xh100": 128, "llama-3-70b-tp8-2x8xh100": 16}
 
 
 @pytest.mark.parametrize("name", list(RECIPE_GPUS))
@@ -76,7 +76,8 @@ def test_70b_recipe_row_is_what_plan_recipe_prints(recipe_plans, capsys, name):
     assert host == (f"{cpu / GIB:,.0f} GiB" if cpu else "—")
     assert speed == f"{s['tokens_per_s']:,.0f} ({s['mfu'] * 100:.0f} %)"
     inp = d["inputs"]
-    assert batch == f"{inp['micro_batch'] * inp['grad_accum'] * inp['gpus']} × {inp['seq_len']:,}"
+    dp = inp["gpus"] // inp.get("tp", 1)  # a tensor-parallel group shares its batch
+    assert batch == f"{inp['micro_batch'] * inp['grad_accum'] * dp} × {inp['seq_len']:,}"
 
 
 def test_prose_repeats_the_recipes_figures(recipe_plans, capsys):
