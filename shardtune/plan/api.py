@@ -259,8 +259,8 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
 
     def more_gpus(base: PlanInputs, label: str):
         if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
-            g = base.hsdp_shard_size * 2
-            while g <= base.gpus and base.gpus % g == 0:
+            g, dp = base.hsdp_shard_size * 2, base.gpus // base.tp  # the shard group is of dp ranks
+            while g <= dp and dp % g == 0:
                 yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
                 g *= 2
             return
@@ -291,6 +291,8 @@ def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
     found = []
     for tries in (scale_out, offload):
         for label, changed in tries:
+            if _combination_error(changed, sp.name):  # e.g. offload under TP: nothing runs it
+                continue
             p = _plan_strategy(m, sp.name, changed, usable, per_rank=False)
             if p.fits:
                 cpu = (f" ({p.cpu_offload_bytes_per_node / GIB:,.0f} GiB CPU RAM per node)"

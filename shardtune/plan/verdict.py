@@ -53,6 +53,8 @@ def _shorter_seq(m, sp, inp, usable):
     seq = inp.seq_len // 2
     while seq >= MIN_SEQ:
         for label, changed in list(_variants(m, replace(inp, seq_len=seq)))[:2]:  # as given, --ac full
+            if api._combination_error(changed, sp.name):  # e.g. offload under TP
+                continue
             if api._plan_strategy(m, sp.name, changed, usable, per_rank=False).fits:
                 return f"--seq-len {seq}{label}{why}"
         seq //= 2

@@ -96,6 +96,29 @@ def separate_dtensor_propagation():
         _sharding_prop.detect_fake_mode = detect
 
 
+@contextmanager
+def real_device_meshes():
+    """Build DeviceMeshes outside our FakeTensorMode. FSDP2 on tensor-parallel (DTensor) params
+    joins the dp and tp meshes while it wraps (`_fsdp_param.py` `_init_sharding_spec_tp` →
+    `DeviceMesh._concatenate`), and a mesh locates this rank with `nonzero` on its rank tensor,
+    which a fake tensor cannot answer (DynamicOutputShapeException). A mesh is bookkeeping over
+    ranks, no model memory: it is made on real tensors, as in a real run."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    init = DeviceMesh.__init__
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    DeviceMesh.__init__ = real_init
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init
+
+
 def _ddp_fake_patches(model) -> None:
     """Let DDP's C++ reducer run on the fake backend. The two patches that must stay:"""
     def in_place_all_reduce(_state, bucket):
@@ -217,19 +240,23 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
                       ac: str = "none", ac_every: int = 2, seq_len: int = 2048, micro_batch: int = 1,
                       grad_accum: int = 1, gpus_per_node: int | None = None,
                       hsdp_shard_size: int | None = None, target: str = "cuda",
-                      optimizer_impl: str = "auto", loss_chunks: int | None = None) -> dict:
+                      optimizer_impl: str = "auto", loss_chunks: int | None = None, tp: int = 1,
+                      sequence_parallel: bool = True) -> dict:
     """Rank 0's bytes by planner key (`track_step`) for one strategy, traced on fake tensors.
 
     `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
     `target`: the device whose defaults the trace takes — "cuda" (what a GPU run does: torch's
     AdamW defaults to foreach there) or "cpu" (single-tensor AdamW, as a CPU run does), for
-    `optimizer_impl` auto; another kernel is traced as given."""
+    `optimizer_impl` auto; another kernel is traced as given. `tp` > 1: the trainer's tensor
+    parallelism (parallel/tp.py `apply_tp`) on the 3-D mesh ("dp_replicate", "dp_shard", "tp")."""
     t0 = time.perf_counter()
     parallel_cfg = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,
-                                  ac_every=ac_every, hsdp_shard_size=hsdp_shard_size)
+                                  ac_every=ac_every, hsdp_shard_size=hsdp_shard_size, tp=tp,
+                                  sequence_parallel=sequence_parallel, tp_across_nodes=True)
     s = STRATEGY[parallel_cfg.strategy]
     optim_cfg = OptimConfig(implementation=optimizer_impl)
-    with tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation():
+    with (tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation(),
+          real_device_meshes()):
         mesh = build_mesh(parallel_cfg, gpus, gpus_per_node or min(8, gpus), "cpu")  # outside fake mode
         # the meta model is built outside the fake mode: `to_empty` of a fake meta parameter must
         # swap tensors, which fake tensors refuse (weakrefs); inputs may be real only for the build
@@ -251,7 +278,8 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             # the trainer's StepOptions for this run's config (train/core/step.py)
             run_cfg = RunConfig(parallel=parallel_cfg, optim=optim_cfg, train=TrainConfig(loss_chunks=loss_chunks))
             step = make_step(net, optimizer, scheduler, StepOptions.from_config(run_cfg, vocab), vocab_size=vocab,
-                             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, world_size=gpus)
+                             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                             world_size=gpus // tp)  # the data-parallel degree: TP ranks share a batch
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
@@ -305,6 +333,7 @@ def attach_simulation(result, model: Any, console=None) -> None:
                     ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
                     grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
                     optimizer_impl=inp["optimizer_impl"], loss_chunks=inp.get("loss_chunks"),
+                    tp=inp.get("tp", 1), sequence_parallel=bool(inp.get("sequence_parallel", True)),
                     hsdp_shard_size=sp.shard_degree if STRATEGY[sp.name].hybrid else None)
                 sp.simulated = {"status": "traced", **sim}
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan

@@ -352,3 +352,28 @@ def test_peak_stats_without_the_module_walk_give_the_same_bytes(strategy, monkey
     assert calls["walks"] > 100  # torch's walk really ran in the reference trace
     drop = {"wall_s"}
     assert {k: v for k, v in fast.items() if k not in drop} == {k: v for k, v in reference.items() if k not in drop}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp,sp", [(2, True), (8, True), (2, False)])
+def test_tensor_parallel_analytic_within_tolerance_of_simulated(tp, sp):
+    # The trainer's 2-D step (parallel/tp.py apply_tp, then FSDP2 over dp_shard on the 3-D mesh)
+    # traced on fake tensors at world 8, against the analytic TP plan: the tolerances.
+    from shardtune.plan import plan
+    from shardtune.verify.simulate import simulate_strategy
+
+    cfg = _reduced_8b()
+    sim = simulate_strategy(cfg, "zero3", N, seq_len=512, tp=tp, sequence_parallel=sp)
+    mem = plan(cfg, gpus=N, seq_len=512, tp=tp, sequence_parallel=sp, strategies=["zero3"]).strategy("zero3").memory
+    for key in ("params", "grads", "optimizer"):
+        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.02), key
+    for key in ("activations", "total"):
+        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.10), (key, getattr(mem, key), sim[key])
+
+
+def test_cli_simulate_traces_a_tensor_parallel_plan(capsys):
+    assert main(["plan", "tiny-llama", "--gpus", "4", "--gpus-per-node", "4", "--tp", "2", "--strategy", "zero3",
+                 "--seq-len", "256", "--simulate", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["strategies"][0]
+    assert s["layout"]["tp"] == 2 and s["simulated"]["status"] == "traced", s["simulated"]
+    assert s["simulated"]["params"] == s["memory"]["params"]

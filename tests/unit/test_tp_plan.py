@@ -230,3 +230,10 @@ def test_tp_collectives_match_commdebugmode_counts():
             got[c.op] = [calls + c.calls, size + c.payload_bytes]
     assert got == {"all_gather": [18, 1_179_648], "reduce_scatter": [17, 1_114_112],
                    "all_reduce": [14 - 1, 71_836 - 156]}
+
+
+def test_hsdp_suggestions_stay_within_the_data_parallel_ranks():
+    # 405B with tp 8 on 128 GPUs, no SP: hsdp's larger shard groups are tried up to dp = 16 (a
+    # shard group of 32 data-parallel ranks does not exist), and the plan still answers
+    r = plan("llama-3.1-405b", 128, tp=8, sequence_parallel=False, seq_len=4096, micro_batch=2, ac="full")
+    assert not r.strategy("hsdp").fits and "--hsdp-shard-size 32" not in r.verdict
