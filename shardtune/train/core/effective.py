@@ -49,7 +49,7 @@ def activation_checkpointing(model: nn.Module) -> tuple[str, list[int]]:
     op = [i for i, layer in enumerate(layers) if any(q.startswith("_op_checkpoint_forward") for q in _qualnames(layer))]
     if op:
         return "op", op
-    ckpt = [i for i, layer in enumerate(layers) if "checkpoint" in _get_registry(layer)]
+    ckpt = [i for i, layer in enumerate(layers) if "checkpoint" in (_get_registry(layer) or {})]
     if not ckpt:
         return "none", []
     return ("full" if len(ckpt) == len(layers) else "layer"), ckpt
