@@ -28,11 +28,16 @@ NEEDED = {"pydantic": ("pydantic", "2.6"), "typer": ("typer", "0.12"), "rich": (
           "yaml": ("pyyaml", "6"), "safetensors": ("safetensors", "0.4")}
 PREINSTALLED = ("torch", "transformers", "accelerate")  # never from wheels: the box's own builds
 PYTHONS = ("3.10", "3.11", "3.12")
-# run name -> (activation checkpointing, train.loss_chunks; None = the trainer's default for the
-# vocabulary): AC none / full / op price the recompute on a GPU (issue 17 item 5); none-k1 is
-# AC none with the full fp32 logits (loss_chunks 1) beside the chunked default (issue 17 item 2)
-VARIANTS = {"none": ("none", None), "full": ("full", None), "op": ("op", None), "none-k1": ("none", 1)}
-AC_MODES = tuple(VARIANTS)
+# run name -> (activation checkpointing, train.loss_chunks (None = the trainer's default for the
+# vocabulary: 8 here), other recipe keys): AC none / full / op price the recompute on a GPU (issue 17
+# item 5); none-k1 is AC none with the full fp32 logits (loss_chunks 1, which the ranks obey since
+# issue 26) beside the chunked default; none-compile (train.compile) and none-8bit (torchao's
+# AdamW8bit) are the other levers (issue 26), GPU only: on the dry run's CPU their compile alone
+# takes minutes (torchao's 8-bit step needs torchao on the GPU box; its run fails and says so if not).
+VARIANTS = {"none": ("none", None, {}), "full": ("full", None, {}), "op": ("op", None, {}),
+            "none-k1": ("none", 1, {}), "none-compile": ("none", None, {"train": {"compile": True}}),
+            "none-8bit": ("none", None, {"optim": {"name": "adamw-8bit", "implementation": "auto"}})}
+GPU_ONLY = ("none-compile", "none-8bit")
 
 # GPU: Llama-3-8B widths, 8 of its 32 layers (~2.8e9 params with the untied 128,256-token
 # embeddings: 45 GB of fp32 states at 16 B/param, well inside an H200). Dry run: a cut that
@@ -155,8 +160,8 @@ def synthetic_lines(num_lines: int, min_chars: int, seed: int = 0) -> list[str]:
 
 def recipe(out: Path, mode: str, variant: str) -> dict:
     shape = SHAPES[mode]
-    ac, loss_chunks = VARIANTS[variant]
-    return {
+    ac, loss_chunks, extra = VARIANTS[variant]
+    out_recipe = {
         "name": f"gpu-check-ac-{variant}",
         "output_dir": str(out / f"run-ac-{variant}"),
         "model": {"name": str(out / "model"), "init": "random"},
@@ -172,6 +177,9 @@ def recipe(out: Path, mode: str, variant: str) -> dict:
         # minutes of GPU time that measure nothing here
         "checkpoint": {"every": 0, "save_final": False, "export_hf": False, "resume": "never"},
     }
+    for section, keys in extra.items():
+        out_recipe[section].update(keys)
+    return out_recipe
 
 
 def cmd_prepare(args) -> int:
@@ -182,10 +190,12 @@ def cmd_prepare(args) -> int:
     (out / "model" / "config.json").write_text(json.dumps(model_config(mode), indent=1))
     shape = SHAPES[mode]
     (out / "data.jsonl").write_text("\n".join(synthetic_lines(max(16, shape["steps"]), shape["seq_len"] + 64)) + "\n")
-    for ac in AC_MODES:
+    variants = [v for v in VARIANTS if mode == "gpu" or v not in GPU_ONLY]
+    for ac in variants:
         (out / f"recipe-ac-{ac}.yaml").write_text(yaml.safe_dump(recipe(out, mode, ac), sort_keys=False))
     (out / "mode").write_text(mode)
-    print(" ".join(AC_MODES))
+    (out / "variants").write_text(" ".join(variants))
+    print(" ".join(variants))
     return 0
 
 
@@ -203,7 +213,7 @@ def collect_run(out: Path, ac: str) -> dict:
     try:
         plan = json.loads((out / f"plan-ac-{ac}.json").read_text())
         strat = plan["strategies"][0]
-        row["activation_checkpointing"], row["loss_chunks"] = VARIANTS[ac]
+        row["activation_checkpointing"], row["loss_chunks"], row["recipe_keys"] = VARIANTS[ac]
         row["predicted"] = {"source": f"shardtune plan {row['recipe']} --gpus 1 --strategy zero3 --json",
                             "model_params": plan["model"]["params"], "memory_bytes": strat["memory"],
                             "peak_bytes": strat["memory"]["total"], "tokens_per_s": strat["tokens_per_s"],
@@ -211,6 +221,7 @@ def collect_run(out: Path, ac: str) -> dict:
                             "mfu_assumed": plan["hardware"]["network"]["mfu_assumed"]}
         records = _read_jsonl(run_dir / "metrics.jsonl")
         memory = json.loads((run_dir / "memory.json").read_text())
+        row["effective"] = memory.get("effective")  # what the rank ran (loss_chunks, compile, optimizer)
     except (OSError, ValueError, KeyError, IndexError) as e:
         row["error"] = f"{type(e).__name__}: {e}"
         log = out / f"train-ac-{ac}.log"
@@ -273,7 +284,7 @@ def cmd_collect(args) -> int:
     out = Path(args.outdir)
     result = {"check": "bench/gpu.sh: zero3, world 1, bf16-mixed, micro-batch 1; measured vs planned",
               "mode": (out / "mode").read_text().strip(), "environment": environment(),
-              "runs": {f"ac-{ac}": collect_run(out, ac) for ac in AC_MODES}}
+              "runs": {f"ac-{ac}": collect_run(out, ac) for ac in (out / "variants").read_text().split()}}
     base = result["runs"]["ac-none"]
     if base["ok"]:  # each variant's step time over AC none's, measured and as the planner prices it
         result["step_time_vs_ac_none"] = {

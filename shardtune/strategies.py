@@ -7,10 +7,6 @@ trainer all read these two. Imports no torch.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import sys
 from dataclasses import dataclass
 
 from shardtune.errors import UserError, suggest
@@ -255,7 +251,9 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
-    offload, SGD), with the rules they would have. `device` None: any device."""
+    offload, SGD), with the rules they would have. `device` None: any device. It probes nothing on
+    this machine (a plan is for any machine): what the run needs installed (torchao, bitsandbytes,
+    a C++ compiler) is train/preflight.py `check_environment`, the launcher's check."""
     s = strategy if isinstance(strategy, Strategy) else STRATEGY[normalize_strategy(strategy)]
     precision, offload = normalize_precision(precision), normalize_offload(offload)
     optimizer, impl = normalize_optimizer(optimizer), normalize_optimizer_impl(optimizer_impl)
@@ -273,14 +271,6 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                                     or loss_chunks < 1):
         raise UserError(f"loss chunks must be a positive integer (or unset: from the vocabulary), got "
                         f"{loss_chunks!r}: train.loss_chunks / --loss-chunks")
-    if compile:
-        # torch's inductor builds its CPU kernels with $CXX, else g++ (clang++ on macOS):
-        # torch/_inductor/config.py `cpp.cxx`, cpp_builder.py `get_cpp_compiler`
-        cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
-        if shutil.which(cxx) is None:
-            raise UserError(f"train.compile needs a C++ compiler for torch.compile (inductor runs {cxx!r}, from "
-                            "$CXX or the default, and it is not on PATH): install g++ or set CXX, or "
-                            "train.compile=false")
     fsdp = ", ".join(FSDP_STRATEGIES)
     if offload == "all" and not s.fsdp:
         raise UserError(f"offload 'all' needs an FSDP strategy ({fsdp}), not {s.name!r} "
@@ -288,13 +278,12 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     if offload == "optimizer" and not s.shards_optimizer:
         raise UserError(f"offload 'optimizer' (DeepSpeed ZeRO-Offload) needs a ZeRO stage of 1 or more, "
                         f"not {s.name!r}: --offload / --strategy")
-    if optimizer == "adamw-8bit":
-        # bitsandbytes 0.50.2 refuses FSDP2's DTensor params ("got mixed torch.Tensor and
-        # DTensor", measured); torchao's AdamW8bit takes them, so FSDP strategies use torchao
-        package = "torchao" if s.fsdp else "bitsandbytes"
-        if importlib.util.find_spec(package) is None:
-            raise UserError(f"optimizer 'adamw-8bit' under {s.name} needs {package} "
-                            f"(pip install 'shardtune[8bit]'), or optim.name / --optimizer adamw")
+    if optimizer == "adamw-8bit" and s.fsdp and precision == "bf16":
+        # torchao 0.18's compiled step on bf16 DTensor shards: dynamo's fake copy of the 8-bit state
+        # calls view(dtype), which OptimState8bit lacks (measured: shardtune train, step 1 fails)
+        raise UserError(f"optimizer 'adamw-8bit' under {s.name} with pure bf16 weights fails in torchao's "
+                        "compiled step; use parallel.precision bf16-mixed (--precision bf16-mixed), or "
+                        "optim.implementation bf16-stochastic with optim.name adamw")
     if optimizer != "adamw" and impl != "auto":
         raise UserError(f"optimizer implementation {impl!r} applies to torch's AdamW; leave it 'auto' with "
                         f"{optimizer} (optim.implementation / --optimizer-impl)")
@@ -316,9 +305,6 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     if quantize_base != "none" and lora_rank == 0:
         raise UserError(f"quantize_base {quantize_base!r} freezes the base in 4 bits: it needs LoRA adapters "
                         "(lora.rank / --lora-rank > 0)")
-    if quantize_base != "none" and importlib.util.find_spec("torchao") is None:
-        raise UserError(f"quantize_base {quantize_base!r} (QLoRA) needs torchao's NF4Tensor "
-                        "(pip install 'shardtune[8bit]'), or lora.quantize_base / --quantize-base none")
     _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, lora_rank=lora_rank, compile=compile,
                           loss_chunks=loss_chunks)
     if quantize_base != "none" and compile:  # torch.compile over NF4's dequantising linear: not tried

@@ -77,9 +77,6 @@ class RunConfig(_Section):
         if par.tp > 1 and self.train.sample_prompts:
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (generation "
                              "lengths are not multiples of tp); drop train.sample_prompts or use parallel.tp 1")
-        if self.optim.implementation == "bf16-stochastic" and self.parallel.precision != "bf16":
-            raise ValueError("optim.implementation 'bf16-stochastic' rounds bf16 weights: it needs "
-                             f"parallel.precision bf16, not {self.parallel.precision!r}")
         return self
 
     @property

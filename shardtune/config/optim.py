@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from shardtune.config.base import _Section
 from shardtune.strategies import normalize_optimizer_impl
@@ -37,11 +37,3 @@ class OptimConfig(_Section):
         if not all(0.0 <= b < 1.0 for b in v):
             raise ValueError(f"betas {list(v)} must each be in [0, 1) (Adam's moment decay rates)")
         return v
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.name == "adamw-8bit":
-            if self.implementation != "auto":
-                raise ValueError("optim.implementation applies to torch's AdamW; leave it 'auto' with adamw-8bit")
-            # the package it needs depends on the strategy: strategies.check_combination
-        return self

@@ -5,8 +5,6 @@ from pydantic import Field, field_validator, model_validator
 
 from shardtune.config.base import _Section
 from shardtune.strategies import (
-    FSDP_STRATEGIES,
-    STRATEGY,
     normalize_ac,
     normalize_offload,
     normalize_precision,
@@ -40,15 +38,7 @@ class ParallelConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.offload == "optimizer":
-            raise ValueError("offload 'optimizer' is a planner-only mode (DeepSpeed's); the trainer offers "
-                             "offload 'all' (FSDP2 CPUOffloadPolicy)")
-        if self.offload == "all" and not STRATEGY[self.strategy].fsdp:
-            raise ValueError(f"offload 'all' needs an FSDP strategy ({', '.join(FSDP_STRATEGIES)}), "
-                             f"not {self.strategy!r}")
-        if self.hsdp_shard_size is not None and not STRATEGY[self.strategy].hybrid:
-            raise ValueError(f"parallel.hsdp_shard_size {self.hsdp_shard_size} applies to hsdp only and would be "
-                             f"ignored by {self.strategy!r}; drop it or use parallel.strategy=hsdp")
+        # which combinations run is strategies.check_combination's (RunConfig calls it; plan too)
         if self.ac_every != 2 and self.activation_checkpointing != "layer":
             raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=layer only "
                              f"and would be ignored with {self.activation_checkpointing!r}; drop it or set "

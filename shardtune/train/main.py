@@ -95,9 +95,10 @@ def plan_dict(cfg: RunConfig, world_size: int) -> dict:
         from shardtune.plan import plan
         from shardtune.strategies import resolve_optimizer_impl
 
-        inputs = cfg.plan_inputs()  # `auto`: the kernel torch picks on this run's device
-        inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"], inputs["offload"],
-                                                          cuda=torch.cuda.is_available())
+        inputs = cfg.plan_inputs()  # `auto`: the kernel torch picks on this run's device (torch's AdamW only)
+        if inputs["optimizer"] == "adamw":
+            inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"], inputs["offload"],
+                                                              cuda=torch.cuda.is_available())
         p = plan(gpus=world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                  strategies=[cfg.parallel.strategy], **inputs)
         return p.to_dict()

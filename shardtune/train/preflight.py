@@ -7,6 +7,7 @@ import contextlib
 import io
 import logging
 import math
+import os
 import tempfile
 import warnings
 from pathlib import Path
@@ -324,12 +325,44 @@ def _check_val(cfg: RunConfig) -> None:
     pack_val(cfg.data, cfg.train.seq_len, build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code))
 
 
+def check_environment(strategy: str, *, optimizer: str = "adamw", quantize_base: str = "none",
+                      compile: bool = False) -> None:
+    """What THIS machine must have for the run, one UserError each (the combination itself is
+    strategies.check_combination's, which probes nothing: `plan` judges it for any machine)."""
+    import importlib.util
+    import shutil
+    import sys
+
+    from shardtune.strategies import STRATEGY
+
+    if optimizer == "adamw-8bit":
+        # bitsandbytes 0.50.2 refuses FSDP2's DTensor params ("got mixed torch.Tensor and
+        # DTensor", measured); torchao's AdamW8bit takes them, so FSDP strategies use torchao
+        package = "torchao" if STRATEGY[strategy].fsdp else "bitsandbytes"
+        if importlib.util.find_spec(package) is None:
+            raise UserError(f"optimizer 'adamw-8bit' under {strategy} needs {package} "
+                            f"(pip install 'shardtune[8bit]'), or optim.name / --optimizer adamw")
+    if quantize_base != "none" and importlib.util.find_spec("torchao") is None:
+        raise UserError(f"quantize_base {quantize_base!r} (QLoRA) needs torchao's NF4Tensor "
+                        "(pip install 'shardtune[8bit]'), or lora.quantize_base / --quantize-base none")
+    if compile:
+        # torch's inductor builds its CPU kernels with $CXX, else g++ (clang++ on macOS):
+        # torch/_inductor/config.py `cpp.cxx`, cpp_builder.py `get_cpp_compiler`
+        cxx = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+        if shutil.which(cxx) is None:
+            raise UserError(f"train.compile needs a C++ compiler for torch.compile (inductor runs {cxx!r}, from "
+                            "$CXX or the default, and it is not on PATH): install g++ or set CXX, or "
+                            "train.compile=false")
+
+
 def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) -> Layout:
     """The run's layout on `world_size` ranks (`local_world_size` per node), once every check has
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
     par = cfg.parallel
     layout = Layout.build(par.strategy, world_size, local_world_size, par.hsdp_shard_size, tp=par.tp,
                           sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes)
+    check_environment(par.strategy, optimizer=cfg.optim.name, quantize_base=cfg.lora.quantize_base,
+                      compile=cfg.train.compile)
     from shardtune.config.paths import check_recipe_paths  # pydantic stays out of CLI start-up
 
     check_recipe_paths(cfg, "model.")

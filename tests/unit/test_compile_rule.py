@@ -1,5 +1,5 @@
-"""train.compile without a C++ compiler: refused by strategies.check_combination (one line, exit 2,
-before any process starts), exactly where torch's inductor itself would find no compiler
+"""train.compile without a C++ compiler: refused by train/preflight.py check_environment (one line,
+exit 2, before any process starts), exactly where torch's inductor itself would find no compiler
 (torch._inductor.cpp_builder.get_cpp_compiler, run in a fresh process with the same environment)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.errors import UserError
-from shardtune.strategies import check_combination
+from shardtune.train.preflight import check_environment
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = ("from torch._inductor.cpp_builder import get_cpp_compiler\n"
@@ -46,11 +46,11 @@ def _ours(env: dict[str, str], monkeypatch) -> bool:
             if k in env:
                 m.setenv(k, env[k])
         try:
-            check_combination("zero3", precision="fp32", compile=True)
+            check_environment("zero3", compile=True)
         except UserError as e:
             assert "\n" not in str(e) and "train.compile" in str(e)
             return False
-        check_combination("zero3", precision="fp32", compile=False)
+        check_environment("zero3", compile=False)
         return True
 
 

@@ -250,5 +250,8 @@ def test_adamw_8bit_without_bitsandbytes_is_a_one_line_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    assert "needs bitsandbytes (pip install 'shardtune[8bit]')" in _err(["optim.name=adamw-8bit",
-                                                                          "parallel.strategy=ddp"])
+    from shardtune.train.preflight import check_environment
+
+    with pytest.raises(UserError, match=r"needs bitsandbytes \(pip install 'shardtune\[8bit\]'\)"):
+        check_environment("ddp", optimizer="adamw-8bit")  # the launcher's check: the recipe itself is valid
+    load_recipe(None, ["optim.name=adamw-8bit", "parallel.strategy=ddp"])

@@ -12,7 +12,6 @@ from torch import nn
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from shardtune.train.core.lora import is_adapter
 from shardtune.train.core.qlora import is_nf4
 from shardtune.train.core.step import StepOptions
 
@@ -96,6 +95,26 @@ def optimizer_name(optimizer) -> str:
     return f"adamw (torch, {kernel})"
 
 
+def _lora(hf: nn.Module) -> dict:
+    """LoRA as PEFT's layers hold it: rank, alpha (scaling × rank), dropout, the adapted modules."""
+    layers = {id(m): name for name, m in hf.named_modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")}
+    if not layers:
+        return {"lora_rank": 0, "lora_alpha": None, "lora_dropout": None, "lora_target_modules": []}
+    m = next(m for m in hf.modules() if id(m) in layers)
+    rank = int(m.r["default"])
+    return {"lora_rank": rank, "lora_alpha": float(m.scaling["default"]) * rank,
+            "lora_dropout": float(getattr(m.lora_dropout["default"], "p", 0.0)),
+            "lora_target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers.values()})}
+
+
+def _hyper(optimizer) -> dict:
+    """The optimizer's own hyperparameters (peak lr: the scheduler's `initial_lr`)."""
+    group = getattr(optimizer, "optim", optimizer).param_groups[0]
+    lr = group.get("initial_lr", group["lr"])
+    return {"lr": float(lr), "betas": [float(b) for b in group["betas"]], "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"])}
+
+
 def _dtypes(model: nn.Module, opts: StepOptions) -> tuple[str, str, str]:
     """(precision as the recipe names it, master dtype of the trained params, compute dtype)."""
     trained = {p.dtype for p in model.parameters() if p.requires_grad}
@@ -119,7 +138,6 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
     ac, ac_layers = activation_checkpointing(hf)
     precision, master, compute = _dtypes(hf, opts)
     group = _fsdp_group(model)
-    adapters = [p for n, p in hf.named_parameters() if is_adapter(n) and ".lora_A." in n]
     strategy = _strategy(model, optimizer)
     mesh = getattr(next(model.parameters()), "device_mesh", None)
     return {
@@ -132,8 +150,7 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
         "compile": compiled(hf),
         "loss_chunks": opts.loss_chunks, "grad_clip": opts.grad_clip, "skip_non_finite": opts.skip_non_finite,
         "objective": opts.objective, "dpo_beta": opts.dpo_beta, "dpo_label_smoothing": opts.dpo_label_smoothing,
-        "optimizer": optimizer_name(optimizer),
-        "lora_rank": int(adapters[0].shape[0]) if adapters else 0,  # lora_A: (rank, in_features)
+        "optimizer": optimizer_name(optimizer), **_hyper(optimizer), **_lora(hf),
         "quantize_base": "nf4" if any(is_nf4(p) for p in hf.parameters()) else "none",
         "threads": torch.get_num_threads(),
     }

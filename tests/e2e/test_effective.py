@@ -1,0 +1,205 @@
+"""Every lever through `shardtune train`, and the rank says what it ran (issue 26).
+
+A few short 2-rank gloo runs of recipes/tiny-cpu.yaml, each with several levers set, compare
+memory.json's `"effective"` (read back from the built model and optimizer, train/core/effective.py)
+with the recipe and with plan.json's inputs. TABLE has one row per config-schema key: either how
+the key shows in `effective` (its expected value from the recipe, written here independently of the
+trainer's code), or why it does not change the step's computation (and where else it is checked).
+A key added to the schema without a row fails `test_every_config_key_has_a_row`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune.config import RunConfig, load_recipe
+from shardtune.config.keys import all_keys
+from shardtune.testing.proc import run_bounded
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
+LAYERS = 4  # tiny-llama's decoder layers
+pytestmark = [pytest.mark.e2e]
+
+
+def _ac_layers(c: RunConfig) -> list[int]:
+    mode, k = c.parallel.activation_checkpointing, c.parallel.ac_every
+    return {"none": [], "layer": list(range(0, LAYERS, k))}.get(mode, list(range(LAYERS)))
+
+
+def _optimizer(c: RunConfig) -> str:
+    if c.optim.name == "adamw-8bit":  # torchao under FSDP2 (DTensors), bitsandbytes under ddp/zero1
+        fsdp = c.parallel.strategy in ("zero2", "zero3", "hsdp")
+        return "adamw-8bit (torchao)" if fsdp else "adamw-8bit (bitsandbytes)"
+    if c.optim.implementation == "bf16-stochastic":
+        return "adamw (shardtune, bf16-stochastic)"
+    return f"adamw (torch, {'fused' if c.optim.implementation == 'auto' else c.optim.implementation})"
+
+
+def _dtypes(c: RunConfig) -> tuple[str, str, str | None]:
+    """(master, compute, autocast) per docs/loop.md: FSDP casts in fully_shard, ddp/zero1 autocast."""
+    p, fsdp = c.parallel.precision, c.parallel.strategy in ("zero2", "zero3", "hsdp")
+    master = "bfloat16" if p == "bf16" else "float32"
+    compute = "float32" if p == "fp32" else "bfloat16"
+    return master, compute, "bfloat16" if p == "bf16-mixed" and not fsdp else None
+
+
+_DATA = "which examples and how they are tokenised, not how the step computes (tests/e2e/test_data_inputs.py)"
+_BOOK = "run bookkeeping (folders, logging, process group), not the step's computation"
+_CKPT = "when and where checkpoints are written (tests/e2e/test_resume_safety.py, the resume run below)"
+_BATCH = "the batch shape: compared with plan.json's inputs (PLAN_ROWS) and the target tokens in metrics.jsonl"
+_SCHED = "the lr per step: metrics.jsonl's lr (tests/unit/test_optim.py checks the schedule)"
+
+# config key → (effective key, expected value from the recipe) or a string: why it has no effective row
+TABLE: dict[str, tuple | str] = {
+    "name": _BOOK, "output_dir": _BOOK,
+    "model": "section",
+    "model.name": "the weights: the start-up line's 'weights:' part (tests/e2e/test_real_export.py)",
+    "model.init": "the weights' source: the start-up line (tests/e2e/test_real_export.py)",
+    "model.trust_remote_code": "which code builds the model (refused unless asked; tests/e2e/test_bad_inputs.py)",
+    "model.architecture": "which architecture is built (preflight checks it against the config)",
+    "model.download": "where the weights come from, not the computation",
+    "data": "section", **{k: _DATA for k in (
+        "data.path", "data.val_path", "data.val_split", "data.split", "data.format", "data.columns",
+        "data.train_on_inputs", "data.system_prompt", "data.tokenizer", "data.template", "data.chat_template",
+        "data.packing", "data.shuffle", "data.generated_examples", "data.generated_seed", "data.cache_dir",
+        "data.sources")},
+    "parallel": "section",
+    "parallel.strategy": ("strategy", lambda c: c.parallel.strategy),
+    "parallel.hsdp_shard_size": ("hsdp_shard_size", lambda c: (c.parallel.hsdp_shard_size or 2)
+                                 if c.parallel.strategy == "hsdp" else None),
+    "parallel.precision": ("precision", lambda c: c.parallel.precision),
+    "parallel.activation_checkpointing": ("activation_checkpointing", lambda c: c.parallel.activation_checkpointing),
+    "parallel.ac_every": ("ac_layers", _ac_layers),
+    "parallel.offload": ("offload", lambda c: c.parallel.offload),
+    "optim": "section",
+    "optim.name": ("optimizer", _optimizer),
+    "optim.implementation": ("optimizer", _optimizer),
+    "optim.lr": ("lr", lambda c: c.optim.lr),
+    "optim.weight_decay": ("weight_decay", lambda c: c.optim.weight_decay),
+    "optim.betas": ("betas", lambda c: list(c.optim.betas)),
+    "optim.eps": ("eps", lambda c: c.optim.eps),
+    "optim.grad_clip": ("grad_clip", lambda c: c.optim.grad_clip),
+    "optim.warmup_steps": _SCHED, "optim.schedule": _SCHED, "optim.min_lr_ratio": _SCHED,
+    "train": "section",
+    "train.micro_batch": _BATCH, "train.grad_accum": _BATCH, "train.seq_len": _BATCH,
+    "train.max_steps": "how many steps: metrics.jsonl's steps", "train.epochs": "how many steps (max_steps unset)",
+    "train.seed": "init and data order (tests/dist/test_train_parity.py)",
+    "train.log_every": _BOOK, "train.backend": _BOOK, "train.timeout_s": _BOOK,
+    "train.gpu": "the MFU denominator and the plan, not the device", "train.eval_every": _BOOK,
+    "train.loggers": _BOOK, "train.sample_prompts": "generation at evaluations (tests/e2e/test_sample_prompts.py)",
+    "train.sample_max_new_tokens": "generation at evaluations (tests/e2e/test_sample_prompts.py)",
+    "train.threads": ("threads", lambda c: c.train.threads or max(1, len(os.sched_getaffinity(0)) // 2)),
+    "train.loss_chunks": ("loss_chunks", lambda c: c.train.loss_chunks or 1),  # 259 ids: 1 by default
+    "train.compile": ("compile", lambda c: c.train.compile),
+    "train.objective": ("objective", lambda c: c.train.objective),
+    "train.reference": "DPO's reference model (tests/e2e/test_dpo.py)",
+    "train.dpo_beta": ("dpo_beta", lambda c: c.train.dpo_beta),
+    "train.dpo_label_smoothing": ("dpo_label_smoothing", lambda c: c.train.dpo_label_smoothing),
+    "train.max_bad_steps": "when a run of skipped steps stops it (tests/e2e/test_faults.py)",
+    "checkpoint": "section", **{k: _CKPT for k in (
+        "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.export_hf", "checkpoint.save_final")},
+    "lora": "section",
+    "lora.rank": ("lora_rank", lambda c: c.lora.rank),
+    "lora.alpha": ("lora_alpha", lambda c: c.lora.alpha if c.lora.rank else None),
+    "lora.dropout": ("lora_dropout", lambda c: c.lora.dropout if c.lora.rank else None),
+    "lora.target_modules": ("lora_target_modules", lambda c: sorted(c.lora.target_modules) if c.lora.rank else []),
+    "lora.quantize_base": ("quantize_base", lambda c: c.lora.quantize_base),
+}
+
+# plan.json "inputs" name → (effective key, how the plan's value reads there)
+PLAN_ROWS = {
+    "precision": ("precision", lambda v: v), "offload": ("offload", lambda v: v),
+    "ac": ("activation_checkpointing", lambda v: v), "lora_rank": ("lora_rank", lambda v: v),
+    "quantize_base": ("quantize_base", lambda v: v), "loss_chunks": ("loss_chunks", lambda v: v or 1),
+    "optimizer": ("optimizer", lambda v: v), "optimizer_impl": ("optimizer", lambda v: v),
+}
+
+# the runs: few launches, each with several levers at non-default values
+RUNS = {
+    "zero3-compile-op": ["train.compile=true", "parallel.activation_checkpointing=op", "train.loss_chunks=2",
+                         "optim.grad_clip=0.5", "optim.implementation=for-loop", "train.threads=1", "optim.lr=1e-3",
+                         "optim.betas=[0.8,0.9]", "optim.eps=1e-7", "optim.weight_decay=0.01"],
+    "ddp-lora-full": ["parallel.strategy=ddp", "parallel.precision=bf16-mixed", "lora.rank=4", "lora.alpha=8",
+                      "lora.dropout=0.1", "lora.target_modules=[q_proj,v_proj]",
+                      "parallel.activation_checkpointing=full", "optim.implementation=foreach"],
+    "hsdp-8bit-layer": ["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2", "optim.name=adamw-8bit",
+                        "parallel.precision=bf16-mixed", "parallel.activation_checkpointing=layer",
+                        "parallel.ac_every=3", "train.loss_chunks=3"],
+}
+COMMON = ["train.max_steps=2", "checkpoint.export_hf=false", "checkpoint.save_final=false"]
+
+
+def _train(out: Path, overrides: list[str], timeout_s: float = 420) -> str:
+    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "2", "--output-dir", str(out),
+           *overrides]
+    proc = run_bounded(cmd, timeout_s=timeout_s, cwd=REPO, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+def _check_effective(out: Path, overrides: list[str]) -> dict:
+    cfg = load_recipe(RECIPE, overrides)
+    memory = json.loads((out / "memory.json").read_text())
+    eff = memory["effective"]
+    assert [r["effective"] for r in memory["per_rank"]] == [eff, eff]  # both ranks ran the same
+    wrong = {}
+    for key, row in TABLE.items():
+        if isinstance(row, tuple):
+            name, expected = row[0], row[1](cfg)
+            got = eff[name]
+            if (got != pytest.approx(expected)) if isinstance(expected, float) else got != expected:
+                wrong[key] = (name, got, expected)
+    assert not wrong, wrong
+    assert eff["ac_layers"] == _ac_layers(cfg) and isinstance(eff["loss_chunks"], int)
+    assert isinstance(eff["compile"], bool) and isinstance(eff["optimizer"], str)
+    assert (eff["master_dtype"], eff["compute_dtype"], eff["autocast_dtype"]) == _dtypes(cfg)
+    inputs = json.loads((out / "plan.json").read_text())["inputs"]
+    for key, (name, read) in PLAN_ROWS.items():
+        want = read(inputs[key])
+        if key == "optimizer_impl":  # auto: torch's fused kernel (strategies.resolve_optimizer_impl)
+            want = ("fused" if inputs["optimizer"] == "adamw" else "") if want == "auto" else want
+        assert (want in eff[name]) if name == "optimizer" else eff[name] == want, (key, inputs[key], eff[name])
+    for key in ("seq_len", "micro_batch", "grad_accum"):
+        assert inputs[key] == getattr(cfg.train, key), key
+    return eff
+
+
+def test_every_config_key_has_a_row():
+    missing = [k for k in all_keys(RunConfig) if k not in TABLE]
+    assert not missing, f"config keys without a row in tests/e2e/test_effective.py TABLE: {missing}"
+    assert not [k for k in TABLE if k not in all_keys(RunConfig)], "rows for keys the schema no longer has"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_effective_matches_recipe_and_plan(tmp_path, name):
+    overrides = [*RUNS[name], *COMMON]
+    log = _train(tmp_path / "run", overrides)
+    eff = _check_effective(tmp_path / "run", overrides)
+    line = next(x for x in log.splitlines() if x.startswith("shardtune: effective:"))
+    assert f"loss_chunks {eff['loss_chunks']}," in line and eff["optimizer"] in line, line
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses), losses
+
+
+@pytest.mark.timeout(900)
+def test_adamw_8bit_zero2_saves_and_resumes(tmp_path):
+    """adamw-8bit (torchao) under zero2 with the CPU memory tracker on (step 2 of 2 is tracked):
+    checkpoints, then a second launch resumes and takes one more step."""
+    out = tmp_path / "run"
+    first = ["parallel.strategy=zero2", "optim.name=adamw-8bit", "checkpoint.every=1", "checkpoint.export_hf=false"]
+    _train(out, [*first, "train.max_steps=2"])
+    eff = _check_effective(out, [*first, "train.max_steps=2"])
+    assert eff["optimizer"] == "adamw-8bit (torchao)"
+    tracked = [r["tracked"] for r in json.loads((out / "memory.json").read_text())["per_rank"]]
+    assert all(t["optimizer"] > 0 and "optimizer_step_temp" not in t for t in tracked), tracked
+    log = _train(out, [*first, "train.max_steps=3"])
+    assert "resuming from" in log and "step 2" in log, log[-2000:]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-1] == 3 and 0 < records[-1]["loss"] < 10
