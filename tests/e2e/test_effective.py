@@ -77,6 +77,10 @@ TABLE: dict[str, tuple | str] = {
     "parallel.activation_checkpointing": ("activation_checkpointing", lambda c: c.parallel.activation_checkpointing),
     "parallel.ac_every": ("ac_layers", _ac_layers),
     "parallel.offload": ("offload", lambda c: c.parallel.offload),
+    "parallel.tp": ("tp", lambda c: c.parallel.tp),
+    "parallel.sequence_parallel": ("sequence_parallel", lambda c: c.parallel.sequence_parallel if c.parallel.tp > 1
+                                   else None),
+    "parallel.tp_across_nodes": "a launch permission (tp over more than one node), not the computation",
     "optim": "section",
     "optim.name": ("optimizer", _optimizer),
     "optim.implementation": ("optimizer", _optimizer),
@@ -131,6 +135,7 @@ RUNS = {
     "hsdp-8bit-layer": ["parallel.strategy=hsdp", "parallel.hsdp_shard_size=2", "optim.name=adamw-8bit",
                         "parallel.precision=bf16-mixed", "parallel.activation_checkpointing=layer",
                         "parallel.ac_every=3", "train.loss_chunks=3"],
+    "zero3-tp2": ["parallel.tp=2"],
 }
 COMMON = ["train.max_steps=2", "checkpoint.export_hf=false", "checkpoint.save_final=false"]
 
@@ -203,3 +208,31 @@ def test_adamw_8bit_zero2_saves_and_resumes(tmp_path):
     assert "resuming from" in log and "step 2" in log, log[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records][-1] == 3 and 0 < records[-1]["loss"] < 10
+
+
+@pytest.mark.timeout(900)
+def test_qlora_adamw_8bit_saves_and_resumes(tmp_path):
+    """QLoRA (an nf4 base: SmolLM2's matrices quantise, tiny-llama's are too small) with torchao's
+    8-bit AdamW under zero3: it used to crash at the first checkpoint (the scheduler's tensor lr)."""
+    from shardtune.testing.smollm2 import cut_folder
+
+    recipe = REPO / "recipes" / "smollm2-dates.yaml"
+    out = tmp_path / "run"
+    common = [f"model.name={cut_folder(2)}", "lora.rank=4", "lora.quantize_base=nf4", "optim.name=adamw-8bit",
+              "checkpoint.every=1", "checkpoint.export_hf=false", "train.eval_every=0", "train.sample_prompts=[]",
+              "train.micro_batch=2", "train.seq_len=64"]
+
+    def train(steps: int) -> str:
+        cmd = [sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2", "--output-dir", str(out),
+               *common, f"train.max_steps={steps}"]
+        proc = run_bounded(cmd, timeout_s=420, cwd=REPO, stderr=subprocess.STDOUT)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        return proc.stdout
+
+    train(2)
+    eff = json.loads((out / "memory.json").read_text())["effective"]
+    assert (eff["optimizer"], eff["quantize_base"], eff["lora_rank"]) == ("adamw-8bit (torchao)", "nf4", 4), eff
+    log = train(3)
+    assert "resuming from" in log and "step 2" in log, log[-2000:]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][-1] == 3 and all(0 < r["loss"] < 30 for r in records), records

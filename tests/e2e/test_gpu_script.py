@@ -57,6 +57,8 @@ def test_gpu_script_dry_run(tmp_path):
         r = run["ratios_measured_over_predicted"]
         assert abs(r["model_states"] - 1) < 1e-4 and r["tokens_per_s"] > 0 and r["peak_mem"] > 0
         assert run["run_plan_json_peak_bytes"] == p["peak_bytes"], run["run_plan_json_error"]
+    # what the ranks ran (memory.json "effective"): the K=1 variant really at 1 chunk (issue 26)
+    assert [result["runs"][k]["effective"]["loss_chunks"] for k in ("ac-none", "ac-none-k1")] == [8, 1]
     none, full, op, k1 = (result["runs"][k]["predicted"]["memory_bytes"]["activations"]
                           for k in ("ac-none", "ac-full", "ac-op", "ac-none-k1"))
     assert full < op < none < k1  # k1: AC none with the whole fp32 logits

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+from shardtune.parallel.tp import TP_ATTR
 from shardtune.train.core.qlora import is_nf4
 from shardtune.train.core.step import StepOptions
 
@@ -65,13 +66,21 @@ def _fsdp_group(model: nn.Module):
     return root._get_fsdp_state()._fsdp_param_group if root is not None else None
 
 
+def _mesh_dim(model: nn.Module, names: tuple[str, ...]) -> int | None:
+    """The size of the parameters' mesh dimension named one of `names` (None: no such dimension)."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    for i, name in enumerate(getattr(mesh, "mesh_dim_names", None) or ()):
+        if name in names:
+            return mesh.size(i)
+    return None
+
+
 def _strategy(model: nn.Module, optimizer) -> str:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "zero1" if hasattr(optimizer, "optim") else "ddp"  # ZeroRedundancyOptimizer
     if not isinstance(model, FSDPModule):
         return "none"
-    p = next(model.parameters())
-    if getattr(p, "device_mesh", None) is not None and p.device_mesh.ndim == 2:
+    if _mesh_dim(model, ("replicate", "dp_replicate")) is not None:
         return "hsdp"
     layers = [m for m in decoder_layers(model) if isinstance(m, FSDPModule)]
     group = layers[0]._get_fsdp_state()._fsdp_param_group if layers else _fsdp_group(model)
@@ -139,10 +148,11 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
     precision, master, compute = _dtypes(hf, opts)
     group = _fsdp_group(model)
     strategy = _strategy(model, optimizer)
-    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    tp, sequence_parallel = getattr(hf, TP_ATTR, (1, False))  # set by parallel/tp.py apply_tp
     return {
         "strategy": strategy, "world_size": world_size,
-        "hsdp_shard_size": mesh.size(1) if strategy == "hsdp" else None,
+        "hsdp_shard_size": _mesh_dim(model, ("shard", "dp_shard")) if strategy == "hsdp" else None,
+        "tp": int(tp), "sequence_parallel": bool(sequence_parallel) if tp > 1 else None,
         "precision": precision, "master_dtype": master, "compute_dtype": compute,
         "autocast_dtype": _DTYPE.get(opts.autocast_dtype) if opts.autocast_dtype else None,
         "activation_checkpointing": ac, "ac_layers": ac_layers,
