@@ -105,6 +105,7 @@ TABLE: dict[str, tuple | str] = {
     "train.reference": "DPO's reference model (tests/e2e/test_dpo.py)",
     "train.dpo_beta": ("dpo_beta", lambda c: c.train.dpo_beta),
     "train.dpo_label_smoothing": ("dpo_label_smoothing", lambda c: c.train.dpo_label_smoothing),
+    "train.simpo_gamma": ("simpo_gamma", lambda c: c.train.simpo_gamma),
     "train.max_bad_steps": "when a run of skipped steps stops it (tests/e2e/test_faults.py)",
     "checkpoint": "section", **{k: _CKPT for k in (
         "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.export_hf", "checkpoint.save_final")},

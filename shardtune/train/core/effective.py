@@ -160,6 +160,7 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
         "compile": compiled(hf),
         "loss_chunks": opts.loss_chunks, "grad_clip": opts.grad_clip, "skip_non_finite": opts.skip_non_finite,
         "objective": opts.objective, "dpo_beta": opts.dpo_beta, "dpo_label_smoothing": opts.dpo_label_smoothing,
+        "simpo_gamma": opts.simpo_gamma,
         "optimizer": optimizer_name(optimizer), **_hyper(optimizer), **_lora(hf),
         "quantize_base": "nf4" if any(is_nf4(p) for p in hf.parameters()) else "none",
         "threads": torch.get_num_threads(),
