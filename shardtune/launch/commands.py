@@ -140,6 +140,8 @@ def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable
           notes: list[str] = ()) -> None:
     from shardtune.launch.advice import comm_bound_warning
 
+    if output is not None:  # a path that cannot take the file is the one line, before any warning
+        check_no_blocking_pipe(Path(output), "-o")
     warning = comm_bound_warning(cfg, spec.nodes, spec.gpus_per_node, spec.interconnect, link)
     for line in [*notes, warning] if warning else notes:
         print(line, file=sys.stderr)
@@ -147,7 +149,6 @@ def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable
         sys.stdout.write(text)
         return
     path = Path(output)
-    check_no_blocking_pipe(path, "-o")
     try:
         path.write_text(text)
         if executable:

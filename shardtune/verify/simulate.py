@@ -45,10 +45,12 @@ from shardtune.train.core.step import StepOptions, train_step
 
 
 def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0,
-                       optimizer: str = "adamw", has_model: bool = True) -> str | None:
+                       optimizer: str = "adamw", has_model: bool = True, objective: str = "sft") -> str | None:
     """Why `--simulate` cannot trace this strategy and option set (None: it can)."""
     if not has_model:
         return "--params gives no architecture to build"
+    if objective != "sft":
+        return f"objective {objective}: the trace runs the SFT step only"
     if offload != "none":
         return f"offload {offload} moves shards to host memory, which one fake CPU device cannot separate"
     if lora_rank:
@@ -310,7 +312,8 @@ def attach_simulation(result, model: Any, console=None) -> None:
     todo = []
     for sp in result.strategies:
         reason = untraceable_reason(sp.name, offload=inp["offload"], lora_rank=inp["lora_rank"],
-                                    optimizer=inp["optimizer"], has_model=model is not None and inp["params"] is None)
+                                    optimizer=inp["optimizer"], has_model=model is not None and inp["params"] is None,
+                                    objective=inp.get("objective", "sft"))
         if reason:
             sp.simulated = {"status": "analytic fallback", "reason": reason}
             reasons.setdefault(reason, []).append(sp.name)
@@ -335,7 +338,7 @@ def attach_simulation(result, model: Any, console=None) -> None:
                     optimizer_impl=inp["optimizer_impl"], loss_chunks=inp.get("loss_chunks"),
                     tp=inp.get("tp", 1), sequence_parallel=bool(inp.get("sequence_parallel", True)),
                     hsdp_shard_size=sp.shard_degree if STRATEGY[sp.name].hybrid else None)
-                sp.simulated = {"status": "traced", **sim}
+                sp.simulated = {"status": "traced", "reference": 0, **sim}  # the SFT step holds no reference
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan
                 reason = f"the trace failed ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
                 sp.simulated = {"status": "analytic fallback", "reason": reason}
