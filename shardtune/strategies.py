@@ -305,15 +305,15 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     if quantize_base != "none" and lora_rank == 0:
         raise UserError(f"quantize_base {quantize_base!r} freezes the base in 4 bits: it needs LoRA adapters "
                         "(lora.rank / --lora-rank > 0)")
-    _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, lora_rank=lora_rank, compile=compile,
-                          loss_chunks=loss_chunks)
+    _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, quantize_base=quantize_base,
+                          compile=compile, loss_chunks=loss_chunks)
     if quantize_base != "none" and compile:  # torch.compile over NF4's dequantising linear: not tried
         raise UserError(f"quantize_base {quantize_base!r} with train.compile is not implemented yet: "
                         "train.compile=false, or lora.quantize_base none")
 
 
-def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str, lora_rank: int, compile: bool,
-                          loss_chunks: int | None) -> None:
+def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str, quantize_base: str,
+                          compile: bool, loss_chunks: int | None) -> None:
     """What tensor parallelism (parallel.tp > 1) does not compose with yet, one line each."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise UserError(f"tensor-parallel degree {tp!r} is not a positive integer (parallel.tp / --tp)")
@@ -322,8 +322,8 @@ def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str,
     refused = (
         (not s.fsdp, f"strategy {s.name!r} (DDP/ZeroRedundancyOptimizer take no DTensor params); use "
                      f"{', '.join(FSDP_STRATEGIES)}: parallel.strategy / --strategy"),
-        (lora_rank > 0, "LoRA or QLoRA (adapters on tensor-parallel linears are not implemented yet): "
-                        "lora.rank 0, or parallel.tp 1"),
+        (quantize_base != "none", f"QLoRA's NF4 base (lora.quantize_base {quantize_base}: NF4 tensors are not "
+                                  "split by DTensor): lora.quantize_base none, or parallel.tp 1"),
         (compile, "train.compile (not tried under tensor parallelism): train.compile=false"),
         (offload != "none", f"offload {offload!r} (not tried under tensor parallelism): parallel.offload none"),
         (optimizer != "adamw", f"optimizer {optimizer!r} (not tried on 2-D DTensor params): optim.name adamw"),

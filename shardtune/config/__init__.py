@@ -71,6 +71,9 @@ class RunConfig(_Section):
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp)
+        if par.tp > 1 and self.lora.rank > 0 and self.lora.dropout > 0:
+            raise ValueError(f"lora.dropout {self.lora.dropout} with parallel.tp {par.tp} is not implemented yet (the "
+                             "replicated adapter input would need one dropout mask on every tp rank): lora.dropout 0")
         if par.tp > 1 and self.train.objective == "dpo":
             raise ValueError(f"train.objective dpo with parallel.tp {par.tp} is not implemented yet (its pair loss and "
                              "reference model are not tensor-parallel); use parallel.tp 1")

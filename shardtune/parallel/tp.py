@@ -49,14 +49,18 @@ class _QuietTwoStepNorm(logging.Filter):
 logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_QuietTwoStepNorm())
 
 
-def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
-    """A module every tp rank computes whole (a norm without SP): its params become Replicate
-    DTensors on the tp mesh (so FSDP then shards every param on the same 2-D mesh and the grad
-    norm sees one mesh), it takes and returns plain tensors."""
+def _replicated(module: nn.Module, mesh: DeviceMesh, input_layout=None) -> None:
+    """A module every tp rank holds whole (a norm without SP, a LoRA adapter): its params become
+    Replicate DTensors on the tp mesh (so FSDP then shards every param on the same 2-D mesh and
+    the grad norm sees one mesh); it takes and returns plain tensors, its input read as
+    `input_layout` (Replicate; Shard(1): this rank's sequence rows, so the weight's gradient is a
+    partial sum DTensor reduces over tp)."""
+    layout = input_layout or Replicate()
+
     def to_dtensor(_mod, inputs, _mesh):
         from torch.distributed.tensor import DTensor
 
-        return tuple(DTensor.from_local(x, _mesh, (Replicate(),), run_check=False)
+        return tuple(DTensor.from_local(x, _mesh, (layout,), run_check=False)
                      if hasattr(x, "dim") and not isinstance(x, DTensor) else x for x in inputs)
 
     def to_local(_mod, out, _mesh):
@@ -65,9 +69,37 @@ def _replicated(module: nn.Module, mesh: DeviceMesh) -> None:
     distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+_PROJECTIONS = (("self_attn.q_proj", True), ("self_attn.k_proj", True), ("self_attn.v_proj", True),
+                ("self_attn.o_proj", False), ("mlp.gate_proj", True), ("mlp.up_proj", True), ("mlp.down_proj", False))
+
+
+def _projection(layer: nn.Module, path: str, colwise: bool, seq, mesh: DeviceMesh) -> dict:
+    """Plan entries of one projection: the nn.Linear, or a PEFT LoRA `lora.Linear`'s base and
+    adapters (docs/parallelism.md "LoRA"). Column-parallel: the base and B split by output rows, A
+    whole on every rank (x A^T is then replicated, B's rows give this rank's output columns).
+    Row-parallel: the base and A split by input columns; A's partial x A^T is reduce-scattered (SP)
+    or all-reduced like the base's output, and B, whole, maps the rank's own rows."""
+    style = (lambda: ColwiseParallel()) if colwise else (lambda: RowwiseParallel(output_layouts=seq))
+    module = layer.get_submodule(path)
+    if not hasattr(module, "base_layer"):
+        return {path: style()}
+    plan = {f"{path}.base_layer": style()}
+    for name in module.lora_A:
+        if colwise:
+            _replicated(module.lora_A[name], mesh)
+            plan[f"{path}.lora_B.{name}"] = ColwiseParallel()
+        else:
+            _replicated(module.lora_B[name], mesh, seq)
+            plan[f"{path}.lora_A.{name}"] = RowwiseParallel(output_layouts=seq)
+    return plan
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
     """Tensor-parallel `model` in place over the 1-D `tp_mesh` (call on the meta model)."""
     check_tp_model(tp_mesh.size(), model.config.to_dict())  # a by-hand torchrun gets preflight's line
+    # the styles make new nn.Parameters; SequenceParallel's are trainable whatever they were (LoRA's
+    # frozen norms would train): each keeps the requires_grad it had
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
     inner = model.get_decoder()
@@ -85,12 +117,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         plan = {
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
             "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
         }
+        for path, colwise in _PROJECTIONS:
+            plan.update(_projection(layer, path, colwise, seq, tp_mesh))
         if sp:
             plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
             if i == 0:  # the replicated embedding output → this rank's sequence shard (a local slice)
@@ -100,6 +130,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
             _replicated(layer.input_layernorm, tp_mesh)
             _replicated(layer.post_attention_layernorm, tp_mesh)
         parallelize_module(layer, tp_mesh, plan)
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable[name])
     setattr(model, TP_ATTR, (tp_mesh.size(), sp))
 
 

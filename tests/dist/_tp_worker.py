@@ -1,7 +1,7 @@
 """One rank of the tensor-parallel tests (tests/dist/test_tp.py): several cases in the same processes,
 rank<r>.json with what each measured. argv: cases.json out_dir.
 
-A case: {name, parallel: {...ParallelConfig with tp}, model: {...ModelConfig}, steps, rows, seq_len, grad_accum, lr, comm: bool}.
+A case: {name, parallel: {...ParallelConfig with tp}, model: {...ModelConfig}, lora: {...LoraConfig}, steps, rows, seq_len, grad_accum, lr, comm: bool}.
 Each rank takes its data-parallel share of `_batches.global_batch` (ranks of one TP group the same
 rows); `comm` counts one step's collectives with torch's CommDebugMode.
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
 from _rank import process_group, write_result  # noqa: E402
 
-from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group, dp_rank_size, tp_mesh  # noqa: E402
 from shardtune.train.core.metrics import model_state_bytes  # noqa: E402
 from shardtune.train.core.model import build_model  # noqa: E402
@@ -33,7 +33,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     dp_rank, dp_size = dp_rank_size(mesh)
     group = dp_group(mesh)
     torch.manual_seed(0)
-    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0)
+    lora = LoraConfig(**case["lora"]) if case.get("lora") else None
+    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0, lora_cfg=lora)
     ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
                        weight_decay=0.0)
     opt = build_optimizer(model, ocfg, pcfg, group)

@@ -1,6 +1,6 @@
 """Tensor (+ sequence) parallelism composed with FSDP2 against one plain process (gloo, 4 ranks, one
 launch): tp 2 × dp 2 (zero3, zero2 with grad accumulation, hsdp, AC full without SP, AC op,
-bf16-mixed) and tp 4 × dp 1, fp32, 4 steps, on `_batches`' packed rows with masked prompts. The
+bf16-mixed, LoRA with and without SP) and tp 4 × dp 1, fp32, 4 steps, on `_batches`' packed rows with masked prompts. The
 reference is test_train_parity's: a plain transformers model on the whole global batch, torch's
 cross_entropy, AdamW and clip_grad_norm_ (tp 2 × dp 1 runs through the CLI: tests/e2e/test_tp_cli.py).
 
@@ -28,6 +28,7 @@ from test_train_parity import ROWS, SEQ, reference  # noqa: E402
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_tp_worker.py"
 STEPS = 4
+LORA = {"rank": 4, "alpha": 8}
 TINY = dict(V=264, h=128, I=344, L=4)  # tiny-llama (catalog/models.py), untied, 2 KV heads of 32
 
 
@@ -59,6 +60,9 @@ def world4(tmp_path_factory):
         _case("tp2_acop", parallel={"activation_checkpointing": "op"}),
         _case("tp2_bf16mixed", precision="bf16-mixed"),
         _case("tp4", tp=4, model={"name": str(kv4)}),
+        _case("tp2_lora", lora=LORA, lr=1e-2),
+        _case("tp2_lora_nosp", parallel={"sequence_parallel": False}, lora=LORA, lr=1e-2),
+        _case("tp1_lora", tp=1, lora=LORA, lr=1e-2),
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
     launch(WORKER, 4, [str(tmp / "cases.json"), str(tmp)], timeout_s=400, log_dir=tmp / "logs")
@@ -150,3 +154,16 @@ def test_state_bytes_per_rank_are_params_over_tp_times_dp_shard(world4):
         assert got["params_bytes"] == 4 * params
         assert got["grads_bytes"] == 4 * params
         assert got["optimizer_bytes"] == 8 * params + 4 * tensors
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["tp2_lora", "tp2_lora_nosp"])
+def test_lora_on_tp_split_linears_matches_tp1(world4, name):
+    """LoRA adapters on the TP-split projections (A whole and B split on column-parallel ones, A
+    split and B whole on row-parallel ones; the frozen base and norms stay frozen) against the
+    same LoRA run at tp 1 × dp 4 (tests/dist/test_lora.py holds that one to PEFT's)."""
+    for rank_result in world4[0]:
+        want = rank_result["tp1_lora"]
+        assert rank_result[name]["losses"] == pytest.approx(want["losses"], abs=1e-5)
+        assert rank_result[name]["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
+    assert want["losses"][-1] < want["losses"][1]  # the adapters learn (B starts at 0: step 1 is the base's)

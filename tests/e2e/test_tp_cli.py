@@ -116,3 +116,21 @@ def test_export_and_generate_from_a_tp_checkpoint(runs, tmp_path):
         assert gen.returncode == 0, gen.stderr[-3000:]
         answers.append(gen.stdout)
     assert answers[0].strip() and answers[0] == answers[1]
+
+
+@pytest.mark.timeout(900)
+def test_lora_under_tp_trains_and_exports_what_one_process_does(tmp_path):
+    """`--tp 2 --lora-rank 4` on 2 processes (dp 1) against the same LoRA run in one process: the
+    losses, and the merged export's logits (from the TP run's adapters-only checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "recipe.yaml").write_text(RECIPE)
+    common = ("--lora-rank", "4", "--max-steps", "2", "checkpoint.every=0")
+    tp, _ = _train(tmp_path, "tp", "--nproc", "2", "--tp", "2", *common)
+    one, _ = _train(tmp_path, "one", "--nproc", "1", *common)
+    assert [x["loss"] for x in tp] == pytest.approx([x["loss"] for x in one], abs=1e-5)
+    ids = torch.arange(0, 40).reshape(2, 20)
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "hf_export").eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf_export").eval()(ids).logits
+    assert (got - want).abs().max().item() <= 1e-4

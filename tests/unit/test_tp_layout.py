@@ -65,8 +65,7 @@ def test_model_checks_name_what_tp_does_not_divide():
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(lora_rank=8), "LoRA"),
-    (dict(lora_rank=8, quantize_base="nf4"), "LoRA or QLoRA"),
+    (dict(lora_rank=8, quantize_base="nf4"), "QLoRA's NF4 base"),
     (dict(offload="all"), "offload"),
     (dict(loss_chunks=8), "loss_chunks 8"),
     (dict(strategy="ddp"), "'ddp'"),
@@ -97,7 +96,7 @@ BAD = [
     (["--nproc", "4", "--tp", "4"], "KV heads"),
     (["--nproc", "2", "--tp", "2", "--strategy", "ddp"], "'ddp'"),
     (["--nproc", "2", "--tp", "2", "train.seq_len=127"], "seq_len 127"),
-    (["--nproc", "2", "--tp", "2", "--lora-rank", "4"], "LoRA"),
+    (["--nproc", "2", "--tp", "2", "--lora-rank", "4", "lora.dropout=0.1"], "lora.dropout 0.1"),
     (["--nproc", "4", "--tp", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=4"], "data-parallel degree 2"),
 ]
 

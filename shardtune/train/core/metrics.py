@@ -81,7 +81,10 @@ class SavedActivations:
         # a parameter, or a view of one (F.linear saves weight.t()), is not an activation
         if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter) and t.device.type != "meta":
             s = local_tensor(t).untyped_storage()
-            self._seen[s.data_ptr()] = s.nbytes()
+            try:
+                self._seen[s.data_ptr()] = s.nbytes()
+            except RuntimeError:  # a frozen TP-split weight's view (LoRA under tp): storage FSDP2 swaps, no activation
+                pass
         return t
 
     @contextmanager
