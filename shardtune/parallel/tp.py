@@ -18,7 +18,7 @@ from contextlib import nullcontext
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -94,6 +94,23 @@ def _projection(layer: nn.Module, path: str, colwise: bool, seq, mesh: DeviceMes
     return plan
 
 
+def _shard_rows_once(layer: nn.Module, mesh: DeviceMesh) -> None:
+    """Layer 0's input: the replicated embedding output → this rank's rows (Shard(1); backward
+    all-gathers the grad). Once only: AC's recompute calls the layer again with the args the first
+    call's hooks made, already sliced (a PrepareModuleInput hook sliced them twice)."""
+    def hook(_mod, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] != kwargs["position_embeddings"][0].shape[-2]:
+            return None  # the rows of this rank already
+        local = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False).redistribute(
+            mesh, [Shard(1)]).to_local()
+        if args:
+            return (local, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": local}
+
+    layer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
     """Tensor-parallel `model` in place over the 1-D `tp_mesh` (call on the meta model)."""
     check_tp_model(tp_mesh.size(), model.config.to_dict())  # a by-hand torchrun gets preflight's line
@@ -124,8 +141,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         if sp:
             plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
             if i == 0:  # the replicated embedding output → this rank's sequence shard (a local slice)
-                parallelize_module(layer, tp_mesh, PrepareModuleInput(
-                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+                _shard_rows_once(layer, tp_mesh)
         else:
             _replicated(layer.input_layernorm, tp_mesh)
             _replicated(layer.post_attention_layernorm, tp_mesh)

@@ -1,6 +1,6 @@
 """Tensor (+ sequence) parallelism composed with FSDP2 against one plain process (gloo, 4 ranks, one
 launch): tp 2 × dp 2 (zero3, zero2 with grad accumulation, hsdp, AC full without SP, AC op,
-bf16-mixed, LoRA with and without SP) and tp 4 × dp 1, fp32, 4 steps, on `_batches`' packed rows with masked prompts. The
+AC full with SP, bf16-mixed, LoRA with and without SP) and tp 4 × dp 1, fp32, 4 steps, on `_batches`' packed rows with masked prompts. The
 reference is test_train_parity's: a plain transformers model on the whole global batch, torch's
 cross_entropy, AdamW and clip_grad_norm_ (tp 2 × dp 1 runs through the CLI: tests/e2e/test_tp_cli.py).
 
@@ -58,6 +58,7 @@ def world4(tmp_path_factory):
         _case("tp2_hsdp", strategy="hsdp", parallel={"hsdp_shard_size": 1}),
         _case("tp2_nosp_acfull", parallel={"sequence_parallel": False, "activation_checkpointing": "full"}),
         _case("tp2_acop", parallel={"activation_checkpointing": "op"}),
+        _case("tp2_acfull", parallel={"activation_checkpointing": "full"}),  # with SP: layer 0 recomputed
         _case("tp2_bf16mixed", precision="bf16-mixed"),
         _case("tp4", tp=4, model={"name": str(kv4)}),
         _case("tp2_lora", lora=LORA, lr=1e-2),
@@ -83,7 +84,8 @@ def _reference_kv4(kv4: Path) -> list[float]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["tp2_zero3", "tp2_zero2_accum", "tp2_hsdp", "tp2_nosp_acfull", "tp2_acop"])
+@pytest.mark.parametrize("name", ["tp2_zero3", "tp2_zero2_accum", "tp2_hsdp", "tp2_nosp_acfull", "tp2_acop",
+                                  "tp2_acfull"])
 def test_tp2_dp2_matches_one_process(world4, name):
     want_losses, want_norms = reference(steps=STEPS)
     for rank_result in world4[0]:
