@@ -102,7 +102,7 @@ TABLE: dict[str, tuple | str] = {
     "train.loss_chunks": ("loss_chunks", lambda c: c.train.loss_chunks or 1),  # 259 ids: 1 by default
     "train.compile": ("compile", lambda c: c.train.compile),
     "train.objective": ("objective", lambda c: c.train.objective),
-    "train.reference": "DPO's reference model (tests/e2e/test_dpo.py)",
+    "train.reference": "DPO's reference model (tests/e2e/test_dpo_cli.py)",
     "train.dpo_beta": ("dpo_beta", lambda c: c.train.dpo_beta),
     "train.dpo_label_smoothing": ("dpo_label_smoothing", lambda c: c.train.dpo_label_smoothing),
     "train.simpo_gamma": ("simpo_gamma", lambda c: c.train.simpo_gamma),
