@@ -197,8 +197,9 @@ def test_dockerfile_is_lint_clean_and_installs_what_the_cluster_needs():
     copied = {p for c in copied for p in c.split()} - {"./"}
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert "**" in ignore and {f"!{p}" if p != "shardtune" else "!shardtune/" for p in copied} <= set(ignore), copied
-    r = subprocess.run(["make", "-n", "image", "IMAGE=ghcr.io/acme/shardtune:0.1"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    # --no-print-directory: under `make test` this make is nested and would print "Entering directory"
+    r = subprocess.run(["make", "--no-print-directory", "-n", "image", "IMAGE=ghcr.io/acme/shardtune:0.1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "docker build -t ghcr.io/acme/shardtune:0.1 .", r.stdout
 
 
