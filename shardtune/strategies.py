@@ -307,9 +307,6 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                         "(lora.rank / --lora-rank > 0)")
     _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, quantize_base=quantize_base,
                           compile=compile, loss_chunks=loss_chunks)
-    if quantize_base != "none" and compile:  # torch.compile over NF4's dequantising linear: not tried
-        raise UserError(f"quantize_base {quantize_base!r} with train.compile is not implemented yet: "
-                        "train.compile=false, or lora.quantize_base none")
 
 
 def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str, quantize_base: str,

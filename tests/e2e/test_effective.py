@@ -240,6 +240,28 @@ def test_qlora_adamw_8bit_saves_and_resumes(tmp_path):
 
 
 @pytest.mark.timeout(900)
+def test_qlora_compile_losses_match_eager(tmp_path):
+    """train.compile over QLoRA's NF4 base (once refused as untried): the losses equal eager's."""
+    from shardtune.testing.smollm2 import cut_folder
+
+    recipe = REPO / "recipes" / "smollm2-dates.yaml"
+    losses = {}
+    for compile_ in ("false", "true"):
+        out = tmp_path / compile_
+        cmd = [sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2", "--output-dir", str(out),
+               f"model.name={cut_folder(2)}", "lora.rank=4", "lora.quantize_base=nf4", f"train.compile={compile_}",
+               "train.max_steps=2", "train.eval_every=0", "train.sample_prompts=[]", "train.micro_batch=2",
+               "train.seq_len=64", "checkpoint.export_hf=false", "checkpoint.save_final=false"]
+        proc = run_bounded(cmd, timeout_s=420, cwd=REPO, stderr=subprocess.STDOUT)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        eff = json.loads((out / "memory.json").read_text())["effective"]
+        assert (eff["compile"], eff["quantize_base"]) == (compile_ == "true", "nf4"), eff
+        losses[compile_] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["true"]) == 2
+    assert losses["true"] == pytest.approx(losses["false"], abs=1e-4), losses
+
+
+@pytest.mark.timeout(900)
 def test_compile_losses_match_eager_through_the_cli(tmp_path):
     """Issue 26's done-when: `shardtune train recipes/tiny-cpu.yaml --nproc 2 train.compile=true`
     trains with losses within 1e-4 of the eager run's (fp32, 3 steps, the same seed and batches)."""

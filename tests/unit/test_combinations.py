@@ -14,7 +14,6 @@ from shardtune.strategies import check_combination
     ("ddp", dict(offload="all"), "needs an FSDP strategy"),
     ("zero1", dict(offload="all"), "needs an FSDP strategy"),
     ("zero3", dict(quantize_base="nf4"), "needs LoRA adapters"),
-    ("zero3", dict(lora_rank=8, quantize_base="nf4", compile=True), "not implemented yet"),
     ("zero3", dict(lora_rank=8, quantize_base="int3"), "unknown quantize_base"),
     ("ddp", dict(optimizer="adamw-8bit", optimizer_impl="fused"), "leave it 'auto'"),
     ("zero3", dict(optimizer_impl="bf16-stochastic"), "needs parallel.precision bf16"),
@@ -39,6 +38,7 @@ def test_refused_combinations_are_one_line(strategy, kw, expected):
     ("zero3", dict(precision="bf16", optimizer_impl="bf16-stochastic")), ("zero3", dict(offload="all")),
     ("hsdp", dict(hsdp_shard_size=2)), ("ddp", dict(optimizer_impl="for-loop", device="cpu")),
     ("FULL_SHARD", dict(lora_rank=8, activation_checkpointing="selective", ac_every=3)),
+    ("zero3", dict(lora_rank=8, quantize_base="nf4", compile=True)),  # tests/e2e/test_effective.py
 ])
 def test_combinations_the_trainer_runs_pass(strategy, kw):
     check_combination(strategy, **kw)
