@@ -25,7 +25,7 @@ from shardtune.config.parallel import ParallelConfig
 from shardtune.config.paths import resolve_recipe_paths
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
-from shardtune.strategies import check_combination
+from shardtune.strategies import check_combination, check_objective_tp
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -74,9 +74,7 @@ class RunConfig(_Section):
         if par.tp > 1 and self.lora.rank > 0 and self.lora.dropout > 0:
             raise ValueError(f"lora.dropout {self.lora.dropout} with parallel.tp {par.tp} is not implemented yet (the "
                              "replicated adapter input would need one dropout mask on every tp rank): lora.dropout 0")
-        if par.tp > 1 and self.train.objective != "sft":
-            raise ValueError(f"train.objective {self.train.objective} with parallel.tp {par.tp} is not implemented yet "
-                             "(its pair loss and reference model are not tensor-parallel); use parallel.tp 1")
+        check_objective_tp(self.train.objective, par.tp)
         if par.tp > 1 and self.train.sample_prompts:
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (generation "
                              "lengths are not multiples of tp); drop train.sample_prompts or use parallel.tp 1")

@@ -11,6 +11,7 @@ from dataclasses import fields as dc_fields
 from shardtune.errors import UserError
 from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
+    check_objective_tp,
     normalize_ac,
     normalize_offload,
     normalize_optimizer,
@@ -136,8 +137,7 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.ac = normalize_ac(inp.ac)
     inp.offload = normalize_offload(inp.offload)
     check_objective(inp.objective, inp.reference)
-    if inp.objective == "dpo" and inp.tp > 1:  # as the trainer's config (config/__init__.py)
-        raise UserError(f"--objective dpo with --tp {inp.tp} is not implemented yet; give --tp 1")
+    check_objective_tp(inp.objective, inp.tp)
     if inp.accounting not in ACCOUNTINGS:
         raise UserError(f"unknown accounting {inp.accounting!r}; choose one of {', '.join(ACCOUNTINGS)}")
     if inp.strategies is not None:

@@ -98,7 +98,18 @@ BAD = [
     (["--nproc", "2", "--tp", "2", "train.seq_len=127"], "seq_len 127"),
     (["--nproc", "2", "--tp", "2", "--lora-rank", "4", "lora.dropout=0.1"], "lora.dropout 0.1"),
     (["--nproc", "4", "--tp", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=4"], "data-parallel degree 2"),
+    (["--nproc", "2", "--tp", "2", "train.objective=simpo"], "train.objective simpo with parallel.tp 2"),
 ]
+
+
+@pytest.mark.parametrize("objective", ["dpo", "simpo"])
+def test_plan_refuses_a_pair_objective_under_tp_as_train_does(capsys, objective):
+    # the planner once refused dpo only, and accepted simpo under tp, which train refused
+    from shardtune import cli
+
+    rc = cli.main(["plan", "llama-3-8b", "--gpus", "8", "--tp", "2", "--objective", objective])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"train.objective {objective} with parallel.tp 2" in err[0], err
 
 
 @pytest.mark.timeout(120)
