@@ -78,6 +78,9 @@ class RunConfig(_Section):
         if par.tp > 1 and self.train.sample_prompts:
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (generation "
                              "lengths are not multiples of tp); drop train.sample_prompts or use parallel.tp 1")
+        if par.cp > 1 or par.activation_offload:  # the wave-3 base; parallel/cp.py lifts this
+            raise ValueError("parallel.cp > 1 and parallel.activation_offload are not implemented yet in training: "
+                             "parallel.cp 1, parallel.activation_offload false")
         return self
 
     @property
@@ -96,7 +99,8 @@ class RunConfig(_Section):
             hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank,
             quantize_base=self.lora.quantize_base, loss_chunks=self.train.loss_chunks,
             objective=self.train.objective, reference=self.train.reference, tp=self.parallel.tp,
-            sequence_parallel=self.parallel.sequence_parallel, tp_across_nodes=self.parallel.tp_across_nodes)
+            sequence_parallel=self.parallel.sequence_parallel, tp_across_nodes=self.parallel.tp_across_nodes,
+            cp=self.parallel.cp, activation_offload=self.parallel.activation_offload)
 
 
 

@@ -1,4 +1,4 @@
-"""`parallel:` — strategy, precision, activation checkpointing, offload, tensor parallelism."""
+"""`parallel:` — strategy, precision, activation checkpointing, offload, tensor and context parallelism."""
 from __future__ import annotations
 
 from pydantic import Field, field_validator, model_validator
@@ -30,6 +30,10 @@ class ParallelConfig(_Section):
     sequence_parallel: bool = Field(True, description="With tp > 1: norms and residuals on sequence shards "
                                                       "(activations / tp; seq_len must divide by tp).")
     tp_across_nodes: bool = Field(False, description="Allow a tp larger than one node's processes (slow links).")
+    cp: int = Field(1, ge=1, description="Context-parallel degree (docs/long-context.md): each sequence split over "
+                                         "cp ranks; data-parallel degree = world / (tp x cp).")
+    activation_offload: bool = Field(False, description="Keep saved activations (with AC full: the block inputs) in "
+                                                        "pinned CPU memory until the backward (docs/long-context.md).")
 
     _norm = field_validator("strategy")(lambda v: normalize_strategy(v))
     _prec = field_validator("precision")(lambda v: normalize_precision(v))

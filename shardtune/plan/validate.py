@@ -59,6 +59,8 @@ class PlanInputs:
     tp: int = 1  # parallel.tp: tensor-parallel degree, inside a node (plan/tp.py)
     sequence_parallel: bool | None = None  # parallel.sequence_parallel; default: on when tp > 1
     tp_across_nodes: bool = False  # parallel.tp_across_nodes: a TP group over several nodes' links
+    cp: int = 1  # parallel.cp: context-parallel degree (the sequence split over cp ranks)
+    activation_offload: bool = False  # parallel.activation_offload: saved activations in pinned host RAM
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
     strategies: list[str] | None = None  # default: all that apply

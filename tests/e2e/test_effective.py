@@ -81,6 +81,8 @@ TABLE: dict[str, tuple | str] = {
     "parallel.sequence_parallel": ("sequence_parallel", lambda c: c.parallel.sequence_parallel if c.parallel.tp > 1
                                    else None),
     "parallel.tp_across_nodes": "a launch permission (tp over more than one node), not the computation",
+    "parallel.cp": "refused in training until parallel/cp.py (config/__init__.py); then a row (cp)",
+    "parallel.activation_offload": "refused in training until parallel/cp.py; then a row (activation_offload)",
     "optim": "section",
     "optim.name": ("optimizer", _optimizer),
     "optim.implementation": ("optimizer", _optimizer),
