@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardtune.cp_rules import check_activation_offload, check_cp  # noqa: F401 (re-exported: the cp rule)
 from shardtune.errors import UserError, suggest
 
 
@@ -145,6 +146,7 @@ class Layout:
     replicate_degree: int
     tp: int = 1  # tensor-parallel degree: ranks one layer's matmuls are split over, innermost
     sequence_parallel: bool = False  # with tp > 1: norms and residuals on sequence shards
+    cp: int = 1  # context-parallel degree: ranks one sequence is split over (cp_rules.py), inside dp
 
     @property
     def num_nodes(self) -> int:
@@ -152,18 +154,28 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        """The data-parallel degree: world / tp (ranks of one TP group read the same batch)."""
-        return self.world_size // self.tp
+        """The data-parallel degree: world / (tp x cp) (ranks of one TP and CP group read the same batch)."""
+        return self.world_size // (self.tp * self.cp)
+
+    @property
+    def fsdp_shard_degree(self) -> int:
+        """Ranks FSDP splits one state over: the shard group x cp (FSDP shards over dp_shard x cp)."""
+        return self.shard_degree * self.cp
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
         """The strategy's axes; with tp > 1 the 3-D ("dp_replicate", "dp_shard", "tp"), TP innermost
-        (consecutive ranks: one node, its fast links), as torchtitan's ParallelDims."""
+        (consecutive ranks: one node, its fast links), as torchtitan's ParallelDims; with cp > 1
+        the 4-D ("dp_replicate", "dp_shard", "cp", "tp") (tp may be 1 there)."""
+        if self.cp > 1:
+            return CP_MESH_AXES
         return self.strategy.mesh_axes if self.tp == 1 else TP_MESH_AXES
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """The device mesh's shape along `mesh_axes`."""
+        if self.cp > 1:
+            return (self.replicate_degree, self.shard_degree, self.cp, self.tp)
         if self.tp > 1:
             return (self.replicate_degree, self.shard_degree, self.tp)
         if self.strategy.hybrid:
@@ -173,9 +185,10 @@ class Layout:
     @classmethod
     def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,
               hsdp_shard_size: int | None = None, tp: int = 1, sequence_parallel: bool = True,
-              tp_across_nodes: bool = False) -> Layout:
+              tp_across_nodes: bool = False, cp: int = 1) -> Layout:
         """Validated layout; a bad world, a tp that does not divide it (or spans nodes unless
-        `tp_across_nodes`) or an hsdp shard size that does not divide world / tp is a UserError."""
+        `tp_across_nodes`), a cp that does not divide world / tp (`check_cp`) or an hsdp shard size
+        that does not divide world / (tp x cp) is a UserError."""
         s = strategy_name if isinstance(strategy_name, Strategy) else strategy(strategy_name)
         if not isinstance(world_size, int) or world_size < 1:
             raise UserError(f"world size {world_size!r} is not positive; start at least one process")
@@ -183,20 +196,24 @@ class Layout:
         if not isinstance(per_node, int) or per_node < 1:
             raise UserError(f"processes per node {per_node!r} is not positive")
         dp = _check_tp_world(s, world_size, per_node, tp, tp_across_nodes)
+        check_cp(cp, strategy=s.name, world_size=world_size, tp=tp)
+        dp //= cp
         sp = bool(sequence_parallel) and tp > 1
         if s.hybrid:
-            shard = hsdp_shard_size if hsdp_shard_size is not None else min(max(1, per_node // tp), dp)
+            shard = hsdp_shard_size if hsdp_shard_size is not None else min(max(1, per_node // (tp * cp)), dp)
             if shard < 1 or shard > dp or dp % shard:
-                what = f"the world size {world_size}" if tp == 1 else f"the data-parallel degree {dp} (world / tp)"
+                what = (f"the world size {world_size}" if tp * cp == 1
+                        else f"the data-parallel degree {dp} (world / (tp x cp))")
                 raise UserError(f"hsdp shard size {shard} does not divide {what}; "
                                 f"set parallel.hsdp_shard_size (plan: --hsdp-shard-size) to a divisor of {dp}")
-            return cls(s, world_size, per_node, shard, dp // shard, tp, sp)
+            return cls(s, world_size, per_node, shard, dp // shard, tp, sp, cp)
         if not s.shards_optimizer:
-            return cls(s, world_size, per_node, 1, dp, tp, sp)
-        return cls(s, world_size, per_node, dp, 1 if s.shards_params else dp, tp, sp)
+            return cls(s, world_size, per_node, 1, dp, tp, sp, cp)
+        return cls(s, world_size, per_node, dp, 1 if s.shards_params else dp, tp, sp, cp)
 
 
 TP_MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+CP_MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 def _check_tp_world(s: Strategy, world_size: int, per_node: int, tp: int, across_nodes: bool) -> int:
@@ -247,7 +264,8 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                       hsdp_shard_size: int | None = None, activation_checkpointing: str = "none",
                       ac_every: int = 2, device: str | None = None, planner_modes: bool = False,
                       quantize_base: str = "none", compile: bool = False,
-                      loss_chunks: int | None = None, tp: int = 1) -> None:
+                      loss_chunks: int | None = None, tp: int = 1, cp: int = 1,
+                      activation_offload: bool = False) -> None:
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
@@ -307,6 +325,9 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                         "(lora.rank / --lora-rank > 0)")
     _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, quantize_base=quantize_base,
                           compile=compile, loss_chunks=loss_chunks)
+    check_cp(cp, strategy=s.name, tp=tp, compile=compile, quantize_base=quantize_base, offload=offload,
+             optimizer=optimizer)  # cp_rules.py: the heads, world and seq_len parts where those are known
+    check_activation_offload(activation_offload, compile=compile, offload=offload)
 
 
 def check_objective_tp(objective: str, tp: int) -> None:

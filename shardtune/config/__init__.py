@@ -25,7 +25,7 @@ from shardtune.config.parallel import ParallelConfig
 from shardtune.config.paths import resolve_recipe_paths
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
-from shardtune.strategies import check_combination, check_objective_tp
+from shardtune.strategies import check_activation_offload, check_combination, check_cp, check_objective_tp
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -70,7 +70,8 @@ class RunConfig(_Section):
                           optimizer_impl=self.optim.implementation, lora_rank=self.lora.rank,
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
-                          compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp)
+                          compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
+                          activation_offload=par.activation_offload)
         if par.tp > 1 and self.lora.rank > 0 and self.lora.dropout > 0:
             raise ValueError(f"lora.dropout {self.lora.dropout} with parallel.tp {par.tp} is not implemented yet (the "
                              "replicated adapter input would need one dropout mask on every tp rank): lora.dropout 0")
@@ -78,9 +79,11 @@ class RunConfig(_Section):
         if par.tp > 1 and self.train.sample_prompts:
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (generation "
                              "lengths are not multiples of tp); drop train.sample_prompts or use parallel.tp 1")
-        if par.cp > 1 or par.activation_offload:  # the wave-3 base; parallel/cp.py lifts this
-            raise ValueError("parallel.cp > 1 and parallel.activation_offload are not implemented yet in training: "
-                             "parallel.cp 1, parallel.activation_offload false")
+        check_cp(par.cp, strategy=par.strategy, tp=par.tp, seq_len=self.train.seq_len,
+                 sequence_parallel=par.sequence_parallel, objective=self.train.objective,
+                 sample_prompts=bool(self.train.sample_prompts))  # cp_rules.py; heads and world: preflight
+        check_activation_offload(par.activation_offload, compile=self.train.compile, objective=self.train.objective,
+                                 offload=par.offload)
         return self
 
     @property

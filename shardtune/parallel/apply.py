@@ -29,20 +29,38 @@ def build_layout(parallel_cfg: ParallelConfig, world_size: int, local_world_size
     """The run's `Layout` (the one place degrees are derived and checked)."""
     return Layout.build(parallel_cfg.strategy, world_size, local_world_size, parallel_cfg.hsdp_shard_size,
                         tp=parallel_cfg.tp, sequence_parallel=parallel_cfg.sequence_parallel,
-                        tp_across_nodes=parallel_cfg.tp_across_nodes)
+                        tp_across_nodes=parallel_cfg.tp_across_nodes, cp=parallel_cfg.cp)
 
 
 def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int,
                device_type: str) -> DeviceMesh:
     """The layout's mesh: 1-D ("dp",) for ddp/zero1/zero2/zero3, 2-D ("replicate", "shard") for
-    hsdp, 3-D ("dp_replicate", "dp_shard", "tp") with tp > 1 (`Layout.build` checks the degrees).
-    Needs an initialised default process group."""
+    hsdp, 3-D ("dp_replicate", "dp_shard", "tp") with tp > 1, 4-D ("dp_replicate", "dp_shard",
+    "cp", "tp") with cp > 1 (`Layout.build` checks the degrees). With cp the flattened sub-meshes
+    torchtitan's ParallelDims makes are made here once: "dp" (the data ranks), "dp_shard_cp" (FSDP
+    shards over it) and "dp_cp" (the loss's token count). Needs an initialised default process group."""
     layout = build_layout(parallel_cfg, world_size, local_world_size)
-    return init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
+    mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
+    if has_cp_dim(mesh):
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    return mesh
+
+
+def has_cp_dim(mesh: DeviceMesh) -> bool:
+    """Whether `mesh` is the 4-D context-parallel one (its "tp" may have size 1)."""
+    return "cp" in (mesh.mesh_dim_names or ())
 
 
 def has_tp(mesh: DeviceMesh) -> bool:
-    return "tp" in (mesh.mesh_dim_names or ())
+    """Whether the mesh has a tensor-parallel dimension of size > 1."""
+    return "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1
+
+
+def _nd(mesh: DeviceMesh) -> bool:
+    """The N-D layout (tp and/or cp): data ranks along ("dp_replicate", "dp_shard")."""
+    return "dp_shard" in (mesh.mesh_dim_names or ())
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
@@ -50,24 +68,31 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return mesh["tp"] if has_tp(mesh) else None
 
 
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D context-parallel sub-mesh, or None without cp (> 1)."""
+    return mesh["cp"] if has_cp_dim(mesh) and mesh["cp"].size() > 1 else None
+
+
 def fsdp_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
-    """The mesh FSDP2 shards over: the whole mesh without tp; with tp, "dp_shard" (hsdp:
-    ("dp_replicate", "dp_shard"), a 2-D mesh FSDP2 reads as replicate × shard)."""
-    if not has_tp(mesh):
+    """The mesh FSDP2 shards over: the whole mesh without tp or cp; with tp, "dp_shard" (hsdp:
+    ("dp_replicate", "dp_shard"), a 2-D mesh FSDP2 reads as replicate × shard); with cp,
+    "dp_shard_cp" (dp_shard x cp flattened, as torchtitan does; hsdp: ("dp_replicate", "dp_shard_cp"))."""
+    if not _nd(mesh):
         return mesh
-    return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
+    shard = "dp_shard_cp" if has_cp_dim(mesh) else "dp_shard"
+    return mesh["dp_replicate", shard] if hybrid else mesh[shard]
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh of the data-parallel ranks (flattened to 1-D; the whole mesh without tp)."""
-    if not has_tp(mesh):
+    """The mesh of the data-parallel ranks (flattened to 1-D; the whole mesh without tp or cp)."""
+    if not _nd(mesh):
         return mesh
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh["dp"] if has_cp_dim(mesh) else mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
 def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
-    """(this rank's data-parallel index, the data-parallel degree): ranks of one TP group share one."""
-    if not has_tp(mesh):
+    """(this rank's data-parallel index, the data-parallel degree): ranks of one TP (and CP) group share one."""
+    if not _nd(mesh):
         return mesh.get_rank() if mesh.ndim == 1 else _flat_rank(mesh), mesh.size()
     dp = dp_mesh(mesh)
     return dp.get_local_rank(), dp.size()
@@ -79,12 +104,17 @@ def _flat_rank(mesh: DeviceMesh) -> int:
 
 
 def dp_group(mesh: DeviceMesh):
-    """The group over all data-parallel ranks (zero1 shards its optimizer over it; the loss's token
-    count is summed over it); None on hsdp's 2-D mesh without tp (every rank is a dp rank: the
-    world)."""
-    if has_tp(mesh):
+    """The group over all data-parallel ranks (zero1 shards its optimizer over it); None on hsdp's
+    2-D mesh without tp (every rank is a dp rank: the world)."""
+    if _nd(mesh):
         return dp_mesh(mesh).get_group()
     return mesh.get_group() if mesh.ndim == 1 else None
+
+
+def loss_group(mesh: DeviceMesh):
+    """The group the loss's target tokens are counted over: the data ranks, and with cp every
+    rank holding a piece of a sequence (dp x cp; tp ranks hold the same tokens)."""
+    return mesh["dp_cp"].get_group() if has_cp_dim(mesh) else dp_group(mesh)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

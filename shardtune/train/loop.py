@@ -216,8 +216,9 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
 
     def step_fn() -> StepResult:
         step = run.objective.step if run.objective else train_step
-        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.dp_group,
-                    dp_size=ctx.dp_size, activations=run.activations)
+        # the tokens are counted over dp x cp, and FSDP averages the grads over as many ranks
+        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.loss_group,
+                    dp_size=ctx.dp_size * ctx.cp, activations=run.activations)
 
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
     if len(micro_batches) == 1 and track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank,

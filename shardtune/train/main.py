@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardtune.config import dump_config
 from shardtune.errors import UserError
-from shardtune.parallel.apply import build_mesh, dp_group, dp_rank_size, has_tp
+from shardtune.parallel.apply import build_mesh, cp_mesh, dp_group, dp_rank_size, has_tp, loss_group
 from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
 if TYPE_CHECKING:
@@ -50,14 +50,24 @@ class DistContext:
         return self.mesh["tp"].size() if has_tp(self.mesh) else 1
 
     @property
+    def cp(self) -> int:
+        """The context-parallel degree (1 without cp)."""
+        return cp_mesh(self.mesh).size() if cp_mesh(self.mesh) is not None else 1
+
+    @property
+    def loss_group(self):
+        """The group the step's target tokens are counted over (dp x cp: every rank with its own tokens)."""
+        return loss_group(self.mesh)
+
+    @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index: which share of each global batch it reads."""
         return dp_rank_size(self.mesh)[0]
 
     @property
     def dp_size(self) -> int:
-        """The data-parallel degree world / tp (ranks of one TP group read the same rows)."""
-        return self.world_size // self.tp
+        """The data-parallel degree world / (tp x cp) (ranks of one TP and CP group read the same rows)."""
+        return self.world_size // (self.tp * self.cp)
 
 
 def setup_distributed(cfg: RunConfig) -> DistContext:

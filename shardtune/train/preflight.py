@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_files
 from shardtune.errors import UserError, suggest
-from shardtune.strategies import Layout, check_tp_model
+from shardtune.strategies import Layout, check_cp, check_tp_model
 from shardtune.train.data.dataset import check_dataset
 from shardtune.train.durable.ckpt_files import resolve_resume
 
@@ -360,7 +360,7 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
     par = cfg.parallel
     layout = Layout.build(par.strategy, world_size, local_world_size, par.hsdp_shard_size, tp=par.tp,
-                          sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes)
+                          sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes, cp=par.cp)
     check_environment(par.strategy, optimizer=cfg.optim.name, quantize_base=cfg.lora.quantize_base,
                       compile=cfg.train.compile)
     from shardtune.config.paths import check_recipe_paths  # pydantic stays out of CLI start-up
@@ -368,6 +368,10 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     check_recipe_paths(cfg, "model.")
     _check_model(cfg.model, cfg.train.seq_len)
     check_tp_model(par.tp, resolve_model_config(cfg.model.name), cfg.train.seq_len, par.sequence_parallel)
+    check_cp(par.cp, world_size=world_size, tp=par.tp, hf=resolve_model_config(cfg.model.name))
+    if par.cp > 1 or par.activation_offload:  # the trainer's half lands with parallel/cp.py
+        raise UserError("parallel.cp > 1 and parallel.activation_offload are not implemented yet in training: "
+                        "parallel.cp 1, parallel.activation_offload false")
     gpus = _check_backend(cfg.train.backend, local_world_size)
     _check_model_states_fit(cfg, world_size, local_world_size, gpus)
     check_recipe_paths(cfg)

@@ -1,0 +1,107 @@
+"""Context parallelism's rules (parallel.cp): which runs split the sequence over cp ranks, for the
+config, the trainer's launch checks and the planner alike (one function, `check_cp`; strategies.py
+re-exports it). The mechanism and why: docs/long-context.md. Imports no torch.
+
+What composes with cp > 1 (each tested in tests/dist/test_cp.py or tests/e2e/test_cp_cli.py):
+FSDP2 strategies (zero2, zero3, hsdp), tensor parallelism (tp x cp), fp32 / bf16-mixed / bf16,
+AC none/full/op/layer, LoRA, validation, activation offload, resume at another cp, export. The rest
+is refused here in one line.
+"""
+from __future__ import annotations
+
+from shardtune.errors import UserError
+
+
+def _positive(value, what: str, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{what} {value!r} is not a positive integer ({key})")
+
+
+def cp_local_heads(hf: dict, tp: int = 1) -> tuple[int, int]:
+    """(query heads, KV heads) of one tp rank: what the all-to-all splits over cp."""
+    heads = int(hf["num_attention_heads"])
+    kv = int(hf.get("num_key_value_heads") or heads)
+    return heads // tp, max(1, kv // tp)
+
+
+def kv_repeat(kv_heads: int, q_heads: int, cp: int) -> int:
+    """How often each (tp-local) KV head is repeated before the all-to-all so that cp divides the
+    KV heads: the smallest r dividing q_heads / kv_heads with (kv_heads * r) % cp == 0 (1 when cp
+    divides the KV heads already; q_heads / kv_heads at most, when every query head gets its own)."""
+    group = q_heads // kv_heads
+    for r in range(1, group + 1):
+        if group % r == 0 and (kv_heads * r) % cp == 0:
+            return r
+    return group
+
+
+def check_cp(cp: int, *, strategy: str | None = None, world_size: int | None = None, tp: int = 1,
+             seq_len: int | None = None, sequence_parallel: bool = True, hf: dict | None = None,
+             objective: str = "sft", compile: bool = False, quantize_base: str = "none",
+             offload: str = "none", optimizer: str = "adamw", sample_prompts: bool = False) -> None:
+    """The one rule of context parallelism (parallel.cp / --cp), one UserError line each: cp is a
+    positive integer; with cp > 1 the strategy is an FSDP2 one; tp x cp divides the world size;
+    cp (x tp with sequence parallelism) divides train.seq_len; cp divides the query heads of one tp
+    rank (the all-to-all hands each cp rank H / tp / cp heads; KV heads are repeated as needed,
+    `kv_repeat`); and nothing cp has not been made to work with. Arguments left None (or at their
+    defaults) are not checked: the planner passes what it knows, the trainer everything."""
+    _positive(cp, "context-parallel degree", "parallel.cp / --cp")
+    _positive(tp, "tensor-parallel degree", "parallel.tp / --tp")
+    if cp == 1:
+        return
+    if strategy is not None:
+        from shardtune.strategies import FSDP_STRATEGIES, normalize_strategy
+
+        name = normalize_strategy(strategy)
+        if name not in FSDP_STRATEGIES:
+            raise UserError(f"cp {cp} composes with FSDP2 strategies ({', '.join(FSDP_STRATEGIES)}), not {name!r} "
+                            "(FSDP shards over dp x cp; DDP/ZeroRedundancyOptimizer have no such mesh): "
+                            "parallel.strategy / --strategy")
+    if world_size is not None and world_size % (tp * cp):
+        what = f"tp x cp = {tp * cp}" if tp > 1 else f"cp {cp}"
+        raise UserError(f"{what} does not divide the world size {world_size} (world = dp x cp x tp); start a "
+                        f"multiple of {tp * cp} processes or lower parallel.cp / --cp")
+    split = cp * tp if (tp > 1 and sequence_parallel) else cp
+    if seq_len is not None and seq_len % split:
+        what = f"cp x tp = {split} (cp {cp}, tp {tp} with sequence parallelism)" if split != cp else f"cp {cp}"
+        raise UserError(f"context parallelism splits train.seq_len {seq_len} over {what}: make train.seq_len a "
+                        f"multiple of {split} (--seq-len), or lower parallel.cp / --cp")
+    if hf is not None:
+        heads, _kv = cp_local_heads(hf, tp)
+        if heads % cp:
+            local = f"{heads} query heads per tp rank ({hf['num_attention_heads']} / tp {tp})" if tp > 1 else \
+                f"{heads} attention heads"
+            raise UserError(f"cp {cp} does not divide the model's {local}: the all-to-all hands each cp rank a "
+                            "share of the heads; choose a cp that divides them (parallel.cp / --cp)")
+    refused = (
+        (objective != "sft", f"train.objective {objective} (its pair log-prob sums are not reduced over cp): "
+                             "train.objective sft, or parallel.cp 1"),
+        (compile, "train.compile (not tried with the all-to-all attention): train.compile=false"),
+        (quantize_base != "none", f"QLoRA's NF4 base (lora.quantize_base {quantize_base}: not tried on the "
+                                  "dp x cp mesh): lora.quantize_base none, or parallel.cp 1"),
+        (offload != "none", f"offload {offload!r} (not tried with context parallelism): parallel.offload none; "
+                            "parallel.activation_offload moves the activations instead"),
+        (optimizer != "adamw", f"optimizer {optimizer!r} (not tried on the dp x cp mesh): optim.name adamw"),
+        (sample_prompts, "train.sample_prompts (generation runs one unsplit sequence): drop train.sample_prompts"),
+    )
+    for bad, what in refused:
+        if bad:
+            raise UserError(f"parallel.cp {cp} does not compose with {what}")
+
+
+def check_activation_offload(activation_offload: bool, *, compile: bool = False, objective: str = "sft",
+                             offload: str = "none") -> None:
+    """parallel.activation_offload's rule: it composes with every strategy, AC mode and cp; refused
+    with what it was not made to work with (one line each)."""
+    if not activation_offload:
+        return
+    refused = (
+        (compile, "train.compile (saved-tensor hooks inside compiled regions were not tried): train.compile=false"),
+        (objective != "sft", f"train.objective {objective} (the pair step does not offload): train.objective sft"),
+        (offload == "all", "offload 'all' (the CPU holds the states already; not tried together): "
+                           "parallel.offload none"),
+    )
+    for bad, what in refused:
+        if bad:
+            raise UserError(f"parallel.activation_offload does not compose with {what}, or "
+                            "parallel.activation_offload=false")

@@ -1,0 +1,89 @@
+"""Context parallelism's layout and rules (strategies.Layout with cp, cp_rules.check_cp, the KV-head
+repeat) and the config refusing what cp was not made to work with: one line each."""
+from __future__ import annotations
+
+import pytest
+
+from shardtune.config import load_recipe
+from shardtune.cp_rules import kv_repeat
+from shardtune.errors import UserError
+from shardtune.strategies import Layout, check_cp
+
+
+@pytest.mark.parametrize("strategy, world, per_node, tp, cp, shard, mesh, dp", [
+    ("zero3", 4, 4, 1, 2, None, (1, 2, 2, 1), 2),  # dp 2 x cp 2
+    ("zero3", 2, 2, 1, 2, None, (1, 1, 2, 1), 1),
+    ("zero2", 4, 4, 2, 2, None, (1, 1, 2, 2), 1),  # tp 2 x cp 2
+    ("hsdp", 16, 8, 2, 2, None, (2, 2, 2, 2), 4),  # shard group: 8 per node / (tp x cp)
+    ("hsdp", 8, 8, 1, 2, 2, (2, 2, 2, 1), 4),
+])
+def test_layout_with_cp(strategy, world, per_node, tp, cp, shard, mesh, dp):
+    lay = Layout.build(strategy, world, per_node, shard, tp=tp, cp=cp)
+    assert lay.mesh_axes == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert lay.mesh_shape == mesh and lay.dp == dp
+    assert lay.replicate_degree * lay.shard_degree * lay.cp * lay.tp == world
+    assert lay.fsdp_shard_degree == lay.shard_degree * cp
+
+
+def test_cp_1_keeps_the_old_layouts():
+    assert Layout.build("zero3", 4, 4).mesh_shape == (4,)
+    assert Layout.build("zero3", 4, 4, tp=2).mesh_axes == ("dp_replicate", "dp_shard", "tp")
+
+
+LLAMA = {"num_attention_heads": 32, "num_key_value_heads": 8}
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(cp=0), "not a positive integer"),
+    (dict(cp=2, strategy="ddp"), "composes with FSDP2 strategies"),
+    (dict(cp=2, strategy="zero1"), "not 'zero1'"),
+    (dict(cp=4, world_size=6), "cp 4 does not divide the world size 6"),
+    (dict(cp=2, tp=2, world_size=6), "tp x cp = 4 does not divide the world size 6"),
+    (dict(cp=4, seq_len=66), "train.seq_len 66 over cp 4"),
+    (dict(cp=2, tp=4, seq_len=68), "cp x tp = 8"),
+    (dict(cp=3, hf=LLAMA), "does not divide the model's 32 attention heads"),
+    (dict(cp=8, tp=8, hf=LLAMA), "4 query heads per tp rank"),
+    (dict(cp=2, objective="dpo"), "train.objective dpo"),
+    (dict(cp=2, compile=True), "train.compile"),
+    (dict(cp=2, quantize_base="nf4"), "NF4"),
+    (dict(cp=2, offload="all"), "offload 'all'"),
+    (dict(cp=2, optimizer="adamw-8bit"), "adamw-8bit"),
+    (dict(cp=2, sample_prompts=True), "train.sample_prompts"),
+])
+def test_check_cp_refusals_are_one_line(kwargs, needle):
+    with pytest.raises(UserError) as e:
+        check_cp(**kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_check_cp_accepts():
+    check_cp(1, strategy="ddp", objective="dpo", compile=True)  # cp 1: nothing to check
+    check_cp(2, strategy="zero3", world_size=4, seq_len=64, hf=LLAMA)
+    check_cp(2, tp=2, world_size=4, seq_len=64, hf=LLAMA)  # (32 / 2) / 2 heads each
+    check_cp(8, tp=2, world_size=16, seq_len=64, hf=LLAMA)  # KV heads 8 / 2 = 4 < cp 8: repeated
+    check_cp(2, tp=2, seq_len=66, sequence_parallel=False)  # no SP: the sequence splits over cp only
+
+
+@pytest.mark.parametrize("kv, q, cp, r", [(4, 16, 2, 1), (4, 16, 8, 2), (2, 16, 8, 4), (1, 4, 4, 4),
+                                          (3, 6, 2, 2), (4, 4, 2, 1)])
+def test_kv_repeat_makes_cp_divide_the_kv_heads(kv, q, cp, r):
+    assert kv_repeat(kv, q, cp) == r
+    assert (kv * r) % cp == 0 and (q // kv) % r == 0
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["parallel.cp=2", "parallel.strategy=ddp"], "composes with FSDP2"),
+    (["parallel.cp=2", "train.seq_len=65"], "train.seq_len 65"),
+    (["parallel.cp=2", "train.compile=true"], "train.compile"),
+    (["parallel.activation_offload=true", "train.compile=true"], "activation_offload does not compose"),
+    (["parallel.activation_offload=true", "parallel.offload=all"], "offload 'all'"),
+])
+def test_config_refuses_in_one_line(overrides, needle):
+    with pytest.raises(UserError) as e:
+        load_recipe("recipes/tiny-cpu.yaml", overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_accepts_cp_and_activation_offload():
+    cfg = load_recipe("recipes/tiny-cpu.yaml", ["parallel.cp=2", "parallel.activation_offload=true"])
+    assert cfg.parallel.cp == 2 and cfg.plan_inputs()["cp"] == 2 and cfg.plan_inputs()["activation_offload"]
