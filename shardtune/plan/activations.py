@@ -103,14 +103,30 @@ def op_kept_layer_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, tp
 
 def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
                      ac: str = "none", ac_every: int = 2, calibrated: bool = False,
-                     autocast: bool = False, loss_chunks: int = 1, tp: int = 1, sp: bool = False) -> int:
+                     autocast: bool = False, loss_chunks: int = 1, tp: int = 1, sp: bool = False,
+                     cp: int = 1) -> int:
     """Peak saved activations of one micro-batch on one rank, with activation checkpointing.
     `calibrated`: the trainer's masked attention and AC peak; `autocast`: an fp32 model under
     torch.autocast (ddp/zero1 with bf16-mixed), whose residual stream stays fp32 (module doc).
     `tp`, `sp`: one tensor-parallel rank's share; AC keeps each layer's input, which sequence
-    parallelism splits (the residual stream is sequence-sharded between the blocks)."""
-    tokens = micro_batch * seq_len
-    layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast, tp, sp)
+    parallelism splits (the residual stream is sequence-sharded between the blocks). `cp`: one
+    context-parallel rank's share (plan/cp.py): b·s/cp tokens; attention's H/cp heads over the
+    whole sequence save as many bytes, except the packed row's mask, whole (b·s·s) on every rank."""
+    return activation_split(arch, micro_batch, seq_len, elem_bytes, ac, ac_every, calibrated, autocast,
+                            loss_chunks, tp, sp, cp)[0]
+
+
+def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
+                     ac: str = "none", ac_every: int = 2, calibrated: bool = False,
+                     autocast: bool = False, loss_chunks: int = 1, tp: int = 1, sp: bool = False,
+                     cp: int = 1, offload: bool = False) -> tuple[int, int]:
+    """(device bytes, host bytes) of `activation_bytes`; `offload` (save_on_cpu around the decoder
+    layers): what the layers keep for backward goes to host RAM, one layer's of it stays on the
+    device (the one being saved or brought back); the recompute, RoPE tables and head stay."""
+    tokens = micro_batch * seq_len // cp
+    # the mask per local token: e·b·s² / (b·s/cp) = e·s·cp (docs/long-context.md)
+    mask = seq_len * cp if calibrated else 0
+    layer = layer_activation_bytes(arch, tokens, elem_bytes, mask, autocast, tp, sp)
     stream = 4 if autocast else elem_bytes  # the residual stream's (and RoPE cos/sin's) bytes
     kept_input = stream * (tokens // tp if sp else tokens) * arch.hidden_size
     L = arch.num_layers
@@ -128,6 +144,9 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
         recompute = layer - shared
     rope = 2 * stream * tokens * arch.head_dim  # cos, sin
     head = head_activation_bytes(arch, tokens, elem_bytes, autocast, loss_chunks, tp, sp)
+    host = 0
+    if offload and L:
+        host, body = body, body // L
     if calibrated and recompute:
-        return body + rope + max(head, recompute)
-    return body + recompute + rope + head
+        return body + rope + max(head, recompute), host
+    return body + recompute + rope + head, host

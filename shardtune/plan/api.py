@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from shardtune.catalog.gpus import GPU, resolve_gpu
 from shardtune.errors import UserError
 from shardtune.plan import comm, memory
-from shardtune.plan.activations import activation_bytes
+from shardtune.plan import cp as cpp
+from shardtune.plan.activations import activation_split
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.plan.model import _load_model, _Model
 from shardtune.plan.preference import reference_bytes
@@ -60,7 +61,8 @@ class StrategyPlan:
     state_bytes_per_rank: dict | None = None  # local tensor bytes of each rank (worlds ≤ 16)
     timing: dict = field(default_factory=dict)  # plan.timing.add_timing: step_time_s, tokens_per_s, mfu, ...
     simulated: dict | None = None  # plan.simulate (--simulate): traced bytes with the `memory` keys, or a fallback note
-    layout: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "tp", "sequence_parallel"}
+    layout: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "cp", "tp", "sequence_parallel"}
+    host_ram: dict = field(default_factory=dict)  # --activation-offload: host RAM per node, PCIe (plan/cp.py)
 
     @property
     def headroom_gib(self) -> float:
@@ -131,17 +133,19 @@ def _buffers(m: _Model, strategy: str, inp: PlanInputs) -> int:
     return m.buffer_cache[key]
 
 
-def _activations(m: _Model, inp: PlanInputs, strategy: str) -> int:
+def _activations(m: _Model, inp: PlanInputs, strategy: str) -> tuple[int, int]:
+    """(device, host) activation bytes of one rank (host: --activation-offload)."""
     if m.arch is None or inp.accounting == "paper":  # the paper's §5 figures are model states only
-        return 0
+        return 0, 0
     # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py
     # autocast_dtype). Under LoRA the base (embedding and norms included) is stored in bf16, so
     # the residual stream is bf16 and only the adapters' weights are cast: bf16 activations.
     autocast = (inp.precision == "bf16-mixed" and not STRATEGY[strategy].fsdp
                 and not inp.lora_rank)
-    return activation_bytes(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
+    return activation_split(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast,
-                            loss_chunks=_loss_chunks(m, inp), tp=inp.tp, sp=inp.sequence_parallel)
+                            loss_chunks=_loss_chunks(m, inp), tp=inp.tp, sp=inp.sequence_parallel,
+                            cp=inp.cp, offload=inp.activation_offload)
 
 
 def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
@@ -164,7 +168,7 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
     elif inp.offload == "all":
         cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
         st = memory.States(0, 0, 0, 0)
-    act, buf = _activations(m, inp, strategy), _buffers(m, strategy, inp)
+    (act, host_act), buf = _activations(m, inp, strategy), _buffers(m, strategy, inp)
     grads_in_forward = not (fsdp and inp.grad_accum == 1
                             and inp.accounting == "shardtune")
     reduce = 0
@@ -193,15 +197,21 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
     if m.arch is not None and inp.accounting == "shardtune":
         colls += [comm.Collective(op, "tp", size, tp, "micro_batch", phase, what, calls)
                   for op, size, phase, calls, what in tp_collectives(
-                      m.arch, inp.micro_batch * inp.seq_len, tp, inp.sequence_parallel,
+                      m.arch, inp.micro_batch * inp.seq_len // inp.cp, tp, inp.sequence_parallel,
                       memory.dtypes(inp.precision).compute, inp.ac, inp.ac_every)]
+        colls += [comm.Collective(op, "cp", size, inp.cp, "micro_batch", phase, what, calls)
+                  for op, size, phase, calls, what in cpp.ulysses_collectives(
+                      m.arch, inp.micro_batch * inp.seq_len, inp.cp, tp, memory.dtypes(inp.precision).compute,
+                      inp.ac, inp.ac_every)]
+    host = cpp.host_ram(inp, host_act, cpu_per_rank) if inp.activation_offload else {}
     return StrategyPlan(
-        layout={"dp_replicate": layout.replicate_degree if fsdp else dp, "dp_shard": shard, "tp": tp,
-                "sequence_parallel": inp.sequence_parallel},
+        layout={"dp_replicate": layout.replicate_degree if fsdp else dp, "dp_shard": shard // inp.cp,
+                "cp": inp.cp, "tp": tp, "sequence_parallel": inp.sequence_parallel},
+        host_ram=host,
         state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref),
-        fits=total <= usable, headroom_bytes=usable - total,
+        fits=total <= usable and host.get("fits", True), headroom_bytes=usable - total,
         cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
         comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
         collectives=colls,
@@ -234,7 +244,8 @@ def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           tp=1 if inp.accounting == "paper" else inp.tp)
     except UserError as e:
         return e
-    return None
+    why = cpp.check_cp_strategy(strategy, inp.cp)
+    return UserError(why) if why else None
 
 
 def _applicable(inp: PlanInputs) -> tuple[list[str], list[str]]:
@@ -340,6 +351,8 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
     m = _load_model(inp.model, inp.params, inp.lora_rank, inp.quantize_base)
     if m.arch is not None:
         check_tp_arch(m.arch, m.config, inp.tp)
+    if inp.accounting != "paper":
+        cpp.check_cp_arch(m.arch, inp.cp, inp.tp)
     names, omitted = _applicable(inp)
     plans = [_plan_strategy(m, s, inp, usable) for s in names]
     ddp_bytes = comm.bytes_per_step(comm.collectives(

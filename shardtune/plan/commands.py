@@ -90,6 +90,15 @@ def plan_cmd(
     tp_across_nodes: bool = typer.Option(
         _D.tp_across_nodes, "--tp-across-nodes",
         help="Allow a --tp larger than a node (parallel.tp_across_nodes): TP priced on the inter-node link."),
+    cp: int = typer.Option(_D.cp, "--cp", metavar="N",
+                           help="Context-parallel degree (parallel.cp): each row's sequence split over N ranks "
+                                "(all-to-all, DeepSpeed-Ulysses); FSDP shards over dp × cp."),
+    activation_offload: bool = typer.Option(
+        _D.activation_offload, "--activation-offload",
+        help="Saved activations (with --ac full: the layer inputs) in pinned host RAM (parallel.activation_offload); "
+             "host RAM per node and PCIe time are reported."),
+    host_ram: float | None = typer.Option(_D.host_ram_gib, "--host-ram", metavar="GIB",
+                                          help="Host RAM per node for --activation-offload (default 256 GiB per GPU)."),
     params: float | None = typer.Option(_D.params, "--params", metavar="COUNT",
                                         help="A bare parameter count (e.g. 7.5e9) instead of MODEL: model states "
                                              "only."),
@@ -142,6 +151,7 @@ def plan_cmd(
         quantize_base=quantize_base,
         loss_chunks=loss_chunks, objective=objective, reference=reference, accounting=accounting,
         hsdp_shard_size=hsdp_shard_size, tp=tp, sequence_parallel=sequence_parallel, tp_across_nodes=tp_across_nodes,
+        cp=cp, activation_offload=activation_offload, host_ram_gib=host_ram,
         params=params,
         reserve_gib=reserve_gib,
         strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,
@@ -153,7 +163,7 @@ def plan_cmd(
         _fit(inputs, as_json, model if model and model.endswith((".yaml", ".yml")) else None, fit_batch)
         return
     result = plan(inputs)
-    if simulate:  # torch is imported only here (verify/simulate.py)
+    if simulate and not _untraced(result):  # torch is imported only here (verify/simulate.py)
         from shardtune.verify.simulate import attach_simulation
 
         attach_simulation(result, inputs.model)
@@ -173,6 +183,21 @@ def plan_cmd(
         from shardtune.verify.compare import render_simulated
 
         render_simulated(result)
+
+
+def _untraced(result) -> bool:
+    """--simulate with cp > 1 or activation offload: the trace (verify/simulate.py) runs neither, so
+    each strategy is marked untraced with the reason (never traced as cp 1)."""
+    inp = result.inputs
+    reason = ("the fake-tensor trace does not run context parallelism (cp > 1)" if inp.get("cp", 1) > 1 else
+              "the fake-tensor trace does not run activation offload" if inp.get("activation_offload") else "")
+    if not reason:
+        return False
+    for sp in result.strategies:
+        sp.simulated = {"status": "analytic fallback", "reason": reason}
+    print(f"shardtune: --simulate cannot trace {', '.join(s.name for s in result.strategies)}: {reason}; "
+          "showing the analytic plan (marked 'analytic')", file=sys.stderr)
+    return True
 
 
 def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None, fit_batch: bool = False) -> None:

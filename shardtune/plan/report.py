@@ -52,10 +52,17 @@ def render_text(result: PlanResult, console=None, wide: bool = False, mark: str 
         f"AC {inp['ac']}, offload {inp['offload']}"
         + (f", LoRA r={inp['lora_rank']}" if inp["lora_rank"] else "")
         + f"; accounting: {result.accounting}")
+    cp = inp.get("cp", 1)
     if inp.get("tp", 1) > 1:
         sp = "with" if inp.get("sequence_parallel") else "without"
-        console.print(f"layout: data-parallel {hw['gpus'] // inp['tp']} × tensor-parallel {inp['tp']} (inside a "
-                      f"node, {sp} sequence parallelism); FSDP shards over the data-parallel ranks")
+        console.print(f"layout: data-parallel {hw['gpus'] // inp['tp'] // cp}"
+                      + (f" × context-parallel {cp}" if cp > 1 else "")
+                      + f" × tensor-parallel {inp['tp']} (inside a node, {sp} sequence parallelism); FSDP shards "
+                      f"over the data-parallel{' × context-parallel' if cp > 1 else ''} ranks")
+    elif cp > 1:
+        console.print(f"layout: data-parallel {hw['gpus'] // cp} × context-parallel {cp} (each rank "
+                      f"{inp['seq_len'] // cp} tokens of a row; all-to-all around attention); FSDP shards over "
+                      "dp × cp")
     console.print(_memory_table(result, mark) if wide else _compact_memory_table(result, mark))
     if mark and any(s.name == mark for s in result.strategies):
         console.print(f"* the recipe's strategy (parallel.strategy {mark})")
@@ -68,12 +75,18 @@ def render_text(result: PlanResult, console=None, wide: bool = False, mark: str 
         if s.cpu_offload_bytes_per_node:
             console.print(f"{s.name}: offloaded states need {_gib(s.cpu_offload_bytes_per_node)} GiB of CPU RAM per "
                           "node")
+        if s.host_ram:  # --activation-offload (plan/cp.py)
+            h = s.host_ram
+            console.print(f"{s.name}: activation offload keeps {_gib(h['activation_bytes_per_rank'])} GiB per GPU in "
+                          f"host RAM: {_gib(h['bytes_per_node'])} of {_gib(h['node_ram_bytes'])} GiB per node "
+                          f"({'fits' if h['fits'] else 'does NOT fit; give --host-ram'}); "
+                          f"{h['pcie_bytes_per_step'] / GB:,.1f} GB over {h['link']} a step ≈ {h['offload_time_s']:.2f} s")
     console.print(f"verdict: {result.verdict}")
     for note in result.notes:
         console.print(f"note: {note}")
 
 
-_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC"}
+_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC", "all_to_all": "A2A"}
 
 
 def _name(s, mark: str | None) -> str:
@@ -128,11 +141,11 @@ def _comm_table(result: PlanResult, wide: bool = True):
     for col in cols:
         table.add_column(col, justify="left" if col.startswith(("strategy", "coll")) else "right")
     for s in result.strategies:
-        dp = [c for c in s.collectives if c.group != "tp"]
-        tp_bytes = sum(c.bytes_per_rank() for c in s.collectives if c.group == "tp")
+        dp = [c for c in s.collectives if c.group not in ("tp", "cp")]
+        tp_bytes, cp_bytes = (sum(c.bytes_per_rank() for c in s.collectives if c.group == g) for g in ("tp", "cp"))
         parts = " + ".join(
             [f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}" for c in dp]
-            + ([f"TP {tp_bytes / GB:,.1f}"] if tp_bytes else []))
+            + ([f"TP {tp_bytes / GB:,.1f}"] if tp_bytes else []) + ([f"CP A2A {cp_bytes / GB:,.1f}"] if cp_bytes else []))
         ratio = "" if s.comm_ratio_to_ddp is None else f"{s.comm_ratio_to_ddp:.2f}"
         row = [s.name, parts, f"{s.comm_bytes_per_step / GB:,.1f}", ratio]
         table.add_row(*(row if wide else [row[0], *row[2:]]))

@@ -7,6 +7,7 @@ ring moves (NVIDIA nccl-tests PERFORMANCE.md; Patarasuk & Yuan 2009):
   all-gather      (n−1)/n · S  in n−1 steps
   reduce-scatter  (n−1)/n · S  in n−1 steps
   broadcast       S            in n−1 pipelined steps (nccl-tests: busbw = algbw)
+  all-to-all      (n−1)/n · S  in n−1 steps (S: one rank's send buffer; nccl-tests alltoall)
 and busbw = algbw × that factor, so time = steps·α + factor·S / busbw (the α-β model).
 
 A broadcast sends (n−1)/n · S per rank on average but takes S / busbw; zero1's per-partition
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from shardtune.errors import UserError, read_json_object
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
 def bus_factor(kind: str, n: int) -> float:
@@ -29,7 +30,7 @@ def bus_factor(kind: str, n: int) -> float:
         return 0.0
     if kind == "all_reduce":
         return 2.0 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if kind == "broadcast":
         return 1.0
@@ -119,7 +120,7 @@ class Group:
     groups_per_node: int
 
 
-def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1) -> dict[str, Group]:
+def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1, cp: int = 1) -> dict[str, Group]:
     """The groups a strategy talks in: the data-parallel world, HSDP's shard and replica groups,
     and the tensor-parallel group.
 
@@ -142,6 +143,10 @@ def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1) ->
     shared = min(tp, cluster.gpus_per_node)  # data-parallel groups (one per TP position) on a node
     dp = {k: Group(v.size, v.ranks_per_node, v.groups_per_node * shared) for k, v in
           (("world", world), ("shard", shard), ("replica", replica))}
+    # a CP group: cp data-parallel-numbered ranks, tp apart (mesh (..., dp_shard, cp, tp)), inside a
+    # node when cp·tp ≤ gpus per node; its all-to-alls share the NICs with the node's other CP groups
+    in_node = min(cp, g)
+    dp["cp"] = Group(cp, in_node, max(1, cluster.gpus_per_node // in_node))
     # a TP group larger than a node (--tp-across-nodes) spans tp / gpus_per_node whole nodes
     return dict(dp, tp=Group(tp, min(tp, cluster.gpus_per_node), max(1, cluster.gpus_per_node // tp)))
 

@@ -66,10 +66,11 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
     the same link add up. `overlap=False` models a runtime that does not overlap at all.
     `copy_bytes_per_s` (memory bandwidth) prices FSDP2's copy-in/copy-out, which run on the
     collective's stream, so they count with its link (None: not counted). Tensor parallelism's
-    collectives (group "tp") sit between a layer's matmuls, which wait for them: all exposed.
+    collectives (group "tp") sit between a layer's matmuls, which wait for them: all exposed; so
+    do context parallelism's all-to-alls (group "cp") around attention.
     """
-    tp_ops = [op for op in ops if op.group == "tp"]
-    ops = [op for op in ops if op.group != "tp"]
+    tp_ops = [op for op in ops if op.group in ("tp", "cp")]
+    ops = [op for op in ops if op.group not in ("tp", "cp")]
     tp_fw, tp_bw = (sum(op_time_s(op, groups, cluster, num_layers) for op in tp_ops if op.phase == ph)
                     for ph in ("forward", "backward"))
     def phase_comm(phase: str, every: str) -> dict[bool, float]:
@@ -185,14 +186,17 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                      trainable_params: int, num_params: int, active_params: int, lora: bool,
                      offload: str, optimizer: str, peak_flops_per_s: float, mfu: float,
                      mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True,
-                     tp: int = 1, reference_forward: bool = False) -> dict:
+                     tp: int = 1, reference_forward: bool = False, cp: int = 1,
+                     offload_copy_s: float = 0.0) -> dict:
     """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
 
     `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
     compute kernels run at mfu × peak; recompute and exposed communication then lower the MFU
     reported here. `arch` None (a bare --params count): 6N FLOPs per token, no attention term.
     `tp`: each of the tp ranks of a tensor-parallel group computes 1/tp of the same tokens'
-    FLOPs (heads and MLP width split) and updates 1/tp of the parameters.
+    FLOPs (heads and MLP width split) and updates 1/tp of the parameters. `cp`: each of the cp
+    ranks computes 1/cp of a row's tokens (attention: H/cp heads over the whole row, the same
+    FLOPs). `offload_copy_s`: activation offload's host copies per step, exposed (plan/cp.py).
     """
 
     if arch is not None:
@@ -215,8 +219,8 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
         2.0 * num_params if ac == "full" else 0.0)
     tokens_mb = micro_batch * seq_len
     rate = peak_flops_per_s * mfu
-    forward_s = tokens_mb * fwd_tok / rate / tp
-    backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate / tp
+    forward_s = tokens_mb * fwd_tok / rate / (tp * cp)
+    backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate / (tp * cp)
 
     owners = shard_degree * tp  # ranks one optimizer state is split over (strategies.Layout, × TP)
     params_per_rank = trainable_params / owners
@@ -225,10 +229,13 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                        + C.offload_transfer_time_s(params_per_rank, PCIE_BYTES_PER_S))
     else:
         optimizer_s = C.optimizer_step_time_s(params_per_rank, mem_bw_bytes_per_s, optimizer)
-    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None, tp)
+    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None, tp, cp)
     st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap,
                    copy_bytes_per_s=mem_bw_bytes_per_s)
-    tokens_step = tokens_mb * grad_accum / tp  # per GPU: a TP group shares its tokens
+    if offload_copy_s:
+        st.step_time_s += offload_copy_s
+        st.exposed_comm_s += offload_copy_s
+    tokens_step = tokens_mb * grad_accum / (tp * cp)  # per GPU: a TP × CP group shares its tokens
     tps = throughput(st.step_time_s, tokens_step)
     out = {
         "step_time_s": st.step_time_s,
@@ -272,7 +279,8 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
         lora=bool(inp.lora_rank), offload=inp.offload, optimizer=inp.optimizer,
         peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], mem_bw_bytes_per_s=gpu.hbm_bytes_per_s,
         tokens=ctx["tokens"], tp=getattr(inp, "tp", 1),
-        reference_forward=has_reference_forward(inp.objective, inp.reference))
+        reference_forward=has_reference_forward(inp.objective, inp.reference), cp=getattr(inp, "cp", 1),
+        offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0))
 
 
 def add_timing(result, arch, inp, gpu, **options) -> None:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from dataclasses import fields as dc_fields
 
 from shardtune.errors import UserError
+from shardtune.plan.cp import check_cp_layout
 from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
     check_objective_tp,
@@ -61,6 +62,7 @@ class PlanInputs:
     tp_across_nodes: bool = False  # parallel.tp_across_nodes: a TP group over several nodes' links
     cp: int = 1  # parallel.cp: context-parallel degree (the sequence split over cp ranks)
     activation_offload: bool = False  # parallel.activation_offload: saved activations in pinned host RAM
+    host_ram_gib: float | None = None  # host RAM per node for offload (default plan/cp.py: 256 GiB a GPU)
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
     strategies: list[str] | None = None  # default: all that apply
@@ -132,6 +134,11 @@ def validate_inputs(**kw) -> PlanInputs:
     if inp.loss_chunks is not None:
         inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
     inp.tp = _int_in("tp", inp.tp, 1, MAX_GPUS)
+    inp.cp = _int_in("cp", inp.cp, 1, MAX_GPUS)
+    if not isinstance(inp.activation_offload, bool):
+        raise UserError(f"--activation-offload must be true or false, got {inp.activation_offload!r}")
+    if inp.host_ram_gib is not None and not (isinstance(inp.host_ram_gib, (int, float)) and 0 < inp.host_ram_gib < 1e9):
+        raise UserError(f"--host-ram {inp.host_ram_gib!r} must be a positive number of GiB per node")
     _layout(inp)
     inp.precision = normalize_precision(inp.precision)
     inp.optimizer = normalize_optimizer(inp.optimizer)
@@ -173,8 +180,13 @@ def _layout(inp: PlanInputs) -> None:
                             "give --gpus-per-node or --nodes")
         inp.nodes = n // inp.gpus_per_node
     _tp_layout(inp)
+    check_cp_layout(inp.cp, gpus=n, tp=inp.tp, seq_len=inp.seq_len, sequence_parallel=inp.sequence_parallel)
     dp, per_node = n // inp.tp, max(1, inp.gpus_per_node // inp.tp)
-    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else per_node
+    # FSDP shards over dp_shard × cp: an HSDP shard group holds whole CP groups (plan/cp.py)
+    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else max(per_node, inp.cp)
+    if inp.cp > 1 and g % inp.cp:
+        raise UserError(f"--hsdp-shard-size {g} is not a multiple of --cp {inp.cp}: FSDP shards over dp_shard × cp; "
+                        f"give a multiple of {inp.cp}")
     g = _int_in("hsdp_shard_size", g, 1, MAX_GPUS)
     if dp % g:
         raise UserError(f"--hsdp-shard-size {g} does not divide the {dp} data-parallel ranks (--gpus {n}"
