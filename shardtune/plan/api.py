@@ -17,13 +17,12 @@ from shardtune.plan.model import _load_model, _Model
 from shardtune.plan.preference import reference_bytes
 from shardtune.plan.timing import add_timing
 from shardtune.plan.tp import (
-    TP_DEGREES,
     check_tp_arch,
     tp_collectives,
     tp_embedding_grad_bytes,
 )
 from shardtune.plan.validate import PlanInputs, resolve_inputs
-from shardtune.plan.verdict import fallback, verdict
+from shardtune.plan.verdict import suggest, verdict
 from shardtune.strategies import STRATEGIES, STRATEGY, Layout, check_combination, resolve_optimizer_impl
 
 GIB = 2**30
@@ -264,57 +263,6 @@ def _applicable(inp: PlanInputs) -> tuple[list[str], list[str]]:
     return [s for s in names if not errors[s]], omitted
 
 
-def _suggest(m: _Model, sp: StrategyPlan, inp: PlanInputs, usable: int) -> str:
-    """The smallest change that makes a strategy fit: without offload, and with offload."""
-    from dataclasses import replace
-
-    def more_gpus(base: PlanInputs, label: str):
-        if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
-            g, dp = base.hsdp_shard_size * 2, base.gpus // base.tp  # the shard group is of dp ranks
-            while g <= dp and dp % g == 0:
-                yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
-                g *= 2
-            return
-        for k in range(1, 9):
-            g = base.gpus * 2**k
-            yield f"{label}--gpus {g}", replace(base, gpus=g)
-
-    full = replace(inp, ac="full") if m.arch is not None and inp.ac != "full" else None
-    scale_out = []
-    if full:
-        scale_out.append(("--ac full", full))
-    if inp.micro_batch > 1:
-        scale_out.append(("--micro-batch 1", replace(inp, micro_batch=1)))
-    if STRATEGY[sp.name].fsdp and inp.tp == 1 and m.arch is not None and inp.accounting == "shardtune":
-        for t in TP_DEGREES[1:]:  # tensor parallelism divides the states and activations on the same GPUs
-            changed = with_tp(inp, t, m)
-            if changed:
-                scale_out.append((f"--tp {t}", changed))
-    if STRATEGY[sp.name].shards_optimizer:  # more GPUs shrink nothing under ddp
-        scale_out += list(more_gpus(inp, ""))
-        if full:
-            scale_out += list(more_gpus(full, "--ac full "))
-    offload = []
-    if STRATEGY[sp.name].fsdp and inp.offload != "all" and inp.accounting == "shardtune":
-        offload.append(("--offload all", replace(inp, offload="all")))
-        if full:
-            offload.append(("--ac full --offload all", replace(full, offload="all")))
-    found = []
-    for tries in (scale_out, offload):
-        for label, changed in tries:
-            if _combination_error(changed, sp.name):  # e.g. offload under TP: nothing runs it
-                continue
-            p = _plan_strategy(m, sp.name, changed, usable, per_rank=False)
-            if p.fits:
-                cpu = (f" ({p.cpu_offload_bytes_per_node / GIB:,.0f} GiB CPU RAM per node)"
-                       if p.cpu_offload_bytes_per_node else "")
-                found.append(label + cpu)
-                break
-    if found:
-        return " or ".join(found)
-    return fallback(m, sp, inp, usable)  # re-planned alternatives (plan/verdict.py)
-
-
 def with_tp(inp: PlanInputs, tp: int, m: _Model) -> PlanInputs | None:
     """`inp` at tensor-parallel degree `tp` (the HSDP shard size re-derived), or None where that
     layout cannot run (validate's and check_tp_arch's rules)."""
@@ -325,6 +273,20 @@ def with_tp(inp: PlanInputs, tp: int, m: _Model) -> PlanInputs | None:
                           hsdp_shard_size=None if inp.tp != tp else inp.hsdp_shard_size)
         changed = resolve_inputs(PlanInputs(**{f.name: getattr(changed, f.name) for f in fields(PlanInputs)}))
         check_tp_arch(m.arch, m.config, tp)
+    except UserError:
+        return None
+    return changed
+
+
+def with_cp(inp: PlanInputs, cp: int, m: _Model) -> PlanInputs | None:
+    """`inp` at context-parallel degree `cp` (the HSDP shard size re-derived), or None where that
+    layout cannot run (plan/cp.py's rules)."""
+    from dataclasses import fields, replace
+
+    try:
+        changed = replace(inp, cp=cp, hsdp_shard_size=None if inp.cp != cp else inp.hsdp_shard_size)
+        changed = resolve_inputs(PlanInputs(**{f.name: getattr(changed, f.name) for f in fields(PlanInputs)}))
+        cpp.check_cp_arch(m.arch, cp, changed.tp)
     except UserError:
         return None
     return changed
@@ -361,7 +323,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
     for p in plans:
         p.comm_ratio_to_ddp = round(p.comm_bytes_per_step / ddp_bytes, 4) if ddp_bytes else None
         if not p.fits:
-            p.suggestion = _suggest(m, p, inp, usable)
+            p.suggestion = suggest(m, p, inp, usable)
     notes = _notes(m, inp, omitted)
     result = PlanResult(
         model={"name": m.name, "source": m.source, "params": m.num_params,

@@ -1,12 +1,14 @@
 """`plan --fit`: the configuration with the highest predicted tokens/s per GPU that fits.
 
 Searches strategy × tensor-parallel degree (1, 2, 4, 8) × activation checkpointing × offload ×
-micro-batch × HSDP shard size × precision with the planner's memory model (plan/api.py) and the
-step-time model (plan/timing.py), keeping the user's grad_accum, sequence length, GPU and
-cluster, and the global batch (micro-batch × grad_accum × data-parallel ranks: the micro-batch
-follows the tensor-parallel degree) unless `fit_batch` (`--fit-batch`) searches the micro-batch
-too. Each ranked entry says what it changes (numerics, global batch, sequence) and why it loses
-to the best (which per-token time component is larger), each rejected one why it does not fit.
+micro-batch × HSDP shard size × precision, and for long sequences (≥ LONG_SEQ tokens, or a --cp
+or --activation-offload given) context-parallel degree × activation offload (plan/cp.py), with
+the planner's memory model (plan/api.py) and the step-time model (plan/timing.py), keeping the
+user's sequence length, GPU and cluster, and the global batch (micro-batch × grad_accum ×
+data-parallel ranks: the micro-batch follows the tensor-parallel degree, grad_accum the
+context-parallel one) unless `fit_batch` (`--fit-batch`) searches the micro-batch too. Each
+ranked entry says what it changes (numerics, global batch, sequence) and why it loses to the
+best (which per-token time component is larger), each rejected one why it does not fit.
 Also renders the per-strategy time table of a plan. Imports no torch.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from shardtune.strategies import AC_MODES, PRECISIONS, STRATEGY
 GIB = 2**30
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 OFFLOADS = ("none", "all")  # what the trainer can run ("optimizer" is planner-only)
+LONG_SEQ = 16384  # from here on --fit also searches context parallelism and activation offload
 
 
 @dataclass
@@ -40,6 +43,9 @@ class Candidate:
     optimizer_impl: str = "auto"
     tp: int = 1  # tensor-parallel degree (plan/tp.py); sequence parallelism on with it
     global_batch: int = 0  # sequences per optimizer step: micro-batch × grad_accum × data-parallel ranks
+    cp: int = 1  # context-parallel degree (plan/cp.py)
+    activation_offload: bool = False
+    grad_accum: int = 1  # follows cp, keeping the global batch
 
     def changes(self, base: dict) -> dict:
         """What this candidate changes against the plan's own inputs (`FitResult.base`), in words."""
@@ -55,14 +61,19 @@ class Candidate:
 
     def label(self) -> str:
         shard = f" shard {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else ""
+        shard += f" × cp {self.cp}" if self.cp > 1 else ""
         shard += f" × tp {self.tp}" if self.tp > 1 else ""
-        return (f"{self.strategy}{shard}, AC {self.ac}, offload {self.offload}, micro-batch "
-                f"{self.micro_batch}, {self.precision}")
+        act = " + activation offload" if self.activation_offload else ""
+        accum = f" × grad-accum {self.grad_accum}" if self.cp > 1 else ""
+        return (f"{self.strategy}{shard}, AC {self.ac}{act}, offload {self.offload}, micro-batch "
+                f"{self.micro_batch}{accum}, {self.precision}")
 
     def flags(self) -> str:
         f = (f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} "
              f"--micro-batch {self.micro_batch} --precision {self.precision}")
         f += f" --tp {self.tp}" if self.tp > 1 else ""
+        f += f" --cp {self.cp} --grad-accum {self.grad_accum}" if self.cp > 1 else ""
+        f += " --activation-offload" if self.activation_offload else ""
         return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else "")
 
 
@@ -131,18 +142,25 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     refused: dict[str, Exception] = {}
     # tensor parallelism: a --tp given is kept, else every degree of plan/tp.py that can run here
     tps = [base.tp] if base.tp > 1 or m.arch is None else [t for t in TP_DEGREES if api.with_tp(base, t, m)]
-    for tp, strategy in ((t, s) for t in tps for s in strategies):
+    long = m.arch is not None and (base.seq_len >= LONG_SEQ or base.cp > 1 or base.activation_offload)
+    act_offloads = (base.activation_offload,) if base.activation_offload or not long else (False, True)
+    for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, api, long)):
         at_tp = api.with_tp(base, tp, m) if tp != base.tp else base
+        at_tp = api.with_cp(at_tp, cp, m) if cp != at_tp.cp else at_tp
+        accum = base.grad_accum * cp // base.cp  # the global batch kept: grad_accum follows cp
+        if at_tp is None or accum * base.cp != base.grad_accum * cp:
+            continue
         dp, dp_per_node = base.gpus // tp, max(1, base.gpus_per_node // tp)
-        shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
+        shards = [g for g in _shard_sizes(dp, dp_per_node) if g % cp == 0] if STRATEGY[strategy].hybrid else [None]
         mbs = micro_batches if fit_batch else _same_batch(base, tp)
-        for shard in shards:
+        for shard, act_off in ((g, a) for g in shards for a in act_offloads):
             for precision in PRECISIONS:
                 for ac in acs:
                     impl = _impl_for(base, precision)
                     for offload in offloads:
                         inp = replace(at_tp, strategies=[strategy], hsdp_shard_size=shard or at_tp.hsdp_shard_size,
-                                      precision=precision, ac=ac, offload=offload, optimizer_impl=impl)
+                                      precision=precision, ac=ac, offload=offload, optimizer_impl=impl,
+                                      grad_accum=accum, activation_offload=act_off)
                         err = api._combination_error(inp, strategy)
                         if err:  # strategies.check_combination: nothing runs it
                             refused.setdefault(strategy, err)
@@ -153,7 +171,8 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
-                                          optimizer_impl=impl, tp=tp, global_batch=mb * base.grad_accum * dp)
+                                          optimizer_impl=impl, tp=tp, global_batch=mb * accum * dp // cp, cp=cp,
+                                          activation_offload=act_off, grad_accum=accum)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)
                             out.append(c)
@@ -168,17 +187,29 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     for c in fitting[1:top]:
         c.why = _why_loses(c, best)
     rejected = sorted((c for c in out if not c.fits), key=lambda c: -c.tokens_per_s)
-    g0 = base.micro_batch * base.grad_accum * (base.gpus // base.tp)
+    g0 = base.micro_batch * base.grad_accum * (base.gpus // base.tp // base.cp)
     notes = [f"grad_accum {base.grad_accum} and seq {base.seq_len} kept; micro-batch searched over "
              f"{', '.join(map(str, micro_batches))} (the global batch changes with it)" if fit_batch else
              f"global batch {g0} (micro-batch × grad_accum × data-parallel ranks) and seq {base.seq_len} kept: the "
-             "micro-batch follows tp; --fit-batch also searches the micro-batch (the global batch then changes)",
+             "micro-batch follows tp" + (", grad_accum follows cp" if long else "")
+             + "; --fit-batch also searches the micro-batch (the global batch then changes)",
              f"compute at {ctx['mfu']:.0%} MFU ({ctx['network']['mfu_source']})"]
     if base.offload != "none":
         notes.insert(1, f"offload {base.offload} kept (--offload)" if len(offloads) == 1 else
                      f"offload {base.offload} is planner-only: the trainer's none and all searched")
     return FitResult(best, fitting[:top], _distinct(rejected, top), len(out), ctx["network"], notes,
                      {"precision": base.precision, "global_batch": g0, "seq_len": base.seq_len})
+
+
+def _cps(base, tp: int, m, api, long: bool) -> list[int]:
+    """Context-parallel degrees to search at `tp`: a --cp given is kept; for long sequences every
+    power of two of plan/cp.py that can run here; else 1."""
+    from shardtune.plan.cp import cp_degrees
+
+    if base.cp > 1 or not long:
+        return [base.cp]
+    at_tp = api.with_tp(base, tp, m) if tp != base.tp else base
+    return [c for c in cp_degrees(base.gpus, tp) if at_tp and (c == 1 or api.with_cp(at_tp, c, m))]
 
 
 def _same_batch(base, tp: int) -> tuple[int, ...]:
@@ -195,11 +226,11 @@ def _distinct(cands: list[Candidate], top: int) -> list[Candidate]:
     for c in cands:
         if c.strategy not in {o.strategy for o in out}:
             out.append(c)
-            seen.add((c.strategy, c.tp, c.precision, c.ac, c.offload))
+            seen.add((c.strategy, c.tp, c.cp, c.precision, c.ac, c.offload))
     for c in cands:
         if len(out) >= max(top, len({o.strategy for o in out})):
             break
-        key = (c.strategy, c.tp, c.precision, c.ac, c.offload)
+        key = (c.strategy, c.tp, c.cp, c.precision, c.ac, c.offload)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -227,7 +258,8 @@ def _why_loses(c: Candidate, best: Candidate) -> str:
         "optimizer step": per_token(c, "optimizer_time_s") - per_token(best, "optimizer_time_s"),
     }
     worst = max(diffs, key=diffs.get)
-    keys = ("strategy", "tp", "hsdp_shard_size", "ac", "offload", "micro_batch", "precision")
+    keys = ("strategy", "tp", "cp", "hsdp_shard_size", "ac", "activation_offload", "offload", "micro_batch",
+            "precision")
     no_shard = None in (best.hsdp_shard_size, c.hsdp_shard_size)
     changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in keys
                if getattr(best, k) != getattr(c, k) and not (k == "hsdp_shard_size" and no_shard)]

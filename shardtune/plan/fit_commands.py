@@ -29,6 +29,7 @@ _KEYS = {
     "optimizer_impl": (None, "optim.implementation"), "ac": (None, "parallel.activation_checkpointing"),
     "ac_every": (None, "parallel.ac_every"), "offload": (None, "parallel.offload"),
     "hsdp_shard_size": (None, "parallel.hsdp_shard_size"), "tp": (None, "parallel.tp"),
+    "cp": (None, "parallel.cp"), "activation_offload": (None, "parallel.activation_offload"),
 }
 
 
@@ -68,14 +69,17 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
     else:
         model = load_recipe(recipe).model.plan_name()
     want = dict(model=model, gpu=base.gpu, seq_len=base.seq_len, micro_batch=best.micro_batch,
-                grad_accum=base.grad_accum, precision=best.precision, optimizer=best.optimizer,
+                grad_accum=best.grad_accum, precision=best.precision, optimizer=best.optimizer,
                 optimizer_impl=best.optimizer_impl, ac=best.ac, ac_every=base.ac_every, offload=best.offload,
                 hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None,
-                lora_rank=base.lora_rank, strategy=best.strategy, tp=best.tp)
+                lora_rank=base.lora_rank, strategy=best.strategy, tp=best.tp, cp=best.cp,
+                activation_offload=best.activation_offload)
     cfg = load_recipe(recipe)
     have = cfg.plan_inputs()
     have["strategy"] = cfg.parallel.strategy
     have.setdefault("tp", getattr(cfg.parallel, "tp", 1))
+    have.setdefault("cp", getattr(cfg.parallel, "cp", 1))
+    have.setdefault("activation_offload", getattr(cfg.parallel, "activation_offload", False))
     one_node = base.nodes == 1  # else `shardtune launch slurm`, which takes overrides only
     argv = (["shardtune", "train", recipe, "--nproc", str(base.gpus)] if one_node else
             ["shardtune", "launch", "slurm", recipe, "--nodes", str(base.nodes), "--gpus-per-node",
@@ -88,7 +92,9 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
         if flag and one_node:
             flags += [flag, str(want[key])]
         else:
-            overrides.append(f"{recipe_key}={'null' if want[key] is None else want[key]}")
+            value = want[key]
+            value = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+            overrides.append(f"{recipe_key}={value}")
             if key == "model":  # the recipe's folder facts are not the new model's
                 overrides += [f"model.{k}=null" for k in ("architecture", "download") if getattr(cfg.model, k)]
     return shlex.join(argv + flags + overrides)

@@ -80,7 +80,8 @@ def render_text(result: PlanResult, console=None, wide: bool = False, mark: str 
             console.print(f"{s.name}: activation offload keeps {_gib(h['activation_bytes_per_rank'])} GiB per GPU in "
                           f"host RAM: {_gib(h['bytes_per_node'])} of {_gib(h['node_ram_bytes'])} GiB per node "
                           f"({'fits' if h['fits'] else 'does NOT fit; give --host-ram'}); "
-                          f"{h['pcie_bytes_per_step'] / GB:,.1f} GB over {h['link']} a step ≈ {h['offload_time_s']:.2f} s")
+                          f"{h['pcie_bytes_per_step'] / GB:,.1f} GB over {h['link']} a step ≈ "
+                          f"{h['offload_time_s']:.2f} s")
     console.print(f"verdict: {result.verdict}")
     for note in result.notes:
         console.print(f"note: {note}")
@@ -145,7 +146,8 @@ def _comm_table(result: PlanResult, wide: bool = True):
         tp_bytes, cp_bytes = (sum(c.bytes_per_rank() for c in s.collectives if c.group == g) for g in ("tp", "cp"))
         parts = " + ".join(
             [f"{_SHORT[c.op]}{'/' + c.group if c.group != 'world' else ''} {c.bytes_per_rank() / GB:,.1f}" for c in dp]
-            + ([f"TP {tp_bytes / GB:,.1f}"] if tp_bytes else []) + ([f"CP A2A {cp_bytes / GB:,.1f}"] if cp_bytes else []))
+            + ([f"TP {tp_bytes / GB:,.1f}"] if tp_bytes else [])
+            + ([f"CP A2A {cp_bytes / GB:,.1f}"] if cp_bytes else []))
         ratio = "" if s.comm_ratio_to_ddp is None else f"{s.comm_ratio_to_ddp:.2f}"
         row = [s.name, parts, f"{s.comm_bytes_per_step / GB:,.1f}", ratio]
         table.add_row(*(row if wide else [row[0], *row[2:]]))

@@ -1,8 +1,9 @@
 """What the verdict suggests when no single change of a strategy's own settings fits: each
 alternative is re-planned and named only when it fits (issue 27: "try zero3" was printed where
 zero3 did not fit). The families are tried in the order the peak's largest part suggests:
-activations first → a shorter sequence; else another strategy that shards the parameters, LoRA /
-QLoRA, a larger GPU of the catalogue. Imports no torch."""
+activations first → context parallelism (with activation offload), then a shorter sequence; else
+another strategy that shards the parameters, LoRA / QLoRA, a larger GPU of the catalogue, context
+parallelism, a shorter sequence. `suggest` tries single changes first. Imports no torch."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -35,11 +36,43 @@ def _zero3(m, sp, inp, usable):
 
     if STRATEGY[sp.name].reshard_after_forward or api._combination_error(inp, "zero3"):
         return None
-    for label, changed in _variants(m, inp):
+    for label, changed in [*_variants(m, inp), *((" " + lab, ch) for lab, ch in _cp_labels(m, "zero3", inp))]:
         if not api._combination_error(changed, "zero3"):
             p = api._plan_strategy(m, "zero3", changed, usable, per_rank=False)
             if p.fits:
                 return f"zero3{label}{_ram(p)}"
+    return None
+
+
+def _cp_labels(m, strategy: str, inp):
+    """(label, inputs) at each larger context-parallel degree (plan/cp.py), as given and with --ac full."""
+    from shardtune.plan import api
+    from shardtune.plan.cp import cp_degrees
+
+    if m.arch is None or not STRATEGY[strategy].fsdp or inp.accounting != "shardtune":
+        return
+    for c in (c for c in cp_degrees(inp.gpus, inp.tp) if c > inp.cp):
+        full = [("--ac full", replace(inp, ac="full"))] if inp.ac != "full" else []
+        for label, base in [("", inp), *full]:
+            changed = api.with_cp(base, c, m)
+            if changed:
+                yield f"{label.strip()} --cp {c}".strip(), changed
+
+
+def _cp(m, sp, inp, usable):
+    """Context parallelism, then with activation offload (the layers' saved tensors in host RAM)."""
+    from shardtune.plan import api
+
+    for offload in (False, True):
+        for label, changed in _cp_labels(m, sp.name, inp):
+            if offload:
+                label, changed = f"{label} --activation-offload", replace(changed, activation_offload=True)
+            if api._combination_error(changed, sp.name):
+                continue
+            p = api._plan_strategy(m, sp.name, changed, usable, per_rank=False)
+            if p.fits:
+                ram = f" ({p.host_ram['bytes_per_node'] / GIB:,.0f} GiB host RAM per node)" if offload else ""
+                return label + ram
     return None
 
 
@@ -97,14 +130,15 @@ def _acts_dominate(mem) -> bool:
 
 def fallback(m, sp, inp, usable: int) -> str:
     """The first alternative that fits, re-planned; else says that none of them does."""
-    families = [_zero3, _lora, _larger_gpu, _shorter_seq]
-    if _acts_dominate(sp.memory):
-        families = [_shorter_seq, _zero3, _lora, _larger_gpu]
+    families = [_zero3, _lora, _larger_gpu, _cp, _shorter_seq]
+    if _acts_dominate(sp.memory):  # the sequence is split before it is ever shortened
+        families = [_cp, _shorter_seq, _zero3, _lora, _larger_gpu]
     for family in families:
         found = family(m, sp, inp, usable)
         if found:
             return found
-    return "nothing single fits: not zero3, a shorter --seq-len, LoRA / QLoRA nor a larger GPU of the catalogue"
+    return ("nothing single fits: not zero3, --cp, a shorter --seq-len, LoRA / QLoRA nor a larger GPU of the "
+            "catalogue")
 
 
 def verdict(plans, usable: int) -> str:
@@ -116,3 +150,57 @@ def verdict(plans, usable: int) -> str:
             parts.append(f"{p.name} needs {p.memory.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable"
                          f" (try {p.suggestion})")
     return "; ".join(parts)
+
+
+def suggest(m, sp, inp, usable: int) -> str:
+    """The smallest change that makes a strategy fit: without offload, and with offload; when the
+    activations dominate, context parallelism before tensor parallelism; else `fallback`."""
+    from shardtune.plan import api
+    from shardtune.plan.tp import TP_DEGREES
+
+    def more_gpus(base, label: str):
+        if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
+            g, dp = base.hsdp_shard_size * 2, base.gpus // base.tp  # the shard group is of dp ranks
+            while g <= dp and dp % g == 0:
+                yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
+                g *= 2
+            return
+        for k in range(1, 9):
+            g = base.gpus * 2**k
+            yield f"{label}--gpus {g}", replace(base, gpus=g)
+
+    full = replace(inp, ac="full") if m.arch is not None and inp.ac != "full" else None
+    scale_out = []
+    if full:
+        scale_out.append(("--ac full", full))
+    if inp.micro_batch > 1:
+        scale_out.append(("--micro-batch 1", replace(inp, micro_batch=1)))
+    tps = []
+    if STRATEGY[sp.name].fsdp and inp.tp == 1 and m.arch is not None and inp.accounting == "shardtune":
+        for t in TP_DEGREES[1:]:  # tensor parallelism divides the states and activations on the same GPUs
+            changed = api.with_tp(inp, t, m)
+            if changed:
+                tps.append((f"--tp {t}", changed))
+    cps = list(_cp_labels(m, sp.name, inp))  # context parallelism divides the activations
+    scale_out += cps + tps if _acts_dominate(sp.memory) else tps + cps
+    if STRATEGY[sp.name].shards_optimizer:  # more GPUs shrink nothing under ddp
+        scale_out += list(more_gpus(inp, ""))
+        if full:
+            scale_out += list(more_gpus(full, "--ac full "))
+    offload = []
+    if STRATEGY[sp.name].fsdp and inp.offload != "all" and inp.accounting == "shardtune":
+        offload.append(("--offload all", replace(inp, offload="all")))
+        if full:
+            offload.append(("--ac full --offload all", replace(full, offload="all")))
+    found = []
+    for tries in (scale_out, offload):
+        for label, changed in tries:
+            if api._combination_error(changed, sp.name):  # e.g. offload under TP: nothing runs it
+                continue
+            p = api._plan_strategy(m, sp.name, changed, usable, per_rank=False)
+            if p.fits:
+                found.append(label + _ram(p))
+                break
+    if found:
+        return " or ".join(found)
+    return fallback(m, sp, inp, usable)  # re-planned alternatives
