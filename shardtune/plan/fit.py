@@ -147,8 +147,9 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, api, long)):
         at_tp = api.with_tp(base, tp, m) if tp != base.tp else base
         at_tp = api.with_cp(at_tp, cp, m) if cp != at_tp.cp else at_tp
-        accum = base.grad_accum * cp // base.cp  # the global batch kept: grad_accum follows cp
-        if at_tp is None or accum * base.cp != base.grad_accum * cp:
+        # the global batch kept: grad_accum follows cp (--fit-batch: the global batch changes anyway)
+        accum = base.grad_accum if fit_batch else base.grad_accum * cp // base.cp
+        if at_tp is None or (not fit_batch and accum * base.cp != base.grad_accum * cp):
             continue
         dp, dp_per_node = base.gpus // tp, max(1, base.gpus_per_node // tp)
         shards = [g for g in _shard_sizes(dp, dp_per_node) if g % cp == 0] if STRATEGY[strategy].hybrid else [None]

@@ -127,7 +127,7 @@ def test_tp_shards_everything_but_the_norms():
     _, arch = _tiny_arch()
     r = plan("tiny-llama", 4, tp=2, strategies=["zero3"], gpus_per_node=4)
     z3 = r.strategy("zero3")
-    assert z3.layout == {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True}
+    assert z3.layout == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "sequence_parallel": True}
     norms = (2 * arch.num_layers + 1) * arch.hidden_size
     total = r.model["params"]
     assert sum(z3.state_bytes_per_rank["params"]) == 4 * (total + norms)  # tp - 1 = 1 extra copy
@@ -201,18 +201,20 @@ def test_tp_must_divide_heads(capsys):
 
 def test_fit_searches_tp_and_its_pick_plans_the_same():
     # 405B at 32k tokens on 128 H100s: with tp 1 even one sequence's full-AC checkpoints and
-    # the states do not fit; the search must go to tp > 1, and `plan` with the pick's flags agrees.
+    # the states do not fit; the search must go to tp > 1 or (issue 30) cp > 1, and `plan` with the
+    # pick's flags agrees.
     from shardtune.plan.fit import search
 
     fit = search("llama-3.1-405b", gpus=128, seq_len=32768, fit_batch=True)  # micro-batch searched too
-    assert fit.best is not None and fit.best.tp in (2, 4, 8)
-    assert not any(c.fits for c in fit.ranked + fit.rejected if c.tp == 1)
+    assert fit.best is not None and (fit.best.tp in (2, 4, 8) or fit.best.cp > 1)
+    assert not any(c.fits for c in fit.ranked + fit.rejected if c.tp == 1 and c.cp == 1)
     b = fit.best
     r = plan("llama-3.1-405b", 128, seq_len=32768, tp=b.tp, strategies=[b.strategy], ac=b.ac, offload=b.offload,
-             micro_batch=b.micro_batch, precision=b.precision, optimizer_impl=b.optimizer_impl)
+             micro_batch=b.micro_batch, precision=b.precision, optimizer_impl=b.optimizer_impl, cp=b.cp,
+             activation_offload=b.activation_offload, grad_accum=b.grad_accum)
     assert r.strategy(b.strategy).fits
     assert r.strategy(b.strategy).memory.total / GIB == pytest.approx(b.peak_gib)
-    assert f"--tp {b.tp}" in b.flags()
+    assert (f"--tp {b.tp}" if b.tp > 1 else f"--cp {b.cp}") in b.flags()
 
 
 def test_tp_collectives_match_commdebugmode_counts():
