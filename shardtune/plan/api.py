@@ -23,7 +23,15 @@ from shardtune.plan.tp import (
 )
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.plan.verdict import suggest, verdict
-from shardtune.strategies import STRATEGIES, STRATEGY, Layout, check_combination, resolve_optimizer_impl
+from shardtune.strategies import (
+    STRATEGIES,
+    STRATEGY,
+    Layout,
+    check_activation_offload,
+    check_combination,
+    check_cp,
+    resolve_optimizer_impl,
+)
 
 GIB = 2**30
 
@@ -154,10 +162,11 @@ def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
 
 
 def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
-    # the data-parallel part of the mesh: gpus / tp ranks, TP innermost (plan/tp.py)
-    dp, tp = inp.gpus // inp.tp, inp.tp
-    layout = Layout.build(strategy, dp, max(1, inp.gpus_per_node // tp), inp.hsdp_shard_size)
-    shard, fsdp = layout.shard_degree, layout.strategy.fsdp
+    # the FSDP part of the mesh: gpus / tp ranks, TP innermost (plan/tp.py); of them dp_replicate ×
+    # dp_shard data-parallel and cp context-parallel ranks, FSDP sharding over dp_shard × cp
+    dp, tp, cp = inp.gpus // inp.tp, inp.tp, inp.cp
+    layout = Layout.build(strategy, dp // cp, max(1, inp.gpus_per_node // (tp * cp)), inp.hsdp_shard_size)
+    shard, fsdp = layout.shard_degree * cp, layout.strategy.fsdp
     shapes = m.local_shapes(tp)
     st = _states(m, strategy, inp, shard)
     cpu_per_rank = 0
@@ -204,8 +213,8 @@ def _plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_r
                       inp.ac, inp.ac_every)]
     host = cpp.host_ram(inp, host_act, cpu_per_rank) if inp.activation_offload else {}
     return StrategyPlan(
-        layout={"dp_replicate": layout.replicate_degree if fsdp else dp, "dp_shard": shard // inp.cp,
-                "cp": inp.cp, "tp": tp, "sequence_parallel": inp.sequence_parallel},
+        layout={"dp_replicate": layout.replicate_degree if fsdp else dp, "dp_shard": layout.shard_degree,
+                "cp": cp, "tp": tp, "sequence_parallel": inp.sequence_parallel},
         host_ram=host,
         state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
@@ -243,8 +252,13 @@ def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           tp=1 if inp.accounting == "paper" else inp.tp)
     except UserError as e:
         return e
-    why = cpp.check_cp_strategy(strategy, inp.cp)
-    return UserError(why) if why else None
+    try:  # context parallelism's and activation offload's rules (cp_rules.py, the trainer's)
+        check_cp(inp.cp, strategy=strategy, objective=inp.objective, quantize_base=inp.quantize_base,
+                 offload=inp.offload, optimizer=inp.optimizer)
+        check_activation_offload(inp.activation_offload, objective=inp.objective, offload=inp.offload)
+    except UserError as e:
+        return e
+    return None
 
 
 def _applicable(inp: PlanInputs) -> tuple[list[str], list[str]]:
@@ -286,7 +300,7 @@ def with_cp(inp: PlanInputs, cp: int, m: _Model) -> PlanInputs | None:
     try:
         changed = replace(inp, cp=cp, hsdp_shard_size=None if inp.cp != cp else inp.hsdp_shard_size)
         changed = resolve_inputs(PlanInputs(**{f.name: getattr(changed, f.name) for f in fields(PlanInputs)}))
-        cpp.check_cp_arch(m.arch, cp, changed.tp)
+        cpp.check_cp_arch(m.arch, m.config, cp, changed.tp)
     except UserError:
         return None
     return changed
@@ -314,7 +328,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
     if m.arch is not None:
         check_tp_arch(m.arch, m.config, inp.tp)
     if inp.accounting != "paper":
-        cpp.check_cp_arch(m.arch, inp.cp, inp.tp)
+        cpp.check_cp_arch(m.arch, m.config, inp.cp, inp.tp)
     names, omitted = _applicable(inp)
     plans = [_plan_strategy(m, s, inp, usable) for s in names]
     ddp_bytes = comm.bytes_per_step(comm.collectives(

@@ -6,7 +6,7 @@ attention an all-to-all turns the sequence-sharded q, k, v into head shards (H/c
 the whole sequence) and another one turns the output back. Mesh (dp_replicate, dp_shard, cp,
 tp), tp innermost; FSDP shards over dp_shard × cp (torchtitan). Per layer and micro-batch, with
 t = b·s/cp local tokens and widths per TP rank, forward: 4 all-to-alls (q: e·t·h_q, k and v:
-e·t·h_kv' each with h_kv' = max(h_kv, cp·d) — KV heads repeated up to cp, out: e·t·h_q); backward
+e·t·h_kv' each with h_kv' the KV heads repeated until cp divides them (cp_rules.kv_repeat), out: e·t·h_q); backward
 the same 4 for the gradients; AC re-runs the forward's 4 of each recomputed layer. Activation
 offload (torch's save_on_cpu) moves what the decoder layers save to pinned host RAM and back:
 2× those bytes over the GPU's host link per micro-batch. Derivations: docs/long-context.md.
@@ -35,46 +35,24 @@ def cp_degrees(gpus: int, tp: int) -> list[int]:
     return out
 
 
-def check_cp_layout(cp: int, *, gpus: int, tp: int, seq_len: int, sequence_parallel: bool) -> None:
-    """The layout half of the trainer's rule: cp divides gpus / tp and the sequence (× tp with
-    sequence parallelism). One-line UserError."""
-    if cp == 1:
-        return
-    if (gpus // tp) % cp or gpus % tp:
-        raise UserError(f"--cp {cp} does not divide the {gpus // tp} ranks of --gpus {gpus}"
-                        + (f" / --tp {tp}" if tp > 1 else "") + "; give a divisor")
-    split = cp * (tp if sequence_parallel else 1)
-    if seq_len % split:
-        raise UserError(f"--seq-len {seq_len} is not divisible by {split} (--cp {cp}"
-                        + (f" × --tp {tp}, sequence parallelism" if split != cp else "")
-                        + f"): each rank holds an equal slice; give a multiple of {split}")
+def check_cp_arch(arch: Architecture | None, config: dict | None, cp: int, tp: int) -> None:
+    """The trainer's rule on the model (strategies.check_cp: cp divides the query heads of a TP
+    rank); a bare --params count has no heads to split. One-line UserError."""
+    from shardtune.strategies import check_cp
 
-
-def check_cp_arch(arch: Architecture | None, cp: int, tp: int) -> None:
-    """cp divides the query heads each TP rank holds (Ulysses gives each cp rank H/(tp·cp) heads)."""
-    if cp == 1:
-        return
-    if arch is None:
+    if cp > 1 and arch is None:
         raise UserError(f"--cp {cp} needs a model architecture (the heads it splits); give a MODEL, not --params")
-    local = arch.num_heads // tp
-    if local % cp:
-        raise UserError(f"--cp {cp} does not divide the {local} query heads of a rank ({arch.num_heads}"
-                        + (f" / --tp {tp}" if tp > 1 else "") + "); give a divisor")
-
-
-def check_cp_strategy(strategy: str, cp: int) -> str | None:
-    """Why `strategy` cannot run with cp, or None: FSDP strategies only (FSDP shards over dp × cp)."""
-    from shardtune.strategies import STRATEGY
-
-    if cp > 1 and not STRATEGY[strategy].fsdp:
-        return f"--cp {cp} needs an FSDP strategy (zero2, zero3, hsdp): FSDP shards over dp × cp; {strategy} does not"
-    return None
+    if cp > 1:
+        check_cp(cp, tp=tp, hf=config)
 
 
 def kv_width(arch: Architecture, cp: int, tp: int) -> int:
-    """K (or V) width a TP rank sends into the all-to-all: its KV heads, repeated up to cp."""
+    """K (or V) width a TP rank sends into the all-to-all: its KV heads, repeated until cp divides
+    them (cp_rules.kv_repeat, the trainer's)."""
+    from shardtune.cp_rules import kv_repeat
+
     kv = max(1, arch.num_kv_heads // tp)
-    return max(kv, cp) * arch.head_dim
+    return kv * kv_repeat(kv, arch.num_heads // tp, cp) * arch.head_dim
 
 
 def ulysses_collectives(arch: Architecture, tokens: int, cp: int, tp: int, elem_bytes: int, ac: str,

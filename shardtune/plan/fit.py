@@ -151,8 +151,8 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
         accum = base.grad_accum if fit_batch else base.grad_accum * cp // base.cp
         if at_tp is None or (not fit_batch and accum * base.cp != base.grad_accum * cp):
             continue
-        dp, dp_per_node = base.gpus // tp, max(1, base.gpus_per_node // tp)
-        shards = [g for g in _shard_sizes(dp, dp_per_node) if g % cp == 0] if STRATEGY[strategy].hybrid else [None]
+        dp, dp_per_node = base.gpus // (tp * cp), max(1, base.gpus_per_node // (tp * cp))
+        shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
         mbs = micro_batches if fit_batch else _same_batch(base, tp)
         for shard, act_off in ((g, a) for g in shards for a in act_offloads):
             for precision in PRECISIONS:
@@ -172,7 +172,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
-                                          optimizer_impl=impl, tp=tp, global_batch=mb * accum * dp // cp, cp=cp,
+                                          optimizer_impl=impl, tp=tp, global_batch=mb * accum * dp, cp=cp,
                                           activation_offload=act_off, grad_accum=accum)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)

@@ -9,9 +9,9 @@ from dataclasses import asdict, dataclass
 from dataclasses import fields as dc_fields
 
 from shardtune.errors import UserError
-from shardtune.plan.cp import check_cp_layout
 from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
+    check_cp,
     check_objective_tp,
     normalize_ac,
     normalize_offload,
@@ -180,17 +180,15 @@ def _layout(inp: PlanInputs) -> None:
                             "give --gpus-per-node or --nodes")
         inp.nodes = n // inp.gpus_per_node
     _tp_layout(inp)
-    check_cp_layout(inp.cp, gpus=n, tp=inp.tp, seq_len=inp.seq_len, sequence_parallel=inp.sequence_parallel)
-    dp, per_node = n // inp.tp, max(1, inp.gpus_per_node // inp.tp)
-    # FSDP shards over dp_shard × cp: an HSDP shard group holds whole CP groups (plan/cp.py)
-    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else max(per_node, inp.cp)
-    if inp.cp > 1 and g % inp.cp:
-        raise UserError(f"--hsdp-shard-size {g} is not a multiple of --cp {inp.cp}: FSDP shards over dp_shard × cp; "
-                        f"give a multiple of {inp.cp}")
+    check_cp(inp.cp, world_size=n, tp=inp.tp, seq_len=inp.seq_len, sequence_parallel=inp.sequence_parallel)
+    # the data-parallel ranks: gpus / (tp × cp); FSDP shards over dp_shard × cp (strategies.Layout)
+    tc = inp.tp * inp.cp
+    dp, per_node = n // tc, max(1, inp.gpus_per_node // tc)
+    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else min(per_node, dp)
     g = _int_in("hsdp_shard_size", g, 1, MAX_GPUS)
     if dp % g:
         raise UserError(f"--hsdp-shard-size {g} does not divide the {dp} data-parallel ranks (--gpus {n}"
-                        + (f" / --tp {inp.tp}" if inp.tp > 1 else "")
+                        + (f" / --tp {inp.tp}" if inp.tp > 1 else "") + (f" / --cp {inp.cp}" if inp.cp > 1 else "")
                         + f"); give a divisor such as {per_node if dp % per_node == 0 else 1}")
     inp.hsdp_shard_size = g
 

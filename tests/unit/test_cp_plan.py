@@ -139,12 +139,14 @@ def test_70b_at_32k_on_64_gpus_suggests_cp():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--cp", "3"], "does not divide"),
-    (["--cp", "16"], "does not divide"),
-    (["--cp", "4", "--seq-len", "2050"], "not divisible by 4"),
-    (["--cp", "64", "--gpus", "64", "--seq-len", "4096"], "query heads"),
-    (["--cp", "2", "--strategy", "ddp"], "FSDP strategy"),
-    (["--cp", "4", "--strategy", "hsdp", "--hsdp-shard-size", "2"], "multiple of --cp 4"),
+    (["--cp", "3"], "does not divide the world size 8"),
+    (["--cp", "16"], "does not divide the world size 8"),
+    (["--cp", "4", "--seq-len", "2050"], "multiple of 4"),
+    (["--cp", "64", "--gpus", "64", "--seq-len", "4096"], "32 attention heads"),
+    (["--cp", "2", "--strategy", "ddp"], "FSDP2 strategies"),
+    (["--cp", "4", "--strategy", "hsdp", "--hsdp-shard-size", "4"], "data-parallel ranks"),
+    (["--cp", "2", "--offload", "all", "--strategy", "zero3"], "does not compose with offload"),
+    (["--activation-offload", "--offload", "all", "--strategy", "zero3"], "does not compose with offload"),
     (["--host-ram", "-1", "--activation-offload"], "--host-ram"),
 ])
 def test_bad_cp_input_is_one_line_exit_2(argv, words, capsys):
