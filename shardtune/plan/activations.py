@@ -87,6 +87,19 @@ def _tp_layer_bytes(arch: Architecture, tokens: int, e: int, mask_seq_len: int, 
     return norms + attn + mlp
 
 
+def cp_layer_bytes(arch: Architecture, tokens: int, e: int = 2, autocast: bool = False, tp: int = 1,
+                   sp: bool = False) -> int:
+    """One decoder layer's saved bytes on a context-parallel rank over its `tokens` = b·s/cp
+    (parallel/cp.py, DeepSpeed-Ulysses): no [s, s] mask (causal SDPA per document); SDPA saves
+    q and K, V repeated to every query head over the whole row for H/cp heads (e·4·h_q per local
+    token, as the masked path) and its log-sum-exp; o_proj saves the output brought back by the
+    all-to-all, another tensor (e·h_q): the unmasked layer + e·(3h_q − 2h_kv) a token, per TP
+    rank (docs/long-context.md; unmeasured until the trainer's memory.json)."""
+    h_q, h_kv = arch.num_heads * arch.head_dim // tp, arch.num_kv_heads * arch.head_dim // tp
+    return (layer_activation_bytes(arch, tokens, e, 0, autocast, tp, sp)
+            + tokens * e * (3 * h_q - 2 * h_kv))
+
+
 def op_kept_layer_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, tp: int = 1) -> tuple[int, int]:
     """op AC, one layer: (bytes its matmul and SDPA outputs keep beyond the layer's input, the part
     of them backward saves anyway: SDPA's output and log-sum-exp, the gate and up outputs) —
@@ -111,7 +124,7 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     `tp`, `sp`: one tensor-parallel rank's share; AC keeps each layer's input, which sequence
     parallelism splits (the residual stream is sequence-sharded between the blocks). `cp`: one
     context-parallel rank's share (plan/cp.py): b·s/cp tokens; attention's H/cp heads over the
-    whole sequence save as many bytes, except the packed row's mask, whole (b·s·s) on every rank."""
+    whole sequence save as many bytes as H heads over s/cp (`cp_layer_bytes`)."""
     return activation_split(arch, micro_batch, seq_len, elem_bytes, ac, ac_every, calibrated, autocast,
                             loss_chunks, tp, sp, cp)[0]
 
@@ -124,9 +137,10 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     layers): what the layers keep for backward goes to host RAM, one layer's of it stays on the
     device (the one being saved or brought back); the recompute, RoPE tables and head stay."""
     tokens = micro_batch * seq_len // cp
-    # the mask per local token: e·b·s² / (b·s/cp) = e·s·cp (docs/long-context.md)
-    mask = seq_len * cp if calibrated else 0
-    layer = layer_activation_bytes(arch, tokens, elem_bytes, mask, autocast, tp, sp)
+    if cp > 1:
+        layer = cp_layer_bytes(arch, tokens, elem_bytes, autocast, tp, sp)
+    else:
+        layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast, tp, sp)
     stream = 4 if autocast else elem_bytes  # the residual stream's (and RoPE cos/sin's) bytes
     kept_input = stream * (tokens // tp if sp else tokens) * arch.hidden_size
     L = arch.num_layers

@@ -28,24 +28,28 @@ def test_full_ac_checkpoints_are_split_by_cp_and_offloaded_whole():
     assert on_device - device == host - host // L  # one layer's checkpoint stays on the GPU
 
 
-def test_activations_without_the_mask_scale_as_one_over_cp():
-    # uncalibrated (no packed-row mask), no AC, one loss chunk: every saved tensor is per token,
-    # and attention's H/cp heads over all s tokens are as many bytes as H heads over s/cp tokens
+def test_activations_scale_as_one_over_cp():
+    # no AC, one loss chunk: every saved tensor is per token, and attention's H/cp heads over all s
+    # tokens are as many bytes as H heads over s/cp tokens; against cp 1's masked path the cp path
+    # has no e·s mask a token and one more e·h_q (o_proj's input is the all-to-all's output)
     for cp in (2, 4, 8):
-        whole = activation_bytes(LLAMA8B, 1, 8192, 2, "none", loss_chunks=1)
-        assert activation_bytes(LLAMA8B, 1, 8192, 2, "none", loss_chunks=1, cp=cp) * cp == whole
+        whole = activation_bytes(LLAMA8B, 1, 8192, 2, "none", loss_chunks=1, calibrated=True)
+        mask, extra = L * 2 * 8192 * 8192, L * 2 * 8192 * N * D
+        assert activation_bytes(LLAMA8B, 1, 8192, 2, "none", loss_chunks=1, calibrated=True, cp=cp) * cp == (
+            whole - mask + extra)
 
 
 def test_8b_at_128k_cp8_by_hand():
     # docs/long-context.md: t = s/cp local tokens; the recomputed layer per local token (FSDP,
-    # bf16, masked SDPA: K and V repeated to h_q) is norms 2((4+e)h + 4) + q/k/v input e·h +
-    # 4·e·h_q + 4n + MLP e·h + 4e·I; the packed row's additive mask is whole on every rank, e·s²;
-    # with AC full the layer inputs L·e·t·h and RoPE's cos/sin 2·e·t·d; the head (8 loss chunks)
-    # is smaller than the recompute, which it does not overlap (docs/planner.md "AC peak").
+    # bf16, causal SDPA per document: no [s, s] mask) is norms 2((4+e)h + 4) + q/k/v input e·h +
+    # q, K and V repeated to h_q and SDPA's output 4·e·h_q + its log-sum-exp 4n + o_proj's input
+    # (the all-to-all's output) e·h_q + MLP e·h + 4e·I; with AC full the layer inputs L·e·t·h and
+    # RoPE's cos/sin 2·e·t·d; the head (8 loss chunks) is smaller than the recompute, which it
+    # does not overlap (docs/planner.md "AC peak").
     e, s, cp = 2, 131072, 8
     t = s // cp
-    per_token = 2 * ((4 + e) * H + 4) + e * H + 4 * e * N * D + 4 * N + e * H + 4 * e * I
-    recompute = t * per_token + e * s * s
+    per_token = 2 * ((4 + e) * H + 4) + e * H + 5 * e * N * D + 4 * N + e * H + 4 * e * I
+    recompute = t * per_token
     want = L * e * t * H + 2 * e * t * D + recompute
     r = plan("llama-3-8b", 8, seq_len=s, cp=cp, ac="full", strategies=["zero3"])
     z3 = r.strategy("zero3")
