@@ -74,6 +74,10 @@ MODELS.update({
                    "config": _llama(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, **_LLAMA3)},
     "llama-3-70b": {"source": _hf("meta-llama/Meta-Llama-3-70B"),
                     "config": _llama(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0, **_LLAMA3)},
+    # Llama 3.1 8B: the architecture of Llama 3 8B, RoPE scaled to 131,072 positions (long context).
+    "llama-3.1-8b": {"source": _hf("meta-llama/Llama-3.1-8B"),
+                     "config": _llama(4096, 14336, 32, 32, 8, 128256, 131072, 500000.0,
+                                      rope_scaling=dict(_LLAMA3_ROPE), **_LLAMA3)},
     # Llama 3.1 70B: the same architecture as Llama 3 70B (same parameter count), longer RoPE.
     "llama-3.1-70b": {"source": _hf("meta-llama/Llama-3.1-70B"),
                       "config": _llama(8192, 28672, 80, 64, 8, 128256, 131072, 500000.0,
