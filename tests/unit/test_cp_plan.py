@@ -197,3 +197,20 @@ def test_simulate_marks_cp_untraced(capsys):
     sim = json.loads(out)["strategies"][0]["simulated"]
     assert sim["status"] == "analytic fallback" and "context parallelism" in sim["reason"]
     assert "cannot trace" in err
+
+
+def test_docs_table_is_what_plan_prints(capsys):
+    # docs/long-context.md "Figures": each row re-derived from the command it quotes
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "long-context.md").read_text()
+    rows = re.findall(r"^\| ([\d,]+) \| (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d,]+) \|", text, re.M)
+    assert len(rows) == 6
+    for seq, cp, peak, act, tps in rows:
+        rc = main(["plan", "llama-3-8b", "--gpus", "8", "--seq-len", seq.replace(",", ""), "--cp", cp, "--ac", "full",
+                   "--strategy", "zero3", "--json"])
+        s = json.loads(capsys.readouterr().out)["strategies"][0]
+        assert rc == 0 and s["fits"]
+        assert (f"{s['memory']['total'] / GIB:.1f}", f"{s['memory']['activations'] / GIB:.1f}",
+                f"{s['tokens_per_s']:,.0f}") == (peak, act, tps)
