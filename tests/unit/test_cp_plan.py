@@ -214,3 +214,22 @@ def test_docs_table_is_what_plan_prints(capsys):
         assert rc == 0 and s["fits"]
         assert (f"{s['memory']['total'] / GIB:.1f}", f"{s['memory']['activations'] / GIB:.1f}",
                 f"{s['tokens_per_s']:,.0f}") == (peak, act, tps)
+
+
+def test_readme_long_context_rows_are_what_plan_prints(capsys):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = re.findall(r"^\| (\d+)([kM]), cp (\d)(, `--activation-offload`)? \| ([\d.]+) GiB(?: \+ (\d+) GiB host RAM "
+                      r"a node)?, ([\d,]+) \|", text, re.M)
+    assert len(rows) == 4
+    for n, unit, cp, off, peak, host, tps in rows:
+        seq = int(n) * (1024 if unit == "k" else 1024 * 1024)
+        argv = ["plan", "llama-3-8b", "--gpus", "8", "--seq-len", str(seq), "--cp", cp, "--ac", "full",
+                "--strategy", "zero3", "--json"] + (["--activation-offload"] if off else [])
+        assert main(argv) == 0
+        s = json.loads(capsys.readouterr().out)["strategies"][0]
+        assert (f"{s['memory']['total'] / GIB:.1f}", f"{s['tokens_per_s']:,.0f}") == (peak, tps)
+        if host:
+            assert f"{s['host_ram']['bytes_per_node'] / GIB:.0f}" == host
