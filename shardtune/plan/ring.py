@@ -95,8 +95,10 @@ def group_time_s(kind: str, size_bytes: float, group_size: int, ranks_per_node: 
     per ring is the same factor·S as one rank's (NCCL spreads its rings over the NICs), so the
     ring's busbw is min(intra busbw, the node's NIC bandwidth ÷ `groups_per_node`, the number of
     such groups using those NICs at the same time — e.g. HSDP's replica groups, one per local
-    rank). The latency per step is the slower link's. `calls`: the bytes go in that many equal
-    collectives (FSDP2: one per wrapped module; DDP: one per bucket), each paying its own α.
+    rank). The latency per step is the slower link's. An all-to-all across nodes is no ring: the
+    node's r members each send (n − r)/n of their S to other nodes at once, r·S·(n − r)/n through
+    the node's NIC share. `calls`: the bytes go in that many equal collectives (FSDP2: one per
+    wrapped module; DDP: one per bucket), each paying its own α.
     """
     if group_size <= 1:
         return 0.0
@@ -105,6 +107,9 @@ def group_time_s(kind: str, size_bytes: float, group_size: int, ranks_per_node: 
         return calls * collective_time_s(kind, size_bytes / calls, group_size, bw, alpha)
     inter_bw, inter_alpha = cluster.inter.for_kind(kind)
     bw = inter_bw / max(1, groups_per_node)
+    if kind == "all_to_all":  # not a ring: each of a node's members sends its other-node share at once
+        leaving = ranks_per_node * (size_bytes / calls) * (group_size - ranks_per_node) / group_size
+        return calls * ((group_size - 1) * inter_alpha + leaving / bw)
     if ranks_per_node > 1:
         intra_bw, intra_alpha = cluster.intra.for_kind(kind)
         bw, inter_alpha = min(bw, intra_bw), max(inter_alpha, intra_alpha)

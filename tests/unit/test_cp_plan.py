@@ -233,3 +233,16 @@ def test_readme_long_context_rows_are_what_plan_prints(capsys):
         assert (f"{s['memory']['total'] / GIB:.1f}", f"{s['tokens_per_s']:,.0f}") == (peak, tps)
         if host:
             assert f"{s['host_ram']['bytes_per_node'] / GIB:.0f}" == host
+
+
+def test_all_to_all_across_nodes_is_priced_on_the_nics_not_as_a_ring():
+    # cp 16 over 2 nodes of 8: each node's 8 members send 8/16 of their S bytes to the other node
+    # at once, 8 · S / 2 = 4 S through the node's NICs (a ring would send S); 15 latency steps
+    from shardtune.plan.ring import Cluster, Link, group_time_s
+
+    nic, nvl = Link(400e9, 5e-6), Link(370e9, 2e-6)
+    cluster = Cluster(2, 8, nvl, nic)
+    S = 2**30
+    assert group_time_s("all_to_all", S, 16, 8, 1, cluster) == pytest.approx(15 * 5e-6 + 4 * S / 400e9)
+    # inside a node: the ring-like (n − 1)/n · S per rank on NVLink
+    assert group_time_s("all_to_all", S, 8, 8, 1, cluster) == pytest.approx(7 * 2e-6 + 7 / 8 * S / 370e9)
