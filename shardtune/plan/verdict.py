@@ -146,7 +146,11 @@ def verdict(plans, usable: int) -> str:
     fit = [p.name for p in plans if p.fits]
     parts = [f"fits: {', '.join(fit) if fit else 'none'}"]
     for p in plans:
-        if not p.fits:
+        host = p.host_ram or {}
+        if not p.fits and not host.get("fits", True) and p.memory.total <= usable:  # --activation-offload's RAM
+            parts.append(f"{p.name} needs {host['bytes_per_node'] / GIB:,.0f} GiB of host RAM per node, "
+                         f"{host['node_ram_bytes'] / GIB:,.0f} GiB given (--host-ram)")
+        elif not p.fits:
             parts.append(f"{p.name} needs {p.memory.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable"
                          f" (try {p.suggestion})")
     return "; ".join(parts)

@@ -186,7 +186,9 @@ def test_host_ram_that_is_too_small_does_not_fit(capsys):
                "--activation-offload", "--host-ram", "16", "--strategy", "zero3"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "does NOT fit" in out and "fits: none" in " ".join(out.split())
+    flat = " ".join(out.split())
+    assert "does NOT fit" in out and "fits: none" in flat
+    assert "zero3 needs 32 GiB of host RAM per node, 16 GiB given (--host-ram)" in flat
 
 
 def test_simulate_marks_cp_untraced(capsys):
