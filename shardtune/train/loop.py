@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.errors import UserError
-from shardtune.train.core.dpo import DPO
+from shardtune.train.core.dpo import DPO, add_reference_bytes
 from shardtune.train.core.dpo_ref import set_up_dpo
 from shardtune.train.core.effective import describe, effective_settings
 from shardtune.train.core.evaluate import evaluate
@@ -223,7 +223,9 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
     if len(micro_batches) == 1 and track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank,
                                                    cfg.train.compile):
-        return tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
+        result, tracked = tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
+        # dpo: + the frozen reference copy, as plan's memory.reference and total (the trackers never see it)
+        return result, add_reference_bytes(tracked, run.objective.reference) if run.objective else tracked
     return step_fn(), None
 
 

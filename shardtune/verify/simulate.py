@@ -37,20 +37,24 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from shardtune.parallel.apply import apply_precision, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
+from shardtune.plan.preference import holds_reference
 from shardtune.strategies import STRATEGY
+from shardtune.train.core.dpo import DPO, add_reference_bytes
+from shardtune.train.core.dpo_ref import ModelReference, build_reference_model, reference_parallel_config
 from shardtune.train.core.memtrack import track_step
 from shardtune.train.core.model import build_meta_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepOptions, train_step
 
 
-def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0,
-                       optimizer: str = "adamw", has_model: bool = True, objective: str = "sft") -> str | None:
+def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0, optimizer: str = "adamw",
+                       has_model: bool = True, objective: str = "sft", reference: str = "live") -> str | None:
     """Why `--simulate` cannot trace this strategy and option set (None: it can)."""
     if not has_model:
         return "--params gives no architecture to build"
-    if objective != "sft":
-        return f"objective {objective}: the trace runs the SFT step only"
+    if holds_reference(objective, reference, lora_rank) and not STRATEGY[strategy].fsdp:
+        return ("dpo's frozen reference copy under ddp/zero1: torch's MemTracker hooks the gradient of every "
+                "parameter a forward uses and fails on frozen ones")
     if offload != "none":
         return f"offload {offload} moves shards to host memory, which one fake CPU device cannot separate"
     if lora_rank:
@@ -148,9 +152,13 @@ def _ddp_fake_patches(model) -> None:
 
 
 def make_step(model, optimizer, scheduler, opts: StepOptions, *, vocab_size: int, seq_len: int,
-              micro_batch: int, grad_accum: int, world_size: int) -> Callable[[], None]:
+              micro_batch: int, grad_accum: int, world_size: int, pairs: DPO | None = None,
+              precomputed: bool = False) -> Callable[[], None]:
     """One `train_step` on random token ids, two documents packed per row (position ids
-    0..S/2-1, 0..S/2-1) as the trainer's packed data has them (train/data/dataset.py). Packed position
+    0..S/2-1, 0..S/2-1) as the trainer's packed data has them (train/data/dataset.py). `pairs`
+    (dpo, simpo): the objective's own step instead (train/core/dpo.py `DPO.step`), the two
+    documents of a row being one pair's chosen and rejected sides as train/data/preference.py packs
+    them, with `precomputed` reference log-probs in the batch (train.reference: precompute). Packed position
     ids make transformers build a block-diagonal mask (masking_utils.find_packed_sequence_indices;
     on fake tensors it always does, as it cannot look at the ids), so a real run and the trace
     take the same attention path: a mask, K/V repeated to every query head (repeat_kv) and
@@ -162,10 +170,12 @@ def make_step(model, optimizer, scheduler, opts: StepOptions, *, vocab_size: int
             half = seq_len // 2
             pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(micro_batch, seq_len)
             batches.append({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
+            if precomputed:  # as PairLoader's ref_slots: (B, P, 2) float32
+                batches[-1]["ref_logps"] = torch.zeros(micro_batch, (seq_len + seq_len % 2) // 2, 2)
         # the step returns tensors; only its non-finite check reads a value, which fake tensors
         # cannot answer: the trace always takes the update
-        train_step(model, optimizer, scheduler, batches, replace(opts, skip_non_finite=False), dp_group=None,
-                   dp_size=world_size)
+        (pairs.step if pairs else train_step)(model, optimizer, scheduler, batches,
+                                              replace(opts, skip_non_finite=False), dp_group=None, dp_size=world_size)
     return step
 
 
@@ -243,20 +253,24 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
                       grad_accum: int = 1, gpus_per_node: int | None = None,
                       hsdp_shard_size: int | None = None, target: str = "cuda",
                       optimizer_impl: str = "auto", loss_chunks: int | None = None, tp: int = 1,
-                      sequence_parallel: bool = True) -> dict:
+                      sequence_parallel: bool = True, objective: str = "sft", reference: str = "live") -> dict:
     """Rank 0's bytes by planner key (`track_step`) for one strategy, traced on fake tensors.
 
     `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
     `target`: the device whose defaults the trace takes — "cuda" (what a GPU run does: torch's
     AdamW defaults to foreach there) or "cpu" (single-tensor AdamW, as a CPU run does), for
     `optimizer_impl` auto; another kernel is traced as given. `tp` > 1: the trainer's tensor
-    parallelism (parallel/tp.py `apply_tp`) on the 3-D mesh ("dp_replicate", "dp_shard", "tp")."""
+    parallelism (parallel/tp.py `apply_tp`) on the 3-D mesh ("dp_replicate", "dp_shard", "tp").
+    `objective` dpo / simpo: the pair step (`make_step`); dpo with a `reference` live: the trainer's
+    frozen copy (train/core/dpo_ref.py `build_reference_model`: sharded per layer, compute dtype)
+    and its no-grad forward each micro-batch, its bytes as `reference` (in `total`)."""
     t0 = time.perf_counter()
     parallel_cfg = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,
                                   ac_every=ac_every, hsdp_shard_size=hsdp_shard_size, tp=tp,
                                   sequence_parallel=sequence_parallel, tp_across_nodes=True)
     s = STRATEGY[parallel_cfg.strategy]
     optim_cfg = OptimConfig(implementation=optimizer_impl)
+    live = holds_reference(objective, reference, 0)
     with (tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation(),
           real_device_meshes()):
         mesh = build_mesh(parallel_cfg, gpus, gpus_per_node or min(8, gpus), "cpu")  # outside fake mode
@@ -267,8 +281,15 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
         # fake meta tensor that ddp's `to_empty` must swap (refused: pure bf16 ddp/zero1 failed);
         # build_parallel_model's own cast then changes nothing
         apply_precision(meta, parallel_cfg)
+        run_cfg = RunConfig(model=ModelConfig(name=_model_file(model, Path(tmp))), parallel=parallel_cfg,
+                            optim=optim_cfg, train=TrainConfig(loss_chunks=loss_chunks, objective=objective,
+                                                               reference=reference))
+        ref_meta = build_meta_model(run_cfg.model) if live else None  # the reference's, as the policy's
+        if live:
+            apply_precision(ref_meta, reference_parallel_config(parallel_cfg))
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             net = build_parallel_model(meta, parallel_cfg, mesh, "cpu")
+            ref = build_reference_model(run_cfg, mesh, "cpu", meta=ref_meta, fill=False) if live else None
             fake.allow_non_fake_inputs = False
             if not s.fsdp:
                 _ddp_fake_patches(net)
@@ -278,10 +299,11 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)
             vocab = getattr(net, "module", net).config.vocab_size
             # the trainer's StepOptions for this run's config (train/core/step.py)
-            run_cfg = RunConfig(parallel=parallel_cfg, optim=optim_cfg, train=TrainConfig(loss_chunks=loss_chunks))
+            pairs = DPO(ModelReference(ref) if live else None) if objective != "sft" else None
             step = make_step(net, optimizer, scheduler, StepOptions.from_config(run_cfg, vocab), vocab_size=vocab,
                              seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                             world_size=gpus // tp)  # the data-parallel degree: TP ranks share a batch
+                             world_size=gpus // tp,  # the data-parallel degree: TP ranks share a batch
+                             pairs=pairs, precomputed=objective == "dpo" and not live)
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
@@ -290,7 +312,8 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
                 # empty), or they would count only from the step on: a backward peak without them
                 local = getattr(optimizer, "optim", optimizer)
                 result = track_step(net, local, step, fsdp=s.fsdp, warmup_steps=0 if s.fsdp else 1)
-        del meta, net, optimizer, scheduler, step
+            result = add_reference_bytes(result, pairs.reference if pairs else None)
+        del meta, net, optimizer, scheduler, step, ref, ref_meta, pairs
         gc.collect()  # drop DDP's reducer before the fake group goes (PYTORCH-NOTES: gloo exit hang)
     result["tracker"] = "FSDPMemTracker" if s.fsdp else "MemTracker"
     result["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -313,7 +336,7 @@ def attach_simulation(result, model: Any, console=None) -> None:
     for sp in result.strategies:
         reason = untraceable_reason(sp.name, offload=inp["offload"], lora_rank=inp["lora_rank"],
                                     optimizer=inp["optimizer"], has_model=model is not None and inp["params"] is None,
-                                    objective=inp.get("objective", "sft"))
+                                    objective=inp.get("objective", "sft"), reference=inp.get("reference", "live"))
         if reason:
             sp.simulated = {"status": "analytic fallback", "reason": reason}
             reasons.setdefault(reason, []).append(sp.name)
@@ -337,8 +360,9 @@ def attach_simulation(result, model: Any, console=None) -> None:
                     grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
                     optimizer_impl=inp["optimizer_impl"], loss_chunks=inp.get("loss_chunks"),
                     tp=inp.get("tp", 1), sequence_parallel=bool(inp.get("sequence_parallel", True)),
-                    hsdp_shard_size=sp.shard_degree if STRATEGY[sp.name].hybrid else None)
-                sp.simulated = {"status": "traced", "reference": 0, **sim}  # the SFT step holds no reference
+                    hsdp_shard_size=sp.shard_degree if STRATEGY[sp.name].hybrid else None,
+                    objective=inp.get("objective", "sft"), reference=inp.get("reference", "live"))
+                sp.simulated = {"status": "traced", **sim}
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan
                 reason = f"the trace failed ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
                 sp.simulated = {"status": "analytic fallback", "reason": reason}

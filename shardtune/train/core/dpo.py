@@ -212,6 +212,23 @@ class DPO:
         return dict(zip(("val_loss", *(f"val_{m}" for m in METRICS), "val_pref_acc"), means))
 
 
+def held_bytes(model) -> int:
+    """Bytes this rank holds of `model`'s parameters: each local shard's storage (FSDP2 pads it), as
+    torch's memory trackers count them."""
+    locals_ = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    return sum(t.untyped_storage().nbytes() for t in locals_)
+
+
+def add_reference_bytes(tracked: dict, reference) -> dict:
+    """A tracked step's bytes (train/core/memtrack.py) plus the frozen reference copy this rank holds
+    (`reference`, also in `total`): made before the tracked step, the trackers never see it. 0 for
+    LoRA's adapters-off base, precompute and simpo (no copy). The trainer's memory.json and the
+    simulator (verify/simulate.py) both add it here."""
+    model = getattr(reference, "model", None)
+    ref = held_bytes(model) if model is not None else 0
+    return {**tracked, "reference": ref, "total": tracked["total"] + ref}
+
+
 def reference_preference(batches: list[dict], device, group=None) -> tuple[int, int]:
     """(held-out pairs whose chosen side the reference, i.e. the initial policy, scores higher,
     held-out pairs) over every rank (collective)."""

@@ -73,27 +73,35 @@ def compute_dtype_precision(precision: str) -> str:
     return "fp32" if precision == "fp32" else "bf16"
 
 
-def build_reference_model(cfg, mesh, device):
+def build_reference_model(cfg, mesh, device, *, meta=None, fill: bool = True):
     """The frozen full copy: sharded per decoder layer like the policy (FSDP strategies), whole per
-    rank under ddp/zero1 (as their policy is); in the compute dtype; eval mode."""
-    meta = build_meta_model(cfg.model)
+    rank under ddp/zero1 (as their policy is); in the compute dtype; eval mode. `meta`: a meta copy
+    built already; `fill=False` leaves the values unset (the simulator: fake tensors, verify/simulate.py)."""
+    if meta is None:
+        meta = build_meta_model(cfg.model)
     meta.requires_grad_(False)
-    pcfg = cfg.parallel.model_copy(update={"precision": compute_dtype_precision(cfg.parallel.precision),
-                                           "activation_checkpointing": "none"})
+    pcfg = reference_parallel_config(cfg.parallel)
 
-    def fill(m):
+    def init(m):
         init_model_weights(m, cfg.model, cfg.train.seed)
 
     if STRATEGY[pcfg.strategy].fsdp:
-        model = build_parallel_model(meta, pcfg, mesh, device, fill=fill)
+        model = build_parallel_model(meta, pcfg, mesh, device, fill=init if fill else None)
         model.set_reshard_after_forward(True)  # zero2 too: no backward ever comes to reshard it
     else:
         apply_precision(meta, pcfg)
         meta.to_empty(device=device)
         meta.tie_weights()
-        fill(meta)
+        if fill:
+            init(meta)
         model = meta
     return model.eval()
+
+
+def reference_parallel_config(parallel):
+    """The reference copy's ParallelConfig: the policy's, in the compute dtype, no checkpointing."""
+    return parallel.model_copy(update={"precision": compute_dtype_precision(parallel.precision),
+                                       "activation_checkpointing": "none"})
 
 
 def _blank(seq_len: int, pad_id: int):
