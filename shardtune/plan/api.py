@@ -14,7 +14,7 @@ from shardtune.plan import cp as cpp
 from shardtune.plan.activations import activation_split
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.plan.model import _load_model, _Model
-from shardtune.plan.preference import reference_bytes
+from shardtune.plan.preference import reference_bytes, reference_disk
 from shardtune.plan.timing import add_timing
 from shardtune.plan.tp import (
     check_tp_arch,
@@ -94,6 +94,7 @@ class PlanResult:
     strategies: list[StrategyPlan]
     verdict: str
     notes: list[str] = field(default_factory=list)
+    disk: dict = field(default_factory=dict)  # dpo precompute: the reference cache (plan/preference.py)
 
     def strategy(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -106,7 +107,7 @@ class PlanResult:
             "planner": "shardtune.plan", "accounting": self.accounting, "model": self.model,
             "hardware": self.hardware, "inputs": self.inputs,
             "strategies": [s.to_dict() for s in self.strategies],
-            "verdict": self.verdict, "notes": self.notes,
+            "verdict": self.verdict, "notes": self.notes, **({"disk": self.disk} if self.disk else {}),
         }
 
 
@@ -347,7 +348,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
                   "usable_bytes": usable, "gpus": inp.gpus, "nodes": inp.nodes,
                   "gpus_per_node": inp.gpus_per_node, "bf16_flops": gpu.bf16_flops, "source": gpu.source},
         inputs=inp.to_dict(), accounting=inp.accounting, strategies=plans,
-        verdict=verdict(plans, usable), notes=notes,
+        verdict=verdict(plans, usable), notes=notes, disk=reference_disk(inp.objective, inp.reference),
     )
     add_timing(result, m.arch, inp, gpu, **inp.timing_options())  # step time, tokens/s, MFU (plan/timing.py)
     return result
@@ -369,4 +370,7 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
     if inp.objective == "dpo":
         notes.append("dpo: memory.reference is the frozen reference copy (0: LoRA's base with adapters off, or "
                      "precomputed); a pair's chosen + rejected share one seq_len row (docs/dpo.md)")
+        if disk := reference_disk(inp.objective, inp.reference):
+            notes.append(f"dpo precompute: the reference log-prob cache takes {disk['reference_cache_bytes']} bytes "
+                         f"on disk: {disk['reference_cache_bytes_per_1k_pairs'] / 1024:.1f} KiB per 1k pairs")
     return notes

@@ -10,7 +10,7 @@ from shardtune.train.core.memory_json import MEASURED_KEYS, MEMORY_KEYS  # noqa:
 from shardtune.train.core.memory_json import measured_memory as _measured_memory
 
 LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ",
-          "buffers": "buffers", "optimizer_step_temp": "opt tmp", "total": "peak"}
+          "buffers": "buffers", "optimizer_step_temp": "opt tmp", "reference": "ref", "total": "peak"}
 GIB = 2**30
 MIB = 2**20
 
@@ -54,8 +54,8 @@ class MemoryTable:
     differences. Drawn whole where the console has room, else compact (strategy before the
     source, short Δ labels, one decimal): no cell is cut at 80 columns."""
 
-    def __init__(self, title: str, rows: list[tuple[str, str, dict]], unit: int = GIB) -> None:
-        self.title, self.rows, self.unit = title, rows, unit
+    def __init__(self, title: str, rows: list[tuple[str, str, dict]], unit: int = GIB, keys=MEMORY_KEYS) -> None:
+        self.title, self.rows, self.unit, self.keys = title, rows, unit, keys
 
     def table(self, compact: bool):
         from rich import box
@@ -63,15 +63,15 @@ class MemoryTable:
 
         title = self.title + ("; Δ a/b = (a − b) / b" if compact else "")
         table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=compact)
-        for col in ((() if compact else ("strategy",)) + ("source",) + tuple(LABELS[k] for k in MEMORY_KEYS)):
+        for col in ((() if compact else ("strategy",)) + ("source",) + tuple(LABELS[k] for k in self.keys)):
             table.add_column(col, justify="left" if col in ("strategy", "source") else "right", no_wrap=True)
-        big = max((abs(v.get(k) or 0) for _, src, v in self.rows if not src.startswith("Δ") for k in MEMORY_KEYS),
+        big = max((abs(v.get(k) or 0) for _, src, v in self.rows if not src.startswith("Δ") for k in self.keys),
                   default=0) >= 9999.95 * self.unit
         for name, source, values in self.rows:
             if source.startswith("Δ"):
-                cells = [fmt_pct(values.get(k), compact) for k in MEMORY_KEYS]
+                cells = [fmt_pct(values.get(k), compact) for k in self.keys]
             else:
-                cells = [_fmt(values.get(k), self.unit, (0 if big else 1) if compact else 2) for k in MEMORY_KEYS]
+                cells = [_fmt(values.get(k), self.unit, (0 if big else 1) if compact else 2) for k in self.keys]
             if compact:
                 label = COMPACT_SOURCES.get(source, source.split(" (")[0])
                 table.add_row(f"{name} {label}".strip(), *cells)
@@ -88,9 +88,9 @@ class MemoryTable:
         yield full if fits else self.table(compact=True)
 
 
-def memory_table(title: str, rows: list[tuple[str, str, dict]], unit: int = GIB) -> MemoryTable:
+def memory_table(title: str, rows: list[tuple[str, str, dict]], unit: int = GIB, keys=MEMORY_KEYS) -> MemoryTable:
     """The rich renderable of `MemoryTable` (plan --simulate, report)."""
-    return MemoryTable(title, rows, unit)
+    return MemoryTable(title, rows, unit, keys)
 
 
 def render_simulated(result, console=None) -> None:
@@ -102,17 +102,20 @@ def render_simulated(result, console=None) -> None:
     unit, unit_name = (GIB, "GiB (2^30 bytes)") if peak >= GIB else (MIB, "MiB (2^20 bytes)")
     rows = []
     notes = []
+    # dpo's frozen reference copy (plan/preference.py), a column where a plan holds one
+    keys = (*MEMORY_KEYS[:-1], "reference", "total") if any(sp.memory.reference for sp in result.strategies) \
+        else MEMORY_KEYS
     for sp in result.strategies:
-        analytic = {k: getattr(sp.memory, k) for k in MEMORY_KEYS}
+        analytic = {k: getattr(sp.memory, k) for k in keys}
         sim = sp.simulated or {}
         rows.append((sp.name, "analytic", analytic))
         if sim.get("status") == "traced":
             rows.append(("", f"simulated ({sim.get('wall_s', 0):.0f} s)", sim))
-            rows.append(("", "Δ sim vs analytic", differences(analytic, sim)))
+            rows.append(("", "Δ sim vs analytic", differences(analytic, sim, keys)))
         else:
             notes.append(f"{sp.name}: analytic only (not traced: {sim.get('reason', 'no simulation')})")
     console.print(memory_table(f"Analytic vs simulated per-GPU memory, {unit_name}; "
-                               "Δ = (simulated − analytic) / analytic", rows, unit))
+                               "Δ = (simulated − analytic) / analytic", rows, unit, keys))
     console.print("simulated: the trainer's step traced on fake CPU tensors with a fake process group "
                   "(FSDPMemTracker / MemTracker, rank 0); see docs/calibration.md")
     for n in notes:

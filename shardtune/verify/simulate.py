@@ -164,19 +164,23 @@ def make_step(model, optimizer, scheduler, opts: StepOptions, *, vocab_size: int
     take the same attention path: a mask, K/V repeated to every query head (repeat_kv) and
     SDPA's additive mask in the compute dtype, saved for backward."""
     def step() -> None:
-        batches = []
-        for _ in range(grad_accum):
-            ids = torch.randint(0, vocab_size, (micro_batch, seq_len))  # (B, S)
-            half = seq_len // 2
-            pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(micro_batch, seq_len)
-            batches.append({"input_ids": ids, "position_ids": pos, "labels": ids.clone()})
-            if precomputed:  # as PairLoader's ref_slots: (B, P, 2) float32
-                batches[-1]["ref_logps"] = torch.zeros(micro_batch, (seq_len + seq_len % 2) // 2, 2)
+        batches = [fake_batch(vocab_size, seq_len, micro_batch, precomputed) for _ in range(grad_accum)]
         # the step returns tensors; only its non-finite check reads a value, which fake tensors
         # cannot answer: the trace always takes the update
         (pairs.step if pairs else train_step)(model, optimizer, scheduler, batches,
                                               replace(opts, skip_non_finite=False), dp_group=None, dp_size=world_size)
     return step
+
+
+def fake_batch(vocab_size: int, seq_len: int, micro_batch: int, precomputed: bool = False) -> dict:
+    """One micro-batch of `make_step`: random ids, two documents a row (a pair's two sides)."""
+    ids = torch.randint(0, vocab_size, (micro_batch, seq_len))  # (B, S)
+    half = seq_len // 2
+    pos = torch.cat([torch.arange(half), torch.arange(seq_len - half)]).expand(micro_batch, seq_len)
+    batch = {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}
+    if precomputed:  # as PairLoader's ref_slots: (B, P, 2) float32
+        batch["ref_logps"] = torch.zeros(micro_batch, (seq_len + seq_len % 2) // 2, 2)
+    return batch
 
 
 @contextmanager
@@ -300,13 +304,17 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             vocab = getattr(net, "module", net).config.vocab_size
             # the trainer's StepOptions for this run's config (train/core/step.py)
             pairs = DPO(ModelReference(ref) if live else None) if objective != "sft" else None
-            step = make_step(net, optimizer, scheduler, StepOptions.from_config(run_cfg, vocab), vocab_size=vocab,
+            step_opts = StepOptions.from_config(run_cfg, vocab)
+            step = make_step(net, optimizer, scheduler, step_opts, vocab_size=vocab,
                              seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                              world_size=gpus // tp,  # the data-parallel degree: TP ranks share a batch
                              pairs=pairs, precomputed=objective == "dpo" and not live)
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
+                if live:  # the reference's first forward (FSDP2's lazy init) outside the trackers, as
+                    # in a real run's tracked third step
+                    pairs.reference.logps(fake_batch(vocab, seq_len, micro_batch), step_opts)
             with module_stats_per_micro_batch(net), TiedGradSumInPlace():
                 # zero1: the tracker tags the local AdamW's states (ZeroRedundancyOptimizer.state is
                 # empty), or they would count only from the step on: a backward peak without them
