@@ -133,9 +133,11 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
                      ac: str = "none", ac_every: int = 2, calibrated: bool = False,
                      autocast: bool = False, loss_chunks: int = 1, tp: int = 1, sp: bool = False,
                      cp: int = 1, offload: bool = False) -> tuple[int, int]:
-    """(device bytes, host bytes) of `activation_bytes`; `offload` (save_on_cpu around the decoder
-    layers): what the layers keep for backward goes to host RAM, one layer's of it stays on the
-    device (the one being saved or brought back); the recompute, RoPE tables and head stay."""
+    """(device bytes, host bytes) of `activation_bytes`; `offload` (train/core/offload.py's hooks
+    around the micro-batch's forward): everything it saves for backward goes to host RAM — the
+    layers' (with AC full their inputs), the head's, RoPE's tables; on the device one layer's
+    of it at a time (the one brought back) beside the recompute, and the head and RoPE tables
+    while their backward runs (counted as if kept: an upper bound by those few)."""
     tokens = micro_batch * seq_len // cp
     if cp > 1:
         layer = cp_layer_bytes(arch, tokens, elem_bytes, autocast, tp, sp)
@@ -160,7 +162,7 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     head = head_activation_bytes(arch, tokens, elem_bytes, autocast, loss_chunks, tp, sp)
     host = 0
     if offload and L:
-        host, body = body, body // L
+        host, body = body + head + rope, body // L
     if calibrated and recompute:
         return body + rope + max(head, recompute), host
     return body + recompute + rope + head, host
