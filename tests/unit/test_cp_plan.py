@@ -257,3 +257,14 @@ def test_all_to_all_across_nodes_is_priced_on_the_nics_not_as_a_ring():
     assert group_time_s("all_to_all", S, 16, 8, 1, cluster) == pytest.approx(15 * 5e-6 + 4 * S / 400e9)
     # inside a node: the ring-like (n − 1)/n · S per rank on NVLink
     assert group_time_s("all_to_all", S, 8, 8, 1, cluster) == pytest.approx(7 * 2e-6 + 7 / 8 * S / 370e9)
+
+
+def test_planned_activations_at_cp_2_meet_the_trainers_measured_bytes(capsys):
+    # memory.json `activations_bytes` measured by the trainer (docs/long-context.md "Training: how
+    # the sequence is split", tests/e2e/test_cp_cli.py: recipes/tiny-cpu.yaml, fp32, 8 rows × 128):
+    # 48,648,196 at --nproc 1 and 24,328,196 a rank at --nproc 2 --cp 2
+    for cp, measured in ((1, 48_648_196), (2, 24_328_196)):
+        rc = main(["plan", "tiny-llama", "--gpus", str(cp), "--cp", str(cp), "--seq-len", "128", "--micro-batch", "8",
+                   "--precision", "fp32", "--strategy", "zero3", "--json"])
+        planned = json.loads(capsys.readouterr().out)["strategies"][0]["memory"]["activations"]
+        assert rc == 0 and planned == pytest.approx(measured, rel=0.03), (cp, planned, measured)
