@@ -37,14 +37,13 @@ def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: 
     """The layout's mesh: 1-D ("dp",) for ddp/zero1/zero2/zero3, 2-D ("replicate", "shard") for
     hsdp, 3-D ("dp_replicate", "dp_shard", "tp") with tp > 1, 4-D ("dp_replicate", "dp_shard",
     "cp", "tp") with cp > 1 (`Layout.build` checks the degrees). With cp the flattened sub-meshes
-    torchtitan's ParallelDims makes are made here once: "dp" (the data ranks), "dp_shard_cp" (FSDP
-    shards over it) and "dp_cp" (the loss's token count). Needs an initialised default process group."""
+    torchtitan's ParallelDims makes are made here once: "dp" (the data ranks) and "dp_shard_cp" (FSDP
+    shards over it). Needs an initialised default process group."""
     layout = build_layout(parallel_cfg, world_size, local_world_size)
     mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
     if has_cp_dim(mesh):
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     return mesh
 
 
@@ -109,12 +108,6 @@ def dp_group(mesh: DeviceMesh):
     if _nd(mesh):
         return dp_mesh(mesh).get_group()
     return mesh.get_group() if mesh.ndim == 1 else None
-
-
-def loss_group(mesh: DeviceMesh):
-    """The group the loss's target tokens are counted over: the data ranks, and with cp every
-    rank holding a piece of a sequence (dp x cp; tp ranks hold the same tokens)."""
-    return mesh["dp_cp"].get_group() if has_cp_dim(mesh) else dp_group(mesh)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

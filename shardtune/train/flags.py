@@ -45,6 +45,8 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
     Flag("resume", "checkpoint.resume", str, "auto: the newest complete checkpoint that verifies; never: a fresh "
          "start; or a checkpoints/step_N folder (checkpoint.resume).", "[auto|never|PATH]"),
     Flag("tp", "parallel.tp", int, "Tensor-parallel degree (parallel.tp): data-parallel degree = --nproc / tp.", "T"),
+    Flag("cp", "parallel.cp", int, "Context-parallel degree (parallel.cp): each sequence split over C ranks; "
+         "data-parallel degree = --nproc / (tp x cp).", "C"),
     Flag("lora_rank", "lora.rank", int,
          "LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`.", "R"),
 )

@@ -216,8 +216,9 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
 
     def step_fn() -> StepResult:
         step = run.objective.step if run.objective else train_step
-        # the tokens are counted over dp x cp, and FSDP averages the grads over as many ranks
-        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.loss_group,
+        # the ranks of a cp group share the batch, so its (full) target tokens are counted over dp;
+        # FSDP averages the grads over dp x cp ranks (dp_shard x cp, and replicate): undone in full
+        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.dp_group,
                     dp_size=ctx.dp_size * ctx.cp, activations=run.activations)
 
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardtune.config import dump_config
 from shardtune.errors import UserError
-from shardtune.parallel.apply import build_mesh, cp_mesh, dp_group, dp_rank_size, has_tp, loss_group
+from shardtune.parallel.apply import build_mesh, cp_mesh, dp_group, dp_rank_size, has_tp
 from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
 if TYPE_CHECKING:
@@ -53,11 +53,6 @@ class DistContext:
     def cp(self) -> int:
         """The context-parallel degree (1 without cp)."""
         return cp_mesh(self.mesh).size() if cp_mesh(self.mesh) is not None else 1
-
-    @property
-    def loss_group(self):
-        """The group the step's target tokens are counted over (dp x cp: every rank with its own tokens)."""
-        return loss_group(self.mesh)
 
     @property
     def dp_rank(self) -> int:

@@ -1,0 +1,103 @@
+"""One rank of the context-parallel tests (tests/dist/test_cp.py): several cases in the same
+processes, rank<r>.json with what each measured. argv: cases.json out_dir.
+
+A case: {name, parallel: {...ParallelConfig with cp (and tp)}, model: {...ModelConfig}, lora, steps,
+rows, seq_len, grad_accum, lr, logits: bool}. Each rank takes its data-parallel share of
+`_batches.global_batch` (the ranks of one cp and tp group the same rows) and the trainer's step
+splits the sequence; `logits` also records the full logits of two batches that differ in one
+document only (the cp group's pieces all-gathered), for the document-isolation test.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _batches import global_batch, rank_micro_batches  # noqa: E402
+from _rank import process_group, write_result  # noqa: E402
+
+from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from shardtune.parallel.apply import autocast_dtype, build_mesh, cp_mesh, dp_group, dp_rank_size  # noqa: E402
+from shardtune.parallel.cp import cp_degree, shard_batch  # noqa: E402
+from shardtune.parallel.tp import tp_degree  # noqa: E402
+from shardtune.train.core.metrics import SavedActivations  # noqa: E402
+from shardtune.train.core.model import build_model  # noqa: E402
+from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
+from shardtune.train.core.step import StepOptions, train_step  # noqa: E402
+
+
+def changed_document_batches(rows: int, seq_len: int) -> tuple[dict, dict]:
+    """Two batches equal but for the tokens of the first document of row 0 (`_batches`' rows hold
+    two documents, the second from seq_len // 2); the first batch is step 0's."""
+    a = global_batch(0, rows, seq_len)
+    b = {k: v.clone() for k, v in a.items()}
+    b["input_ids"][0, :seq_len // 2] = (b["input_ids"][0, :seq_len // 2] + 7) % 256
+    return a, b
+
+
+def full_logits(model, batch: dict, mesh) -> list:
+    """The logits of `batch` (every rank the whole batch), the cp group's row pieces all-gathered."""
+    with torch.no_grad():
+        local = shard_batch(model, batch)
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        cpm = cp_mesh(mesh)
+        if cpm is not None:
+            parts = [torch.empty_like(logits) for _ in range(cpm.size())]
+            dist.all_gather(parts, logits.contiguous(), group=cpm.get_group())
+            logits = torch.cat(parts, dim=1)
+    return logits[:, :batch["input_ids"].shape[1]].tolist()
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    pcfg = ParallelConfig(**case["parallel"])
+    mesh = build_mesh(pcfg, world, world, "cpu")
+    dp_rank, dp_size = dp_rank_size(mesh)
+    group = dp_group(mesh)
+    torch.manual_seed(0)
+    lora = LoraConfig(**case["lora"]) if case.get("lora") else None
+    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0, lora_cfg=lora)
+    cp, tp = cp_degree(model), tp_degree(model)
+    ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
+                       weight_decay=0.0)
+    opt = build_optimizer(model, ocfg, pcfg, group)
+    sched = build_scheduler(opt, ocfg, case["steps"])
+    opts = StepOptions(autocast_dtype=autocast_dtype(pcfg))
+    out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size, "cp": cp, "tp": tp}
+    if case.get("logits"):
+        out["logits"] = [full_logits(model, b, mesh) for b in changed_document_batches(2, case["seq_len"])]
+    acts = SavedActivations()
+    for step in range(case["steps"]):
+        batch = global_batch(step, case["rows"], case["seq_len"])
+        mbs = rank_micro_batches(batch, dp_rank, dp_size, case.get("grad_accum", 1))
+        # the step as the trainer calls it (train/loop.py): tokens counted over dp, grads x dp x cp
+        r = train_step(model, opt, sched, mbs, opts, dp_group=group, dp_size=dp_size * cp,
+                       activations=acts if step == 0 else None)
+        total = r.loss_part.detach().clone()
+        dist.all_reduce(total)  # every rank's part; the ranks of a tp group hold the same one
+        out["losses"].append(float(total) / tp)
+        out["grad_norms"].append(float(r.grad_norm))
+    out["activation_bytes"] = acts.peak_bytes
+    del model, opt, sched
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    results = {}
+    with process_group() as (rank, world):
+        for case in cases:
+            results[case["name"]] = run_case(case, rank, world)
+            dist.barrier()
+    write_result(out_dir, rank, results)
+
+
+if __name__ == "__main__":
+    main()

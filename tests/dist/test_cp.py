@@ -1,0 +1,116 @@
+"""Context parallelism (all-to-all, parallel/cp.py) composed with FSDP2 against one plain process
+(gloo, 4 ranks, one launch): cp 2 x dp 2 (zero3, zero2 with grad accumulation, hsdp, AC full, AC
+op, bf16-mixed), tp 2 x cp 2 (KV heads repeated: 1 per tp rank, cp 2) and cp 4 x dp 1 (cp > KV
+heads), fp32, 4 steps, on `_batches`' packed rows (two documents a row, positions restarting) with
+masked prompts. The reference is test_train_parity's: a plain transformers model on the whole
+global batch, torch's cross_entropy, AdamW and clip_grad_norm_. LoRA at cp 2 x dp 2 is held to the
+same LoRA run at cp 1 x dp 4 (tests/dist/test_lora.py holds that one to PEFT's). cp 2 x dp 1 runs
+through the CLI: tests/e2e/test_cp_cli.py.
+
+Documents: the full logits of two batches that differ in one document only, under cp 2 (row 0's
+first document is cp rank 0's rows, its second cp rank 1's; the all-to-all brings both into one
+attention, where a causal-only mask would let the second read the first): no other document's
+logits move, and the unchanged batch's logits equal the plain model's.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _cp_worker import changed_document_batches  # noqa: E402
+from _harness import launch, rank_results  # noqa: E402
+from test_train_parity import ROWS, SEQ, _plain_model, reference  # noqa: E402
+
+pytestmark = [pytest.mark.dist]
+WORKER = Path(__file__).parent / "_cp_worker.py"
+STEPS = 4
+LORA = {"rank": 4, "alpha": 8}
+PARITY = ["cp2_zero3", "cp2_zero2_accum", "cp2_hsdp", "cp2_acfull", "cp2_acop", "tp2_cp2", "cp4"]
+
+
+def _case(name, cp=2, strategy="zero3", precision="fp32", **kw):
+    par = {"strategy": strategy, "precision": precision, "cp": cp, **kw.pop("parallel", {})}
+    return {"name": name, "parallel": par, "steps": STEPS, "rows": ROWS, "seq_len": SEQ, **kw}
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp4")
+    cases = [
+        _case("cp2_zero3", logits=True),
+        _case("cp2_zero2_accum", strategy="zero2", grad_accum=2),
+        _case("cp2_hsdp", strategy="hsdp", parallel={"hsdp_shard_size": 1}),
+        _case("cp2_acfull", parallel={"activation_checkpointing": "full"}),
+        _case("cp2_acop", parallel={"activation_checkpointing": "op"}),
+        _case("cp2_bf16mixed", precision="bf16-mixed"),
+        _case("tp2_cp2", parallel={"tp": 2}),
+        _case("cp4", cp=4),
+        _case("cp2_lora", lora=LORA, lr=1e-2),
+        _case("cp1_lora", cp=1, lora=LORA, lr=1e-2),
+    ]
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    launch(WORKER, 4, [str(tmp / "cases.json"), str(tmp)], timeout_s=500, log_dir=tmp / "logs")
+    return rank_results(tmp, 4)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("name", PARITY)
+def test_cp_matches_one_process(world4, name):
+    want_losses, want_norms = reference(steps=STEPS)
+    for rank_result in world4:
+        got = rank_result[name]
+        assert got["losses"] == pytest.approx(want_losses, abs=1e-5), name
+        assert got["grad_norms"] == pytest.approx(want_norms, rel=1e-4), name
+
+
+@pytest.mark.timeout(700)
+def test_layouts_are_what_the_cases_ask(world4):
+    """Mesh (dp_replicate, dp_shard, cp, tp), tp innermost: ranks of a cp group read the same rows."""
+    got = {name: [(r[name]["dp_rank"], r[name]["dp_size"], r[name]["cp"], r[name]["tp"]) for r in world4]
+           for name in ("cp2_zero3", "tp2_cp2", "cp4")}
+    assert got["cp2_zero3"] == [(0, 2, 2, 1), (0, 2, 2, 1), (1, 2, 2, 1), (1, 2, 2, 1)]
+    assert got["tp2_cp2"] == [(0, 1, 2, 2)] * 4
+    assert got["cp4"] == [(0, 1, 4, 1)] * 4
+
+
+@pytest.mark.timeout(700)
+def test_bf16_mixed_close(world4):
+    want, _ = reference(steps=STEPS)
+    got = world4[0]["cp2_bf16mixed"]["losses"]
+    assert got == pytest.approx(want, abs=2e-2)
+    assert got != pytest.approx(want, abs=1e-7)  # bf16 compute really used
+
+
+@pytest.mark.timeout(700)
+def test_lora_under_cp_matches_cp1(world4):
+    for rank_result in world4:
+        want = rank_result["cp1_lora"]
+        assert rank_result["cp2_lora"]["losses"] == pytest.approx(want["losses"], abs=1e-5)
+        assert rank_result["cp2_lora"]["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-4)
+    assert want["losses"][-1] < want["losses"][1]
+
+
+@pytest.mark.timeout(700)
+def test_a_document_never_attends_to_another(world4):
+    """Row 0's first document (tokens 0..15: cp rank 0's piece) changed: the second document's
+    logits (cp rank 1's piece, after it in the row) and row 1's stay bit for bit, the changed
+    document's move; and the unchanged batch's logits equal the plain model's (transformers' own
+    packed-sequence mask)."""
+    same, changed = (torch.tensor(x) for x in world4[0]["cp2_zero3"]["logits"])
+    half = SEQ // 2
+    assert torch.equal(same[0, half:], changed[0, half:])
+    assert torch.equal(same[1], changed[1])
+    assert (same[0, :half] - changed[0, :half]).abs().amax(-1).min() > 1e-3  # every changed token moved
+    for rank_result in world4[1:]:
+        assert torch.equal(torch.tensor(rank_result["cp2_zero3"]["logits"][0]), same)
+    torch.manual_seed(0)
+    plain = _plain_model()
+    batch, _ = changed_document_batches(2, SEQ)
+    with torch.no_grad():
+        want = plain(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    assert (same - want).abs().max() < 1e-5
