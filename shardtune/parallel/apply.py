@@ -6,6 +6,7 @@ alike. The mesh is `strategies.Layout`'s shape on `Strategy.mesh_axes`.
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,10 +42,17 @@ def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: 
     shards over it). Needs an initialised default process group."""
     layout = build_layout(parallel_cfg, world_size, local_world_size)
     mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
-    if has_cp_dim(mesh):
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if has_cp_dim(mesh):  # torch 2.13 asks to keep the flattened meshes rather than slice them by name
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+            sub = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+                   "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp")}
+            sub["hsdp"] = mesh["dp_replicate", "dp_shard_cp"]
+        setattr(mesh, _SUB, sub)
     return mesh
+
+
+_SUB = "_shardtune_sub_meshes"  # on a cp mesh: its flattened sub-meshes, made once by build_mesh
 
 
 def has_cp_dim(mesh: DeviceMesh) -> bool:
@@ -78,15 +86,16 @@ def fsdp_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
     "dp_shard_cp" (dp_shard x cp flattened, as torchtitan does; hsdp: ("dp_replicate", "dp_shard_cp"))."""
     if not _nd(mesh):
         return mesh
-    shard = "dp_shard_cp" if has_cp_dim(mesh) else "dp_shard"
-    return mesh["dp_replicate", shard] if hybrid else mesh[shard]
+    if has_cp_dim(mesh):
+        return getattr(mesh, _SUB)["hsdp" if hybrid else "dp_shard_cp"]
+    return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh of the data-parallel ranks (flattened to 1-D; the whole mesh without tp or cp)."""
     if not _nd(mesh):
         return mesh
-    return mesh["dp"] if has_cp_dim(mesh) else mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return getattr(mesh, _SUB)["dp"] if has_cp_dim(mesh) else mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
 def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:

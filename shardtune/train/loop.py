@@ -152,9 +152,10 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     if ctx.rank == 0:
         if cfg.train.loggers:
             run.loggers = Loggers(cfg.train.loggers, run_dir, cfg.name, cfg.model_dump(mode="json"))
-        tp = "" if ctx.tp == 1 else (f" as dp {ctx.dp_size} x tp {ctx.tp}"
-                                     f"{' (sequence parallel)' if cfg.parallel.sequence_parallel else ''}")
-        ranks = f"ranks {ctx.world_size}" if ctx.tp == 1 else f"dp ranks {ctx.dp_size}"
+        tp = "" if ctx.tp * ctx.cp == 1 else (
+            f" as dp {ctx.dp_size}{f' x cp {ctx.cp}' if ctx.cp > 1 else ''}{f' x tp {ctx.tp}' if ctx.tp > 1 else ''}"
+            f"{' (sequence parallel)' if ctx.tp > 1 and cfg.parallel.sequence_parallel else ''}")
+        ranks = f"ranks {ctx.world_size}" if ctx.tp * ctx.cp == 1 else f"dp ranks {ctx.dp_size}"
         print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s){tp} ({ctx.device.type}, "
               f"{threads} thread{'s' if threads > 1 else ''} per rank), "
               f"{num_params:,} params, global batch {rows_per_step} x {cfg.train.seq_len} tokens "
