@@ -369,9 +369,6 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     _check_model(cfg.model, cfg.train.seq_len)
     check_tp_model(par.tp, resolve_model_config(cfg.model.name), cfg.train.seq_len, par.sequence_parallel)
     check_cp(par.cp, world_size=world_size, tp=par.tp, hf=resolve_model_config(cfg.model.name))
-    if par.activation_offload:  # lands with train/core/step.py's offload
-        raise UserError("parallel.activation_offload is not implemented yet in training: "
-                        "parallel.activation_offload false")
     gpus = _check_backend(cfg.train.backend, local_world_size)
     _check_model_states_fit(cfg, world_size, local_world_size, gpus)
     check_recipe_paths(cfg)

@@ -81,8 +81,8 @@ TABLE: dict[str, tuple | str] = {
     "parallel.sequence_parallel": ("sequence_parallel", lambda c: c.parallel.sequence_parallel if c.parallel.tp > 1
                                    else None),
     "parallel.tp_across_nodes": "a launch permission (tp over more than one node), not the computation",
-    "parallel.cp": "refused in training until parallel/cp.py (config/__init__.py); then a row (cp)",
-    "parallel.activation_offload": "refused in training until parallel/cp.py; then a row (activation_offload)",
+    "parallel.cp": ("cp", lambda c: c.parallel.cp),
+    "parallel.activation_offload": ("activation_offload", lambda c: c.parallel.activation_offload),
     "optim": "section",
     "optim.name": ("optimizer", _optimizer),
     "optim.implementation": ("optimizer", _optimizer),
@@ -124,6 +124,7 @@ PLAN_ROWS = {
     "precision": ("precision", lambda v: v), "offload": ("offload", lambda v: v),
     "ac": ("activation_checkpointing", lambda v: v), "lora_rank": ("lora_rank", lambda v: v),
     "quantize_base": ("quantize_base", lambda v: v), "loss_chunks": ("loss_chunks", lambda v: v or 1),
+    "cp": ("cp", lambda v: v), "activation_offload": ("activation_offload", lambda v: v),
     "optimizer": ("optimizer", lambda v: v), "optimizer_impl": ("optimizer", lambda v: v),
 }
 
@@ -139,6 +140,8 @@ RUNS = {
                         "parallel.precision=bf16-mixed", "parallel.activation_checkpointing=layer",
                         "parallel.ac_every=3", "train.loss_chunks=3"],
     "zero3-tp2": ["parallel.tp=2"],
+    "zero3-cp2-offload": ["parallel.cp=2", "parallel.activation_offload=true",
+                          "parallel.activation_checkpointing=full"],
 }
 COMMON = ["train.max_steps=2", "checkpoint.export_hf=false", "checkpoint.save_final=false"]
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+from shardtune.parallel.cp import cp_degree
 from shardtune.parallel.tp import TP_ATTR
 from shardtune.train.core.qlora import is_nf4
 from shardtune.train.core.step import StepOptions
@@ -151,8 +152,10 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
     tp, sequence_parallel = getattr(hf, TP_ATTR, (1, False))  # set by parallel/tp.py apply_tp
     return {
         "strategy": strategy, "world_size": world_size,
-        "hsdp_shard_size": _mesh_dim(model, ("shard", "dp_shard")) if strategy == "hsdp" else None,
+        "hsdp_shard_size": (_mesh_dim(model, ("shard", "dp_shard")) or _mesh_dim(model, ("dp_shard_cp",))
+                            // cp_degree(hf)) if strategy == "hsdp" else None,  # cp: FSDP's dim is dp_shard x cp
         "tp": int(tp), "sequence_parallel": bool(sequence_parallel) if tp > 1 else None,
+        "cp": cp_degree(hf), "activation_offload": opts.activation_offload,
         "precision": precision, "master_dtype": master, "compute_dtype": compute,
         "autocast_dtype": _DTYPE.get(opts.autocast_dtype) if opts.autocast_dtype else None,
         "activation_checkpointing": ac, "ac_layers": ac_layers,
@@ -172,8 +175,10 @@ def describe(eff: dict) -> str:
     ac = eff["activation_checkpointing"] + (f" (layers {eff['ac_layers']})" if eff["ac_layers"] else "")
     lora = f"LoRA rank {eff['lora_rank']}" + (" on an nf4 base" if eff["quantize_base"] == "nf4" else "") \
         if eff["lora_rank"] else "LoRA off"
+    extra = (f"cp {eff['cp']}, " if eff.get("cp", 1) > 1 else "") + (
+        "activation offload on, " if eff.get("activation_offload") else "")
     return (f"{eff['strategy']}, {eff['precision']} (master {eff['master_dtype']}, compute {eff['compute_dtype']}, "
-            f"autocast {eff['autocast_dtype'] or 'off'}), AC {ac}, offload {eff['offload']}, "
+            f"autocast {eff['autocast_dtype'] or 'off'}), AC {ac}, offload {eff['offload']}, {extra}"
             f"compile {'on' if eff['compile'] else 'off'}, loss_chunks {eff['loss_chunks']}, "
             f"objective {eff['objective']}, "
             f"optimizer {eff['optimizer']}, grad_clip {eff['grad_clip']}, {lora}, threads {eff['threads']}")

@@ -71,29 +71,45 @@ def model_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
 
 
 class SavedActivations:
-    """Counts the distinct storages saved for backward (parameters excluded) while active."""
+    """Counts the distinct storages saved for backward (parameters excluded) while active; with an
+    activation offload (train/core/offload.py), the ones moved to host memory apart."""
 
     def __init__(self) -> None:
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # on the device
+        self.peak_offloaded_bytes = 0  # in host memory (parallel.activation_offload)
         self._seen: dict[int, int] = {}
+        self._off: dict[int, int] = {}
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _count(self, t: torch.Tensor, into: dict) -> None:
         # a parameter, or a view of one (F.linear saves weight.t()), is not an activation
         if not isinstance(t, nn.Parameter) and not isinstance(t._base, nn.Parameter) and t.device.type != "meta":
             s = local_tensor(t).untyped_storage()
             try:
-                self._seen[s.data_ptr()] = s.nbytes()
+                into[s.data_ptr()] = s.nbytes()
             except RuntimeError:  # a frozen TP-split weight's view (LoRA under tp): storage FSDP2 swaps, no activation
                 pass
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t, self._seen)
         return t
 
     @contextmanager
-    def micro_batch(self):
+    def micro_batch(self, offload=None):
         """Wrap one micro-batch's forward: all its saved tensors are alive at the end of it."""
-        self._seen = {}
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        self._seen, self._off = {}, {}
+        if offload is None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        else:
+            def pack(t):
+                packed = offload.pack(t)
+                self._count(t, self._off if offload.moved(packed) else self._seen)
+                return packed
+
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, offload.unpack)
+        with hooks:
             yield
         self.peak_bytes = max(self.peak_bytes, sum(self._seen.values()))
+        self.peak_offloaded_bytes = max(self.peak_offloaded_bytes, sum(self._off.values()))
 
 
 def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:
@@ -227,6 +243,8 @@ def step_peak_bytes(device: torch.device, model: nn.Module, optimizer, activatio
     counter, so the loop calls this on logged steps only."""
     states = model_state_bytes(model, optimizer)
     states["activations_bytes"] = activations.peak_bytes if activations else 0
+    if activations and activations.peak_offloaded_bytes:  # parallel.activation_offload, on an accelerator
+        states["activations_offloaded_bytes"] = activations.peak_offloaded_bytes
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         # what the caching allocator held: reserved - allocated is its fragmentation and cache

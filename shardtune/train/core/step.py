@@ -30,6 +30,7 @@ from shardtune.parallel.apply import autocast_dtype
 from shardtune.parallel.tp import loss_context
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
+from shardtune.train.core.offload import HostOffload
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
@@ -50,6 +51,7 @@ class StepOptions:
     dpo_beta: float = 0.1  # train.dpo_beta
     dpo_label_smoothing: float = 0.0  # train.dpo_label_smoothing
     simpo_gamma: float = 0.5  # train.simpo_gamma
+    activation_offload: bool = False  # parallel.activation_offload: saved tensors in host memory (offload.py)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int, **overrides) -> StepOptions:
@@ -57,7 +59,8 @@ class StepOptions:
         opts = cls(loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, vocab_size),
                    autocast_dtype=autocast_dtype(cfg.parallel), grad_clip=cfg.optim.grad_clip,
                    objective=cfg.train.objective, dpo_beta=cfg.train.dpo_beta,
-                   dpo_label_smoothing=cfg.train.dpo_label_smoothing, simpo_gamma=cfg.train.simpo_gamma)
+                   dpo_label_smoothing=cfg.train.dpo_label_smoothing, simpo_gamma=cfg.train.simpo_gamma,
+                   activation_offload=cfg.parallel.activation_offload)
         return replace(opts, **overrides)
 
 
@@ -95,9 +98,10 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     dist.all_reduce(num_tokens, group=dp_group)  # ONE all-reduce per step
     denom = num_tokens.clamp(min=1).to(torch.float32)
     loss_sum = torch.zeros((), device=device)
+    offload = HostOffload() if opts.activation_offload else None
     for i, mb in enumerate(micro_batches):
         with accumulation(model, last=i == len(micro_batches) - 1), loss_context(model):  # TP: loss_parallel
-            with activations.micro_batch() if activations else nullcontext():
+            with _saved_tensors(activations, offload):
                 # full logits (1 chunk) or chunked cross-entropy (train.loss_chunks, docs/loss.md)
                 token_loss_sum = lm_token_loss_sum(model, mb, opts.loss_chunks, opts.autocast_dtype)
             (token_loss_sum * dp_size / denom).backward()
@@ -105,6 +109,14 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     norm, lr, skipped = clip_and_step(model, optimizer, scheduler, loss_sum, opts)
     return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
                       num_tokens=num_tokens, skipped=skipped)
+
+
+def _saved_tensors(activations, offload):
+    """The hooks on what one micro-batch's forward saves: counted (`activations`), moved to host
+    memory (`offload`, parallel.activation_offload), both, or neither."""
+    if activations is not None:
+        return activations.micro_batch(offload)
+    return offload.hooks() if offload is not None else nullcontext()
 
 
 def accumulation(model: nn.Module, last: bool):
