@@ -102,7 +102,10 @@ class SavedActivations:
         else:
             def pack(t):
                 packed = offload.pack(t)
-                self._count(t, self._off if offload.moved(packed) else self._seen)
+                if offload.moved(packed):  # its host copy (the device tensor may be freed, its address reused)
+                    self._count(packed[1], self._off)
+                else:
+                    self._count(t, self._seen)
                 return packed
 
             hooks = torch.autograd.graph.saved_tensors_hooks(pack, offload.unpack)

@@ -27,7 +27,8 @@ class HostOffload:
     def pack(self, t: torch.Tensor):
         if _stays(t):
             return t
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+        # pinned needs an accelerator (PYTORCH-NOTES); tests/unit/test_activation_offload.py runs it on CPU
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=torch.cuda.is_available())
         host.copy_(t, non_blocking=True)  # same stream as the kernels that reuse t's memory: ordered
         return t.device, host
 
