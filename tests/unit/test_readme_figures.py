@@ -59,7 +59,8 @@ def recipe_plans():
 
 
 RECIPE_GPUS = {"llama-3-70b-lora-8xh100": 8, "llama-3-70b-8xh100": 8, "llama-3-70b-bf16-8xh100": 8,
-               "llama-3-70b-qlora-2x4090": 2, "llama-3.1-405b-tp8-16x8xh100": 128, "llama-3-70b-tp8-2x8xh100": 16}
+               "llama-3-70b-qlora-2x4090": 2, "llama-3.1-405b-tp8-16x8xh100": 128, "llama-3-70b-tp8-2x8xh100": 16,
+               "llama-3.1-8b-128k-cp8-8xh100": 8, "llama-3.1-70b-32k-64xh100": 64}
 
 
 @pytest.mark.parametrize("name", list(RECIPE_GPUS))
@@ -76,7 +77,7 @@ def test_70b_recipe_row_is_what_plan_recipe_prints(recipe_plans, capsys, name):
     assert host == (f"{cpu / GIB:,.0f} GiB" if cpu else "—")
     assert speed == f"{s['tokens_per_s']:,.0f} ({s['mfu'] * 100:.0f} %)"
     inp = d["inputs"]
-    dp = inp["gpus"] // inp.get("tp", 1)  # a tensor-parallel group shares its batch
+    dp = inp["gpus"] // inp.get("tp", 1) // inp.get("cp", 1)  # a tensor- or context-parallel group shares its batch
     assert batch == f"{inp['micro_batch'] * inp['grad_accum'] * dp} × {inp['seq_len']:,}"
 
 
