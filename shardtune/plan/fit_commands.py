@@ -29,7 +29,7 @@ _KEYS = {
     "optimizer_impl": (None, "optim.implementation"), "ac": (None, "parallel.activation_checkpointing"),
     "ac_every": (None, "parallel.ac_every"), "offload": (None, "parallel.offload"),
     "hsdp_shard_size": (None, "parallel.hsdp_shard_size"), "tp": (None, "parallel.tp"),
-    "cp": (None, "parallel.cp"), "activation_offload": (None, "parallel.activation_offload"),
+    "cp": ("--cp", "parallel.cp"), "activation_offload": (None, "parallel.activation_offload"),
 }
 
 

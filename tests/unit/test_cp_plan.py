@@ -130,7 +130,7 @@ def test_fit_train_line_sets_cp_and_grad_accum():
     base = resolve_inputs(None, 8, {"model": "llama-3-8b", "seq_len": 131072, "ac": "full"})
     fit = search(base)
     line = train_line(fit.best, base)
-    assert f"parallel.cp={fit.best.cp}" in line and f"train.grad_accum={fit.best.grad_accum}" in line
+    assert f"--cp {fit.best.cp}" in line and f"train.grad_accum={fit.best.grad_accum}" in line
 
 
 def test_verdict_suggests_cp_before_a_shorter_sequence():
