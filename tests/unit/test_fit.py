@@ -86,6 +86,7 @@ def _parse_as_cli(argv: list[str]) -> dict:
     ["llama-3-70b", "--gpus", "16", "--nodes", "2", "--lora-rank", "16"],  # two nodes: launch slurm
     ["recipes/tiny-cpu.yaml", "--gpus", "2", "--gpu", "a100-40gb"],  # the recipe planned is the one run
     ["llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g", "--strategy", "hsdp"],
+    ["llama-3-8b", "--gpus", "8", "--seq-len", "131072", "--ac", "full"],  # long: cp, grad_accum follows it
 ])
 def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     import shlex
@@ -115,7 +116,9 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
         assert got["optimizer_impl"] == "bf16-stochastic"
     if best["strategy"] == "hsdp":
         assert got["hsdp_shard_size"] == best["hsdp_shard_size"]
-    assert got["seq_len"] == (128 if "tiny" in argv[0] else 2048)
+    assert got["seq_len"] == (128 if "tiny" in argv[0] else 131072 if "--seq-len" in argv else 2048)
+    assert (got["cp"], got["activation_offload"], got["grad_accum"]) == (
+        best["cp"], best["activation_offload"], best["grad_accum"]), line
     if "--lora-rank" in argv:
         assert got["lora_rank"] == 16
     if "--gpu" in argv:
