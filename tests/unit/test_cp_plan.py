@@ -268,3 +268,9 @@ def test_planned_activations_at_cp_2_meet_the_trainers_measured_bytes(capsys):
                    "--precision", "fp32", "--strategy", "zero3", "--json"])
         planned = json.loads(capsys.readouterr().out)["strategies"][0]["memory"]["activations"]
         assert rc == 0 and planned == pytest.approx(measured, rel=0.03), (cp, planned, measured)
+
+
+def test_the_issues_done_when_command_prints_a_layout_that_fits(capsys):
+    rc = main(["plan", "llama-3-8b", "--gpus", "8", "--seq-len", "131072", "--cp", "8", "--ac", "full"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc in (0, None) and "data-parallel 1 × context-parallel 8" in out and "fits: zero2, zero3, hsdp" in out
