@@ -17,21 +17,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _batches import global_batch, rank_micro_batches  # noqa: E402
-from _rank import process_group, write_result  # noqa: E402
+from _batches import global_batch, rank_micro_batches
+from _rank import serve
 
-from shardtune.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
-from shardtune.parallel.build import build_parallel_model  # noqa: E402
-from shardtune.train.core.evaluate import evaluate  # noqa: E402
-from shardtune.train.core.metrics import SavedActivations  # noqa: E402
-from shardtune.train.core.model import build_meta_model, init_model_weights  # noqa: E402
-from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
+from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
+from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.build import build_parallel_model
+from shardtune.train.core.evaluate import evaluate
+from shardtune.train.core.metrics import SavedActivations
+from shardtune.train.core.model import build_meta_model, init_model_weights
+from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.step import StepOptions, global_loss, train_step
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
     pcfg = ParallelConfig(**case["parallel"])
     mcfg = ModelConfig(name=case["model"])
     mesh = build_mesh(pcfg, world, world, "cpu")
@@ -68,12 +68,5 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     return out
 
 
-def main() -> None:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    with process_group() as (rank, world):
-        torch.set_num_threads(1)
-        write_result(sys.argv[2], rank, {c["name"]: run_case(c, rank, world) for c in cases})
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_case)

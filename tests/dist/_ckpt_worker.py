@@ -2,7 +2,7 @@
 case in the same processes (imports cost ~7 s per process) and writes rank<r>.json with each
 case's outcome ("ok" or the error message).
 
-argv: cases.json out_dir. A case: {name, overrides: [key=value, ...], env: {VAR: value}}; every
+argv: cases.json out_dir (`_rank.serve`). A case: {name, overrides: [key=value, ...], env: {VAR: value}}; every
 case gets its own run folder <out_dir>/<name>.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _rank import process_group, write_result
+from _rank import serve
 
 from shardtune.config import load_recipe
 from shardtune.errors import UserError
@@ -23,8 +23,8 @@ from shardtune.parallel.apply import build_mesh
 from shardtune.train.main import DistContext, train
 
 
-def run_case(case: dict, out_dir: Path, rank: int, world: int) -> dict:
-    cfg = load_recipe(None, [*case["overrides"], f"output_dir={out_dir / case['name']}"])
+def run_case(case: dict, rank: int, world: int) -> dict:
+    cfg = load_recipe(None, [*case["overrides"], f"output_dir={Path(case['out_dir']) / case['name']}"])
     mesh = build_mesh(cfg.parallel, world, world, "cpu")
     ctx = DistContext(rank, world, rank, world, torch.device("cpu"), mesh)
     saved_env = dict(os.environ)
@@ -40,16 +40,5 @@ def run_case(case: dict, out_dir: Path, rank: int, world: int) -> dict:
         gc.collect()
 
 
-def main() -> None:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    results = {}
-    with process_group() as (rank, world):
-        for case in cases:
-            results[case["name"]] = run_case(case, out_dir, rank, world)
-            dist.barrier()
-    write_result(out_dir, rank, results)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_case)

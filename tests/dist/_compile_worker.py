@@ -16,20 +16,19 @@ from pathlib import Path
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _batches import global_batch, rank_micro_batches  # noqa: E402
-from _rank import process_group, write_result  # noqa: E402
+from _batches import global_batch, rank_micro_batches
+from _rank import serve
 
-from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from shardtune.parallel.apply import build_mesh  # noqa: E402
-from shardtune.parallel.build import build_parallel_model  # noqa: E402
-from shardtune.train.core.evaluate import evaluate  # noqa: E402
-from shardtune.train.core.lora import apply_lora  # noqa: E402
-from shardtune.train.core.metrics import SavedActivations  # noqa: E402
-from shardtune.train.core.model import build_meta_model, init_model_weights  # noqa: E402
-from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.sampling import generate_ids  # noqa: E402
-from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
+from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from shardtune.parallel.apply import build_mesh
+from shardtune.parallel.build import build_parallel_model
+from shardtune.train.core.evaluate import evaluate
+from shardtune.train.core.lora import apply_lora
+from shardtune.train.core.metrics import SavedActivations
+from shardtune.train.core.model import build_meta_model, init_model_weights
+from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.sampling import generate_ids
+from shardtune.train.core.step import StepOptions, global_loss, train_step
 
 
 def graphs() -> int:
@@ -80,15 +79,5 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     return out
 
 
-def main() -> None:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    results = {}
-    with process_group(timeout_s=300) as (rank, world):
-        for case in cases:
-            results[case["name"]] = run_case(case, rank, world)
-            torch.distributed.barrier()
-    write_result(sys.argv[2], rank, results)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_case, timeout_s=300)

@@ -11,16 +11,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _batches import global_batch, rank_micro_batches  # noqa: E402
-from _rank import process_group, write_result  # noqa: E402
+from _batches import global_batch, rank_micro_batches
+from _rank import serve
 
-from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
-from shardtune.train.core.metrics import storages  # noqa: E402
-from shardtune.train.core.model import build_model, unwrap  # noqa: E402
-from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
+from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.train.core.metrics import storages
+from shardtune.train.core.model import build_model, unwrap
+from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.step import StepOptions, global_loss, train_step
 
 
 def param_bytes(model) -> dict:
@@ -55,12 +54,5 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     return out
 
 
-def main() -> None:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    with process_group() as (rank, world):
-        results = {c["name"]: run_case(c, rank, world) for c in cases}
-    write_result(sys.argv[2], rank, results)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_case)

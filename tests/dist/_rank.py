@@ -1,10 +1,20 @@
-"""The rank side of tests/dist/_harness.py `launch`: the gloo process group a worker runs in, and
-its per-rank result file (`rank<R>.json`, read back by `_harness.rank_results`)."""
+"""The rank side of tests/dist/_harness.py `launch`: the gloo process group a worker runs in, its
+per-rank result file (`rank<R>.json`, read back by `_harness.rank_results`), and `serve`, the one
+main() of the case workers.
+
+A case worker is a module with `run_case(case, rank, world) -> dict` whose `__main__` calls
+`serve(run_case)`: argv is `cases.json out_dir`, every case runs in the same processes (imports cost
+~7 s a process, so cases share them) and rank<R>.json maps each case's name to what it measured. A
+case may name another worker module (`"worker": "_ckpt_worker"`): its `run_case` runs it, so cases of
+several test files can share one launch."""
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import os
+import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -26,3 +36,18 @@ def process_group(timeout_s: float = 60):
 
 def write_result(out_dir: str | os.PathLike, rank: int, result) -> None:
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def serve(run_case: Callable[[dict, int, int], dict], timeout_s: float = 60) -> None:
+    """argv: cases.json out_dir. Runs each case (`case["out_dir"]` is out_dir) with `run_case` or
+    its own worker's, a barrier after each, then writes rank<R>.json {name: result}."""
+    cases = json.loads(Path(sys.argv[1]).read_text())
+    out_dir = Path(sys.argv[2])
+    results = {}
+    with process_group(timeout_s) as (rank, world):
+        for case in cases:
+            case = {"out_dir": str(out_dir), **case}
+            run = importlib.import_module(case["worker"]).run_case if "worker" in case else run_case
+            results[case["name"]] = run(case, rank, world)
+            dist.barrier()
+    write_result(out_dir, rank, results)

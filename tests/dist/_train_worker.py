@@ -17,20 +17,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _batches import global_batch, rank_micro_batches  # noqa: E402
-from _lora_checks import LoraProbe  # noqa: E402
-from _rank import process_group, write_result  # noqa: E402
+from _batches import global_batch, rank_micro_batches
+import _ckpt_worker
+from _lora_checks import LoraProbe
+from _rank import serve
 
-from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from shardtune.parallel.apply import autocast_dtype, build_mesh  # noqa: E402
-from shardtune.train.core.metrics import SavedActivations, model_state_bytes  # noqa: E402
-from shardtune.train.core.model import build_model  # noqa: E402
-from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
-from shardtune.train.core.step import StepOptions, global_loss, train_step  # noqa: E402
+from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.train.core.metrics import SavedActivations, model_state_bytes
+from shardtune.train.core.model import build_model
+from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.step import StepOptions, global_loss, train_step
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
+    if case.get("crash") and rank == 1:
+        raise RuntimeError("rank 1 crashes on purpose")
+    if case.get("crash"):
+        dist.barrier()  # rank 0 waits here for a peer that never comes
+    if "overrides" in case:  # a real-trainer case (_ckpt_worker.py), e.g. LoRA resume
+        return _ckpt_worker.run_case(case, rank, world)
     pcfg = ParallelConfig(**case["parallel"])
     mesh = build_mesh(pcfg, world, world, "cpu")
     mcfg = ModelConfig(**case.get("model", {}))
@@ -92,25 +98,5 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     return out
 
 
-def main() -> None:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    results = {}
-    with process_group() as (rank, world):
-        for case in cases:
-            if case.get("crash") and rank == 1:
-                raise RuntimeError("rank 1 crashes on purpose")
-            if case.get("crash"):
-                dist.barrier()  # rank 0 waits here for a peer that never comes
-            if "overrides" in case:  # a real-trainer case (_ckpt_worker.py), e.g. LoRA resume
-                import _ckpt_worker
-
-                results[case["name"]] = _ckpt_worker.run_case(case, out_dir, rank, world)
-            else:
-                results[case["name"]] = run_case(case, rank, world)
-            dist.barrier()
-    write_result(out_dir, rank, results)
-
-
 if __name__ == "__main__":
-    main()
+    serve(run_case)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch, rank_results  # noqa: E402
+from _harness import launch, rank_results
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_ac_op_worker.py"

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch  # noqa: E402
+from _harness import launch
 
-from shardtune.train.durable.ckpt_files import complete_checkpoints, read_info  # noqa: E402
+from shardtune.train.durable.ckpt_files import complete_checkpoints, read_info
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_ckpt_worker.py"

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch, rank_results  # noqa: E402
+from _harness import launch, rank_results
 
-from shardtune.catalog.models import resolve_model_config  # noqa: E402
+from shardtune.catalog.models import resolve_model_config
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_chunked_loss_worker.py"

@@ -13,8 +13,7 @@ from shardtune.config import DataConfig, TrainConfig
 from shardtune.train.data.dataset import build_dataloader
 from shardtune.train.data.tokenizer import ByteTokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch  # noqa: E402
+from _harness import launch
 
 WORKER = Path(__file__).with_name("_data_mix_worker.py")
 

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch, rank_results  # noqa: E402
-from test_real_model import reference_example  # noqa: E402
+from _harness import launch, rank_results
+from test_real_model import reference_example
 
-from shardtune.testing.smollm2 import cut_folder  # noqa: E402
+from shardtune.testing.smollm2 import cut_folder
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_eval_worker.py"

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch, rank_results  # noqa: E402
+from _harness import launch, rank_results
 
-from shardtune.testing.smollm2 import cut_folder  # noqa: E402
-from shardtune.train.core.sampling import generate_ids  # noqa: E402
+from shardtune.testing.smollm2 import cut_folder
+from shardtune.train.core.sampling import generate_ids
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_sampling_worker.py"

@@ -80,7 +80,6 @@ def _largest_reduce_scatter_input_bytes() -> int:
 @pytest.mark.dist
 @pytest.mark.timeout(200)
 def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
-    sys.path.insert(0, str(Path(__file__).parent))
     from _harness import launch
 
     from shardtune.verify.simulate import simulate_strategy
@@ -114,5 +113,4 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     _worker(sys.argv[1])

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import launch, rank_results  # noqa: E402
-from test_train_parity import ROWS, SEQ, reference  # noqa: E402
+from _harness import launch, rank_results
+from test_train_parity import ROWS, SEQ, reference
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_tp_worker.py"

@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _batches import global_batch  # noqa: E402
-from _harness import launch, rank_results  # noqa: E402
+from _batches import global_batch
+from _harness import launch, rank_results
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_train_worker.py"

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardtune.testing.proc import run_bounded
+from _cli import REPO
 
-REPO = Path(__file__).resolve().parents[2]
+from shardtune.testing.proc import run_bounded
 
 
 def one_process_run(tmp: Path, recipe: str, timeout_s: float = 150) -> Path:

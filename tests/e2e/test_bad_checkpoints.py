@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO, one_process_run  # noqa: E402
+from _runs import REPO, one_process_run
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """

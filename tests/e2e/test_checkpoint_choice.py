@@ -16,11 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _runs import REPO, one_process_run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO, one_process_run  # noqa: E402
-
-from shardtune.testing.proc import run_bounded  # noqa: E402
+from shardtune.testing.proc import run_bounded
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from _runs import REPO
 
 from shardtune.testing.proc import run_bounded
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 NOISE = ("module hierarchy tracking", "Please file a bug", "Failed to load", "setuptools", "distutils",

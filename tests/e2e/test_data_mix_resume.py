@@ -5,16 +5,11 @@ source in the same order), and the step-8 checkpoints hold the same position of 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _cli import shardtune_cli
 
-from shardtune.testing.proc import run_bounded
-
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 GLOBAL_BATCH = 6  # rows per step: 2 × 3, 1 × 6, 3 × 2
 RECIPE = """
@@ -44,10 +39,9 @@ def _write_sources(tmp: Path) -> tuple[Path, Path]:
 
 
 def _train(tmp: Path, out: str, nproc: int, *args: str) -> Path:
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", str(nproc),
-           "--output-dir", str(tmp / out), f"train.micro_batch={GLOBAL_BATCH // nproc}", *args]
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp / "xdg")}  # the default tokenised cache, shared by the runs
-    proc = run_bounded(cmd, 150, cwd=REPO, stderr=subprocess.STDOUT, env=env)
+    proc = shardtune_cli("train", tmp / "recipe.yaml", "--nproc", nproc, "--output-dir", tmp / out,
+                         f"train.micro_batch={GLOBAL_BATCH // nproc}", *args, timeout_s=150,
+                         env={"XDG_CACHE_HOME": str(tmp / "xdg")})  # the default tokenised cache, shared by the runs
     assert proc.returncode == 0, proc.stdout[-3000:]
     return tmp / out
 

@@ -15,13 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from _runs import REPO
 
 from shardtune.testing.proc import run_bounded
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """

@@ -12,18 +12,12 @@ Faults are injected with the trainer's SHARDTUNE_TEST_* hooks (train/durable/res
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from _cli import train_recipe
 
-from shardtune.testing.proc import run_bounded
-
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 STEPS = 8
 RECIPE = """
@@ -38,14 +32,8 @@ checkpoint: {keep: 2}
 
 
 def _train(tmp: Path, name: str, *args: str, env: dict | None = None, timeout_s: float = 120):
-    recipe = tmp / "recipe.yaml"
-    recipe.write_text(RECIPE)
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2",
-           "--output-dir", str(tmp / name), *args]
-    t0 = time.monotonic()
-    proc = run_bounded(cmd, timeout_s, cwd=REPO, stderr=subprocess.STDOUT,
-                       env={**os.environ, **(env or {})})
-    return proc.returncode, proc.stdout, time.monotonic() - t0
+    proc = train_recipe(tmp, RECIPE, *args, out=name, env=env, timeout_s=timeout_s)
+    return proc.returncode, proc.stdout, proc.seconds
 
 
 def _records(run: Path) -> list[dict]:

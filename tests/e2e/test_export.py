@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import dcp_model, one_process_run  # noqa: E402
+from _runs import dcp_model, one_process_run
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """

@@ -7,19 +7,14 @@ tests/e2e/test_watchdog.py.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from _cli import train_recipe
 
-from shardtune.testing.proc import run_bounded
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
 name: faults
@@ -32,12 +27,8 @@ checkpoint: {every: 0, save_final: false}
 
 
 def _train(tmp: Path, env: dict, timeout_s: float):
-    (tmp / "recipe.yaml").write_text(RECIPE)
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", "2",
-           "--output-dir", str(tmp / "run")]
-    t0 = time.monotonic()
-    proc = run_bounded(cmd, timeout_s, cwd=REPO, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    return proc.returncode, proc.stdout, time.monotonic() - t0
+    proc = train_recipe(tmp, RECIPE, env=env, timeout_s=timeout_s)
+    return proc.returncode, proc.stdout, proc.seconds
 
 
 @pytest.mark.timeout(180)

@@ -5,16 +5,12 @@ on a full disk (/dev/full: every write fails with ENOSPC; before: "exit code 120
 Hooks: SHARDTUNE_TEST_* (resilience.py)."""
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _cli import train_recipe
 
-from shardtune.testing.proc import run_bounded
-
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
 name: first
@@ -27,10 +23,7 @@ checkpoint: {every: 0, save_final: false}
 
 
 def _train(tmp: Path, env: dict) -> tuple[int, str]:
-    (tmp / "recipe.yaml").write_text(RECIPE)
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", "2",
-           "--output-dir", str(tmp / "run")]
-    proc = run_bounded(cmd, 200, cwd=REPO, stderr=subprocess.PIPE, env={**os.environ, **env})
+    proc = train_recipe(tmp, RECIPE, env=env, timeout_s=200, stderr=subprocess.PIPE)
     return proc.returncode, proc.stderr
 
 

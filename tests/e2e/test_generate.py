@@ -20,12 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runs import REPO, dcp_model, one_process_run
 
 from shardtune.testing.proc import run_bounded
 from shardtune.testing.smollm2 import cut_folder, full_folder
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO, dcp_model, one_process_run  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 QUESTION = "What is the capital of France?"

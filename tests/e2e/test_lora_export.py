@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_export import _step5_batch  # noqa: E402  (the step-5 batch from step_4's data position)
 
 from shardtune.testing.proc import run_bounded
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_export import _step5_batch  # noqa: E402  (the step-5 batch from step_4's data position)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]

@@ -9,14 +9,11 @@ import json
 import re
 import shlex
 import sys
-from pathlib import Path
 
 import pytest
+from _runs import REPO
 
 from shardtune.testing.proc import run_bounded
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 README = (REPO / "README.md").read_text()

@@ -20,12 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runs import REPO, one_process_run
 
 from shardtune.testing.proc import run_bounded
 from shardtune.train.durable import integrity
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO, one_process_run  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """

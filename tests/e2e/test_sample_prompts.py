@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _runs import REPO, dcp_model
 
 from shardtune.testing.proc import run_bounded
 from shardtune.testing.smollm2 import cut_folder
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO, dcp_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 PROMPTS = ["What is the capital of France?", "Write the date 2024-03-05 in words."]

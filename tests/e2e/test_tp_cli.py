@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _cli import metrics, shardtune_cli
 
-from shardtune.testing.proc import run_bounded
-
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
 name: tp
@@ -34,11 +31,9 @@ checkpoint: {every: 2, keep: 5, export_hf: true}
 
 
 def _train(tmp: Path, out: str, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--output-dir",
-           str(tmp / out), *args]
-    proc = run_bounded(cmd, timeout_s=280, cwd=REPO, stderr=subprocess.STDOUT)
+    proc = shardtune_cli("train", tmp / "recipe.yaml", "--output-dir", tmp / out, *args, timeout_s=280)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    return [json.loads(line) for line in (tmp / out / "metrics.jsonl").read_text().splitlines()], proc.stdout
+    return metrics(tmp / out), proc.stdout
 
 
 def _val_file(path: Path) -> Path:
@@ -101,8 +96,7 @@ def test_export_and_generate_from_a_tp_checkpoint(runs, tmp_path):
 
     tmp, _ = runs
     out = tmp_path / "hf"
-    cmd = [sys.executable, "-m", "shardtune.cli", "export", str(tmp / "a" / "checkpoints" / "step_4"), str(out)]
-    proc = run_bounded(cmd, timeout_s=200, cwd=REPO, stderr=subprocess.STDOUT)
+    proc = shardtune_cli("export", tmp / "a" / "checkpoints" / "step_4", out, timeout_s=200)
     assert proc.returncode == 0, proc.stdout[-3000:]
     ids = torch.arange(0, 40).reshape(2, 20)
     with torch.no_grad():
@@ -111,8 +105,8 @@ def test_export_and_generate_from_a_tp_checkpoint(runs, tmp_path):
     assert (got - want).abs().max().item() <= 1e-4
     answers = []
     for target in (tmp / "a" / "checkpoints" / "step_4", tmp / "b" / "hf_export"):  # sampled: rarely empty
-        gen = run_bounded([sys.executable, "-m", "shardtune.cli", "generate", str(target), "--prompt", "reverse: abc",
-                           "--max-new-tokens", "8", "--temperature", "1", "--seed", "3"], timeout_s=200, cwd=REPO)
+        gen = shardtune_cli("generate", target, "--prompt", "reverse: abc", "--max-new-tokens", "8", "--temperature",
+                            "1", "--seed", "3", timeout_s=200, stderr=subprocess.PIPE)
         assert gen.returncode == 0, gen.stderr[-3000:]
         answers.append(gen.stdout)
     assert answers[0].strip() and answers[0] == answers[1]

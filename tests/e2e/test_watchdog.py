@@ -17,12 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from _cli import train_recipe
 
-from shardtune.testing.proc import run_bounded
 from shardtune.train.durable.watchdog import Judge, Watchdog, limit_s, proc_alive
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _runs import REPO  # noqa: E402
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
@@ -36,14 +33,10 @@ checkpoint: {every: 0, save_final: false}
 
 
 def _train(tmp: Path, env: dict, *args: str):
-    (tmp / "recipe.yaml").write_text(RECIPE)
     (tmp / "tmp").mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", "2",
-           "--output-dir", str(tmp / "run"), *args]
-    t0 = time.monotonic()
-    proc = run_bounded(cmd, 150, cwd=REPO, stderr=subprocess.STDOUT,
-                       env={**os.environ, "TMPDIR": str(tmp / "tmp"), "SHARDTUNE_WATCHDOG_S": "5", **env})
-    return proc.returncode, proc.stdout, time.monotonic() - t0
+    proc = train_recipe(tmp, RECIPE, *args, timeout_s=150,
+                        env={"TMPDIR": str(tmp / "tmp"), "SHARDTUNE_WATCHDOG_S": "5", **env})
+    return proc.returncode, proc.stdout, proc.seconds
 
 
 def _watchers_of(tmp: Path) -> list[int]:

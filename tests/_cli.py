@@ -1,0 +1,39 @@
+"""The CLI as a user types it, for every tier: `shardtune ARGS` run as `python -m shardtune.cli`
+from the repository root, bounded (a hung run is killed with its process group, shardtune/testing/
+proc.py), and what a run folder's metrics.jsonl holds. tests/conftest.py binds these to fixtures;
+test files import them by name (tests/ is on sys.path through that conftest)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shardtune.testing.proc import run_bounded
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shardtune_cli(*args, timeout_s: float = 150, env: dict | None = None, stderr=subprocess.STDOUT,
+                  cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`shardtune *args` with os.environ plus `env`; stderr into stdout unless told. The result
+    also carries `.seconds`, the wall time of the command."""
+    t0 = time.monotonic()
+    proc = run_bounded([sys.executable, "-m", "shardtune.cli", *map(str, args)], timeout_s, cwd=cwd, stderr=stderr,
+                       env={**os.environ, **(env or {})})
+    proc.seconds = time.monotonic() - t0
+    return proc
+
+
+def train_recipe(tmp: Path, recipe: str, *args, nproc: int = 2, out: str = "run", **kw) -> subprocess.CompletedProcess:
+    """Writes `recipe` (YAML text) to tmp/recipe.yaml and runs `shardtune train tmp/recipe.yaml
+    --nproc N --output-dir tmp/<out> *args` (keywords as `shardtune_cli`)."""
+    (tmp / "recipe.yaml").write_text(recipe)
+    return shardtune_cli("train", tmp / "recipe.yaml", "--nproc", nproc, "--output-dir", tmp / out, *args, **kw)
+
+
+def metrics(run: Path) -> list[dict]:
+    """The records of run/metrics.jsonl, in order."""
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -1,0 +1,38 @@
+"""Shared by every tier (unit, dist, e2e).
+
+Helper modules are imported by name, never through sys.path edits in test files: pytest's default
+import mode puts each test file's folder (tests/dist, tests/e2e) on sys.path, and this conftest's
+folder, tests/, too. tests/_cli.py: the CLI as a user runs it; tests/dist/_harness.py + _rank.py:
+the one worker harness (N gloo ranks; a case worker is `run_case` + `_rank.serve`);
+tests/e2e/_runs.py: a one-process run and torch's own DCP reader."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+from _cli import REPO, metrics, shardtune_cli, train_recipe
+
+
+@pytest.fixture(scope="session")
+def repo():
+    """The repository root (recipes/, README.md, docs/)."""
+    return REPO
+
+
+@pytest.fixture
+def cli():
+    """`cli(*args, timeout_s=, env=)`: `shardtune ARGS` from the repo root (`_cli.shardtune_cli`)."""
+    return shardtune_cli
+
+
+@pytest.fixture
+def train_cli(tmp_path):
+    """`train_cli(recipe_yaml, *args, nproc=2, out="run", env=, timeout_s=)`: the recipe written to
+    tmp_path and trained through the CLI into tmp_path/<out> (`_cli.train_recipe`)."""
+    return functools.partial(train_recipe, tmp_path)
+
+
+@pytest.fixture
+def read_metrics():
+    """`read_metrics(run)`: the records of run/metrics.jsonl."""
+    return metrics
