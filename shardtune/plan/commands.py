@@ -15,7 +15,7 @@ from shardtune.plan.validate import PlanInputs
 
 def recipe_inputs(path: str, given: set[str]) -> dict:
     """Planner inputs taken from a training recipe (YAML), except those given on the command line:
-    `shardtune plan recipes/x.yaml --gpus 8` plans exactly what `shardtune train` would run."""
+    `shardtune plan recipes/tiny-cpu.yaml --gpus 8` plans exactly what `shardtune train` would run."""
     from shardtune.config import load_recipe
 
     cfg = load_recipe(path)
