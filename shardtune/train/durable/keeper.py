@@ -57,6 +57,7 @@ class RunKeeper:
         from shardtune.train.durable.checkpoint import load_checkpoint
 
         choice: list = [None]
+        bug: Exception | None = None
         if self.ctx.rank == 0:
             ckpt_files.remove_stale_temporaries(self.run_dir)
             try:
@@ -72,12 +73,16 @@ class RunKeeper:
                 diff = compat.resume_changes(info.path, info.config_hash, self.cfg) if info else None
                 self.resume_diff = [compat.fmt(c) for c in diff or []]
                 choice[0] = ("ok", [str(i.path) for i in picked.candidates], uuid.uuid4().hex[:12])
-            except Exception as e:  # every rank raises the same error, nobody waits
+            except (UserError, OSError) as e:  # what the user can fix (a damaged or unreadable folder): one line
                 choice[0] = ("error", str(e), "")
+            except Exception as e:  # a bug: every rank stops too (nobody waits), rank 0 with its traceback
+                choice[0], bug = ("bug", f"{type(e).__name__}: {e}", ""), e
         dist.broadcast_object_list(choice, src=0)
         kind, value, new_id = choice[0]
         if kind == "error":
             raise UserError(value)
+        if kind == "bug":
+            raise bug if bug is not None else RuntimeError(f"rank 0 failed while choosing the checkpoint: {value}")
         info = self._first_verified([Path(v) for v in value], strict=self.cfg.checkpoint.resume != "auto")
         self.run_id = (info.run_id if info is not None and info.run_id else new_id)
         if self.ctx.rank == 0:
