@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from shardtune.train.main import DistContext
 
 
-@dataclass
+@dataclass(kw_only=True)  # built by keyword from its parts
 class Run:
     """What set-up built, for the loop and the finish."""
     cfg: RunConfig
@@ -139,12 +139,14 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     marks.append(("optimizer and resume", time.perf_counter()))
     num_params = sum(p.numel() for p in unwrap(model).parameters())
     on_cpu = ctx.device.type == "cpu"
-    run = Run(cfg, ctx, run_dir, planned, loader, model, optimizer, scheduler, state, keeper, total_steps,
-              rows_per_step, num_params, flops_per_token(hf_config, num_params, cfg.train.seq_len)
+    run = Run(cfg=cfg, ctx=ctx, run_dir=run_dir, planned=planned, loader=loader, model=model, optimizer=optimizer,
+              scheduler=scheduler, state=state, keeper=keeper, total_steps=total_steps, rows_per_step=rows_per_step,
+              num_params=num_params, flops_per_token=flops_per_token(hf_config, num_params, cfg.train.seq_len)
               * (4 / 3 if cfg.train.objective == "dpo" and cfg.train.reference == "live" else 1),  # + the reference's
-              None if on_cpu else gpu_peak_flops(cfg.train.gpu), SavedActivations() if on_cpu else None,
-              opts, MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches, None, threads,
-              objective=objective)
+              peak_flops=None if on_cpu else gpu_peak_flops(cfg.train.gpu),
+              activations=SavedActivations() if on_cpu else None, opts=opts,
+              writer=MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches=val_batches,
+              threads=threads, objective=objective)
     run.effective = effective_settings(model, optimizer, run.opts, ctx.world_size)
     if cfg.train.sample_prompts:
         run.sampler = Sampler(cfg.train.sample_prompts, tokenizer, cfg.data, cfg.train.sample_max_new_tokens,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.config import dump_config
+from shardtune.devices import resolve_backend
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh, cp_mesh, dp_group, dp_rank_size, has_tp
 from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
@@ -76,12 +77,8 @@ def setup_distributed(cfg: RunConfig) -> DistContext:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=env.get("MASTER_PORT", str(port)))
     rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    backend = cfg.train.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(cfg.train.backend)  # as the launcher decided it (devices.py)
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise UserError("train.backend=nccl needs CUDA; use train.backend=auto or gloo")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_files
+from shardtune.devices import resolve_backend
 from shardtune.errors import UserError, suggest
 from shardtune.strategies import Layout, check_cp, check_tp_model
 from shardtune.train.data.dataset import check_dataset
@@ -205,26 +206,17 @@ def _check_lora_targets(cfg: RunConfig) -> None:
         pytree.setLevel(level)
 
 
-# Device nodes a CUDA (NVIDIA) or ROCm GPU shows on Linux. Without any, torch could see no GPU, and
-# the launcher answers without importing torch (2 s of every launch on a CPU machine otherwise).
-GPU_DEVICE_PATHS = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")
-
-
 def _check_backend(backend: str, local_world_size: int) -> bool:
-    """nccl needs CUDA and a GPU per local rank; returns whether the ranks will use GPUs."""
-    if not any(Path(p).exists() for p in GPU_DEVICE_PATHS):
-        cuda = False
-    else:
-        import torch
+    """nccl needs CUDA and a GPU per local rank (devices.resolve_backend, as the ranks decide it);
+    returns whether the ranks will use GPUs."""
+    if resolve_backend(backend) != "nccl":
+        return False
+    import torch  # lazy: only where the ranks will use GPUs (torch-free start-up otherwise)
 
-        cuda = torch.cuda.is_available()
-    if backend == "nccl" and not cuda:
-        raise UserError("train.backend=nccl needs CUDA, and this machine has none; use train.backend=auto or gloo")
-    gpus = cuda and backend != "gloo"
-    if gpus and local_world_size > (count := torch.cuda.device_count()):
+    if local_world_size > (count := torch.cuda.device_count()):
         raise UserError(f"{local_world_size} processes on this node, but it has {count} GPU(s): "
                         "give --nproc at most the GPU count (or train.backend=gloo for CPU ranks)")
-    return gpus
+    return True
 
 
 def _available_host_bytes() -> int | None:
