@@ -91,7 +91,7 @@ def setup_distributed(cfg: RunConfig) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, device, mesh)
 
 
-def plan_dict(cfg: RunConfig, world_size: int) -> dict:
+def plan_dict(cfg: RunConfig, world_size: int, local_world_size: int) -> dict:
     """The planner's prediction for this exact run (plan.json); {"error": ...} if it cannot plan it."""
     try:
         from shardtune.plan import plan
@@ -101,7 +101,7 @@ def plan_dict(cfg: RunConfig, world_size: int) -> dict:
         if inputs["optimizer"] == "adamw":
             inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"], inputs["offload"],
                                                               cuda=torch.cuda.is_available())
-        p = plan(gpus=world_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        p = plan(gpus=world_size, gpus_per_node=local_world_size,
                  strategies=[cfg.parallel.strategy], **inputs)
         return p.to_dict()
     except Exception as e:  # the run goes on without a prediction, and says why
@@ -157,7 +157,7 @@ def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None
     run_dir = cfg.run_dir
     planned, error = None, None
     if ctx.rank == 0:
-        d = plan_dict(cfg, ctx.world_size)
+        d = plan_dict(cfg, ctx.world_size, ctx.local_world_size)
         planned = d if "error" not in d else None
         try:
             write_run_files(run_dir, dump_config(cfg), json.dumps(d, indent=1))
