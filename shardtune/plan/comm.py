@@ -21,8 +21,6 @@ from shardtune.plan.params import ParamShape
 from shardtune.plan.ring import ring_bytes_per_rank
 from shardtune.strategies import STRATEGY
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-
 
 @dataclass(frozen=True)
 class Collective:

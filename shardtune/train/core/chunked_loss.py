@@ -21,8 +21,7 @@ from torch.distributed.tensor import DTensor
 from shardtune.parallel.cp import shard_batch
 from shardtune.parallel.tp import is_tp
 from shardtune.plan.loss import resolve_loss_chunks
-
-IGNORE_INDEX = -100  # as train/core/step.py (HF / torch cross_entropy convention)
+from shardtune.train.data.dataset import IGNORE_INDEX  # the one definition (HF / torch cross_entropy convention)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
