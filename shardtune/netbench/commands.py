@@ -93,9 +93,9 @@ def comm(
     if not 0 < timeout < float("inf"):  # NaN fails this too
         raise UserError(f"--timeout {timeout}: give a positive, finite number of seconds")
     if backend == "nccl":
-        import torch  # the ranks import it anyway
+        from shardtune.devices import cuda_available  # lazy: torch-free CLI start-up
 
-        if not torch.cuda.is_available():
+        if not cuda_available():
             raise UserError("--backend nccl needs CUDA, and this machine has none; use --backend gloo or auto")
     if output:
         check_output_file(output)

@@ -99,7 +99,7 @@ def test_checkpoint_and_run_folder_answers_equal_transformers(run, capsys):
 def test_a_checkpoint_loads_the_weights_torchs_own_reader_reads(run):
     """The tiny model answers little (its short answers end at once), so the weights themselves are
     compared: every tensor of the model generate builds from a checkpoint = torch's DCP reader's."""
-    from shardtune.train.generate_commands import load_for_generation
+    from shardtune.train.generation import load_for_generation
 
     got = {}
     for step in (4, 5):
@@ -242,7 +242,7 @@ def test_a_lora_checkpoint_answers_as_peft_and_as_its_merged_export(tmp_path, ca
     from shardtune import cli
     from shardtune.config import ModelConfig
     from shardtune.train.core.model import build_hf_config, init_model_weights
-    from shardtune.train.generate_commands import load_for_generation
+    from shardtune.train.generation import load_for_generation
 
     ckpt = one_process_run(tmp_path, LORA_RECIPE) / "checkpoints" / "step_4"
     assert cli.main(["export", str(ckpt), str(tmp_path / "adapter"), "--adapter-only"]) == 0

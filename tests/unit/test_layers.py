@@ -163,6 +163,17 @@ def test_imports_follow_the_layer_table():
         pytest.fail("import layers broken (docs/DESIGN.md, Layers):\n  " + "\n  ".join(problems), pytrace=False)
 
 
+def test_command_glue_holds_no_heavy_logic():
+    """cli.py and the commands modules parse options and call a module of their area; what needs torch
+    (loading a model, generating, training) lives there (train/generation.py for `shardtune
+    generate`), so no glue imports a heavy library at any depth. __main__.py is a process's entry."""
+    modules = _modules()
+    heavy = [f"{path.relative_to(ROOT)}:{line} imports {target[1:]}" for path in modules.values()
+             if _is_glue(path) and path.name != "__main__.py"
+             for line, target in sorted(set(_imports(path, modules))) if target[1:] in HEAVY]
+    assert not heavy, "command glue importing heavy libraries (move the logic out):\n  " + "\n  ".join(heavy)
+
+
 def test_layer_table_names_rows_that_exist():
     table, modules = _layer_table(), _modules()
     missing = [name for name in table if name != GLUE_ROW and not any(
