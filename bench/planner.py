@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 
 def time_once(cmd: list[str], timeout_s: float) -> float:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 

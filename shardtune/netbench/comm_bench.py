@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from shardtune.errors import UserError
-from shardtune.testing.proc import free_port, kill_groups
+from shardtune.processes import free_port, kill_groups
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 DEFAULT_SIZES_GPU = "4K,64K,1M,16M,64M,256M,512M"

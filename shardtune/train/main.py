@@ -70,7 +70,7 @@ def setup_distributed(cfg: RunConfig) -> DistContext:
     """init_process_group (nccl on CUDA, gloo on CPU, timeout train.timeout_s) and the mesh."""
     env = os.environ
     if "RANK" not in env:  # plain `python -m shardtune.train`: a world of one
-        from shardtune.testing.proc import free_port
+        from shardtune.processes import free_port
 
         port = free_port()  # torchrun's --master_port 0 hangs
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",

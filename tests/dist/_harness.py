@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardtune.testing.proc import free_port, kill_groups
+from shardtune.processes import free_port, kill_groups
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import META_FILE, read_info
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from _cli import REPO
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 
 def one_process_run(tmp: Path, recipe: str, timeout_s: float = 150) -> Path:

@@ -151,7 +151,7 @@ def two_checkpoints(tmp_path_factory) -> Path:
 def test_resume_auto_falls_back_past_a_damaged_shard_in_the_launcher_and_the_ranks(two_checkpoints, tmp_path,
                                                                                     monkeypatch, capsys, damage):
     from shardtune import cli
-    from shardtune.testing.proc import run_bounded
+    from shardtune.processes import run_bounded
     from shardtune.train import commands
 
     copy = _damaged(two_checkpoints, tmp_path, None, {"__0_0.distcp": damage}, (), step=4)

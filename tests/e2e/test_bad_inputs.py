@@ -161,7 +161,7 @@ def test_a_rank_side_user_error_is_one_line_exit_2_without_torchrun_block(tmp_pa
     import os
     import sys
 
-    from shardtune.testing.proc import run_bounded
+    from shardtune.processes import run_bounded
 
     log = tmp_path / "torchrun.log"
     cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--", "--standalone", "--nproc-per-node=2",
@@ -339,7 +339,7 @@ def test_library_import_notices_do_not_precede_the_line_in_a_fresh_process(tmp_p
     it, stderr is still the one line. In-process tests cannot see this (modules import once)."""
     import sys
 
-    from shardtune.testing.proc import run_bounded
+    from shardtune.processes import run_bounded
     from shardtune.train.data.tokenizer import ByteTokenizer
 
     folder = _saved(tmp_path, "model", {"num_hidden_layers": 3})

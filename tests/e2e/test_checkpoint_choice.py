@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _runs import REPO, one_process_run
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """

@@ -11,7 +11,7 @@ import sys
 import pytest
 from _runs import REPO
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 pytestmark = [pytest.mark.e2e]
 NOISE = ("module hierarchy tracking", "Please file a bug", "Failed to load", "setuptools", "distutils",

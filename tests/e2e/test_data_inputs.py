@@ -98,7 +98,7 @@ def test_default_cache_is_built_by_a_rank_once_and_reused_by_the_next_run(tmp_pa
     import subprocess
     import sys
 
-    from shardtune.testing.proc import run_bounded
+    from shardtune.processes import run_bounded
     from shardtune.train.data.cache import check_cache
 
     data = _jsonl(tmp_path, "d.jsonl", [{"prompt": f"q{i}\n", "response": "r" * (i % 9)} for i in range(300)])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from _runs import REPO
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info
 

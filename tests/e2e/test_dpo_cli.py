@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 from shardtune.testing.smollm2 import cut_folder
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import pytest
 
 from shardtune.config import RunConfig, load_recipe
 from shardtune.config.keys import all_keys
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"

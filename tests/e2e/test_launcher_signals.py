@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.testing.proc import kill_groups
+from shardtune.processes import kill_groups
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info
 

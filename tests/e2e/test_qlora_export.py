@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from test_export import _step5_batch  # noqa: E402  (the step-5 batch from step_4's data position)
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]

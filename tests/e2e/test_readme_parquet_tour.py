@@ -13,7 +13,7 @@ import sys
 import pytest
 from _runs import REPO
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 pytestmark = [pytest.mark.e2e]
 README = (REPO / "README.md").read_text()

@@ -22,7 +22,7 @@ import pytest
 import torch
 from _runs import REPO, one_process_run
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 from shardtune.train.durable import integrity
 
 pytestmark = [pytest.mark.e2e]

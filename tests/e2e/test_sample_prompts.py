@@ -11,7 +11,7 @@ import pytest
 import torch
 from _runs import REPO, dcp_model
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 from shardtune.testing.smollm2 import cut_folder
 
 pytestmark = [pytest.mark.e2e]

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 from shardtune.testing.smollm2 import cut_folder
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 from shardtune.errors import UserError
 from shardtune.netbench.comm_bench import parse_sizes
 from shardtune.plan.ring import load_profile, profile_link
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from shardtune.errors import UserError
-from shardtune.testing.proc import free_port
+from shardtune.processes import free_port
 from shardtune.train.durable import keeper
 
 

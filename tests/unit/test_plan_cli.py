@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from shardtune.cli import main
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 
 def _run(argv, capsys):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 QUIET = "from shardtune.errors import quiet_library_notices; quiet_library_notices(); "

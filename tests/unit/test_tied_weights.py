@@ -6,7 +6,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import os, torch, torch.distributed as dist
-    from shardtune.testing.proc import free_port
+    from shardtune.processes import free_port
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from transformers import AutoModelForCausalLM, LlamaConfig
