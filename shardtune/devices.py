@@ -15,7 +15,7 @@ def cuda_available() -> bool:
     """torch.cuda.is_available(), without importing torch where no GPU device node exists."""
     if not any(Path(p).exists() for p in GPU_DEVICE_PATHS):
         return False
-    import torch  # lazy: torch-free start-up of the launcher on a CPU machine
+    import torch  # noqa: PLC0415 lazy: torch-free start-up of the launcher on a CPU machine
 
     return torch.cuda.is_available()
 

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import json
+import os
+import stat
 from pathlib import Path
+
+from shardtune.quiet import quiet_third_party
 
 
 class UserError(ValueError):
@@ -34,10 +39,6 @@ def read_json_object(path, what: str, fix: str) -> dict:
 def check_no_blocking_pipe(path, option: str) -> None:
     """A named pipe at `path` that nobody reads would block the write forever: one line instead
     (a pipe with a reader, such as /dev/stdout into `less`, is fine)."""
-    import errno
-    import os
-    import stat
-
     try:
         if not stat.S_ISFIFO(os.stat(path).st_mode):
             return
@@ -50,6 +51,4 @@ def check_no_blocking_pipe(path, option: str) -> None:
 def quiet_library_notices() -> None:
     """Third-party notices off the user's terminal (shardtune/quiet.py): called by each entry point
     (the CLI, a rank) before heavy imports."""
-    from shardtune.quiet import quiet_third_party
-
     quiet_third_party()

@@ -24,6 +24,7 @@ from shardtune.catalog.models import MODELS
 from shardtune.config import RunConfig
 from shardtune.config.paths import KEEP, PATH_KEYS
 from shardtune.errors import UserError
+from shardtune.train.data.sources import BUILDERS, JSONL
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,6 @@ class RecipePath:
 
 def _looks_like_path(spec: str) -> bool:
     """As train/data/sources.py `_load_hf` tells a path from a cached dataset id."""
-    from shardtune.train.data.sources import BUILDERS, JSONL
-
     return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or any(c in spec for c in "*?[")
             or Path(spec).suffix.lower() in (*BUILDERS, *JSONL[:-1]))
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shardtune.config import RunConfig
 from shardtune.errors import UserError
+from shardtune.plan.api import plan
 
 GIB = 2**30
 CPUS_PER_PROCESS = 8  # the smallest common share: p4d / ND H100 v5 have 12 per GPU, DGX H100 14, p5 24
@@ -42,8 +43,6 @@ class NodeResources:
 def planner_host_bytes(cfg: RunConfig, nodes: int, procs_per_node: int) -> int:
     """The planner's host-resident bytes per node: offloaded states, or on a CPU (gloo) run each
     rank's whole predicted peak (there the "device" is the host)."""
-    from shardtune.plan.api import plan
-
     row = plan(gpus=nodes * procs_per_node, nodes=nodes, gpus_per_node=procs_per_node,
                strategies=[cfg.parallel.strategy], **cfg.plan_inputs()).strategies[0]
     if cfg.train.backend == "gloo":

@@ -179,7 +179,7 @@ def validate(spec: LaunchSpec) -> LaunchSpec:
         raise UserError(f"--rdma-resource {spec.rdma_resource!r} is not a Kubernetes resource name (e.g. "
                         "rdma/rdma_shared_device_a), or none")
     if spec.mem is not None:
-        from shardtune.launch.resources import slurm_mem_bytes
+        from shardtune.launch.resources import slurm_mem_bytes  # noqa: PLC0415 spec.py stays free of the config (pydantic): only --mem needs it
 
         slurm_mem_bytes(spec.mem)
     if spec.exclusive and spec.mem:

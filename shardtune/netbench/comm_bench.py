@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.netbench.profile import build_profile, result_row
 from shardtune.processes import free_port, kill_groups
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
@@ -78,10 +79,9 @@ def run_rank(sizes: list[int], kinds=DEFAULT_KINDS, min_time_s: float = 0.3, max
     (nccl-tests also times back-to-back ops). `iters` is picked from the warm-up so each point
     takes about `min_time_s`, agreed across ranks with a MAX all-reduce.
     """
-    import torch
-    import torch.distributed as dist
+    import torch  # noqa: PLC0415 the launcher side (launch_local) runs without torch
+    import torch.distributed as dist  # noqa: PLC0415 the launcher side (launch_local) runs without torch
 
-    from shardtune.netbench.profile import result_row
 
     n, cuda = dist.get_world_size(), dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -133,8 +133,8 @@ def _worker_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--progress", action="store_true", help="print PROGRESS lines for the launcher")
     a = ap.parse_args(argv)
 
-    import torch
-    import torch.distributed as dist
+    import torch  # noqa: PLC0415 the launcher side (launch_local) runs without torch
+    import torch.distributed as dist  # noqa: PLC0415 the launcher side (launch_local) runs without torch
 
     backend = a.backend if a.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
@@ -152,8 +152,6 @@ def _worker_main(argv: list[str] | None = None) -> int:
         names: list = [None] * dist.get_world_size()
         dist.all_gather_object(names, socket.gethostname())
         if rank == 0:
-            from shardtune.netbench.profile import build_profile
-
             extra = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if backend == "nccl" else "cpu"}
             prof = build_profile(rows, dist.get_world_size(), backend, names, a.scope, extra)
             Path(a.out).write_text(json.dumps(prof, indent=2))

@@ -38,7 +38,7 @@ def draw_memory(sources: dict[str, dict], title: str):
     bar per source (name → memory dict with the planner's keys; a missing key draws no bar), each
     from zero. Nothing is stacked: a category's maximum over the step and the peak (one moment) are
     read against the same axis."""
-    from shardtune.verify.compare import LABELS  # the table's column names
+    from shardtune.verify.compare import LABELS  # noqa: PLC0415 the table's column names
 
     keys = [*STACK, "total"]
     peak = max((m.get(k) or 0 for m in sources.values() for k in keys), default=0)

@@ -12,6 +12,7 @@ tokenizer) for fast tests. Each folder is built once and reused; a failed downlo
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -91,8 +92,8 @@ def _save_tokenizer(tok, folder: Path) -> None:
 
 def full_folder(cache: Path | None = None) -> Path:
     """The whole model (30 layers) as a bf16 HF folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    import torch  # noqa: PLC0415 torch only to build a folder (cache_dir, gguf_file answer without it)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: PLC0415 torch only to build a folder (cache_dir, gguf_file answer without it)
 
     cache = cache or cache_dir()
     final = cache / NAME
@@ -125,7 +126,7 @@ def full_folder(cache: Path | None = None) -> Path:
 def cut_folder(num_layers: int = 2, cache: Path | None = None) -> Path:
     """The first `num_layers` decoder layers of the full folder, with its embeddings, final norm,
     tokenizer and generation config (same real weights, bf16, same config otherwise)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415 torch only to build a folder (cache_dir, gguf_file answer without it)
 
     cache = cache or cache_dir()
     final = cache / f"{NAME}-{num_layers}L"
@@ -148,8 +149,6 @@ def cut_folder(num_layers: int = 2, cache: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m shardtune.testing.smollm2", description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=0, help="keep the first N decoder layers (0: all 30)")
     args = p.parse_args(argv)

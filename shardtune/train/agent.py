@@ -10,6 +10,7 @@ start, so a `kill -9` of `shardtune train` (a scheduler, the OOM killer) stops t
 its ranks (they save on SIGTERM), instead of leaving them running without a parent."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -25,8 +26,6 @@ LAUNCHER_PID_ENV = "SHARDTUNE_LAUNCHER_PID"  # set by train/commands.py: the pro
 def die_with_parent(parent_pid: int | None) -> bool:
     """SIGTERM to this process when its parent dies (Linux prctl PR_SET_PDEATHSIG); if the parent
     is gone already (died before the call), SIGTERM now. False where prctl is unavailable."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
@@ -92,9 +91,9 @@ def main(argv: list[str]) -> int:
     started = time.time()
     log = FallbackLog(log_path)
     sys.stderr = log
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415 after stderr is the fallback log: torch's import notices land there
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415 after stderr is the fallback log: torch's import notices land there
+    from torch.distributed.run import main as torchrun  # noqa: PLC0415 after stderr is the fallback log: torch's import notices land there
 
     try:
         torchrun(args)

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
 from shardtune.train.durable import shards
 from shardtune.train.durable.choice import choose_checkpoint, misnamed_checkpoints
 from shardtune.train.durable.ckpt_files import (
+    HF_DIR,
     CheckpointInfo,
     check_resume_files,
     complete_checkpoints,
@@ -44,9 +46,6 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "nu
 
 def check_same_model(ckpt: Path, cfg: RunConfig) -> None:
     """The checkpoint's model (its hf/config.json, read only) has the run's architecture."""
-    from shardtune.catalog.models import resolve_model_config
-    from shardtune.train.durable.ckpt_files import HF_DIR
-
     saved_path = Path(ckpt) / HF_DIR / "config.json"
     if not saved_path.is_file():
         return

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.train.durable.diskfull import on_full_disk
 
 LOCK_FILE = "shardtune.lock"
 RUN_LOCK_ENV = "SHARDTUNE_RUN_LOCK"  # the lock's path: held by the launcher for this run
@@ -55,8 +56,6 @@ class RunLock:
         return holder
 
     def acquire(self) -> RunLock:
-        from shardtune.train.durable.diskfull import on_full_disk
-
         tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}")
         with on_full_disk("taking the run folder's lock", self.path.parent,
                           cleanup=lambda: tmp.unlink(missing_ok=True)):

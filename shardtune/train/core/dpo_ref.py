@@ -52,7 +52,7 @@ class AdaptersOffReference:
     """Reference log-probs from the LoRA policy with every adapter switched off (no grad)."""
 
     def __init__(self, policy):
-        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415 optional extra (peft)
 
         self.policy = getattr(policy, "module", policy)  # DDP: the module (no grad, no reducer)
         self.layers = [m for m in self.policy.modules() if isinstance(m, BaseTunerLayer)]

@@ -47,11 +47,11 @@ class Loggers:
     def __init__(self, names: list[str], run_dir: Path, run_name: str, config: dict | None = None) -> None:
         self._tb = self._wandb = None
         if "tensorboard" in names:
-            from torch.utils.tensorboard import SummaryWriter  # optional extra
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 optional extra
 
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
         if "wandb" in names:
-            import wandb  # optional extra
+            import wandb  # noqa: PLC0415 optional extra
 
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "shardtune"), name=run_name,

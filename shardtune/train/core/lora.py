@@ -52,7 +52,7 @@ def scaling(lora: dict) -> float:
 
 def peft_config(lora_cfg: LoraConfig):
     """The peft.LoraConfig of our settings (no bias, no rslora, PEFT's default init)."""
-    from peft import LoraConfig as PeftLoraConfig  # lazy here and below: peft is an optional extra
+    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 lazy here and below: peft is an optional extra
 
     return PeftLoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                           target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
@@ -61,7 +61,7 @@ def peft_config(lora_cfg: LoraConfig):
 def apply_lora(model: nn.Module, lora_cfg: LoraConfig) -> nn.Module:
     """Inject adapters in place (call on the meta model, before build_parallel_model) and freeze every
     other parameter. Returns the same model. Unknown target names are a one-line UserError."""
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model  # noqa: PLC0415 optional extra (peft)
 
     try:  # low_cpu_mem_usage: adapters are made on meta like the rest (filled by init_model_weights)
         inject_adapter_in_model(peft_config(lora_cfg), model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
@@ -105,7 +105,7 @@ def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
 
 def write_adapter_config(lora: dict, base_model: str, folder) -> None:
     """adapter_config.json for `PeftModel.from_pretrained`, written by PEFT itself."""
-    from peft import LoraConfig as PeftLoraConfig
+    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 optional extra (peft)
 
     PeftLoraConfig(r=int(lora["rank"]), lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                    target_modules=list(lora["target_modules"]), bias="none", task_type="CAUSAL_LM",
@@ -135,7 +135,7 @@ def peft_saved_name(name: str) -> str:
 def base_pointer(model_cfg, seed: int, dtype: torch.dtype) -> dict:
     """Where the frozen base comes from: a model folder's safetensors (absolute path) or the
     seeded init of a catalogue architecture, and the `dtype` it is stored in while training."""
-    from shardtune.train.core.model import uses_pretrained  # lazy: model.py imports this module
+    from shardtune.train.core.model import uses_pretrained  # noqa: PLC0415 lazy: model.py imports this module
 
     pretrained = uses_pretrained(model_cfg)
     folder = Path(model_cfg.name).expanduser()
@@ -157,7 +157,7 @@ def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
     """HF name → (shape, dtype, read) of every frozen base tensor, rebuilt from the checkpoint's
     pointer (`base_pointer`) for a merged export: read one tensor at a time from the folder's
     safetensors, or regenerate it from the seeded init of the architecture in `ckpt_hf_dir`."""
-    from shardtune.train.core.model import (  # lazy: model.py imports this module
+    from shardtune.train.core.model import (  # noqa: PLC0415 lazy: model.py imports this module
         build_meta_model,
         pretrained_full_tensors,
         random_full_tensors,
@@ -176,7 +176,7 @@ def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
     shapes = {n: p.shape for n, p in meta.named_parameters()}
     out = {name: (shapes[name], dtype, lambda make=make: make().to(dtype)) for name, make in made}
     if lora.get("quantize_base") == "nf4":  # QLoRA: the base the forward saw, NF4 codes dequantised
-        from shardtune.train.core.qlora import dequantized, quantizable  # lazy: torchao only for QLoRA
+        from shardtune.train.core.qlora import dequantized, quantizable  # noqa: PLC0415 lazy: torchao only for QLoRA
 
         targets = {f"{n.split('.lora_A.')[0]}.weight" for n in _adapter_names(lora, meta)}
         for name in targets:

@@ -103,13 +103,13 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: Para
     kwargs = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
                   weight_decay=optim_cfg.weight_decay)
     if optim_cfg.name == "adamw-8bit" and STRATEGY[parallel_cfg.strategy].fsdp:
-        from torchao.optim import AdamW8bit  # optional dependency (`8bit` extra): imported on use
+        from torchao.optim import AdamW8bit  # noqa: PLC0415 optional dependency (`8bit` extra): imported on use
 
         cls = AdamW8bit  # takes FSDP2's DTensor params: states quantised per local shard
         # pure bf16 weights: its own stochastic rounding, as bf16-stochastic does for torch's AdamW
         kwargs["bf16_stochastic_round"] = parallel_cfg.precision == "bf16"
     elif optim_cfg.name == "adamw-8bit":
-        import bitsandbytes as bnb  # optional dependency (`8bit` extra): imported on use
+        import bitsandbytes as bnb  # noqa: PLC0415 optional dependency (`8bit` extra): imported on use
 
         cls = bnb.optim.AdamW8bit
     elif optim_cfg.implementation == "bf16-stochastic":

@@ -47,7 +47,7 @@ def _is_nf4_tensor(t: torch.Tensor) -> bool:
 
 
 def _to_nf4(t: torch.Tensor) -> NF4Tensor:
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: PLC0415 optional extra (torchao)
 
     return to_nf4(t, BLOCK, SCALER_BLOCK)
 

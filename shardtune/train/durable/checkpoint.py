@@ -28,8 +28,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from shardtune.errors import UserError, read_json_object
+from shardtune.train.core.lora import check_same_base
+from shardtune.train.core.model import unwrap
 from shardtune.train.durable import ckpt_files, integrity, shards
 from shardtune.train.durable.ckpt_files import (
     FORMAT_VERSION,
@@ -52,14 +63,10 @@ from shardtune.train.durable.safe_load import (  # noqa: F401  (export.py import
 
 # ---------------------------------------------------------------- model + optimizer state
 def _is_zero1(optimizer) -> bool:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 def _fqns(model: torch.nn.Module) -> dict[int, str]:
-    from shardtune.train.core.model import unwrap
-
     return {id(p): name for name, p in unwrap(model).named_parameters()}
 
 
@@ -91,8 +98,6 @@ def _options(model):
     """Frozen parameters (LoRA's base) are not saved: the base is rebuilt from the run's model
     settings (the pointer in hf/config.json, train/core/lora.py `base_pointer`), so a 70B LoRA
     checkpoint holds the adapters and their optimizer state, not 141 GB of unchanged weights."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
@@ -101,8 +106,6 @@ def _without_frozen(model, model_sd: dict) -> dict:
     """`ignore_frozen_params` drops a frozen parameter under its first name only (named_parameters
     lists a shared tensor once): a tied `lm_head.weight`, the embedding's second name, stayed in
     LoRA checkpoints (28.3 M of 35.6 M saved elements on SmolLM2). Every name of a frozen one goes."""
-    from shardtune.train.core.model import unwrap
-
     clean = lambda n: ".".join(s for s in n.split(".") if s not in _WRAPPERS)  # noqa: E731
     frozen = {clean(n) for n, p in unwrap(model).named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {k: v for k, v in model_sd.items() if k not in frozen} if frozen else model_sd
@@ -113,8 +116,6 @@ _WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 
 def model_optim_state(model, optimizer, *, for_load: bool = False) -> dict:
     """{"model": ..., "optim": ...} in FQN form for DCP (DTensors under FSDP2, tensors under DDP)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     if _is_zero1(optimizer):
         return {"model": _without_frozen(model, get_model_state_dict(model, options=_options(model))),
                 "optim": zero1_optim_state(model, optimizer, for_load=for_load)}
@@ -123,8 +124,6 @@ def model_optim_state(model, optimizer, *, for_load: bool = False) -> dict:
 
 
 def set_model_optim_state(model, optimizer, sd: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     if _is_zero1(optimizer):
         set_model_state_dict(model, sd["model"], options=_options(model))
         _load_zero1_optim(model, optimizer, sd["optim"])
@@ -165,8 +164,6 @@ def _fsync_dir(path: Path) -> None:
 # ---------------------------------------------------------------- save
 def _local_bytes(sd: dict) -> int:
     """Bytes of this rank's tensors in a state dict (a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
-
     total = 0
     for v in sd.values():
         if isinstance(v, dict):
@@ -305,9 +302,6 @@ def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *,
     """Load `info` into the model, optimizer, scheduler and train state, resharding as needed.
     Collective: every rank calls it. A LoRA checkpoint holds no base weights: the model's base
     must be the one it was trained on (train/core/lora.py `check_same_base`)."""
-    from shardtune.train.core.lora import check_same_base
-    from shardtune.train.core.model import unwrap
-
     hf_config = info.path / HF_DIR / "config.json"
     if hf_config.is_file():
         check_same_base(read_json_object(hf_config, "checkpoint file", "resume another checkpoint"), unwrap(model))

@@ -37,7 +37,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def saved_config(run_dir: Path, cfg_hash: str) -> RunConfig | None:
     """The config the checkpoint was trained with: config.yaml (or an earlier segment's) whose hash matches."""
-    from shardtune.config import load_recipe
+    from shardtune.config import load_recipe  # noqa: PLC0415 pydantic stays out of CLI start-up (rerun.py, on the launcher's path, imports this module)
 
     for path in [run_dir / "config.yaml", *sorted((run_dir / "segments").glob("*/config.yaml"), reverse=True)]:
         try:

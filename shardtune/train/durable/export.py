@@ -18,11 +18,14 @@ import shutil
 import warnings
 from pathlib import Path
 
+import safetensors.torch
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtune.errors import UserError, read_json_object
 from shardtune.train.core import lora as lora_mod
 from shardtune.train.durable import integrity
+from shardtune.train.durable.checkpoint import SafeFileSystemReader, safe_dcp_load
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info, why_not_checkpoint
 from shardtune.train.durable.diskfull import check_room, is_disk_full, on_full_disk
 from shardtune.train.durable.export_files import MANIFEST, TMP, place, target_of
@@ -81,10 +84,6 @@ def hf_name(dcp_key: str) -> str:
 
 def model_tensors(ckpt: Path) -> list[tuple[str, str, torch.Size, torch.dtype]]:
     """(DCP key, HF name, shape, dtype) of every model tensor in the checkpoint, in saved order."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from shardtune.train.durable.checkpoint import SafeFileSystemReader
-
     md = SafeFileSystemReader(ckpt).read_metadata()
     return [(k, hf_name(k), v.size, v.properties.dtype) for k, v in md.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)]
@@ -236,10 +235,6 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
 
 def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only) -> None:
     """The export's files into `tmp` (export_checkpoint's body once the plan is made)."""
-    from safetensors.torch import save_file
-
-    from shardtune.train.durable.checkpoint import SafeFileSystemReader, safe_dcp_load
-
     reader = SafeFileSystemReader(ckpt)
     weight_map: dict[str, str] = {}
     total = 0
@@ -262,7 +257,7 @@ def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora
                                                  lora_mod.scaling(lora))
         tensors = {meta[k][0]: (want[k].to(out_dtype) if out_dtype else want[k]).contiguous() for k in keys}
         del want
-        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        safetensors.torch.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         for name, t in tensors.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()

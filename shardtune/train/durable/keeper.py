@@ -20,8 +20,11 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from shardtune.errors import UserError
+from shardtune.train.core.model import build_hf_config, unwrap
 from shardtune.train.durable import ckpt_files, compat
+from shardtune.train.durable.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from shardtune.train.durable.choice import CHOICE_ENV, choose_checkpoint
+from shardtune.train.durable.export import copy_source_files, export_checkpoint
 from shardtune.train.durable.resilience import BadStepCounter, DebugHooks, PreemptionSignal, agree_max
 from shardtune.train.durable.watchdog import Watchdog
 
@@ -54,8 +57,6 @@ class RunKeeper:
         the candidates, every rank checks its share); `auto` falls back to the newest one that
         verifies, naming each skipped and why. Truncates metrics.jsonl after its step (or starts it
         afresh). Returns the step resumed from."""
-        from shardtune.train.durable.checkpoint import load_checkpoint
-
         choice: list = [None]
         bug: Exception | None = None
         if self.ctx.rank == 0:
@@ -109,8 +110,6 @@ class RunKeeper:
     def _first_verified(self, paths: list[Path], strict: bool):
         """The first of `paths` whose files verify (collective); `strict` (a path was given): one
         that does not is an error, not a fallback."""
-        from shardtune.train.durable.checkpoint import verify_checkpoint
-
         skipped = []
         for path in paths:
             info = ckpt_files.read_info(path)
@@ -202,8 +201,6 @@ class RunKeeper:
         tmp.replace(self.run_dir / "stopped.json")
 
     def save(self, step: int) -> Path:
-        from shardtune.train.durable.checkpoint import save_checkpoint
-
         hf_files = self._write_hf_files if self.ctx.rank == 0 else None
         self.watchdog.beat(step, "save")
         path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.state,
@@ -222,9 +219,6 @@ class RunKeeper:
         """The checkpoint's hf/: the run's config.json; the model folder's tokenizer and generation
         files copied as files when the run uses the folder's tokenizer (export.SOURCE_FILES), else
         the run's tokenizer as it saves itself."""
-        from shardtune.train.core.model import build_hf_config, unwrap
-        from shardtune.train.durable.export import copy_source_files
-
         # training turns the KV cache off (core/model.py); the saved config keeps the source's
         # setting, so an export generates with its cache as the source folder does
         config = copy.deepcopy(unwrap(self.model).config)
@@ -252,8 +246,6 @@ class RunKeeper:
             return None
         out = self.run_dir / "hf_export"
         if self.ctx.rank == 0:
-            from shardtune.train.durable.export import export_checkpoint
-
             export_checkpoint(self.last_saved, out, overwrite=True)
             print(f"shardtune: exported a Hugging Face model to {out}", flush=True)
         return out

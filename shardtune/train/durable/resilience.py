@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -220,7 +221,6 @@ def restart_safe_store_kwargs(timeout_s: float, env=os.environ) -> dict:
     count gives every attempt a fresh namespace. {} when not under the agent store."""
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    from datetime import timedelta
 
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]),
                           is_master=False, timeout=timedelta(seconds=timeout_s))

@@ -14,7 +14,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from shardtune.errors import UserError
 from shardtune.train.durable.ckpt_files import DCP_METADATA_GLOBALS, DTYPE_NAMES, refused_global
@@ -41,8 +45,6 @@ class _AllowListUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(path: Path):
     """A DCP `.metadata` file through the allow-list: a Metadata object, or one line (UserError)."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     try:
         with open(path, "rb") as f:
             metadata = _AllowListUnpickler(f).load()
@@ -69,7 +71,6 @@ class SafeFileSystemReader(FileSystemReader):
                 raise UserError(f"{Path(self.path)} is not a DCP checkpoint (no .metadata); give a "
                                 "checkpoints/step_<N> folder")
             metadata = read_dcp_metadata(path)
-            from torch.distributed.checkpoint.metadata import StorageMeta
 
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -82,9 +83,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that loads non-tensor values with `torch.load(weights_only=True)`."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
-        from torch.distributed.checkpoint._traverse import set_element
-
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as e:  # torch's weights_only allow-list refused a global, or the bytes are garbage
@@ -99,8 +97,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def safe_dcp_load(sd: dict, reader: SafeFileSystemReader, **kw) -> None:
     """`dcp.load` with the safe planner; a UserError inside it (a refused pickle on some rank) comes
     out as itself, not inside DCP's CheckpointException with a traceback per rank."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), **kw)
     except CheckpointException as e:

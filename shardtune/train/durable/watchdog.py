@@ -37,6 +37,10 @@ import sys
 import tempfile
 import time
 
+from torch.distributed import TCPStore
+
+from shardtune.train.durable import faults
+
 FLOOR_S = 120.0  # the default floor (issue 32: a hung rank ends the job within max(120 s, k × step time))
 STEP_FACTOR = 10.0
 CAP = 0.9  # of train.timeout_s
@@ -161,7 +165,6 @@ def _end(r: int, f: list[str], why: str, limit: float, own_pid: int) -> None:
     where = f"in its save of step {step}" if phase == "save" else f"last step {max(step - 1, 0)}, in step {step}"
     print(f"shardtune: rank {r} (pid {pid} on {host}) is hung: {why}; {where}; the other ranks have been waiting "
           f"for it; ending the job (watchdog limit {limit:.0f} s, docs/checkpoints.md)", file=sys.stderr, flush=True)
-    from shardtune.train.durable import faults
 
     faults.record(r, f"hung, {why}; {where} (watchdog limit {limit:.0f} s)")
     if host == socket.gethostname():
@@ -179,8 +182,6 @@ def _end(r: int, f: list[str], why: str, limit: float, own_pid: int) -> None:
 
 def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float, floor_s: float) -> int:
     """The watcher's loop; returns when its rank stops the watchdog or is gone."""
-    from torch.distributed import TCPStore
-
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=30))
     keys = [f"shardtune/watchdog/beat/{r}" for r in range(world_size)]
