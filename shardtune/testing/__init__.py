@@ -1,1 +1,2 @@
-"""Test helpers other areas can reuse (e.g. `netns.TwoHosts` for two emulated hosts on one machine)."""
+"""Test fixtures other areas can reuse: `netns.TwoHosts` (two emulated hosts on one machine) and
+the SmolLM2 pretrained-model folder (smollm2). proc.py is the old path of shardtune/processes.py."""

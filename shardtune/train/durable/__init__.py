@@ -1,2 +1,3 @@
-"""Durability: DCP checkpoints (checkpoint, ckpt_files), the run keeper (keeper), failures and
-signals (resilience), the Hugging Face export (export)."""
+"""Durability: DCP checkpoints (checkpoint, ckpt_files, safe_load, shards, integrity), which one to
+resume (choice, compat), the run keeper (keeper), failures and signals (resilience, faults,
+watchdog, diskfull), the Hugging Face export (export, export_files)."""
