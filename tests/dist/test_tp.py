@@ -82,11 +82,17 @@ def _reference_kv4(kv4: Path) -> list[float]:
     return reference(steps=STEPS, model=model)[0]
 
 
+@pytest.fixture(scope="module")
+def ref():
+    """test_train_parity's one-process reference at STEPS steps, once for every case here."""
+    return reference(steps=STEPS)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["tp2_zero3", "tp2_zero2_accum", "tp2_hsdp", "tp2_nosp_acfull", "tp2_acop",
                                   "tp2_acfull"])
-def test_tp2_dp2_matches_one_process(world4, name):
-    want_losses, want_norms = reference(steps=STEPS)
+def test_tp2_dp2_matches_one_process(world4, ref, name):
+    want_losses, want_norms = ref
     for rank_result in world4[0]:
         got = rank_result[name]
         assert got["dp_size"] == 2
@@ -105,8 +111,8 @@ def test_tp4_matches_one_process(world4):
 
 
 @pytest.mark.timeout(600)
-def test_tp2_bf16_mixed_close(world4):
-    want, _ = reference(steps=STEPS)
+def test_tp2_bf16_mixed_close(world4, ref):
+    want, _ = ref
     got = world4[0][0]["tp2_bf16mixed"]["losses"]
     assert got == pytest.approx(want, abs=2e-2)
     assert got != pytest.approx(want, abs=1e-7)  # bf16 compute really used

@@ -124,6 +124,20 @@ def ref():
     return reference()
 
 
+@pytest.fixture(scope="module")
+def bf16_ref():
+    """The fp32 one-process run at the bf16 cases' settings, once for all of them."""
+    return reference(**{k: BF16[k] for k in ("steps", "lr", "same_batch")})
+
+
+@pytest.fixture(scope="module")
+def bnb_ref():
+    """One process stepping bitsandbytes' AdamW8bit on the whole batch, once for ddp and zero1."""
+    import bitsandbytes as bnb
+
+    return reference(optimizer_class=bnb.optim.AdamW8bit)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "zero3_ac_full", "zero2_ac_selective",
                                   "ddp_ac_full", "zero3_accum", "ddp_accum", "zero3_offload",
@@ -146,8 +160,8 @@ def test_loss_parity_four_ranks(world4, ref, name):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["zero3_bf16mixed", "ddp_bf16mixed", "zero1_bf16mixed", "zero3_bf16",
                                   "zero3_bf16_sr"])
-def test_bf16_close_and_falling(world2, name):
-    ref_losses, _ = reference(**{k: BF16[k] for k in ("steps", "lr", "same_batch")})
+def test_bf16_close_and_falling(world2, bf16_ref, name):
+    ref_losses, _ = bf16_ref
     losses = world2[0][name]["losses"]
     assert losses[0] == pytest.approx(ref_losses[0], abs=1e-2)  # same weights, bf16 rounding only
     assert losses == pytest.approx(ref_losses, abs=0.15)  # drift grows with lr 1e-2 updates
@@ -244,13 +258,11 @@ def test_bytes_per_rank_equal_planner(world2, world4, name, world, shard):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["ddp_8bit", "zero1_8bit"])
-def test_adamw_8bit_two_ranks_vs_one_process_bitsandbytes(world2, name):
+def test_adamw_8bit_two_ranks_vs_one_process_bitsandbytes(world2, bnb_ref, name):
     """bitsandbytes' AdamW8bit under ddp (every rank steps every tensor) and zero1 (each rank its
     own tensors, then a broadcast) against one process stepping the same AdamW8bit on the whole
     batch: the same per-tensor 8-bit update, so the same losses up to the all-reduce's rounding."""
-    import bitsandbytes as bnb
-
-    want_losses, want_norms = reference(optimizer_class=bnb.optim.AdamW8bit)
+    want_losses, want_norms = bnb_ref
     for rank_result in world2:
         assert rank_result[name]["losses"] == pytest.approx(want_losses, abs=1e-5), name
         assert rank_result[name]["grad_norms"] == pytest.approx(want_norms, rel=1e-4), name
