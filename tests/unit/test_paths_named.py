@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("shardtune", "tests", "bench", "docs", "recipes", "data")
 SUBPACKAGES = {p.name for p in (ROOT / "shardtune").iterdir() if p.is_dir() and not p.name.startswith("__")}
 PATH = re.compile(r"(?<![\w/.*<-])((?:\.\./)*(?:[\w.-]+/)+[\w-]+\.(?:py|md|yaml))(?![\w/])")
-# Named before they land: the long-context work (parallel.cp) brings its doc and tests. Skipped, not
+# Named before they land: the long-context work (parallel.cp) brings its trainer and tests. Skipped, not
 # failed; delete an entry once its file is in.
-PENDING = {"docs/long-context.md", "tests/dist/test_cp.py", "tests/e2e/test_cp_cli.py", "parallel/cp.py"}
+PENDING = {"tests/dist/test_cp.py", "tests/e2e/test_cp_cli.py", "parallel/cp.py"}
 # Other projects' files that a text names by their own repository's path.
 EXTERNAL = {"docs/performance.md"}  # pytorch/torchtitan's (README, docs/long-context.md)
 
