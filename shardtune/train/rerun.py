@@ -85,13 +85,15 @@ def checkpoint_to_resume(cfg: RunConfig) -> CheckpointInfo | None:
 
 def keep_global_batch(info: CheckpointInfo, old: RunConfig | None, cfg: RunConfig, world_size: int,
                       diff: list) -> list[str]:
-    """A resume on another number of data-parallel ranks (world / tp) keeps the global batch
+    """A resume on another number of data-parallel ranks (world / (tp x cp)) keeps the global batch
     (micro_batch × grad_accum × data-parallel ranks):
     the `train.grad_accum=K` override that does (said in one line), [] when nothing changes or the
     user set micro_batch or grad_accum themselves; a UserError naming the choices when none does."""
     if old is None:
         return []
-    saved, now = info.world_size // old.parallel.tp, world_size // cfg.parallel.tp  # data-parallel ranks (tp)
+    # data-parallel ranks: the ranks of one tp and cp group read the same rows
+    saved = info.world_size // (old.parallel.tp * old.parallel.cp)
+    now = world_size // (cfg.parallel.tp * cfg.parallel.cp)
     if saved == now or any(c[0] in ("train.micro_batch", "train.grad_accum") for c in diff):
         return []
     mb = cfg.train.micro_batch
@@ -101,7 +103,7 @@ def keep_global_batch(info: CheckpointInfo, old: RunConfig | None, cfg: RunConfi
         print(f"shardtune: resuming on {world_size} ranks (saved on {info.world_size}): train.grad_accum "
               f"{cfg.train.grad_accum} → {accum} keeps the global batch of {rows} rows")
         return [f"train.grad_accum={accum}"]
-    tp = cfg.parallel.tp  # --nproc = data-parallel ranks × tp
+    tp = cfg.parallel.tp * cfg.parallel.cp  # --nproc = data-parallel ranks × tp × cp
     fits = [n * tp for n in range(1, 4 * max(now, saved) + 1) if rows % (mb * n) == 0][:6]
     raise UserError(f"resuming on {world_size} ranks cannot keep the global batch of {rows} rows (micro_batch "
                     f"{old.train.micro_batch} × grad_accum {old.train.grad_accum} × {saved} ranks): "

@@ -4,8 +4,9 @@ row, positions restarting), against one process at the same global batch.
 one: `--nproc 1` (micro 8), 4 steps, with a validation file. cp2: `--nproc 2 --cp 2` (dp 1, micro 8:
 the same 8-row global batch), checkpoints at 2 and 4: one's losses and val_loss, half its measured
 activation bytes per rank (memory.json), and an export that loads in plain transformers with one's
-export's logits. resumed: cp2's step 2 resumed at `--nproc 1` (cp 1): steps 3 and 4 give cp2's
-losses. dp2: `--nproc 4 --cp 2` (dp 2, micro 8: 16 rows), 2 steps, against `--nproc 1` at micro 16.
+export's logits. resumed: cp2's step 2 resumed at `--nproc 2` with cp 1 (dp 2, micro 4: the same
+8 rows): steps 3 and 4 give cp2's losses. dp2: `--nproc 4 --cp 2` (dp 2, micro 8: 16 rows), 2 steps,
+against `--nproc 1` at micro 16. Bad inputs: one line, exit 2, before any process starts.
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def runs(tmp_path_factory):
     r = {}
     r["one"] = _train(tmp, "one", "--nproc", "1", "--max-steps", "4", val, "checkpoint.every=0")
     r["cp2"] = _train(tmp, "cp2", "--nproc", "2", "--cp", "2", "--max-steps", "4", val, "checkpoint.every=2")
-    r["resumed"] = _train(tmp, "resumed", "--nproc", "1", "--max-steps", "4", "checkpoint.every=0",
-                          "--resume", str(tmp / "cp2" / "checkpoints" / "step_2"))
+    r["resumed"] = _train(tmp, "resumed", "--nproc", "2", "--max-steps", "4", "checkpoint.every=0",
+                          "train.micro_batch=4", "--resume", str(tmp / "cp2" / "checkpoints" / "step_2"))
     r["dp2"] = _train(tmp, "dp2", "--nproc", "4", "--cp", "2", "--max-steps", "2", "checkpoint.export_hf=false")
     r["one16"] = _train(tmp, "one16", "--nproc", "1", "--max-steps", "2", "train.micro_batch=16",
                         "checkpoint.export_hf=false")
@@ -87,7 +88,7 @@ def test_activation_bytes_per_rank_halve_at_cp2(runs):
 
 
 @pytest.mark.timeout(1500)
-def test_resume_at_cp1_reproduces_the_cp2_losses(runs):
+def test_resume_at_cp1_dp2_reproduces_the_cp2_losses(runs):
     _, r = runs
     (cp2, _), (resumed, log) = r["cp2"], r["resumed"]
     assert "parallel.cp 2 → 1" in log
@@ -108,3 +109,30 @@ def test_export_from_a_cp_run_loads_in_transformers(runs):
         got = AutoModelForCausalLM.from_pretrained(tmp / "cp2" / "hf_export").eval()(ids).logits
         want = AutoModelForCausalLM.from_pretrained(tmp / "one" / "hf_export").eval()(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
+
+
+BAD = [
+    (["--nproc", "3", "--cp", "2"], "cp 2 does not divide the world size 3"),
+    (["--nproc", "4", "--cp", "2", "--tp", "2", "train.seq_len=126"], "cp x tp = 4"),
+    (["--nproc", "2", "--cp", "2", "--strategy", "ddp"], "composes with FSDP2 strategies"),
+    (["--nproc", "2", "--cp", "2", "train.objective=dpo"], "does not compose with train.objective dpo"),
+    (["--nproc", "2", "--cp", "2", "train.compile=true"], "does not compose with train.compile"),
+    (["--nproc", "2", "--cp", "2", "train.sample_prompts=[hi]"], "train.sample_prompts"),
+    (["--nproc", "2", "--cp", "2", "optim.name=adamw-8bit"], "adamw-8bit"),
+    (["--nproc", "2", "parallel.activation_offload=true", "parallel.offload=all"], "activation_offload"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, needle", BAD, ids=[b[1] for b in BAD])
+def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, args, needle):
+    from shardtune import cli
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started for bad input")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    rc = cli.main(["train", str(RECIPE), "--output-dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert needle in err

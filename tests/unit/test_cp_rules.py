@@ -87,3 +87,22 @@ def test_config_refuses_in_one_line(overrides, needle):
 def test_config_accepts_cp_and_activation_offload():
     cfg = load_recipe("recipes/tiny-cpu.yaml", ["parallel.cp=2", "parallel.activation_offload=true"])
     assert cfg.parallel.cp == 2 and cfg.plan_inputs()["cp"] == 2 and cfg.plan_inputs()["activation_offload"]
+
+
+def test_a_resume_keeps_the_global_batch_over_data_parallel_ranks():
+    """Saved at cp 2 on 4 ranks (dp 2, micro 4: 8 rows); resumed on 4 ranks at cp 1 (dp 4), micro 1:
+    grad_accum 2; at tp 2 x cp 2 on 4 ranks (dp 1), micro 4: grad_accum 2; at cp 2 on 8 ranks (dp 4),
+    micro 4: one line naming the --nproc that fit (multiples of cp)."""
+    from types import SimpleNamespace
+
+    from shardtune.train.rerun import keep_global_batch
+
+    old = load_recipe("recipes/tiny-cpu.yaml", ["parallel.cp=2", "train.micro_batch=4"])
+    info = SimpleNamespace(world_size=4)
+    new = load_recipe("recipes/tiny-cpu.yaml", ["train.micro_batch=1"])
+    assert keep_global_batch(info, old, new, 4, []) == ["train.grad_accum=2"]
+    new = load_recipe("recipes/tiny-cpu.yaml", ["parallel.tp=2", "parallel.cp=2", "train.micro_batch=4"])
+    assert keep_global_batch(info, old, new, 4, []) == ["train.grad_accum=2"]
+    with pytest.raises(UserError, match="--nproc 2 or 4,"):
+        keep_global_batch(info, old, load_recipe("recipes/tiny-cpu.yaml", ["parallel.cp=2", "train.micro_batch=4"]),
+                          8, [])
