@@ -2,7 +2,7 @@
 processes, rank<r>.json with what each measured. argv: cases.json out_dir.
 
 A case: {name, parallel: {...ParallelConfig with cp (and tp)}, model: {...ModelConfig}, lora, steps,
-rows, seq_len, grad_accum, lr, logits: bool}. Each rank takes its data-parallel share of
+rows, seq_len, grad_accum, lr, loss_chunks, logits: bool}. Each rank takes its data-parallel share of
 `_batches.global_batch` (the ranks of one cp and tp group the same rows) and the trainer's step
 splits the sequence; `logits` also records the full logits of two batches that differ in one
 document only (the cp group's pieces all-gathered), for the document-isolation test.
@@ -67,7 +67,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                        weight_decay=0.0)
     opt = build_optimizer(model, ocfg, pcfg, group)
     sched = build_scheduler(opt, ocfg, case["steps"])
-    opts = StepOptions(autocast_dtype=autocast_dtype(pcfg))
+    opts = StepOptions(autocast_dtype=autocast_dtype(pcfg), loss_chunks=case.get("loss_chunks"))
     out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size, "cp": cp, "tp": tp}
     if case.get("logits"):
         out["logits"] = [full_logits(model, b, mesh) for b in changed_document_batches(2, case["seq_len"])]

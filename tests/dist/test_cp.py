@@ -1,6 +1,6 @@
 """Context parallelism (all-to-all, parallel/cp.py) composed with FSDP2 against one plain process
 (gloo, 4 ranks, one launch): cp 2 x dp 2 (zero3, zero2 with grad accumulation, hsdp, AC full, AC
-op, bf16-mixed), tp 2 x cp 2 (KV heads repeated: 1 per tp rank, cp 2) and cp 4 x dp 1 (cp > KV
+op, chunked loss, bf16-mixed), tp 2 x cp 2 (KV heads repeated: 1 per tp rank, cp 2) and cp 4 x dp 1 (cp > KV
 heads), fp32, 4 steps, on `_batches`' packed rows (two documents a row, positions restarting) with
 masked prompts. The reference is test_train_parity's: a plain transformers model on the whole
 global batch, torch's cross_entropy, AdamW and clip_grad_norm_. LoRA at cp 2 x dp 2 is held to the
@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_cp_worker.py"
 STEPS = 4
 LORA = {"rank": 4, "alpha": 8}
-PARITY = ["cp2_zero3", "cp2_zero2_accum", "cp2_hsdp", "cp2_acfull", "cp2_acop", "tp2_cp2", "cp4"]
+PARITY = ["cp2_zero3", "cp2_zero2_accum", "cp2_hsdp", "cp2_acfull", "cp2_acop", "cp2_chunked_loss", "tp2_cp2",
+          "cp4"]
 
 
 def _case(name, cp=2, strategy="zero3", precision="fp32", **kw):
@@ -47,6 +48,7 @@ def world4(tmp_path_factory):
         _case("cp2_hsdp", strategy="hsdp", parallel={"hsdp_shard_size": 1}),
         _case("cp2_acfull", parallel={"activation_checkpointing": "full"}),
         _case("cp2_acop", parallel={"activation_checkpointing": "op"}),
+        _case("cp2_chunked_loss", loss_chunks=4),  # train.loss_chunks on each rank's rows
         _case("cp2_bf16mixed", precision="bf16-mixed"),
         _case("tp2_cp2", parallel={"tp": 2}),
         _case("cp4", cp=4),
