@@ -200,7 +200,7 @@ def timed(json_path: str | None) -> None:
     print(f"pair tokens a step: {tokens:.0f}; load average (1 min) before / between / after: "
           + " / ".join(f"{x:.1f}" for x in load))
     if json_path:
-        result = {"trl": theirs["trl"], "command": "python bench/real_dpo.py --timed --json " + json_path,
+        result = {"trl_version": theirs["trl"], "command": "python bench/real_dpo.py --timed --json " + json_path,
                   "model": "SmolLM2-135M-Instruct (the whole fixture), fp32",
                   "setup": f"{TIMED_STEPS} steps, {TIMED_BATCH} pairs a step, lr {TIMED_LR}, beta {BETA}, seq_len 128; "
                            "shardtune zero3 2 ranks (gloo, 1 thread each) vs TRL DPOTrainer 1 process (2 threads)",
