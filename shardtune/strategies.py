@@ -183,6 +183,15 @@ class Layout:
         return (self.world_size,)
 
     @classmethod
+    def of_config(cls, par, world_size: int, gpus_per_node: int | None = None, strategy_name: str | None = None,
+                  hsdp_shard_size: int | None = None) -> Layout:
+        """`build` from a recipe's `parallel:` section (config.ParallelConfig; read by name, so this
+        leaf imports no config): the one call of the trainer, its preflight and the launcher."""
+        return cls.build(strategy_name or par.strategy, world_size, gpus_per_node,
+                         hsdp_shard_size or par.hsdp_shard_size, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                         tp_across_nodes=par.tp_across_nodes, cp=par.cp)
+
+    @classmethod
     def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,
               hsdp_shard_size: int | None = None, tp: int = 1, sequence_parallel: bool = True,
               tp_across_nodes: bool = False, cp: int = 1) -> Layout:

@@ -42,15 +42,12 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
     on nodes × gpus_per_node GPUs joined by `link` (default: the preset's catalogue link)."""
     strategy, par = strategy or cfg.parallel.strategy, cfg.parallel
     # hsdp's shard group: the one rule (strategies.Layout), one node's data-parallel ranks unless the recipe says
-    layout = Layout.build(strategy, nodes * gpus_per_node, gpus_per_node, shard_size or par.hsdp_shard_size,
-                          tp=par.tp, sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes)
+    layout = Layout.of_config(par, nodes * gpus_per_node, gpus_per_node, strategy, shard_size)
     shard_size = layout.shard_degree if layout.strategy.hybrid else None
-    p = plan(cfg.model.plan_name(), gpus=nodes * gpus_per_node, nodes=nodes, gpus_per_node=gpus_per_node,
-             gpu=cfg.train.gpu, seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch,
-             grad_accum=cfg.train.grad_accum, precision=par.precision,
-             ac=par.activation_checkpointing, ac_every=par.ac_every, offload=par.offload,
-             hsdp_shard_size=shard_size, strategies=[strategy], tp=par.tp, sequence_parallel=par.sequence_parallel,
-             tp_across_nodes=par.tp_across_nodes, interconnect=link or DEFAULT_LINK[interconnect])
+    # the recipe's own planner inputs (RunConfig.plan_inputs: cp, LoRA, optimizer, objective … included)
+    p = plan(**{**cfg.plan_inputs(), "gpus": nodes * gpus_per_node, "nodes": nodes, "gpus_per_node": gpus_per_node,
+                "hsdp_shard_size": shard_size, "strategies": [strategy],
+                "interconnect": link or DEFAULT_LINK[interconnect]})
     t = p.strategy(strategy).timing
     return Estimate(strategy, shard_size, t["step_time_s"], t["compute_time_s"],
                     t["comm_time_s"])

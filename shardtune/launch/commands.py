@@ -122,8 +122,7 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     par = cfg.parallel
     lo, hi = spec.elastic or (spec.nodes, spec.nodes)
     for nodes in range(max(lo, 1), hi + 1):
-        Layout.build(par.strategy, nodes * spec.gpus_per_node, spec.gpus_per_node, par.hsdp_shard_size, tp=par.tp,
-                     sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes)
+        Layout.of_config(par, nodes * spec.gpus_per_node, spec.gpus_per_node)
     check_tp_placement(cfg, spec.gpus_per_node)
     return cfg, spec, link
 

@@ -28,9 +28,7 @@ if TYPE_CHECKING:
 
 def build_layout(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int) -> Layout:
     """The run's `Layout` (the one place degrees are derived and checked)."""
-    return Layout.build(parallel_cfg.strategy, world_size, local_world_size, parallel_cfg.hsdp_shard_size,
-                        tp=parallel_cfg.tp, sequence_parallel=parallel_cfg.sequence_parallel,
-                        tp_across_nodes=parallel_cfg.tp_across_nodes, cp=parallel_cfg.cp)
+    return Layout.of_config(parallel_cfg, world_size, local_world_size)
 
 
 def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int,

@@ -351,8 +351,7 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
     """The run's layout on `world_size` ranks (`local_world_size` per node), once every check has
     passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
     par = cfg.parallel
-    layout = Layout.build(par.strategy, world_size, local_world_size, par.hsdp_shard_size, tp=par.tp,
-                          sequence_parallel=par.sequence_parallel, tp_across_nodes=par.tp_across_nodes, cp=par.cp)
+    layout = Layout.of_config(par, world_size, local_world_size)
     check_environment(par.strategy, optimizer=cfg.optim.name, quantize_base=cfg.lora.quantize_base,
                       compile=cfg.train.compile)
     from shardtune.config.paths import check_recipe_paths  # pydantic stays out of CLI start-up

@@ -396,3 +396,19 @@ def test_a_placeholder_image_is_one_line_and_no_file(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "'REGISTRY/IMAGE' is not a container image reference" in r.stderr
     assert not out.exists()
+
+
+def test_the_launchers_estimate_plans_the_recipes_cp_and_lora_not_a_subset():
+    """advice.estimate once passed a hand-picked subset of the recipe to the planner (no cp, LoRA,
+    optimizer): its step time is the planner's for the recipe's own inputs, here cp 2 + LoRA."""
+    from shardtune.plan import plan
+
+    cfg = load_recipe(None, ["model.name=llama-3-8b", "train.seq_len=16384", "parallel.cp=2", "lora.rank=16",
+                             "train.micro_batch=4"])
+    est = estimate(cfg, nodes=2, gpus_per_node=8, interconnect="eth")
+    p = plan("llama-3-8b", gpus=16, nodes=2, gpus_per_node=8, seq_len=16384, micro_batch=4, cp=2, lora_rank=16,
+             strategies=["zero3"], interconnect="eth-10g").strategy("zero3").timing
+    assert est.step_s == pytest.approx(p["step_time_s"], rel=1e-9)
+    no_cp = plan("llama-3-8b", gpus=16, nodes=2, gpus_per_node=8, seq_len=16384, micro_batch=4, lora_rank=16,
+                 strategies=["zero3"], interconnect="eth-10g").strategy("zero3").timing
+    assert est.step_s != pytest.approx(no_cp["step_time_s"], rel=1e-3)  # cp changes the step: it was planned

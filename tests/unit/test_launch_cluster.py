@@ -276,6 +276,19 @@ def test_tp_groups_stay_inside_a_node(tmp_path, capsys):
     assert rc == 2 and "KV heads" in err, err
 
 
+def test_launch_checks_cp_at_the_clusters_world(tmp_path, capsys):
+    """The launcher builds the trainer's Layout with the recipe's cp (it once left cp out): cp 4 on
+    6-GPU nodes does not divide the world and is refused before a script is written."""
+    recipe = _recipe(tmp_path)
+    ok = [f"output_dir={tmp_path}/run", "train.seq_len=2048"]
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "1", "--gpus-per-node", "6", "parallel.cp=4",
+                        *ok)
+    assert rc == 2 and not out and err.count("\n") == 1 and "cp 4" in err, err
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "1", "--gpus-per-node", "8", "parallel.cp=4",
+                        *ok)
+    assert rc == 0 and out, err
+
+
 def test_comm_advice_under_tp_offers_hsdp_over_a_nodes_data_parallel_ranks():
     from shardtune.config import load_recipe
     from shardtune.launch.advice import comm_bound_warning
