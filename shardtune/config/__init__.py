@@ -23,6 +23,7 @@ from shardtune.config.model import ModelConfig
 from shardtune.config.optim import OptimConfig
 from shardtune.config.parallel import ParallelConfig
 from shardtune.config.paths import resolve_recipe_paths
+from shardtune.config.plan_keys import PLAN_KEYS, read_key
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.strategies import check_activation_offload, check_combination, check_cp, check_objective_tp
@@ -91,20 +92,12 @@ class RunConfig(_Section):
         return Path(self.output_dir or os.path.join("runs", self.name))
 
     def plan_inputs(self) -> dict:
-        """The planner's inputs (plan/validate.py `Inputs`) for exactly this run, bar the world
-        size and layout: `shardtune plan RECIPE` and the run's plan.json both use it."""
-        return dict(
-            model=self.model.plan_name(), gpu=self.train.gpu, seq_len=self.train.seq_len,
-            micro_batch=self.train.micro_batch, grad_accum=self.train.grad_accum,
-            precision=self.parallel.precision, optimizer=self.optim.name,
-            optimizer_impl=self.optim.implementation, ac=self.parallel.activation_checkpointing,
-            ac_every=self.parallel.ac_every, offload=self.parallel.offload,
-            hsdp_shard_size=self.parallel.hsdp_shard_size, lora_rank=self.lora.rank,
-            quantize_base=self.lora.quantize_base, loss_chunks=self.train.loss_chunks,
-            objective=self.train.objective, reference=self.train.reference, tp=self.parallel.tp,
-            sequence_parallel=self.parallel.sequence_parallel, tp_across_nodes=self.parallel.tp_across_nodes,
-            cp=self.parallel.cp, activation_offload=self.parallel.activation_offload)
-
+        """The planner's inputs (plan/validate.py `PlanInputs`) for exactly this run, bar the world
+        size and layout: `shardtune plan RECIPE` and the run's plan.json both use it. One table
+        (config/plan_keys.py) says which recipe key each input is read from."""
+        out = {field: read_key(self, key) for field, key in PLAN_KEYS.items()}
+        out["model"] = self.model.plan_name()
+        return out
 
 
 def _unknown_key_message(key: str) -> str:

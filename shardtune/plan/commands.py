@@ -1,7 +1,8 @@
 """`shardtune plan`: per-GPU memory, fit and communication of every strategy. Imports no torch.
 
-To add a planner input: add the field to `plan.validate.PlanInputs` (its default is the option's),
-a parameter to `plan_cmd` and its name to `values`.
+To add a planner input: add the field to `plan.validate.PlanInputs` (its default is the option's)
+and a parameter of the same name to `plan_cmd`; a recipe key that sets it goes in
+config/plan_keys.py (tests/unit/test_key_table.py checks all three agree).
 """
 from __future__ import annotations
 
@@ -31,6 +32,15 @@ def _given_on_command_line(ctx: typer.Context) -> set[str]:
 
 
 _D = PlanInputs()  # the defaults, in one place
+_RENAMED = {"host_ram": "host_ram_gib", "strategy": "strategies"}  # option name → PlanInputs field
+
+
+def plan_input_values(params: dict) -> dict:
+    """The PlanInputs fields among a command's parameters (each option is named as its field)."""
+    fields = set(PlanInputs.__dataclass_fields__)
+    values = {_RENAMED.get(k, k): v for k, v in params.items() if _RENAMED.get(k, k) in fields}
+    values["strategies"] = values.get("strategies") or None
+    return values
 
 
 def plan_cmd(
@@ -144,18 +154,7 @@ def plan_cmd(
         return
     from shardtune.plan import plan
 
-    values = dict(
-        model=model, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu, seq_len=seq_len,
-        micro_batch=micro_batch, grad_accum=grad_accum, precision=precision, optimizer=optimizer,
-        optimizer_impl=optimizer_impl, ac=ac, ac_every=ac_every, offload=offload, lora_rank=lora_rank,
-        quantize_base=quantize_base,
-        loss_chunks=loss_chunks, objective=objective, reference=reference, accounting=accounting,
-        hsdp_shard_size=hsdp_shard_size, tp=tp, sequence_parallel=sequence_parallel, tp_across_nodes=tp_across_nodes,
-        cp=cp, activation_offload=activation_offload, host_ram_gib=host_ram,
-        params=params,
-        reserve_gib=reserve_gib,
-        strategies=strategy or None, interconnect=interconnect, intra_node=intra_node,
-        nics_per_node=nics_per_node, network_profile=network_profile, mfu=mfu, tokens=tokens)
+    values = plan_input_values(ctx.params)
     if model and model.endswith((".yaml", ".yml")):
         values.update(recipe_inputs(model, _given_on_command_line(ctx) - {"model"}))
     inputs = PlanInputs(**values)

@@ -14,23 +14,22 @@ import shlex
 from pathlib import Path
 
 from shardtune.config import load_recipe
+from shardtune.config.plan_keys import PLAN_KEYS
 from shardtune.plan.fit import Candidate
 from shardtune.plan.validate import PlanInputs
 from shardtune.strategies import STRATEGY
+from shardtune.train.flags import TRAIN_FLAGS
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 FALLBACK_RECIPE = "llama-3-8b-8xh100.yaml"  # a GPU recipe (nccl, bf16-mixed) for any catalogue model
-# plan_inputs() key → (train flag or None, recipe key); train/flags.py has the flags
-_KEYS = {
-    "strategy": ("--strategy", "parallel.strategy"), "precision": ("--precision", "parallel.precision"),
-    "lora_rank": ("--lora-rank", "lora.rank"), "model": (None, "model.name"), "gpu": (None, "train.gpu"),
-    "seq_len": (None, "train.seq_len"), "micro_batch": (None, "train.micro_batch"),
-    "grad_accum": (None, "train.grad_accum"), "optimizer": (None, "optim.name"),
-    "optimizer_impl": (None, "optim.implementation"), "ac": (None, "parallel.activation_checkpointing"),
-    "ac_every": (None, "parallel.ac_every"), "offload": (None, "parallel.offload"),
-    "hsdp_shard_size": (None, "parallel.hsdp_shard_size"), "tp": (None, "parallel.tp"),
-    "cp": ("--cp", "parallel.cp"), "activation_offload": (None, "parallel.activation_offload"),
-}
+# the inputs `--fit` chooses or keeps → (train flag or None, recipe key): the recipe key is the one
+# table's (config/plan_keys.py), the flag the trainer's own for that key (train/flags.py)
+_FIT_FIELDS = ("strategy", "precision", "lora_rank", "model", "gpu", "seq_len", "micro_batch", "grad_accum",
+               "optimizer", "optimizer_impl", "ac", "ac_every", "offload", "hsdp_shard_size", "tp", "cp",
+               "activation_offload")
+_RECIPE_KEY = {**PLAN_KEYS, "strategy": "parallel.strategy"}  # a recipe runs one strategy; plan compares several
+_FLAG = {f.key: f.option for f in TRAIN_FLAGS}
+_KEYS = {field: (_FLAG.get(_RECIPE_KEY[field]), _RECIPE_KEY[field]) for field in _FIT_FIELDS}
 
 
 def _shown(path: Path) -> str:
@@ -77,9 +76,6 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
     cfg = load_recipe(recipe)
     have = cfg.plan_inputs()
     have["strategy"] = cfg.parallel.strategy
-    have.setdefault("tp", getattr(cfg.parallel, "tp", 1))
-    have.setdefault("cp", getattr(cfg.parallel, "cp", 1))
-    have.setdefault("activation_offload", getattr(cfg.parallel, "activation_offload", False))
     one_node = base.nodes == 1  # else `shardtune launch slurm`, which takes overrides only
     argv = (["shardtune", "train", recipe, "--nproc", str(base.gpus)] if one_node else
             ["shardtune", "launch", "slurm", recipe, "--nodes", str(base.nodes), "--gpus-per-node",
