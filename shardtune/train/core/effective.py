@@ -175,7 +175,8 @@ def describe(eff: dict) -> str:
     ac = eff["activation_checkpointing"] + (f" (layers {eff['ac_layers']})" if eff["ac_layers"] else "")
     lora = f"LoRA rank {eff['lora_rank']}" + (" on an nf4 base" if eff["quantize_base"] == "nf4" else "") \
         if eff["lora_rank"] else "LoRA off"
-    extra = (f"cp {eff['cp']}, " if eff.get("cp", 1) > 1 else "") + (
+    extra = (f"tp {eff['tp']}{' + SP' if eff.get('sequence_parallel') else ''}, " if eff.get("tp", 1) > 1 else "") + (
+        f"cp {eff['cp']}, " if eff.get("cp", 1) > 1 else "") + (
         "activation offload on, " if eff.get("activation_offload") else "")
     return (f"{eff['strategy']}, {eff['precision']} (master {eff['master_dtype']}, compute {eff['compute_dtype']}, "
             f"autocast {eff['autocast_dtype'] or 'off'}), AC {ac}, offload {eff['offload']}, {extra}"
