@@ -226,7 +226,8 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
 
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
     if len(micro_batches) == 1 and track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank,
-                                                   cfg.train.compile):
+                                                   cfg.train.compile) and not (
+            run.objective and run.objective.blocks_memory_tracker()):
         result, tracked = tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
         # dpo: + the frozen reference copy, as plan's memory.reference and total (the trackers never see it)
         return result, add_reference_bytes(tracked, run.objective.reference) if run.objective else tracked

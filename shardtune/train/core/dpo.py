@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward
@@ -151,6 +152,13 @@ class DPO:
 
     def __init__(self, reference):
         self.reference = reference
+
+    def blocks_memory_tracker(self) -> bool:
+        """A frozen copy outside FSDP (ddp/zero1): torch's MemTracker hooks the gradient of every
+        parameter a forward uses and refuses the copy's (FSDPMemTracker hooks the policy's FSDP
+        states only); such runs are not tracked (train/loop.py), as LoRA runs are not."""
+        model = getattr(self.reference, "model", None)
+        return model is not None and not isinstance(model, FSDPModule)
 
     def ref_logps(self, batch: dict, opts: StepOptions) -> torch.Tensor:
         return batch["ref_logps"] if "ref_logps" in batch else self.reference.logps(batch, opts)
