@@ -9,6 +9,8 @@ softmax − onehot one chunk at a time, accumulating dW in the compute dtype (as
 Under FSDP2 the root reshards the head (and tied embedding) after its forward, so the loss runs
 in a forward hook on the root that fires before FSDP's own post-forward hook: the all-gathered
 weight is live, and its gradient lands in the unsharded parameter FSDP reduce-scatters.
+One function gives each row's log-prob (`chunked_token_logps`): the cross-entropy is minus their
+sum, DPO's sequence log-probs (dpo.py) their sums per side.
 """
 from __future__ import annotations
 
@@ -24,67 +26,66 @@ from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.data.dataset import IGNORE_INDEX  # the one definition (HF / torch cross_entropy convention)
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over rows of CE(hidden @ weightᵀ, target), computed in `num_chunks` row chunks."""
+class _ChunkedLinearLogProbs(torch.autograd.Function):
+    """Per row: log softmax(hidden @ weightᵀ)[target] (0 for IGNORE_INDEX rows), in row chunks."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, num_chunks: int):  # hidden (N, h) in the compute dtype
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(hidden.dtype)
             lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
-            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for h_c, t_c, lse_c in zip(hidden.tensor_split(num_chunks), target.tensor_split(num_chunks),
-                                       lse.tensor_split(num_chunks)):
+            logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
+            for h_c, t_c, lse_c, out_c in zip(hidden.tensor_split(num_chunks), target.tensor_split(num_chunks),
+                                              lse.tensor_split(num_chunks), logp.tensor_split(num_chunks)):
                 logits = (h_c @ w.t()).float()  # (n, V)
                 lse_c.copy_(torch.logsumexp(logits, dim=-1))
                 valid = t_c != IGNORE_INDEX
                 picked = logits.gather(1, torch.where(valid, t_c, 0).unsqueeze(1)).squeeze(1)
-                total += torch.where(valid, lse_c - picked, 0.0).sum()
+                out_c.copy_(torch.where(valid, picked - lse_c, 0.0))
                 del logits
         ctx.save_for_backward(hidden, weight, target, lse)
         ctx.num_chunks = num_chunks
-        return total
+        return logp
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out):  # grad_out (N,): d logp_i / d logits_i = onehot − softmax
         hidden, weight, target, lse = ctx.saved_tensors
-        k = ctx.num_chunks
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        k, need_h, need_w = ctx.num_chunks, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        # dW summed in the compute dtype, as Liger does (an fp32 weight under autocast: one bf16
-        # V×h buffer, not an fp32 one plus a bf16 product per chunk; cast once at the end)
         grad_w = torch.zeros_like(weight, dtype=hidden.dtype) if need_w else None
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(hidden.dtype)
             rows = zip(hidden.tensor_split(k), target.tensor_split(k), lse.tensor_split(k),
-                       grad_h.tensor_split(k) if need_h else [None] * k)
-            for h_c, t_c, lse_c, gh_c in rows:
-                probs = (h_c @ w.t()).float().sub_(lse_c.unsqueeze(1)).exp_()  # softmax (n, V)
+                       grad_out.float().tensor_split(k), grad_h.tensor_split(k) if need_h else [None] * k)
+            for h_c, t_c, lse_c, g_c, gh_c in rows:
                 valid = t_c != IGNORE_INDEX
-                probs.scatter_add_(1, torch.where(valid, t_c, 0).unsqueeze(1),
-                                   -valid.to(probs.dtype).unsqueeze(1))  # − onehot
-                probs.mul_((valid * grad_out.float()).unsqueeze(1))  # ignored rows: no gradient
-                d_logits = probs.to(hidden.dtype)
-                del probs
+                d = (h_c @ w.t()).float().sub_(lse_c.unsqueeze(1)).exp_().neg_()  # −softmax (n, V)
+                d.scatter_add_(1, torch.where(valid, t_c, 0).unsqueeze(1), torch.ones_like(d[:, :1]))
+                d.mul_(torch.where(valid, g_c, 0.0).unsqueeze(1))
+                d_logits = d.to(hidden.dtype)
+                del d
                 if need_h:
                     gh_c.copy_(d_logits @ w)
                 if need_w:
                     grad_w.addmm_(d_logits.t(), h_c)
-            del w
-        if need_w:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None
+            del w  # before the cast: an fp32 head (autocast) holds one V×h copy at a time
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
+
+
+def chunked_token_logps(hidden, weight, target, num_chunks: int) -> torch.Tensor:
+    """(N,) fp32 log-probs of `target` under `hidden` (N, h) projected by `weight` (V, h)."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    return _ChunkedLinearLogProbs.apply(hidden, weight, target, max(1, min(int(num_chunks), hidden.shape[0])))
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                           num_chunks: int) -> torch.Tensor:
     """Sum of token losses of `hidden` (N, h) projected by `weight` (V, h) against `target` (N,)
-    (IGNORE_INDEX rows count nothing), the projection in hidden's dtype (or autocast's)."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        hidden = hidden.to(torch.get_autocast_dtype(device))  # what autocast's lm_head would use
-    num_chunks = max(1, min(int(num_chunks), hidden.shape[0]))
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, target, num_chunks)
+    (IGNORE_INDEX rows count nothing): minus the summed token log-probs, the projection in
+    hidden's dtype (or autocast's)."""
+    return -chunked_token_logps(hidden, weight, target, num_chunks).sum()
 
 
 def _head(lm: nn.Module) -> nn.Linear:

@@ -24,63 +24,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtune.plan.loss import resolve_loss_chunks
-from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward
+from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward, chunked_token_logps
 from shardtune.train.core.step import StepOptions, StepResult, accumulation, clip_and_step
 
 METRICS = ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected")
-
-
-class _ChunkedLinearLogProbs(torch.autograd.Function):
-    """Per row: log softmax(hidden @ weightᵀ)[target] (0 for IGNORE_INDEX rows), in row chunks."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target, num_chunks: int):  # hidden (N, h) in the compute dtype
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(hidden.dtype)
-            lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
-            logp = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
-            for h_c, t_c, lse_c, out_c in zip(hidden.tensor_split(num_chunks), target.tensor_split(num_chunks),
-                                              lse.tensor_split(num_chunks), logp.tensor_split(num_chunks)):
-                logits = (h_c @ w.t()).float()  # (n, V)
-                lse_c.copy_(torch.logsumexp(logits, dim=-1))
-                valid = t_c != IGNORE_INDEX
-                picked = logits.gather(1, torch.where(valid, t_c, 0).unsqueeze(1)).squeeze(1)
-                out_c.copy_(torch.where(valid, picked - lse_c, 0.0))
-                del logits
-        ctx.save_for_backward(hidden, weight, target, lse)
-        ctx.num_chunks = num_chunks
-        return logp
-
-    @staticmethod
-    def backward(ctx, grad_out):  # grad_out (N,): d logp_i / d logits_i = onehot − softmax
-        hidden, weight, target, lse = ctx.saved_tensors
-        k, need_h, need_w = ctx.num_chunks, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=hidden.dtype) if need_w else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(hidden.dtype)
-            rows = zip(hidden.tensor_split(k), target.tensor_split(k), lse.tensor_split(k),
-                       grad_out.float().tensor_split(k), grad_h.tensor_split(k) if need_h else [None] * k)
-            for h_c, t_c, lse_c, g_c, gh_c in rows:
-                valid = t_c != IGNORE_INDEX
-                d = (h_c @ w.t()).float().sub_(lse_c.unsqueeze(1)).exp_().neg_()  # −softmax (n, V)
-                d.scatter_add_(1, torch.where(valid, t_c, 0).unsqueeze(1), torch.ones_like(d[:, :1]))
-                d.mul_(torch.where(valid, g_c, 0.0).unsqueeze(1))
-                d_logits = d.to(hidden.dtype)
-                del d
-                if need_h:
-                    gh_c.copy_(d_logits @ w)
-                if need_w:
-                    grad_w.addmm_(d_logits.t(), h_c)
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None
-
-
-def chunked_token_logps(hidden, weight, target, num_chunks: int) -> torch.Tensor:
-    """(N,) fp32 log-probs of `target` under `hidden` (N, h) projected by `weight` (V, h)."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        hidden = hidden.to(torch.get_autocast_dtype(device))
-    return _ChunkedLinearLogProbs.apply(hidden, weight, target, max(1, min(int(num_chunks), hidden.shape[0])))
 
 
 def _slots(batch: dict) -> tuple[torch.Tensor, int]:
