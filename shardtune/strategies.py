@@ -101,6 +101,18 @@ def normalize_precision(name: str) -> str:
                                                   "float32": "fp32", "bfloat16": "bf16"})
 
 
+def checkpointed_layers(num_layers: int, mode: str, every: int = 2) -> list[int]:
+    """The one AC layer rule: which decoder layers recompute (part of) their activations. full and
+    op → all; layer → every k-th, layers 0, k, 2k, ... (⌈L/k⌉; torchtitan's `ac_freq` picks k-1,
+    2k-1, ... instead); none → []. The trainer wraps these (parallel/apply.py), the planner counts them."""
+    mode = AC_ALIASES.get(mode, mode)
+    if mode in ("full", "op"):
+        return list(range(num_layers))
+    if mode == "layer":
+        return list(range(0, num_layers, max(1, every)))
+    return []
+
+
 def normalize_ac(name: str) -> str:
     """Canonical AC mode; `selective` (this project's old name of every-k-th-layer AC) → layer."""
     return _pick("activation checkpointing mode", name, AC_MODES, AC_ALIASES)

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardtune.errors import UserError
-from shardtune.strategies import STRATEGY, Layout
+from shardtune.strategies import STRATEGY, Layout, checkpointed_layers
 
 if TYPE_CHECKING:
     from shardtune.config import ParallelConfig
@@ -128,17 +128,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def checkpointed_layer_indices(num_layers: int, mode: str, every: int) -> list[int]:
-    """Which decoder layers recompute (part of) their activations: full and op → all; layer →
-    every k-th layer, layers 0, k, 2k, ... (⌈L/k⌉ layers, as plan/activations.py and
-    plan/compute.py count them; torchtitan's `ac_freq` picks k-1, 2k-1, ... instead); none → []."""
-    if mode in ("full", "op"):
-        return list(range(num_layers))
-    if mode == "layer":
-        return [i for i in range(num_layers) if i % every == 0]
-    return []
-
-
 def _op_saved_ops() -> frozenset:
     """The ops whose outputs op AC keeps (docs/ac.md): the matmuls and SDPA's fused kernels,
     as torchtitan's `_save_list`; every other op is recomputed in backward."""
@@ -181,7 +170,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
     """Non-reentrant checkpoint per chosen decoder layer (composable API: parameter names stay
     the same, so state dicts keep HF names); `op`: torch's selective checkpoint per layer."""
     layers = decoder_layers(model)
-    for i in checkpointed_layer_indices(len(layers), mode, every):
+    for i in checkpointed_layers(len(layers), mode, every):
         if mode == "op":
             _op_checkpoint_forward(layers[i])
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from math import ceil
 
 from shardtune.plan.params import Architecture
+from shardtune.strategies import checkpointed_layers
 
 
 def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
@@ -146,12 +147,7 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     stream = 4 if autocast else elem_bytes  # the residual stream's (and RoPE cos/sin's) bytes
     kept_input = stream * (tokens // tp if sp else tokens) * arch.hidden_size
     L = arch.num_layers
-    if ac == "none":
-        checkpointed = 0
-    elif ac in ("full", "op"):
-        checkpointed = L
-    else:  # layer (old name selective): every k-th layer
-        checkpointed = ceil(L / ac_every)
+    checkpointed = len(checkpointed_layers(L, ac, ac_every))  # the trainer's rule (strategies.py)
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
     if ac == "op":  # + each layer's matmul/SDPA outputs; the recompute rebuilds the rest (docs/ac.md)

@@ -9,7 +9,7 @@ recomputed forward of activation checkpointing costs time but is not model FLOPs
 """
 from __future__ import annotations
 
-import math
+from shardtune.strategies import checkpointed_layers
 
 # Achievable MFU of a compute-only training step (no exposed communication, no recompute), by GPU
 # family. Overridable with `plan --mfu X`. Sources:
@@ -84,7 +84,7 @@ def recompute_flops_per_token(ac: str, layer_matmul_params: int, num_layers: int
     if ac == "full":
         return per_layer * num_layers
     if ac == "layer":
-        return per_layer * math.ceil(num_layers / max(1, ac_every))
+        return per_layer * len(checkpointed_layers(num_layers, ac, ac_every))  # the trainer's rule
     raise ValueError(f"unknown activation checkpointing mode {ac!r}")
 
 
