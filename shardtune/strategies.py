@@ -101,6 +101,12 @@ def normalize_precision(name: str) -> str:
                                                   "float32": "fp32", "bfloat16": "bf16"})
 
 
+def autocasts(strategy_name: str, precision: str) -> bool:
+    """The one autocast rule: bf16-mixed under ddp/zero1 runs an fp32 model under torch.autocast
+    (bf16); FSDP strategies cast inside fully_shard (MixedPrecisionPolicy) instead."""
+    return precision == "bf16-mixed" and not STRATEGY[normalize_strategy(strategy_name)].fsdp
+
+
 def checkpointed_layers(num_layers: int, mode: str, every: int = 2) -> list[int]:
     """The one AC layer rule: which decoder layers recompute (part of) their activations. full and
     op → all; layer → every k-th, layers 0, k, 2k, ... (⌈L/k⌉; torchtitan's `ac_freq` picks k-1,

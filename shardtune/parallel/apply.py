@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardtune.errors import UserError
-from shardtune.strategies import STRATEGY, Layout, checkpointed_layers
+from shardtune.strategies import STRATEGY, Layout, autocasts, checkpointed_layers
 
 if TYPE_CHECKING:
     from shardtune.config import ParallelConfig
@@ -180,9 +180,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
 def autocast_dtype(parallel_cfg: ParallelConfig) -> torch.dtype | None:
     """The dtype the step autocasts to: bf16 for bf16-mixed under ddp/zero1 (FSDP strategies cast
     inside fully_shard instead), else None."""
-    if parallel_cfg.precision == "bf16-mixed" and not STRATEGY[parallel_cfg.strategy].fsdp:
-        return torch.bfloat16
-    return None
+    return torch.bfloat16 if autocasts(parallel_cfg.strategy, parallel_cfg.precision) else None
 
 
 def apply_precision(model: nn.Module, parallel_cfg: ParallelConfig) -> None:

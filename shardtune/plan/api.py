@@ -27,6 +27,7 @@ from shardtune.strategies import (
     STRATEGIES,
     STRATEGY,
     Layout,
+    autocasts,
     check_activation_offload,
     check_combination,
     check_cp,
@@ -145,11 +146,10 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> tuple[int, int]:
     """(device, host) activation bytes of one rank (host: --activation-offload)."""
     if m.arch is None or inp.accounting == "paper":  # the paper's §5 figures are model states only
         return 0, 0
-    # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (parallel/apply.py
-    # autocast_dtype). Under LoRA the base (embedding and norms included) is stored in bf16, so
+    # ddp/zero1 with bf16-mixed: an fp32 model under torch.autocast (strategies.autocasts, the
+    # trainer's rule). Under LoRA the base (embedding and norms included) is stored in bf16, so
     # the residual stream is bf16 and only the adapters' weights are cast: bf16 activations.
-    autocast = (inp.precision == "bf16-mixed" and not STRATEGY[strategy].fsdp
-                and not inp.lora_rank)
+    autocast = autocasts(strategy, inp.precision) and not inp.lora_rank
     return activation_split(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast,
                             loss_chunks=_loss_chunks(m, inp), tp=inp.tp, sp=inp.sequence_parallel,
