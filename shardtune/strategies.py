@@ -67,7 +67,7 @@ AC_MODES = ("none", "full", "op", "layer")
 AC_ALIASES = {"selective": "layer"}  # the old name of `layer` (before op AC), still accepted
 OFFLOAD_MODES = ("none", "optimizer", "all")
 OPTIMIZERS = ("adamw", "sgd", "adamw-8bit")
-# torch AdamW's kernels; "auto" is torch's own choice (foreach on CUDA, for-loop on CPU)
+# torch AdamW's kernels; "auto" is the fused kernel (resolve_optimizer_impl)
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop", "bf16-stochastic")
 # The nn.Linear modules of a Llama-style layer that get LoRA adapters by default (PEFT names):
 # the planner's model_shapes and the trainer's lora.target_modules share this list.
@@ -136,12 +136,12 @@ def normalize_optimizer_impl(name: str) -> str:
     return _pick("optimizer implementation", name, OPTIMIZER_IMPLS)
 
 
-def resolve_optimizer_impl(impl: str, offload: str, cuda: bool = True) -> str:
-    """The kernel `auto` gets: torch's fused AdamW, which torch 2.13 has for CUDA and for CPU
-    tensors (so also for the params `offload all` keeps on the CPU), on plain and DTensor params;
-    torch's own default would be foreach on CUDA, for-loop on CPU (`_default_to_fused_or_foreach`),
-    slower and with temporaries (docs/qlora.md "Fused AdamW by default"). `cuda`, `offload`: kept
-    for callers; every device here has the fused kernel. Other names stand as given."""
+def resolve_optimizer_impl(impl: str) -> str:
+    """The one meaning of `optim.implementation: auto`: torch's fused AdamW, which torch 2.13 has
+    for CUDA and CPU tensors (so also for the params `offload all` keeps on the CPU), plain and
+    DTensor; torch's own default would be foreach on CUDA, for-loop on CPU
+    (`_default_to_fused_or_foreach`), slower and with temporaries (docs/qlora.md "Fused AdamW by
+    default"). The trainer builds it, the planner and plan.json plan it. Other names stand."""
     if impl != "auto":
         return impl
     return "fused"

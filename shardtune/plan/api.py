@@ -124,8 +124,8 @@ def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> mem
 
 
 def _impl(inp: PlanInputs) -> str:
-    """The AdamW kernel planned: for `auto`, torch's choice on a GPU (strategies.py)."""
-    return resolve_optimizer_impl(inp.optimizer_impl, inp.offload)
+    """The AdamW kernel planned: for `auto`, the trainer's (strategies.resolve_optimizer_impl)."""
+    return resolve_optimizer_impl(inp.optimizer_impl)
 
 
 def _buffers(m: _Model, strategy: str, inp: PlanInputs) -> int:

@@ -46,7 +46,7 @@ class PlanInputs:
     grad_accum: int = 1
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
-    optimizer_impl: str = "auto"  # torch AdamW's kernel; auto plans foreach (torch's CUDA default)
+    optimizer_impl: str = "auto"  # torch AdamW's kernel; auto: fused (strategies.resolve_optimizer_impl)
     ac: str = "none"
     ac_every: int = 2  # selective AC: every k-th decoder layer
     offload: str = "none"

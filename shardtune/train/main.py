@@ -97,10 +97,9 @@ def plan_dict(cfg: RunConfig, world_size: int, local_world_size: int) -> dict:
         from shardtune.plan import plan
         from shardtune.strategies import resolve_optimizer_impl
 
-        inputs = cfg.plan_inputs()  # `auto`: the kernel torch picks on this run's device (torch's AdamW only)
+        inputs = cfg.plan_inputs()  # `auto`: the kernel the trainer builds (torch's AdamW only)
         if inputs["optimizer"] == "adamw":
-            inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"], inputs["offload"],
-                                                              cuda=torch.cuda.is_available())
+            inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"])
         p = plan(gpus=world_size, gpus_per_node=local_world_size,
                  strategies=[cfg.parallel.strategy], **inputs)
         return p.to_dict()

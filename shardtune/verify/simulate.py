@@ -242,28 +242,17 @@ def make_optimizer_states(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def use_foreach_adamw(optimizer) -> None:
-    """Make AdamW take the path it takes on CUDA. torch picks foreach only when every parameter
-    is on CUDA (torch/optim/optimizer.py `_default_to_fused_or_foreach`); on CPU it loops over
-    tensors (`_single_tensor_adamw`), whose temporaries are one tensor's, not all of them."""
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local AdamW
-    for group in inner.param_groups:
-        if group.get("foreach") is None and not group.get("fused"):
-            group["foreach"] = True
-
-
 def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = "bf16-mixed",
                       ac: str = "none", ac_every: int = 2, seq_len: int = 2048, micro_batch: int = 1,
                       grad_accum: int = 1, gpus_per_node: int | None = None,
-                      hsdp_shard_size: int | None = None, target: str = "cuda",
+                      hsdp_shard_size: int | None = None,
                       optimizer_impl: str = "auto", loss_chunks: int | None = None, tp: int = 1,
                       sequence_parallel: bool = True, objective: str = "sft", reference: str = "live") -> dict:
     """Rank 0's bytes by planner key (`track_step`) for one strategy, traced on fake tensors.
 
     `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
-    `target`: the device whose defaults the trace takes — "cuda" (what a GPU run does: torch's
-    AdamW defaults to foreach there) or "cpu" (single-tensor AdamW, as a CPU run does), for
-    `optimizer_impl` auto; another kernel is traced as given. `tp` > 1: the trainer's tensor
+    `optimizer_impl`: the kernel the trainer builds (auto: fused, strategies.resolve_optimizer_impl),
+    on any device. `tp` > 1: the trainer's tensor
     parallelism (parallel/tp.py `apply_tp`) on the 3-D mesh ("dp_replicate", "dp_shard", "tp").
     `objective` dpo / simpo: the pair step (`make_step`); dpo with a `reference` live: the trainer's
     frozen copy (train/core/dpo_ref.py `build_reference_model`: sharded per layer, compute dtype)
@@ -298,8 +287,6 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             if not s.fsdp:
                 _ddp_fake_patches(net)
             optimizer = build_optimizer(net, optim_cfg, parallel_cfg, dp_group(mesh))
-            if target == "cuda" and optimizer_impl == "auto":
-                use_foreach_adamw(optimizer)
             scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)
             vocab = getattr(net, "module", net).config.vocab_size
             # the trainer's StepOptions for this run's config (train/core/step.py)

@@ -36,7 +36,7 @@ def _worker(out_path: str) -> None:
     from shardtune.train.core.memtrack import track_step
     from shardtune.train.core.model import build_model, unwrap
     from shardtune.train.core.optim import build_optimizer, build_scheduler
-    from shardtune.verify.simulate import make_step, module_stats_per_micro_batch, use_foreach_adamw
+    from shardtune.verify.simulate import make_step, module_stats_per_micro_batch
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -47,7 +47,6 @@ def _worker(out_path: str) -> None:
         mesh = build_mesh(pc, world, world, "cpu")
         model = build_model(ModelConfig(name="tiny-llama"), pc, mesh, torch.device("cpu"), seed=0)
         opt = build_optimizer(model, OptimConfig(), pc, mesh.get_group())
-        use_foreach_adamw(opt)
         sched = build_scheduler(opt, OptimConfig(), 10)
         vocab = unwrap(model).config.vocab_size
         step = make_step(model, opt, sched, StepOptions.from_config(RunConfig(parallel=pc), vocab), vocab_size=vocab,
@@ -92,7 +91,7 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
     for strategy, grad_accum in CASES:
         case = f"{strategy} ga{grad_accum}"
         sim = simulate_strategy("tiny-llama", strategy, 2, seq_len=SEQ_LEN, micro_batch=MICRO_BATCH,
-                                grad_accum=grad_accum, target="cuda")
+                                grad_accum=grad_accum)
         for key in KEYS:
             want = real[0][case][key]  # rank 0: the rank the simulator plays
             got = sim[key]

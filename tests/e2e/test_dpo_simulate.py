@@ -82,7 +82,7 @@ def test_simulated_dpo_step_equals_real_tracked_step(tmp_path):
         if reference == "precompute":
             _check_cache_size(out)
         sim = simulate_strategy("tiny-llama", strategy, 2, precision=precision, seq_len=SEQ_LEN,
-                                micro_batch=MICRO_BATCH, target="cpu", objective="dpo", reference=reference)
+                                micro_batch=MICRO_BATCH, objective="dpo", reference=reference)
         assert (real[0]["reference"] > 0) == (reference == "live"), (case, real[0])
         for key in KEYS:
             want, got = real[0][key], sim[key]  # rank 0: the rank the simulator plays

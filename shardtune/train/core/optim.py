@@ -91,7 +91,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 
 
 # torch AdamW's kernel per `optim.implementation` (plan/memory.py: each one's temporaries)
-_IMPL_KWARGS = {"auto": {}, "foreach": {"foreach": True}, "fused": {"fused": True},
+_IMPL_KWARGS = {"foreach": {"foreach": True}, "fused": {"fused": True},
                 "for-loop": {"foreach": False}}  # bf16-stochastic: AdamWStochasticBF16
 
 
@@ -116,7 +116,7 @@ def build_optimizer(model: nn.Module, optim_cfg: OptimConfig, parallel_cfg: Para
         cls = AdamWStochasticBF16
     else:
         cls = torch.optim.AdamW
-        impl = resolve_optimizer_impl(optim_cfg.implementation, parallel_cfg.offload)
+        impl = resolve_optimizer_impl(optim_cfg.implementation)
         kwargs.update(_IMPL_KWARGS[impl])
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_strategy_optimizer(parallel_cfg, cls, params, dp_group, **kwargs)
