@@ -11,6 +11,7 @@ from dataclasses import fields as dc_fields
 from shardtune.errors import UserError
 from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
+    Layout,
     check_cp,
     check_objective_tp,
     normalize_ac,
@@ -181,16 +182,12 @@ def _layout(inp: PlanInputs) -> None:
         inp.nodes = n // inp.gpus_per_node
     _tp_layout(inp)
     check_cp(inp.cp, world_size=n, tp=inp.tp, seq_len=inp.seq_len, sequence_parallel=inp.sequence_parallel)
-    # the data-parallel ranks: gpus / (tp × cp); FSDP shards over dp_shard × cp (strategies.Layout)
-    tc = inp.tp * inp.cp
-    dp, per_node = n // tc, max(1, inp.gpus_per_node // tc)
-    g = inp.hsdp_shard_size if inp.hsdp_shard_size is not None else min(per_node, dp)
-    g = _int_in("hsdp_shard_size", g, 1, MAX_GPUS)
-    if dp % g:
-        raise UserError(f"--hsdp-shard-size {g} does not divide the {dp} data-parallel ranks (--gpus {n}"
-                        + (f" / --tp {inp.tp}" if inp.tp > 1 else "") + (f" / --cp {inp.cp}" if inp.cp > 1 else "")
-                        + f"); give a divisor such as {per_node if dp % per_node == 0 else 1}")
-    inp.hsdp_shard_size = g
+    # hsdp's shard group: the trainer's rule and default (strategies.Layout: a divisor of the
+    # gpus / (tp × cp) data-parallel ranks, one node's by default), planned for every strategy
+    if inp.hsdp_shard_size is not None:
+        inp.hsdp_shard_size = _int_in("hsdp_shard_size", inp.hsdp_shard_size, 1, MAX_GPUS)
+    inp.hsdp_shard_size = Layout.build("hsdp", n, inp.gpus_per_node, inp.hsdp_shard_size, tp=inp.tp, cp=inp.cp,
+                                       tp_across_nodes=inp.tp_across_nodes).shard_degree
 
 
 def _tp_layout(inp: PlanInputs) -> None:
