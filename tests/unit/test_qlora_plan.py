@@ -75,7 +75,7 @@ def test_plan_flag_and_refusal():
 
 def test_merged_export_base_is_the_dequantised_nf4(tmp_path):
     from shardtune.config import ModelConfig
-    from shardtune.train.core.lora import base_tensors
+    from shardtune.train.core.lora_base import base_tensors
     from shardtune.train.core.model import build_meta_model, random_full_tensors
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))

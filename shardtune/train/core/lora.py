@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from shardtune.catalog.models import safetensors_files
-from shardtune.config import ModelConfig
 from shardtune.errors import UserError
 
 if TYPE_CHECKING:
@@ -132,18 +129,6 @@ def peft_saved_name(name: str) -> str:
     return "base_model.model." + name.replace(f".{ADAPTER}.", ".")
 
 
-def base_pointer(model_cfg, seed: int, dtype: torch.dtype) -> dict:
-    """Where the frozen base comes from: a model folder's safetensors (absolute path) or the
-    seeded init of a catalogue architecture, and the `dtype` it is stored in while training."""
-    from shardtune.train.core.model import uses_pretrained  # noqa: PLC0415 lazy: model.py imports this module
-
-    pretrained = uses_pretrained(model_cfg)
-    folder = Path(model_cfg.name).expanduser()
-    return {"model": str(folder.resolve()) if folder.exists() else model_cfg.name,
-            "init": "pretrained" if pretrained else "random", "seed": None if pretrained else seed,
-            "dtype": str(dtype).removeprefix("torch.")}
-
-
 def check_same_base(saved_hf_config: dict, model: nn.Module) -> None:
     """A LoRA checkpoint's adapters only make sense on the base they were trained on."""
     saved = (saved_hf_config.get(CONFIG_KEY) or {}).get("base")
@@ -151,44 +136,3 @@ def check_same_base(saved_hf_config: dict, model: nn.Module) -> None:
     if saved is not None and saved != now:
         raise UserError(f"this LoRA checkpoint was trained on base {saved}, but the run builds {now}; "
                         "resume with the same model.name, model.init and train.seed")
-
-
-def base_tensors(lora: dict, ckpt_hf_dir) -> dict[str, tuple]:
-    """HF name → (shape, dtype, read) of every frozen base tensor, rebuilt from the checkpoint's
-    pointer (`base_pointer`) for a merged export: read one tensor at a time from the folder's
-    safetensors, or regenerate it from the seeded init of the architecture in `ckpt_hf_dir`."""
-    from shardtune.train.core.model import (  # noqa: PLC0415 lazy: model.py imports this module
-        build_meta_model,
-        pretrained_full_tensors,
-        random_full_tensors,
-    )
-
-    base = lora["base"]
-    dtype = getattr(torch, base["dtype"])
-    if base["init"] == "pretrained":
-        source_cfg = ModelConfig(name=base["model"], init="pretrained")
-        files = safetensors_files(source_cfg.name)
-        meta = build_meta_model(source_cfg)
-        made = pretrained_full_tensors(meta, files)
-    else:
-        meta = build_meta_model(ModelConfig(name=str(ckpt_hf_dir), init="random"))
-        made = random_full_tensors(meta, int(base["seed"]))
-    shapes = {n: p.shape for n, p in meta.named_parameters()}
-    out = {name: (shapes[name], dtype, lambda make=make: make().to(dtype)) for name, make in made}
-    if lora.get("quantize_base") == "nf4":  # QLoRA: the base the forward saw, NF4 codes dequantised
-        from shardtune.train.core.qlora import dequantized, quantizable  # noqa: PLC0415 lazy: torchao only for QLoRA
-
-        targets = {f"{n.split('.lora_A.')[0]}.weight" for n in _adapter_names(lora, meta)}
-        for name in targets:
-            shape, _, read = out[name]
-            if quantizable(tuple(shape), int(lora["nf4_shard"])):
-                out[name] = (shape, dtype, lambda read=read: dequantized(read(), dtype))
-    return out
-
-
-def _adapter_names(lora: dict, meta: nn.Module) -> list[str]:
-    """The lora_A names PEFT would give `meta` for this run's target modules."""
-    names = {m.rsplit(".", 1)[-1] for m, _ in meta.named_modules()}
-    wanted = set(lora["target_modules"]) & names
-    return [f"{m}.lora_A.default.weight" for m, mod in meta.named_modules()
-            if isinstance(mod, nn.Linear) and m.rsplit(".", 1)[-1] in wanted]

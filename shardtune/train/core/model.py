@@ -25,7 +25,7 @@ from shardtune.catalog.models import resolve_model_config, safetensors_files
 from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
 from shardtune.strategies import STRATEGY
-from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, base_pointer, is_adapter
+from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
 from shardtune.train.core.qlora import fill_nf4, is_nf4, quantize_base
 
 if TYPE_CHECKING:
@@ -188,6 +188,16 @@ def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> N
         with torch.no_grad():
             local.copy_(part.to(device=local.device, dtype=local.dtype))
     reset_rotary_buffers(model)
+
+
+def base_pointer(model_cfg, seed: int, dtype: torch.dtype) -> dict:
+    """Where the frozen base comes from: a model folder's safetensors (absolute path) or the
+    seeded init of a catalogue architecture, and the `dtype` it is stored in while training."""
+    pretrained = uses_pretrained(model_cfg)
+    folder = Path(model_cfg.name).expanduser()
+    return {"model": str(folder.resolve()) if folder.exists() else model_cfg.name,
+            "init": "pretrained" if pretrained else "random", "seed": None if pretrained else seed,
+            "dtype": str(dtype).removeprefix("torch.")}
 
 
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: DeviceMesh,

@@ -96,7 +96,7 @@ def _load_zero1_optim(model, optimizer, optim_sd: dict) -> None:
 
 def _options(model):
     """Frozen parameters (LoRA's base) are not saved: the base is rebuilt from the run's model
-    settings (the pointer in hf/config.json, train/core/lora.py `base_pointer`), so a 70B LoRA
+    settings (the pointer in hf/config.json, train/core/model.py `base_pointer`), so a 70B LoRA
     checkpoint holds the adapters and their optimizer state, not 141 GB of unchanged weights."""
     frozen = any(not p.requires_grad for p in model.parameters())
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtune.errors import UserError, read_json_object
 from shardtune.train.core import lora as lora_mod
+from shardtune.train.core.lora_base import base_tensors
 from shardtune.train.durable import integrity
 from shardtune.train.durable.checkpoint import SafeFileSystemReader, safe_dcp_load
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info, why_not_checkpoint
@@ -178,7 +179,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     saved = {name for _, name, _, _ in entries}
     base = {} if adapter_only or not lora else {
         f"base:{name}": (shape, dt, read)
-        for name, (shape, dt, read) in lora_mod.base_tensors(lora, ckpt / HF_DIR).items() if name not in saved}
+        for name, (shape, dt, read) in base_tensors(lora, ckpt / HF_DIR).items() if name not in saved}
     entries += [(k, k.removeprefix("base:"), shape, dt) for k, (shape, dt, _) in base.items()]
     if adapter_only:
         entries = [a for pair in adapters.values() for a in pair.values()]
