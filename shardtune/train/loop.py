@@ -49,7 +49,7 @@ from shardtune.train.durable.keeper import RunKeeper
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
-    from shardtune.train.main import DistContext
+    from shardtune.train.context import DistContext
 
 
 @dataclass(kw_only=True)  # built by keyword from its parts

@@ -10,7 +10,6 @@ import gc
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,49 +20,12 @@ import torch.distributed as dist
 from shardtune.config import dump_config
 from shardtune.devices import resolve_backend
 from shardtune.errors import UserError
-from shardtune.parallel.apply import build_mesh, cp_mesh, dp_group, dp_rank_size, has_tp
+from shardtune.parallel.apply import build_mesh
+from shardtune.train.context import DistContext
 from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from shardtune.config import RunConfig
-
-
-@dataclass
-class DistContext:
-    """Who this process is; passed down explicitly (no globals for rank or mesh state)."""
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-    mesh: DeviceMesh
-
-    @property
-    def dp_group(self):
-        """The group over all data-parallel ranks (with tp: the ranks holding this rank's TP shard)."""
-        return dp_group(self.mesh)
-
-    @property
-    def tp(self) -> int:
-        """The tensor-parallel degree (1 without tp)."""
-        return self.mesh["tp"].size() if has_tp(self.mesh) else 1
-
-    @property
-    def cp(self) -> int:
-        """The context-parallel degree (1 without cp)."""
-        return cp_mesh(self.mesh).size() if cp_mesh(self.mesh) is not None else 1
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: which share of each global batch it reads."""
-        return dp_rank_size(self.mesh)[0]
-
-    @property
-    def dp_size(self) -> int:
-        """The data-parallel degree world / (tp x cp) (ranks of one TP and CP group read the same rows)."""
-        return self.world_size // (self.tp * self.cp)
 
 
 def setup_distributed(cfg: RunConfig) -> DistContext:

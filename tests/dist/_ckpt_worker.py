@@ -20,7 +20,8 @@ from _rank import serve
 from shardtune.config import load_recipe
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh
-from shardtune.train.main import DistContext, train
+from shardtune.train.context import DistContext
+from shardtune.train.main import train
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:

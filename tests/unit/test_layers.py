@@ -187,3 +187,22 @@ def test_no_module_over_400_lines():
     if long:
         pytest.fail(f"modules over {MAX_LINES} lines (docs/STYLE.md): " + ", ".join(
             f"{p} ({n})" for p, n in long.items()), pytrace=False)
+
+
+# module cycles still to break (issue 28): a new cycle fails, and an entry here that no longer
+# exists fails too, so the list only shrinks
+KNOWN_MODULE_CYCLES: list[list[str]] = [
+    ["cp_rules", "strategies"],  # strategies re-exports check_cp; cp_rules reads the FSDP strategies' names
+    ["plan.api", "plan.verdict"],  # verdict re-plans candidates through api (lazily)
+    ["train.data.cache", "train.data.dataset", "train.data.mix"],  # dataset builds through cache and mix
+]
+
+
+def test_no_new_module_import_cycles():
+    """No two modules import each other, directly or round a loop, at any depth (lazy in-function
+    imports included: a lazy import hides a cycle from Python, not from a reader)."""
+    modules = _modules()
+    edges = {m: {t for _, t in _imports(p, modules) if not t.startswith("!") and t != m}
+             for m, p in modules.items()}
+    found = _cycles(edges)
+    assert sorted(found) == sorted(KNOWN_MODULE_CYCLES), f"module import cycles: {found}"

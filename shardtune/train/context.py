@@ -1,0 +1,49 @@
+"""Who this rank is (`DistContext`), built by train/main.py's `setup_distributed` and passed down
+to the loop and the parts it builds; its own module so that main.py → loop.py has no way back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardtune.parallel.apply import cp_mesh, dp_group, dp_rank_size, has_tp
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class DistContext:
+    """Who this process is; passed down explicitly (no globals for rank or mesh state)."""
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def dp_group(self):
+        """The group over all data-parallel ranks (with tp: the ranks holding this rank's TP shard)."""
+        return dp_group(self.mesh)
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1 without tp)."""
+        return self.mesh["tp"].size() if has_tp(self.mesh) else 1
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree (1 without cp)."""
+        return cp_mesh(self.mesh).size() if cp_mesh(self.mesh) is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of each global batch it reads."""
+        return dp_rank_size(self.mesh)[0]
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree world / (tp x cp) (ranks of one TP and CP group read the same rows)."""
+        return self.world_size // (self.tp * self.cp)
