@@ -37,3 +37,18 @@ def train_recipe(tmp: Path, recipe: str, *args, nproc: int = 2, out: str = "run"
 def metrics(run: Path) -> list[dict]:
     """The records of run/metrics.jsonl, in order."""
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def refused_before_any_process(monkeypatch, capsys, argv: list) -> str:
+    """`shardtune *argv` in this process with process starts forbidden: asserts exit 2 and one line
+    of stderr, and returns that line (bad input is refused before torchrun or a rank starts)."""
+    from shardtune import cli
+
+    def no_process(*a, **k):
+        raise AssertionError("a process was started for bad input")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    rc = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    return err

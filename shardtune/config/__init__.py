@@ -78,8 +78,9 @@ class RunConfig(_Section):
                              "replicated adapter input would need one dropout mask on every tp rank): lora.dropout 0")
         check_objective_tp(self.train.objective, par.tp)
         if par.tp > 1 and self.train.sample_prompts:
-            raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (generation "
-                             "lengths are not multiples of tp); drop train.sample_prompts or use parallel.tp 1")
+            raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (sequence "
+                             "parallelism needs lengths divisible by tp, which generation's are not; without it, "
+                             "untested): drop train.sample_prompts or use parallel.tp 1")
         check_cp(par.cp, strategy=par.strategy, tp=par.tp, seq_len=self.train.seq_len,
                  sequence_parallel=par.sequence_parallel, objective=self.train.objective,
                  sample_prompts=bool(self.train.sample_prompts))  # cp_rules.py; heads and world: preflight

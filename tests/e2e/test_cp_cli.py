@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli import refused_before_any_process
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
@@ -126,13 +127,5 @@ BAD = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, needle", BAD, ids=[b[1] for b in BAD])
 def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, args, needle):
-    from shardtune import cli
-
-    def no_process(*a, **k):
-        raise AssertionError("a process was started for bad input")
-
-    monkeypatch.setattr(subprocess, "Popen", no_process)
-    rc = cli.main(["train", str(RECIPE), "--output-dir", str(tmp_path / "run"), *args])
-    err = capsys.readouterr().err
-    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    err = refused_before_any_process(monkeypatch, capsys, ["train", RECIPE, "--output-dir", tmp_path / "run", *args])
     assert needle in err

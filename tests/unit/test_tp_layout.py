@@ -2,10 +2,10 @@
 and `shardtune train --tp` refusing what cannot run: one line, exit 2, before any process starts."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
+from _cli import refused_before_any_process
 
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
@@ -115,16 +115,7 @@ def test_plan_refuses_a_pair_objective_under_tp_as_train_does(capsys, objective)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, needle", BAD, ids=[b[1] for b in BAD])
 def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, args, needle):
-    from shardtune import cli
-
-    def no_process(*a, **k):
-        raise AssertionError("a process was started for bad input")
-
-    monkeypatch.setattr(subprocess, "Popen", no_process)
-    rc = cli.main(["train", str(RECIPE), "--output-dir", str(tmp_path / "run"), *args])
-    err = capsys.readouterr().err
-    assert rc == 2
-    assert len(err.strip().splitlines()) == 1, err
+    err = refused_before_any_process(monkeypatch, capsys, ["train", RECIPE, "--output-dir", tmp_path / "run", *args])
     assert needle in err
 
 

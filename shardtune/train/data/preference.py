@@ -238,9 +238,6 @@ def check_preference_data(cfg, world_size: int) -> None:
     rows, and the held-out pairs."""
     from shardtune.train.data.dataset import build_tokenizer
 
-    if getattr(cfg.parallel, "tp", 1) > 1:
-        raise UserError(f"train.objective={cfg.train.objective} with parallel.tp {cfg.parallel.tp}: preference tuning "
-                        "runs on the data-parallel strategies only for now; set parallel.tp=1")
     if cfg.data.sources:
         raise UserError("train.objective=dpo reads one dataset (data.path); data.sources mixing is for sft")
     if cfg.data.train_on_inputs:
