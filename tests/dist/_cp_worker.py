@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
-from _rank import process_group, write_result  # noqa: E402
+from _rank import build_case, process_group, write_result  # noqa: E402
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from shardtune.parallel.apply import autocast_dtype, build_mesh, cp_mesh, dp_group, dp_rank_size  # noqa: E402
@@ -55,18 +55,8 @@ def full_logits(model, batch: dict, mesh) -> list:
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
-    pcfg = ParallelConfig(**case["parallel"])
-    mesh = build_mesh(pcfg, world, world, "cpu")
-    dp_rank, dp_size = dp_rank_size(mesh)
-    group = dp_group(mesh)
-    torch.manual_seed(0)
-    lora = LoraConfig(**case["lora"]) if case.get("lora") else None
-    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0, lora_cfg=lora)
+    pcfg, mesh, dp_rank, dp_size, group, model, opt, sched = build_case(case, world)
     cp, tp = cp_degree(model), tp_degree(model)
-    ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
-                       weight_decay=0.0)
-    opt = build_optimizer(model, ocfg, pcfg, group)
-    sched = build_scheduler(opt, ocfg, case["steps"])
     opts = StepOptions(autocast_dtype=autocast_dtype(pcfg), loss_chunks=case.get("loss_chunks"))
     out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size, "cp": cp, "tp": tp}
     if case.get("logits"):

@@ -51,3 +51,27 @@ def serve(run_case: Callable[[dict, int, int], dict], timeout_s: float = 60) -> 
             results[case["name"]] = run(case, rank, world)
             dist.barrier()
     write_result(out_dir, rank, results)
+
+
+def build_case(case: dict, world: int):
+    """A worker case's parts as the trainer builds them: (parallel config, mesh, dp rank, dp size,
+    dp group, model, optimizer, scheduler). A case gives `parallel` (ParallelConfig fields), `steps`
+    and optionally `model`, `lora` and `lr`; AdamW at constant lr, clip 1.0, no decay."""
+    import torch  # noqa: PLC0415 lazy: serve() runs in workers that need no model
+
+    from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: PLC0415
+    from shardtune.parallel.apply import build_mesh, dp_group, dp_rank_size  # noqa: PLC0415
+    from shardtune.train.core.model import build_model  # noqa: PLC0415
+    from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: PLC0415
+
+    pcfg = ParallelConfig(**case["parallel"])
+    mesh = build_mesh(pcfg, world, world, "cpu")
+    dp_rank, dp_size = dp_rank_size(mesh)
+    group = dp_group(mesh)
+    torch.manual_seed(0)
+    lora = LoraConfig(**case["lora"]) if case.get("lora") else None
+    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0, lora_cfg=lora)
+    ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
+                       weight_decay=0.0)
+    opt = build_optimizer(model, ocfg, pcfg, group)
+    return pcfg, mesh, dp_rank, dp_size, group, model, opt, build_scheduler(opt, ocfg, case["steps"])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from _batches import global_batch, rank_micro_batches
-from _rank import serve
+from _rank import build_case, serve
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group, dp_rank_size, tp_mesh
@@ -27,17 +27,7 @@ from shardtune.train.core.step import StepOptions, global_loss, train_step
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
-    pcfg = ParallelConfig(**case["parallel"])
-    mesh = build_mesh(pcfg, world, world, "cpu")
-    dp_rank, dp_size = dp_rank_size(mesh)
-    group = dp_group(mesh)
-    torch.manual_seed(0)
-    lora = LoraConfig(**case["lora"]) if case.get("lora") else None
-    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0, lora_cfg=lora)
-    ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
-                       weight_decay=0.0)
-    opt = build_optimizer(model, ocfg, pcfg, group)
-    sched = build_scheduler(opt, ocfg, case["steps"])
+    pcfg, mesh, dp_rank, dp_size, group, model, opt, sched = build_case(case, world)
     opts = StepOptions(autocast_dtype=autocast_dtype(pcfg))  # grad clip 1.0, loss chunks from the vocabulary
     out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size}
     for step in range(case["steps"]):
