@@ -67,6 +67,7 @@ AC_MODES = ("none", "full", "op", "layer")
 AC_ALIASES = {"selective": "layer"}  # the old name of `layer` (before op AC), still accepted
 OFFLOAD_MODES = ("none", "optimizer", "all")
 OPTIMIZERS = ("adamw", "sgd", "adamw-8bit")
+IGNORE_INDEX = -100  # a label no loss counts (HF's and torch cross_entropy's convention): data, loss and cp pad
 # torch AdamW's kernels; "auto" is the fused kernel (resolve_optimizer_impl)
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop", "bf16-stochastic")
 # The nn.Linear modules of a Llama-style layer that get LoRA adapters by default (PEFT names):

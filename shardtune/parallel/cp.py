@@ -23,10 +23,10 @@ from transformers import AttentionInterface
 
 from shardtune.cp_rules import check_cp, kv_repeat
 from shardtune.parallel.apply import decoder_layers
+from shardtune.strategies import IGNORE_INDEX
 
 ATTN_NAME = "shardtune_cp"  # the attention implementation name registered with transformers
 CP_ATTR = "_shardtune_cp"  # on the model and on each attention module: its CPState
-IGNORE_INDEX = -100
 
 
 class CPState:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from shardtune.parallel.cp import shard_batch
 from shardtune.parallel.tp import is_tp
 from shardtune.plan.loss import resolve_loss_chunks
-from shardtune.train.data.dataset import IGNORE_INDEX  # the one definition (HF / torch cross_entropy convention)
+from shardtune.strategies import IGNORE_INDEX  # the one definition (HF / torch cross_entropy convention)
 
 
 class _ChunkedLinearLogProbs(torch.autograd.Function):

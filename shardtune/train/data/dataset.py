@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.errors import UserError
+from shardtune.strategies import IGNORE_INDEX  # noqa: F401 (re-exported to the data and loss modules)
 from shardtune.train.data.sources import GENERATED, read_records, source_configs  # noqa: F401 (GENERATED re-exported)
 from shardtune.train.data.tokenizer import load_tokenizer
-
-IGNORE_INDEX = -100
 
 
 def check_dataset(data_cfg) -> int:
