@@ -7,8 +7,9 @@ Loss normalisation: each micro-batch contributes (sum of its token losses) / N, 
 target tokens over ALL micro-batches of the step and ALL data-parallel ranks (the step's one
 scalar all-reduce: the loss needs it), so the step's gradient is that of the global token mean,
 not a mean of means. DDP and FSDP
-average gradients over the data-parallel ranks (divide by dp_size), so the backward loss is scaled
-by dp_size to undo that average.
+average gradients over the ranks they reduce across (divide by `dp_size`: the data-parallel ranks,
+× cp with context parallelism, whose ranks share one batch and hold parts of each row), so the
+backward loss is scaled by `dp_size` to undo that average.
 
 Gradient accumulation syncs across data-parallel replicas once per step: DDP through `no_sync`,
 HSDP through FSDP2's `set_requires_all_reduce(False)` on all but the last micro-batch (the shard
