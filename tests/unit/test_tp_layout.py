@@ -99,6 +99,9 @@ BAD = [
     (["--nproc", "2", "--tp", "2", "--lora-rank", "4", "lora.dropout=0.1"], "lora.dropout 0.1"),
     (["--nproc", "4", "--tp", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=4"], "data-parallel degree 2"),
     (["--nproc", "2", "--tp", "2", "train.objective=simpo"], "train.objective simpo with parallel.tp 2"),
+    (["--nproc", "2", "--tp", "2", "train.objective=dpo", "data.path=data/smollm2-dpo/train.jsonl"],
+     "train.objective dpo with parallel.tp 2"),  # without the refusal: a crash in aten.index (Tensor and DTensor)
+    (["--nproc", "2", "--tp", "2", "train.sample_prompts=[hi]"], "train.sample_prompts with parallel.tp 2"),
 ]
 
 
