@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from shardtune.config import load_recipe
 from shardtune.parallel.apply import build_mesh
-from shardtune.train.context import DistContext
 from shardtune.train.durable.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from shardtune.train.durable.ckpt_files import read_info
-from shardtune.train.loop import set_up
+from shardtune.train.rank.context import DistContext
+from shardtune.train.rank.loop import set_up
 
 
 def main() -> None:

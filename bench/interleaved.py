@@ -5,7 +5,7 @@ their steps alternated: the in-process mode of bench/throughput.py (`--mode inte
 
 SPEC.json (written by bench/throughput.py): the recipe, the peers' spec (model, data, seq_len…),
 the strategy, `log_every` and `out`. Both sides are built in every rank before any step:
-  shardtune  `train.loop.set_up` on the recipe, then `train.loop.iterate`: each `next()` is one
+  shardtune  `train.rank.loop.set_up` on the recipe, then `train.rank.loop.iterate`: each `next()` is one
              pass of the real loop (batch fetch, train_step, the keeper's per-step checks, the
              metrics line and progress bar on logged steps), nothing left out
   limit      bench/peer_loops.py's tutorial step on the same rows (shardtune's loader's rows)
@@ -58,10 +58,10 @@ def hand_side(spec: dict, rank: int, world: int, steps: int):
 
 
 def shardtune_side(spec: dict):
-    """The real loop, one pass per call (train/loop.py's iterate generator)."""
+    """The real loop, one pass per call (train/rank/loop.py's iterate generator)."""
     from shardtune.config import load_recipe
-    from shardtune.train.loop import iterate, set_up
-    from shardtune.train.main import setup_distributed
+    from shardtune.train.rank.loop import iterate, set_up
+    from shardtune.train.rank.main import setup_distributed
 
     cfg = load_recipe(spec["recipe"], [f"parallel.strategy={spec['strategy']}", f"output_dir={spec['out']}",
                                        f"train.log_every={spec['log_every']}"])

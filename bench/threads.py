@@ -3,7 +3,7 @@
     .venv/bin/python bench/threads.py [--steps 20] [--layers 4] [--hidden 256] [--json OUT]
 
 What `shardtune train --nproc 1` gains or loses from train.threads' default (cores / ranks on
-the node, train/loop.py) against one thread: one model (bench/throughput.py's Llama config,
+the node, train/rank/loop.py) against one thread: one model (bench/throughput.py's Llama config,
 seeded), one batch, AdamW; steps alternate between torch.set_num_threads(1) and
 set_num_threads(cores) (A B, B A, ...), so a shared machine's load hits both alike. Prints the
 median per-pair ratio t(1 thread) / t(cores) (> 1: more threads faster), its spread and the load.

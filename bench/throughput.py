@@ -14,7 +14,7 @@ the recipe's log_every (--log-every).
 Every contender is its own `torch.distributed.run --standalone --nproc-per-node 2` job (gloo, CPU,
 OMP_NUM_THREADS=1 for all: torchrun's default, set explicitly so that no launcher differs):
   shardtune-S   the real entry point, `-m shardtune.train RECIPE.yaml`, strategy S; tokens/s read
-                from the run's metrics.jsonl (train/main.py times train_step alone);
+                from the run's metrics.jsonl (train/rank/main.py times train_step alone);
                 shardtune-S+IMPL adds `optim.implementation=IMPL` (e.g. shardtune-ddp+fused)
   limit-S       bench/peer_loops.py: the bare FSDP2 loop (S = zero3 or zero2)
   hf-trainer    bench/peer_loops.py: transformers.Trainer + accelerate FSDP2, in .venv-bench

@@ -299,7 +299,7 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
     offload, SGD), with the rules they would have. `device` None: any device. It probes nothing on
     this machine (a plan is for any machine): what the run needs installed (torchao, bitsandbytes,
-    a C++ compiler) is train/preflight.py `check_environment`, the launcher's check."""
+    a C++ compiler) is train/launcher/preflight.py `check_environment`, the launcher's check."""
     s = strategy if isinstance(strategy, Strategy) else STRATEGY[normalize_strategy(strategy)]
     precision, offload = normalize_precision(precision), normalize_offload(offload)
     optimizer, impl = normalize_optimizer(optimizer), normalize_optimizer_impl(optimizer_impl)

@@ -3,7 +3,7 @@
 Each section is a small pydantic model; functions take the narrowest section they need
 (`build_parallel_model(meta_model, cfg.parallel, mesh, ...)`), never the whole config. Checks that need more
 than the config's own fields (model folder, dataset, world size, run folder) are
-train/preflight.py `validate_for_launch`. Imports no torch (and nothing from plan/ or train/), so
+train/launcher/preflight.py `validate_for_launch`. Imports no torch (and nothing from plan/ or train/), so
 `shardtune train` validates a recipe before any process starts.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`shardtune report RUN_DIR`: predicted vs simulated vs measured memory, loss and tokens/s.
 
-Reads the run folder the trainer writes (train/main.py): plan.json (the planner's prediction),
+Reads the run folder the trainer writes (train/rank/main.py): plan.json (the planner's prediction),
 memory.json (measured bytes per rank), metrics.jsonl (per step), and simulated.json when present
 (`shardtune plan ... --simulate --json > RUN_DIR/simulated.json`). Writes RUN_DIR/plots/*.png
 and prints the differences. Imports no torch; rich, matplotlib and verify/ are imported inside the

@@ -1,5 +1,5 @@
 """`python -m shardtune.train RECIPE [flags] [key.path=value ...]`, one process per rank under
-torchrun; the flags are train/flags.py's table, as for `shardtune train`.
+torchrun; the flags are train/launcher/flags.py's table, as for `shardtune train`.
 
 Bad input: one line on stderr, exit code 2 (no traceback).
 """
@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from shardtune.errors import UserError
-from shardtune.train.flags import TRAIN_FLAGS, add_argparse_flags
+from shardtune.train.launcher.flags import TRAIN_FLAGS, add_argparse_flags
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -25,11 +25,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from shardtune.errors import quiet_library_notices
     from shardtune.train.commands import resolve_config
-    from shardtune.train.preflight import validate_for_launch
+    from shardtune.train.launcher.preflight import validate_for_launch
 
     quiet_library_notices()
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.getppid() != 1:  # under torchrun: die with its agent
-        from shardtune.train.agent import die_with_parent
+        from shardtune.train.launcher.agent import die_with_parent
 
         die_with_parent(os.getppid())
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", 1))
         if os.environ.get("SHARDTUNE_PREFLIGHT") != "done":  # by hand; `shardtune train` checked it already
             validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        from shardtune.train.main import run
+        from shardtune.train.rank.main import run
 
         run(cfg)
     except UserError as e:

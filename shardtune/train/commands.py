@@ -17,8 +17,8 @@ from pathlib import Path
 import typer
 
 from shardtune.errors import UserError
-from shardtune.train.flags import flag_argv, flag_overrides, with_flags
-from shardtune.train.preflight import validate_for_launch
+from shardtune.train.launcher.flags import flag_argv, flag_overrides, with_flags
+from shardtune.train.launcher.preflight import validate_for_launch
 
 __all__ = ["flag_overrides", "resolve_config", "torchrun_command", "train_command", "register"]
 
@@ -46,7 +46,7 @@ def run_process_group(cmd: list[str], threads: int | None = None) -> int:
     call torch.set_num_threads). Ctrl-C here: SIGINT to its process group, SIGTERM: SIGTERM
     (torchrun passes the signal on to its workers, which sit in sessions of their own; they save
     and stop), SIGKILL after 30 s more. A kill -9 here: the agent's parent-death signal (agent.py)."""
-    from shardtune.train.agent import LAUNCHER_PID_ENV
+    from shardtune.train.launcher.agent import LAUNCHER_PID_ENV
 
     env = {**os.environ, PREFLIGHT_ENV: "done", LAUNCHER_PID_ENV: str(os.getpid())}
     if threads:
@@ -94,14 +94,14 @@ def stopped_by_signal(run_dir, since: float) -> int | None:
 
 def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: int = 0, move_aside: bool = False,
                   **flags) -> int:
-    """Validate everything, own the run folder (train/runlock.py), decide re-runs and resumes
-    (train/rerun.py), then start torchrun with `nproc` processes on this machine."""
+    """Validate everything, own the run folder (train/launcher/runlock.py), decide re-runs and resumes
+    (train/launcher/rerun.py), then start torchrun with `nproc` processes on this machine."""
     from shardtune.train.durable.choice import CHOICE_ENV
     from shardtune.train.durable.diskfull import on_full_disk
     from shardtune.train.durable.faults import FAULT_ENV
     from shardtune.train.durable.faults import clear as clear_faults
-    from shardtune.train.rerun import decide
-    from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
+    from shardtune.train.launcher.rerun import decide
+    from shardtune.train.launcher.runlock import RUN_LOCK_ENV, RunLock
 
     if nproc < 1:
         raise UserError(f"--nproc {nproc}: give at least 1 process")
@@ -125,8 +125,8 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
             log.parent.mkdir(exist_ok=True)
             log.touch()
             clear_faults(log.parent / "first_failure.json")  # an earlier launch's
-        # torchrun under train/agent.py: its own stderr goes to `log`, a rank's UserError is one line
-        cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--",
+        # torchrun under train/launcher/agent.py: its own stderr goes to `log`, a rank's UserError is one line
+        cmd = [sys.executable, "-m", "shardtune.train.launcher.agent", str(log), "--",
                *torchrun_command(nproc, recipe, [*overrides, *decision.overrides], flags, max_restarts)[3:]]
         started = time.time()
         try:
@@ -146,7 +146,7 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
     stopped = stopped_by_signal(cfg.run_dir, started) if rc else None
     if stopped is not None:
         return stopped  # torchrun itself got the signal (e.g. SLURM signals every process): the ranks saved
-    if rc not in (0, 1, 2):  # 1 and 2: train/agent.py said what failed
+    if rc not in (0, 1, 2):  # 1 and 2: train/launcher/agent.py said what failed
         print(f"shardtune: error: training failed (exit code {rc}); see the messages above", file=sys.stderr)
     return rc
 
@@ -162,7 +162,7 @@ def _param(name: str, annotation, default) -> inspect.Parameter:
 
 
 def register(app: typer.Typer) -> None:
-    """`shardtune train`: the arguments below, then one option per row of train/flags.py."""
+    """`shardtune train`: the arguments below, then one option per row of train/launcher/flags.py."""
     params = [
         _param("recipe", str, typer.Argument(..., help="YAML recipe, e.g. recipes/tiny-cpu.yaml")),
         _param("overrides", list[str] | None,

@@ -29,7 +29,7 @@ from shardtune.train.durable.export import export_checkpoint, hf_name, model_ten
 from shardtune.train.durable.export_files import verify_weights
 from shardtune.train.durable.safe_load import SafeFileSystemReader, safe_dcp_load
 from shardtune.train.durable.shards import damage
-from shardtune.train.preflight import check_hf_config
+from shardtune.train.launcher.preflight import check_hf_config
 
 _ACCEPTS = "give an exported Hugging Face folder, a run folder or a checkpoints/step_<N> folder"
 PICKLE_WEIGHTS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")

@@ -1,4 +1,4 @@
-"""One rank of the checkpoint tests: runs the real trainer (`shardtune.train.main.train`) once per
+"""One rank of the checkpoint tests: runs the real trainer (`shardtune.train.rank.main.train`) once per
 case in the same processes (imports cost ~7 s per process) and writes rank<r>.json with each
 case's outcome ("ok" or the error message).
 
@@ -20,8 +20,8 @@ from _rank import serve
 from shardtune.config import load_recipe
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh
-from shardtune.train.context import DistContext
-from shardtune.train.main import train
+from shardtune.train.rank.context import DistContext
+from shardtune.train.rank.main import train
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:

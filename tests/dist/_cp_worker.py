@@ -65,7 +65,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     for step in range(case["steps"]):
         batch = global_batch(step, case["rows"], case["seq_len"])
         mbs = rank_micro_batches(batch, dp_rank, dp_size, case.get("grad_accum", 1))
-        # the step as the trainer calls it (train/loop.py): tokens counted over dp, grads x dp x cp
+        # the step as the trainer calls it (train/rank/loop.py): tokens counted over dp, grads x dp x cp
         r = train_step(model, opt, sched, mbs, opts, dp_group=group, dp_size=dp_size * cp,
                        activations=acts if step == 0 else None)
         total = r.loss_part.detach().clone()

@@ -157,14 +157,14 @@ def test_bad_inputs_one_line_exit_2_folder_unchanged(tmp_path, monkeypatch, caps
 
 @pytest.mark.timeout(120)
 def test_a_rank_side_user_error_is_one_line_exit_2_without_torchrun_block(tmp_path):
-    """What only a rank can see reaches the user through torchrun's error file (train/agent.py), once."""
+    """What only a rank can see reaches the user through torchrun's error file (train/launcher/agent.py), once."""
     import os
     import sys
 
     from shardtune.processes import run_bounded
 
     log = tmp_path / "torchrun.log"
-    cmd = [sys.executable, "-m", "shardtune.train.agent", str(log), "--", "--standalone", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "shardtune.train.launcher.agent", str(log), "--", "--standalone", "--nproc-per-node=2",
            "-m", "shardtune.train", str(RECIPE), "train.max_steps=true"]
     proc = run_bounded(cmd, timeout_s=100, cwd=REPO, env={**os.environ, "SHARDTUNE_PREFLIGHT": "done"})
     lines = proc.stderr.strip().splitlines()

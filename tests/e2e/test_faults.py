@@ -1,6 +1,6 @@
 """Faults through the real CLI (`shardtune train ... --nproc 2`, gloo): a signal is a save, one
 line and exit 0 with stopped.json for the launcher. The ranks agree on a signal in the gather of
-a logged step (train/loop.py), so the save comes within `train.log_every` steps.
+a logged step (train/rank/loop.py), so the save comes within `train.log_every` steps.
 Hooks: SHARDTUNE_TEST_* (resilience.py).
 (The hung-rank watchdog, train/durable/watchdog.py, is on by default: a watcher process per rank;
 tests/e2e/test_watchdog.py.)"""

@@ -1,6 +1,6 @@
 """Signals to the launcher itself, through the real CLI (`shardtune train ... --nproc 2`, gloo):
 Ctrl-C (SIGINT) saves and exits 130, so `train && export` stops; a kill -9 of the launcher takes
-its job with it (the agent's and the ranks' parent-death signal, train/agent.py), no process of
+its job with it (the agent's and the ranks' parent-death signal, train/launcher/agent.py), no process of
 the run outlives it."""
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def test_adamw_8bit_without_its_package_is_one_line(monkeypatch, strategy, packa
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
-    from shardtune.train.preflight import check_environment
+    from shardtune.train.launcher.preflight import check_environment
 
     with pytest.raises(UserError, match=f"needs {package} "):
         check_environment(strategy, optimizer="adamw-8bit")

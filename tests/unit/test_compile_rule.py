@@ -1,4 +1,4 @@
-"""train.compile without a C++ compiler: refused by train/preflight.py check_environment (one line,
+"""train.compile without a C++ compiler: refused by train/launcher/preflight.py check_environment (one line,
 exit 2, before any process starts), exactly where torch's inductor itself would find no compiler
 (torch._inductor.cpp_builder.get_cpp_compiler, run in a fresh process with the same environment)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.errors import UserError
-from shardtune.train.preflight import check_environment
+from shardtune.train.launcher.preflight import check_environment
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = ("from torch._inductor.cpp_builder import get_cpp_compiler\n"

@@ -1,5 +1,5 @@
 """Recipe loading and validation: aliases, overrides, one-line errors, the launch checks
-(train/preflight.py: world size, model, data, run folder), the shipped recipes."""
+(train/launcher/preflight.py: world size, model, data, run folder), the shipped recipes."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ import pytest
 from shardtune.catalog.models import resolve_model_config
 from shardtune.config import RunConfig, dump_config, load_recipe
 from shardtune.errors import UserError
-from shardtune.train.preflight import validate_for_launch
+from shardtune.train.launcher.preflight import validate_for_launch
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -173,7 +173,7 @@ def test_launch_checks_run_without_torch(tmp_path):
     assert re.search("dataset .* does not exist", _launch_err(tmp_path, [f"data.path={tmp_path}/none.jsonl"]))
     # in a fresh interpreter: the CLI validates before starting processes, without importing torch
     code = ("import sys; from shardtune.config import load_recipe; "
-            "from shardtune.train.preflight import validate_for_launch; "
+            "from shardtune.train.launcher.preflight import validate_for_launch; "
             f"validate_for_launch(load_recipe(None, ['output_dir={tmp_path}/run2']), 2, 2); "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -181,7 +181,7 @@ def test_launch_checks_run_without_torch(tmp_path):
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path, monkeypatch):
-    from shardtune.train import preflight
+    from shardtune.train.launcher import preflight
 
     # the 8×H100 recipes' model states do not fit this machine's RAM, and the launcher says so
     # (tests/e2e/test_bad_inputs.py); here the recipe's own layout and model are the subject
@@ -227,7 +227,7 @@ def test_model_architecture_is_checked_against_the_folder(tmp_path):
     import json
 
     from shardtune.catalog.models import MODELS
-    from shardtune.train import preflight
+    from shardtune.train.launcher import preflight
 
     folder = tmp_path / "m"
     folder.mkdir()
@@ -250,7 +250,7 @@ def test_adamw_8bit_without_bitsandbytes_is_a_one_line_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    from shardtune.train.preflight import check_environment
+    from shardtune.train.launcher.preflight import check_environment
 
     with pytest.raises(UserError, match=r"needs bitsandbytes \(pip install 'shardtune\[8bit\]'\)"):
         check_environment("ddp", optimizer="adamw-8bit")  # the launcher's check: the recipe itself is valid

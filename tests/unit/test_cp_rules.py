@@ -95,7 +95,7 @@ def test_a_resume_keeps_the_global_batch_over_data_parallel_ranks():
     micro 4: one line naming the --nproc that fit (multiples of cp)."""
     from types import SimpleNamespace
 
-    from shardtune.train.rerun import keep_global_batch
+    from shardtune.train.launcher.rerun import keep_global_batch
 
     old = load_recipe("recipes/tiny-cpu.yaml", ["parallel.cp=2", "train.micro_batch=4"])
     info = SimpleNamespace(world_size=4)

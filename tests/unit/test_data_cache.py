@@ -126,7 +126,7 @@ def test_default_caches_in_the_user_cache_folder_and_null_keeps_memory(tmp_path,
 def test_launch_check_counts_rows_from_a_whole_default_cache_without_tokenising(tmp_path, monkeypatch):
     from shardtune.config import load_recipe
     from shardtune.errors import UserError
-    from shardtune.train import preflight
+    from shardtune.train.launcher import preflight
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     root = tmp_path / "xdg" / "shardtune" / "data"

@@ -206,3 +206,22 @@ def test_no_new_module_import_cycles():
              for m, p in modules.items()}
     found = _cycles(edges)
     assert sorted(found) == sorted(KNOWN_MODULE_CYCLES), f"module import cycles: {found}"
+
+
+def test_the_launcher_side_imports_no_torch():
+    """train/launcher/ runs in the `shardtune train` process before torchrun: importing every module
+    of it (and the train command) loads no heavy library, so a bad input is one line in about a
+    second, not a rank's traceback after torch's import."""
+    import subprocess
+    import sys
+
+    names = ["shardtune.train.commands"] + sorted(
+        f"shardtune.train.launcher.{p.stem}" for p in (PKG / "train" / "launcher").glob("*.py"))
+    assert len(names) >= 6, names
+    code = ("import importlib, json, sys\n"
+            f"for n in {names!r}: importlib.import_module(n)\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"{sorted(HEAVY)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the launcher side imports {out.stdout.strip()}"

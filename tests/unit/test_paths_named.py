@@ -1,7 +1,7 @@
 """Debris kept swept (issue 28 item 4): every repository path that README.md, BENCHMARKS.md,
 docs/*.md and the docstrings of shardtune/, tests/ and bench/ name exists. A path is a token ending
 in .py, .md or .yaml that starts with one of the repository's folders (shardtune/, tests/, bench/,
-docs/, recipes/, data/), or with a shardtune subpackage (`train/main.py` is shardtune/train/main.py),
+docs/, recipes/, data/), or with a shardtune subpackage (`train/rank/main.py` is shardtune/train/rank/main.py),
 or with ../ from the naming file's folder. Bare file names and other projects' paths (torch/...)
 are not checked: nothing here can say whose they are."""
 from __future__ import annotations
@@ -49,9 +49,9 @@ def _target(token: str, named_in: Path) -> Path | None:
 
 def test_the_path_pattern_finds_what_a_doc_names():
     found = [m.group(1) for m in PATH.finditer(
-        "see shardtune/train/main.py, `plan/api.py`, (docs/DESIGN.md) and ../recipes/tiny-cpu.yaml; "
+        "see shardtune/train/rank/main.py, `plan/api.py`, (docs/DESIGN.md) and ../recipes/tiny-cpu.yaml; "
         "torch/optim/adam.py, memory.json, config.py, https://x.org/a/b.md, runs/*/plan.yaml")]
-    assert found == ["shardtune/train/main.py", "plan/api.py", "docs/DESIGN.md", "../recipes/tiny-cpu.yaml",
+    assert found == ["shardtune/train/rank/main.py", "plan/api.py", "docs/DESIGN.md", "../recipes/tiny-cpu.yaml",
                      "torch/optim/adam.py"]
     here = ROOT / "docs" / "x.md"
     assert _target("plan/api.py", here) == ROOT / "shardtune" / "plan" / "api.py"

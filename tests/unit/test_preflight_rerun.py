@@ -1,4 +1,4 @@
-"""Run-folder ownership (train/runlock.py) and re-run / resume decisions (train/rerun.py), on run
+"""Run-folder ownership (train/launcher/runlock.py) and re-run / resume decisions (train/launcher/rerun.py), on run
 folders laid out by hand as the trainer writes them (docs/checkpoints.md)."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from shardtune.config import dump_config, load_recipe
 from shardtune.errors import UserError
 from shardtune.train.durable.ckpt_files import config_hash
-from shardtune.train.rerun import check_rerun
-from shardtune.train.runlock import LOCK_FILE, RunLock
+from shardtune.train.launcher.rerun import check_rerun
+from shardtune.train.launcher.runlock import LOCK_FILE, RunLock
 
 
 def test_second_run_refused_naming_holder_stale_lock_taken_over(tmp_path, capsys):

@@ -82,7 +82,7 @@ def test_relative_paths_read_against_the_recipes_folder(tmp_path, monkeypatch):
 
 
 def test_a_missing_relative_path_names_it_as_written_and_resolved(tmp_path, monkeypatch):
-    from shardtune.train.preflight import validate_for_launch
+    from shardtune.train.launcher.preflight import validate_for_launch
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "data.jsonl").write_text('{"text": "hi"}\n')  # next to the cwd, not to the recipe
@@ -125,7 +125,7 @@ def test_model_id_in_the_local_hub_cache(tmp_path, monkeypatch):
     cfg = load_recipe(None, ["model.name=someone/tiny-model"])
     want = huggingface_hub.snapshot_download("someone/tiny-model", cache_dir=str(cache), local_files_only=True)
     assert cfg.model.name == str(snap) and os.path.samefile(cfg.model.name, want)
-    from shardtune.train.preflight import validate_for_launch
+    from shardtune.train.launcher.preflight import validate_for_launch
 
     validate_for_launch(load_recipe(None, ["model.name=someone/tiny-model", f"output_dir={tmp_path}/run",
                                            "train.backend=gloo"]), 1, 1)

@@ -82,7 +82,7 @@ def test_what_tp_does_not_compose_with_is_refused_by_the_one_rule(kwargs, needle
 
 def test_config_keys_and_flag():
     from shardtune.config import load_recipe
-    from shardtune.train.flags import flag_overrides
+    from shardtune.train.launcher.flags import flag_overrides
 
     cfg = load_recipe(RECIPE, flag_overrides(tp=2))
     assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel is True
@@ -129,7 +129,7 @@ def test_a_resume_keeps_the_global_batch_over_data_parallel_ranks():
     from types import SimpleNamespace
 
     from shardtune.config import load_recipe
-    from shardtune.train.rerun import keep_global_batch
+    from shardtune.train.launcher.rerun import keep_global_batch
 
     old = load_recipe(RECIPE, ["parallel.tp=2", "train.micro_batch=4"])
     info = SimpleNamespace(world_size=4)

@@ -103,7 +103,7 @@ class DPO:
     def blocks_memory_tracker(self) -> bool:
         """A frozen copy outside FSDP (ddp/zero1): torch's MemTracker hooks the gradient of every
         parameter a forward uses and refuses the copy's (FSDPMemTracker hooks the policy's FSDP
-        states only); such runs are not tracked (train/loop.py), as LoRA runs are not."""
+        states only); such runs are not tracked (train/rank/loop.py), as LoRA runs are not."""
         model = getattr(self.reference, "model", None)
         return model is not None and not isinstance(model, FSDPModule)
 

@@ -3,7 +3,7 @@
 `track_step` / `tracked_call` run a training step under `FSDPMemTracker` (FSDP2 models) or
 `MemTracker` (DDP, plain models) from torch.distributed._tools and map the trackers' categories
 to the planner's `Memory` keys (plan/api.py). The simulator (verify/simulate.py) uses them on fake
-tensors, the trainer (train/main.py, CPU runs) and tests/dist/test_simulate_vs_real.py on real
+tensors, the trainer (train/rank/main.py, CPU runs) and tests/dist/test_simulate_vs_real.py on real
 ones: the same code on both sides, so their numbers compare directly.
 """
 from __future__ import annotations

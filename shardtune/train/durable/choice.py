@@ -1,5 +1,5 @@
 """Which checkpoint a run resumes: one function of the run folder and `checkpoint.resume`, torch-free,
-called by the launcher (train/rerun.py, before any process starts) and by rank 0 (keeper.resume);
+called by the launcher (train/launcher/rerun.py, before any process starts) and by rank 0 (keeper.resume);
 the launcher hands its choice to the ranks (`CHOICE_ENV`), which only verify checksums on top and
 fall back along the same list (docs/checkpoints.md "Which checkpoint a resume loads").
 

@@ -1,4 +1,4 @@
-"""Which setting changes a resume may carry, for the launcher (train/rerun.py) and the ranks
+"""Which setting changes a resume may carry, for the launcher (train/launcher/rerun.py) and the ranks
 (keeper.resume: a by-hand or multi-node `torchrun -m shardtune.train` skips the launcher): the
 changes are named against the checkpoint's saved config (the run folder's config.yaml, or an
 earlier segment's, whose config_hash is the checkpoint's); BREAKING ones are refused."""

@@ -3,7 +3,7 @@
 `shardtune train` sets `FAULT_ENV` to <run_dir>/logs/first_failure.json before torchrun starts. A
 rank that fails (a UserError, any exception that is not a broken collective) and a watchdog that
 ends a hung rank each `record` one line there; the file is created exclusively, so the first to
-fail wins. The agent (train/agent.py) reads it when the job has failed. Without it (a rank killed
+fail wins. The agent (train/launcher/agent.py) reads it when the job has failed. Without it (a rank killed
 by a signal writes nothing) the agent names the rank that did not stop because of another's
 failure (`PEER_EXIT`), the earliest first. Torch-free; every write is best effort (a full disk).
 """

@@ -1,4 +1,4 @@
-"""Who this rank is (`DistContext`), built by train/main.py's `setup_distributed` and passed down
+"""Who this rank is (`DistContext`), built by train/rank/main.py's `setup_distributed` and passed down
 to the loop and the parts it builds; its own module so that main.py → loop.py has no way back."""
 from __future__ import annotations
 

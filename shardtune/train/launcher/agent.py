@@ -1,4 +1,4 @@
-"""`python -m shardtune.train.agent LOG -- TORCHRUN_ARGS...`: torchrun, with torchrun's own stderr
+"""`python -m shardtune.train.launcher.agent LOG -- TORCHRUN_ARGS...`: torchrun, with torchrun's own stderr
 (its ChildFailedError block and log lines) in LOG instead of the terminal; the ranks keep the
 terminal (they inherit file descriptor 2), so a genuine traceback is never hidden. A rank's
 UserError reaches here through torchrun's error file (TORCHELASTIC_ERROR_FILE, written by the rank:

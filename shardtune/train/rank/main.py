@@ -12,27 +12,28 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from shardtune.config import dump_config
+from shardtune.config import RunConfig, dump_config
 from shardtune.devices import resolve_backend
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh
-from shardtune.train.context import DistContext
-from shardtune.train.runlock import RUN_LOCK_ENV, RunLock
-
-if TYPE_CHECKING:
-    from shardtune.config import RunConfig
+from shardtune.plan import plan
+from shardtune.processes import free_port
+from shardtune.strategies import resolve_optimizer_impl
+from shardtune.train.durable.diskfull import check_room, on_full_disk, write_atomic
+from shardtune.train.durable.resilience import exit_if_stuck, restart_safe_store_kwargs
+from shardtune.train.launcher.runlock import RUN_LOCK_ENV, RunLock
+from shardtune.train.rank.context import DistContext
+from shardtune.train.rank.loop import finish, loop, set_up
 
 
 def setup_distributed(cfg: RunConfig) -> DistContext:
     """init_process_group (nccl on CUDA, gloo on CPU, timeout train.timeout_s) and the mesh."""
     env = os.environ
     if "RANK" not in env:  # plain `python -m shardtune.train`: a world of one
-        from shardtune.processes import free_port
 
         port = free_port()  # torchrun's --master_port 0 hangs
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -45,7 +46,6 @@ def setup_distributed(cfg: RunConfig) -> DistContext:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    from shardtune.train.durable.resilience import restart_safe_store_kwargs
 
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s),
                             **restart_safe_store_kwargs(cfg.train.timeout_s))
@@ -56,9 +56,6 @@ def setup_distributed(cfg: RunConfig) -> DistContext:
 def plan_dict(cfg: RunConfig, world_size: int, local_world_size: int) -> dict:
     """The planner's prediction for this exact run (plan.json); {"error": ...} if it cannot plan it."""
     try:
-        from shardtune.plan import plan
-        from shardtune.strategies import resolve_optimizer_impl
-
         inputs = cfg.plan_inputs()  # `auto`: the kernel the trainer builds (torch's AdamW only)
         if inputs["optimizer"] == "adamw":
             inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"])
@@ -74,7 +71,6 @@ TEARDOWN_LIMIT_S = 30.0  # a healthy destroy_process_group takes well under a se
 
 def run(cfg: RunConfig) -> dict:
     """Train with `cfg` on this process's rank; returns the final metrics record (rank 0)."""
-    from shardtune.train.durable.resilience import exit_if_stuck
 
     ctx = setup_distributed(cfg)
     guard = None
@@ -94,7 +90,6 @@ def write_run_files(run_dir: Path, config_text: str, plan_text: str) -> None:
     """An earlier segment's config.yaml and plan.json → segments/<n>/ (so `report` sees the whole run),
     then this segment's, each swapped in whole. A full disk: one line with the bytes needed and
     free, the new segment folder removed, config.yaml and plan.json as they were."""
-    from shardtune.train.durable.diskfull import check_room, on_full_disk, write_atomic
 
     earlier = [run_dir / n for n in ("config.yaml", "plan.json") if (run_dir / n).is_file()]
     earlier = earlier if (run_dir / "config.yaml").is_file() else []
@@ -134,8 +129,7 @@ def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None
 
 
 def train(cfg: RunConfig, ctx: DistContext) -> dict:
-    """set-up → loop → finish (train/loop.py); returns the last logged metrics record."""
-    from shardtune.train.loop import finish, loop, set_up  # the trainer's torch-heavy imports
+    """set-up → loop → finish (train/rank/loop.py); returns the last logged metrics record."""
 
     lock = None
     if ctx.rank == 0 and not os.environ.get(RUN_LOCK_ENV):  # started by hand: rank 0 owns the folder

@@ -20,6 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from shardtune.errors import UserError
 from shardtune.train.core.dpo import DPO, add_reference_bytes
@@ -49,7 +57,7 @@ from shardtune.train.durable.keeper import RunKeeper
 
 if TYPE_CHECKING:
     from shardtune.config import RunConfig
-    from shardtune.train.context import DistContext
+    from shardtune.train.rank.context import DistContext
 
 
 @dataclass(kw_only=True)  # built by keyword from its parts
@@ -91,14 +99,6 @@ def now_s(device: torch.device) -> float:
 
 
 def _progress(enabled: bool):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
