@@ -1,6 +1,7 @@
 """Context parallelism's rules (parallel.cp): which runs split the sequence over cp ranks, for the
-config, the trainer's launch checks and the planner alike (one function, `check_cp`; strategies.py
-re-exports it). The mechanism and why: docs/long-context.md. Imports no torch.
+config, the trainer's launch checks and the planner alike (one function, `check_cp`); which strategies
+cp composes with is strategies.py's part, beside tp's (it reads the Strategy records, which import this
+module). The mechanism and why: docs/long-context.md. Imports no torch.
 
 What composes with cp > 1 (each tested in tests/dist/test_cp.py or tests/e2e/test_cp_cli.py):
 FSDP2 strategies (zero2, zero3, hsdp), tensor parallelism (tp x cp), fp32 / bf16-mixed / bf16,
@@ -35,12 +36,12 @@ def kv_repeat(kv_heads: int, q_heads: int, cp: int) -> int:
     return group
 
 
-def check_cp(cp: int, *, strategy: str | None = None, world_size: int | None = None, tp: int = 1,
+def check_cp(cp: int, *, world_size: int | None = None, tp: int = 1,
              seq_len: int | None = None, sequence_parallel: bool = True, hf: dict | None = None,
              objective: str = "sft", compile: bool = False, quantize_base: str = "none",
              offload: str = "none", optimizer: str = "adamw", sample_prompts: bool = False) -> None:
     """The one rule of context parallelism (parallel.cp / --cp), one UserError line each: cp is a
-    positive integer; with cp > 1 the strategy is an FSDP2 one; tp x cp divides the world size;
+    positive integer; tp x cp divides the world size (the strategy, FSDP2 only: strategies.py);
     cp (x tp with sequence parallelism) divides train.seq_len; cp divides the query heads of one tp
     rank (the all-to-all hands each cp rank H / tp / cp heads; KV heads are repeated as needed,
     `kv_repeat`); and nothing cp has not been made to work with. Arguments left None (or at their
@@ -49,14 +50,6 @@ def check_cp(cp: int, *, strategy: str | None = None, world_size: int | None = N
     _positive(tp, "tensor-parallel degree", "parallel.tp / --tp")
     if cp == 1:
         return
-    if strategy is not None:
-        from shardtune.strategies import FSDP_STRATEGIES, normalize_strategy
-
-        name = normalize_strategy(strategy)
-        if name not in FSDP_STRATEGIES:
-            raise UserError(f"cp {cp} composes with FSDP2 strategies ({', '.join(FSDP_STRATEGIES)}), not {name!r} "
-                            "(FSDP shards over dp x cp; DDP/ZeroRedundancyOptimizer have no such mesh): "
-                            "parallel.strategy / --strategy")
     if world_size is not None and world_size % (tp * cp):
         what = f"tp x cp = {tp * cp}" if tp > 1 else f"cp {cp}"
         raise UserError(f"{what} does not divide the world size {world_size} (world = dp x cp x tp); start a "

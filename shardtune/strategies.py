@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardtune.cp_rules import check_activation_offload, check_cp  # noqa: F401 (re-exported: the cp rule)
+from shardtune.cp_rules import check_activation_offload, check_cp
 from shardtune.errors import UserError, suggest
 
 
@@ -224,7 +224,8 @@ class Layout:
         if not isinstance(per_node, int) or per_node < 1:
             raise UserError(f"processes per node {per_node!r} is not positive")
         dp = _check_tp_world(s, world_size, per_node, tp, tp_across_nodes)
-        check_cp(cp, strategy=s.name, world_size=world_size, tp=tp)
+        _check_cp_strategy(s, cp)
+        check_cp(cp, world_size=world_size, tp=tp)
         dp //= cp
         sp = bool(sequence_parallel) and tp > 1
         if s.hybrid:
@@ -258,6 +259,14 @@ def _check_tp_world(s: Strategy, world_size: int, per_node: int, tp: int, across
         raise UserError(f"tp {tp} spans more than one node's {per_node} processes (TP's per-layer collectives want "
                         "the intra-node links); lower parallel.tp, or set parallel.tp_across_nodes=true to insist")
     return world_size // tp
+
+
+def _check_cp_strategy(s: Strategy, cp: int) -> None:
+    """The strategy's part of the cp rule (cp_rules.check_cp holds the rest): FSDP shards over dp x cp."""
+    if isinstance(cp, int) and cp > 1 and not s.fsdp:
+        raise UserError(f"cp {cp} composes with FSDP2 strategies ({', '.join(FSDP_STRATEGIES)}), not {s.name!r} "
+                        "(FSDP shards over dp x cp; DDP/ZeroRedundancyOptimizer have no such mesh): "
+                        "parallel.strategy / --strategy")
 
 
 def check_tp_model(tp: int, hf: dict, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
@@ -353,7 +362,8 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                         "(lora.rank / --lora-rank > 0)")
     _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, quantize_base=quantize_base,
                           compile=compile, loss_chunks=loss_chunks)
-    check_cp(cp, strategy=s.name, tp=tp, compile=compile, quantize_base=quantize_base, offload=offload,
+    _check_cp_strategy(s, cp)
+    check_cp(cp, tp=tp, compile=compile, quantize_base=quantize_base, offload=offload,
              optimizer=optimizer)  # cp_rules.py: the heads, world and seq_len parts where those are known
     check_activation_offload(activation_offload, compile=compile, offload=offload)
 

@@ -25,8 +25,9 @@ from shardtune.config.parallel import ParallelConfig
 from shardtune.config.paths import resolve_recipe_paths
 from shardtune.config.plan_keys import PLAN_KEYS, read_key
 from shardtune.config.train import CheckpointConfig, TrainConfig
+from shardtune.cp_rules import check_activation_offload, check_cp
 from shardtune.errors import UserError
-from shardtune.strategies import check_activation_offload, check_combination, check_cp, check_objective_tp
+from shardtune.strategies import check_combination, check_objective_tp
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -81,7 +82,7 @@ class RunConfig(_Section):
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (sequence "
                              "parallelism needs lengths divisible by tp, which generation's are not; without it, "
                              "untested): drop train.sample_prompts or use parallel.tp 1")
-        check_cp(par.cp, strategy=par.strategy, tp=par.tp, seq_len=self.train.seq_len,
+        check_cp(par.cp, tp=par.tp, seq_len=self.train.seq_len,
                  sequence_parallel=par.sequence_parallel, objective=self.train.objective,
                  sample_prompts=bool(self.train.sample_prompts))  # cp_rules.py; heads and world: preflight
         check_activation_offload(par.activation_offload, compile=self.train.compile, objective=self.train.objective,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from shardtune.catalog.gpus import GPU, resolve_gpu
+from shardtune.cp_rules import check_activation_offload, check_cp
 from shardtune.errors import UserError
 from shardtune.plan import comm, memory
 from shardtune.plan import cp as cpp
@@ -28,9 +29,7 @@ from shardtune.strategies import (
     STRATEGY,
     Layout,
     autocasts,
-    check_activation_offload,
     check_combination,
-    check_cp,
     resolve_optimizer_impl,
 )
 
@@ -250,12 +249,11 @@ def _combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           loss_chunks=inp.loss_chunks, quantize_base=inp.quantize_base,
                           # the ZeRO paper's accounting plans Megatron's model parallelism beside any
                           # ZeRO stage (its Table 2), not this trainer's TP
-                          tp=1 if inp.accounting == "paper" else inp.tp)
+                          tp=1 if inp.accounting == "paper" else inp.tp, cp=inp.cp)
     except UserError as e:
         return e
-    try:  # context parallelism's and activation offload's rules (cp_rules.py, the trainer's)
-        check_cp(inp.cp, strategy=strategy, objective=inp.objective, quantize_base=inp.quantize_base,
-                 offload=inp.offload, optimizer=inp.optimizer)
+    try:  # context parallelism's and activation offload's rules on the objective (cp_rules.py, the trainer's)
+        check_cp(inp.cp, objective=inp.objective)
         check_activation_offload(inp.activation_offload, objective=inp.objective, offload=inp.offload)
     except UserError as e:
         return e

@@ -16,6 +16,7 @@ from __future__ import annotations
 from math import ceil
 
 from shardtune.catalog.interconnects import get_interconnect
+from shardtune.cp_rules import check_cp, kv_repeat
 from shardtune.errors import UserError
 from shardtune.plan.params import Architecture
 
@@ -36,10 +37,8 @@ def cp_degrees(gpus: int, tp: int) -> list[int]:
 
 
 def check_cp_arch(arch: Architecture | None, config: dict | None, cp: int, tp: int) -> None:
-    """The trainer's rule on the model (strategies.check_cp: cp divides the query heads of a TP
+    """The trainer's rule on the model (cp_rules.check_cp: cp divides the query heads of a TP
     rank); a bare --params count has no heads to split. One-line UserError."""
-    from shardtune.strategies import check_cp
-
     if cp > 1 and arch is None:
         raise UserError(f"--cp {cp} needs a model architecture (the heads it splits); give a MODEL, not --params")
     if cp > 1:
@@ -49,8 +48,6 @@ def check_cp_arch(arch: Architecture | None, config: dict | None, cp: int, tp: i
 def kv_width(arch: Architecture, cp: int, tp: int) -> int:
     """K (or V) width a TP rank sends into the all-to-all: its KV heads, repeated until cp divides
     them (cp_rules.kv_repeat, the trainer's)."""
-    from shardtune.cp_rules import kv_repeat
-
     kv = max(1, arch.num_kv_heads // tp)
     return kv * kv_repeat(kv, arch.num_heads // tp, cp) * arch.head_dim
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dc_fields
 
+from shardtune.cp_rules import check_cp
 from shardtune.errors import UserError
 from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
     Layout,
-    check_cp,
     check_objective_tp,
     normalize_ac,
     normalize_offload,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shardtune.config import load_recipe
-from shardtune.cp_rules import kv_repeat
+from shardtune.cp_rules import check_cp, kv_repeat
 from shardtune.errors import UserError
-from shardtune.strategies import Layout, check_cp
+from shardtune.strategies import Layout, check_combination
 
 
 @pytest.mark.parametrize("strategy, world, per_node, tp, cp, shard, mesh, dp", [
@@ -35,8 +35,6 @@ LLAMA = {"num_attention_heads": 32, "num_key_value_heads": 8}
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(cp=0), "not a positive integer"),
-    (dict(cp=2, strategy="ddp"), "composes with FSDP2 strategies"),
-    (dict(cp=2, strategy="zero1"), "not 'zero1'"),
     (dict(cp=4, world_size=6), "cp 4 does not divide the world size 6"),
     (dict(cp=2, tp=2, world_size=6), "tp x cp = 4 does not divide the world size 6"),
     (dict(cp=4, seq_len=66), "train.seq_len 66 over cp 4"),
@@ -56,9 +54,21 @@ def test_check_cp_refusals_are_one_line(kwargs, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_cp_refuses_non_fsdp_strategies(strategy):
+    """The strategy's part of the rule (strategies.py), through both of its callers."""
+    for call in (lambda: check_combination(strategy, cp=2), lambda: Layout.build(strategy, 4, 4, cp=2)):
+        with pytest.raises(UserError) as e:
+            call()
+        assert "composes with FSDP2 strategies" in str(e.value) and f"not {strategy!r}" in str(e.value)
+        assert "\n" not in str(e.value)
+
+
 def test_check_cp_accepts():
-    check_cp(1, strategy="ddp", objective="dpo", compile=True)  # cp 1: nothing to check
-    check_cp(2, strategy="zero3", world_size=4, seq_len=64, hf=LLAMA)
+    check_cp(1, objective="dpo", compile=True)  # cp 1: nothing to check
+    check_combination("ddp", cp=1, compile=True)
+    check_cp(2, world_size=4, seq_len=64, hf=LLAMA)
+    check_combination("zero3", cp=2)
     check_cp(2, tp=2, world_size=4, seq_len=64, hf=LLAMA)  # (32 / 2) / 2 heads each
     check_cp(8, tp=2, world_size=16, seq_len=64, hf=LLAMA)  # KV heads 8 / 2 = 4 < cp 8: repeated
     check_cp(2, tp=2, seq_len=66, sequence_parallel=False)  # no SP: the sequence splits over cp only
