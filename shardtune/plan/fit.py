@@ -3,7 +3,7 @@
 Searches strategy × tensor-parallel degree (1, 2, 4, 8) × activation checkpointing × offload ×
 micro-batch × HSDP shard size × precision, and for long sequences (≥ LONG_SEQ tokens, or a --cp
 or --activation-offload given) context-parallel degree × activation offload (plan/cp.py), with
-the planner's memory model (plan/api.py) and the step-time model (plan/timing.py), keeping the
+the planner's memory model (plan/strategy_plan.py) and the step-time model (plan/timing.py), keeping the
 user's sequence length, GPU and cluster, and the global batch (micro-batch × grad_accum ×
 data-parallel ranks: the micro-batch follows the tensor-parallel degree, grad_accum the
 context-parallel one) unless `fit_batch` (`--fit-batch`) searches the micro-batch too. Each
@@ -121,16 +121,17 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     """Every configuration of the search space, ranked; inputs as `shardtune.plan.plan`. The global
     batch is kept unless `fit_batch` (then the micro-batch is searched over MICRO_BATCHES)."""
     from shardtune.catalog.gpus import resolve_gpu
-    from shardtune.plan import api
+    from shardtune.plan.model import _load_model
+    from shardtune.plan.strategy_plan import combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
     from shardtune.plan.timing import time_strategy, timing_context
     from shardtune.plan.validate import resolve_inputs
     from shardtune.strategies import STRATEGIES
 
     base = resolve_inputs(inputs, gpus, fields)
     gpu = resolve_gpu(base.gpu)
-    reserve = api.default_reserve_bytes(gpu) if base.reserve_gib is None else round(base.reserve_gib * GIB)
+    reserve = default_reserve_bytes(gpu) if base.reserve_gib is None else round(base.reserve_gib * GIB)
     usable = gpu.memory_bytes - reserve
-    m = api._load_model(base.model, base.params, base.lora_rank)
+    m = _load_model(base.model, base.params, base.lora_rank)
     info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
     ctx = timing_context(base, gpu, **base.timing_options())
     strategies = base.strategies or list(STRATEGIES)
@@ -141,12 +142,12 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     out: list[Candidate] = []
     refused: dict[str, Exception] = {}
     # tensor parallelism: a --tp given is kept, else every degree of plan/tp.py that can run here
-    tps = [base.tp] if base.tp > 1 or m.arch is None else [t for t in TP_DEGREES if api.with_tp(base, t, m)]
+    tps = [base.tp] if base.tp > 1 or m.arch is None else [t for t in TP_DEGREES if with_tp(base, t, m)]
     long = m.arch is not None and (base.seq_len >= LONG_SEQ or base.cp > 1 or base.activation_offload)
     act_offloads = (base.activation_offload,) if base.activation_offload or not long else (False, True)
-    for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, api, long)):
-        at_tp = api.with_tp(base, tp, m) if tp != base.tp else base
-        at_tp = api.with_cp(at_tp, cp, m) if cp != at_tp.cp else at_tp
+    for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, long)):
+        at_tp = with_tp(base, tp, m) if tp != base.tp else base
+        at_tp = with_cp(at_tp, cp, m) if cp != at_tp.cp else at_tp
         # the global batch kept: grad_accum follows cp (--fit-batch: the global batch changes anyway)
         accum = base.grad_accum if fit_batch else base.grad_accum * cp // base.cp
         if at_tp is None or (not fit_batch and accum * base.cp != base.grad_accum * cp):
@@ -162,13 +163,13 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                         inp = replace(at_tp, strategies=[strategy], hsdp_shard_size=shard or at_tp.hsdp_shard_size,
                                       precision=precision, ac=ac, offload=offload, optimizer_impl=impl,
                                       grad_accum=accum, activation_offload=act_off)
-                        err = api._combination_error(inp, strategy)
+                        err = combination_error(inp, strategy)
                         if err:  # strategies.check_combination: nothing runs it
                             refused.setdefault(strategy, err)
                             continue
                         for mb in mbs:
                             inp = replace(inp, micro_batch=mb)
-                            sp = api._plan_strategy(m, strategy, inp, usable)
+                            sp = plan_strategy(m, strategy, inp, usable)
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
@@ -202,15 +203,16 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                      {"precision": base.precision, "global_batch": g0, "seq_len": base.seq_len})
 
 
-def _cps(base, tp: int, m, api, long: bool) -> list[int]:
+def _cps(base, tp: int, m, long: bool) -> list[int]:
     """Context-parallel degrees to search at `tp`: a --cp given is kept; for long sequences every
     power of two of plan/cp.py that can run here; else 1."""
     from shardtune.plan.cp import cp_degrees
+    from shardtune.plan.strategy_plan import with_cp, with_tp
 
     if base.cp > 1 or not long:
         return [base.cp]
-    at_tp = api.with_tp(base, tp, m) if tp != base.tp else base
-    return [c for c in cp_degrees(base.gpus, tp) if at_tp and (c == 1 or api.with_cp(at_tp, c, m))]
+    at_tp = with_tp(base, tp, m) if tp != base.tp else base
+    return [c for c in cp_degrees(base.gpus, tp) if at_tp and (c == 1 or with_cp(at_tp, c, m))]
 
 
 def _same_batch(base, tp: int) -> tuple[int, ...]:

@@ -270,7 +270,7 @@ def timing_context(inp, gpu, *, interconnect: str | None = None, intra_node: str
 
 
 def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
-    """predict_strategy for one api.StrategyPlan under `inp` (validate.PlanInputs)."""
+    """predict_strategy for one strategy_plan.StrategyPlan under `inp` (validate.PlanInputs)."""
     return predict_strategy(
         arch, sp.collectives, strategy=sp.name, shard_degree=sp.shard_degree, cluster=ctx["cluster"],
         micro_batch=inp.micro_batch, seq_len=inp.seq_len, grad_accum=inp.grad_accum, ac=inp.ac,

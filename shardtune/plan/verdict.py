@@ -3,14 +3,19 @@ alternative is re-planned and named only when it fits (issue 27: "try zero3" was
 zero3 did not fit). The families are tried in the order the peak's largest part suggests:
 activations first → context parallelism (with activation offload), then a shorter sequence; else
 another strategy that shards the parameters, LoRA / QLoRA, a larger GPU of the catalogue, context
-parallelism, a shorter sequence. `suggest` tries single changes first. Imports no torch."""
+parallelism, a shorter sequence. `suggest` tries single changes first. Each re-plan is
+strategy_plan.py's `plan_strategy` (below api.py, which calls `suggest`). Imports no torch."""
 from __future__ import annotations
 
 from dataclasses import replace
 
+from shardtune.catalog.gpus import GPUS, resolve_gpu
+from shardtune.plan.cp import cp_degrees
+from shardtune.plan.model import _load_model
+from shardtune.plan.strategy_plan import GIB, combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
+from shardtune.plan.tp import TP_DEGREES
 from shardtune.strategies import STRATEGY
 
-GIB = 2**30
 LORA_RANK = 16
 MIN_SEQ = 128
 
@@ -32,13 +37,11 @@ def _variants(m, inp):
 
 
 def _zero3(m, sp, inp, usable):
-    from shardtune.plan import api
-
-    if STRATEGY[sp.name].reshard_after_forward or api._combination_error(inp, "zero3"):
+    if STRATEGY[sp.name].reshard_after_forward or combination_error(inp, "zero3"):
         return None
     for label, changed in [*_variants(m, inp), *((" " + lab, ch) for lab, ch in _cp_labels(m, "zero3", inp))]:
-        if not api._combination_error(changed, "zero3"):
-            p = api._plan_strategy(m, "zero3", changed, usable, per_rank=False)
+        if not combination_error(changed, "zero3"):
+            p = plan_strategy(m, "zero3", changed, usable, per_rank=False)
             if p.fits:
                 return f"zero3{label}{_ram(p)}"
     return None
@@ -46,30 +49,25 @@ def _zero3(m, sp, inp, usable):
 
 def _cp_labels(m, strategy: str, inp):
     """(label, inputs) at each larger context-parallel degree (plan/cp.py), as given and with --ac full."""
-    from shardtune.plan import api
-    from shardtune.plan.cp import cp_degrees
-
     if m.arch is None or not STRATEGY[strategy].fsdp or inp.accounting != "shardtune":
         return
     for c in (c for c in cp_degrees(inp.gpus, inp.tp) if c > inp.cp):
         full = [("--ac full", replace(inp, ac="full"))] if inp.ac != "full" else []
         for label, base in [("", inp), *full]:
-            changed = api.with_cp(base, c, m)
+            changed = with_cp(base, c, m)
             if changed:
                 yield f"{label.strip()} --cp {c}".strip(), changed
 
 
 def _cp(m, sp, inp, usable):
     """Context parallelism, then with activation offload (the layers' saved tensors in host RAM)."""
-    from shardtune.plan import api
-
     for offload in (False, True):
         for label, changed in _cp_labels(m, sp.name, inp):
             if offload:
                 label, changed = f"{label} --activation-offload", replace(changed, activation_offload=True)
-            if api._combination_error(changed, sp.name):
+            if combination_error(changed, sp.name):
                 continue
-            p = api._plan_strategy(m, sp.name, changed, usable, per_rank=False)
+            p = plan_strategy(m, sp.name, changed, usable, per_rank=False)
             if p.fits:
                 ram = f" ({p.host_ram['bytes_per_node'] / GIB:,.0f} GiB host RAM per node)" if offload else ""
                 return label + ram
@@ -77,8 +75,6 @@ def _cp(m, sp, inp, usable):
 
 
 def _shorter_seq(m, sp, inp, usable):
-    from shardtune.plan import api
-
     if m.arch is None:
         return None
     mem = sp.memory
@@ -86,38 +82,33 @@ def _shorter_seq(m, sp, inp, usable):
     seq = inp.seq_len // 2
     while seq >= MIN_SEQ:
         for label, changed in list(_variants(m, replace(inp, seq_len=seq)))[:2]:  # as given, --ac full
-            if api._combination_error(changed, sp.name):  # e.g. offload under TP
+            if combination_error(changed, sp.name):  # e.g. offload under TP
                 continue
-            if api._plan_strategy(m, sp.name, changed, usable, per_rank=False).fits:
+            if plan_strategy(m, sp.name, changed, usable, per_rank=False).fits:
                 return f"--seq-len {seq}{label}{why}"
         seq //= 2
     return None
 
 
 def _lora(m, sp, inp, usable):
-    from shardtune.plan import api
-
     if inp.lora_rank or inp.params is not None:
         return None
     for quant, label in (("none", f"LoRA (--lora-rank {LORA_RANK})"),
                          ("nf4", f"QLoRA (--lora-rank {LORA_RANK} --quantize-base nf4)")):
         changed = replace(inp, lora_rank=LORA_RANK, quantize_base=quant)
-        if api._combination_error(changed, sp.name):
+        if combination_error(changed, sp.name):
             continue
-        lm = api._load_model(inp.model, None, LORA_RANK, quant)
-        if api._plan_strategy(lm, sp.name, changed, usable, per_rank=False).fits:
+        lm = _load_model(inp.model, None, LORA_RANK, quant)
+        if plan_strategy(lm, sp.name, changed, usable, per_rank=False).fits:
             return label
     return None
 
 
 def _larger_gpu(m, sp, inp, usable):
-    from shardtune.catalog.gpus import GPUS, resolve_gpu
-    from shardtune.plan import api
-
     now = resolve_gpu(inp.gpu)
     for gpu in sorted((g for g in GPUS.values() if g.memory_bytes > now.memory_bytes), key=lambda g: g.memory_bytes):
-        reserve = api.default_reserve_bytes(gpu) if inp.reserve_gib is None else round(inp.reserve_gib * GIB)
-        if api._plan_strategy(m, sp.name, replace(inp, gpu=gpu.name), gpu.memory_bytes - reserve,
+        reserve = default_reserve_bytes(gpu) if inp.reserve_gib is None else round(inp.reserve_gib * GIB)
+        if plan_strategy(m, sp.name, replace(inp, gpu=gpu.name), gpu.memory_bytes - reserve,
                               per_rank=False).fits:
             return f"a larger GPU (--gpu {gpu.name})"
     return None
@@ -159,9 +150,6 @@ def verdict(plans, usable: int) -> str:
 def suggest(m, sp, inp, usable: int) -> str:
     """The smallest change that makes a strategy fit: without offload, and with offload; when the
     activations dominate, context parallelism before tensor parallelism; else `fallback`."""
-    from shardtune.plan import api
-    from shardtune.plan.tp import TP_DEGREES
-
     def more_gpus(base, label: str):
         if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
             g, dp = base.hsdp_shard_size * 2, base.gpus // (base.tp * base.cp)  # the shard group is of dp ranks
@@ -182,7 +170,7 @@ def suggest(m, sp, inp, usable: int) -> str:
     tps = []
     if STRATEGY[sp.name].fsdp and inp.tp == 1 and m.arch is not None and inp.accounting == "shardtune":
         for t in TP_DEGREES[1:]:  # tensor parallelism divides the states and activations on the same GPUs
-            changed = api.with_tp(inp, t, m)
+            changed = with_tp(inp, t, m)
             if changed:
                 tps.append((f"--tp {t}", changed))
     cps = list(_cp_labels(m, sp.name, inp))  # context parallelism divides the activations
@@ -199,9 +187,9 @@ def suggest(m, sp, inp, usable: int) -> str:
     found = []
     for tries in (scale_out, offload):
         for label, changed in tries:
-            if api._combination_error(changed, sp.name):  # e.g. offload under TP: nothing runs it
+            if combination_error(changed, sp.name):  # e.g. offload under TP: nothing runs it
                 continue
-            p = api._plan_strategy(m, sp.name, changed, usable, per_rank=False)
+            p = plan_strategy(m, sp.name, changed, usable, per_rank=False)
             if p.fits:
                 found.append(label + _ram(p))
                 break

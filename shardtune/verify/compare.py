@@ -1,6 +1,6 @@
 """Differences between predicted, simulated and measured memory, as numbers and as rich tables.
 
-Keys are the planner's `Memory` keys (plan/api.py); measured runs use the trainer's
+Keys are the planner's `Memory` keys (plan/strategy_plan.py); measured runs use the trainer's
 memory.json names (`params_bytes`, ..., `peak_bytes`: train/rank/main.py). GiB = 2^30 bytes,
 MiB = 2^20 bytes. Imports no torch.
 """

@@ -2,7 +2,7 @@
 
 `track_step` / `tracked_call` run a training step under `FSDPMemTracker` (FSDP2 models) or
 `MemTracker` (DDP, plain models) from torch.distributed._tools and map the trackers' categories
-to the planner's `Memory` keys (plan/api.py). The simulator (verify/simulate.py) uses them on fake
+to the planner's `Memory` keys (plan/strategy_plan.py). The simulator (verify/simulate.py) uses them on fake
 tensors, the trainer (train/rank/main.py, CPU runs) and tests/dist/test_simulate_vs_real.py on real
 ones: the same code on both sides, so their numbers compare directly.
 """
