@@ -61,7 +61,8 @@ def state_bytes(params, optimizer) -> dict:
 def rank_batches(spec: dict, rank: int, world: int, steps: int) -> list[list[dict]]:
     """batches[r][s]: the micro-batch shardtune's loader gives rank r at step s."""
     from shardtune.config import DataConfig, TrainConfig
-    from shardtune.train.data.dataset import PackedLoader, build_dataset, build_tokenizer
+    from shardtune.train.data.dataset import build_dataset, build_tokenizer
+    from shardtune.train.data.packing import PackedLoader
 
     dcfg = DataConfig(**spec["data"])
     tcfg = TrainConfig(micro_batch=spec["micro_batch"], seq_len=spec["seq_len"], seed=spec["seed"])

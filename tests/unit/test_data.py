@@ -11,16 +11,15 @@ import torch
 
 from shardtune.config import DataConfig, TrainConfig
 from shardtune.errors import UserError
+from shardtune.strategies import IGNORE_INDEX
 from shardtune.train.data.dataset import (
-    IGNORE_INDEX,
     build_dataloader,
-    build_row,
     build_tokenizer,
     check_dataset,
     encode_example,
-    pack_examples,
     steps_for_epochs,
 )
+from shardtune.train.data.packing import build_row, pack_examples
 from shardtune.train.data.tokenizer import ByteTokenizer
 
 X = IGNORE_INDEX

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from shardtune.config import DataConfig
 from shardtune.errors import UserError
 from shardtune.train.core.dpo import _per_side, chunked_token_logps, dpo_losses, valid_pairs
-from shardtune.train.data.dataset import build_row
+from shardtune.train.data.packing import build_row
 from shardtune.train.data.preference import encode_pair, normalize_pair, pack_pairs
 from shardtune.train.data.tokenizer import ByteTokenizer
 

@@ -28,10 +28,11 @@ import torch.distributed as dist
 from shardtune.catalog.models import resolve_model_config, safetensors_files
 from shardtune.parallel.apply import apply_precision
 from shardtune.parallel.build import build_parallel_model
-from shardtune.strategies import STRATEGY
+from shardtune.strategies import IGNORE_INDEX, STRATEGY
 from shardtune.train.core.dpo import DPO, reference_preference, sequence_logps
 from shardtune.train.core.model import build_meta_model, init_model_weights, uses_pretrained
-from shardtune.train.data.dataset import IGNORE_INDEX, build_row, resolve_cache_dir
+from shardtune.train.data.dataset import resolve_cache_dir
+from shardtune.train.data.packing import build_row
 
 REF_VERSION = 1
 FILE = "ref_logps.npy"

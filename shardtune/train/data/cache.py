@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from shardtune.train.data.packing import PackedData
+
 FILES = ("tokens.arrow", "examples.arrow", "rows.arrow", "row_start.arrow")
 VERSION = 1
 
@@ -196,8 +198,6 @@ def _column(folder: Path, name: str, column: str) -> np.ndarray:
 
 def load_cache(folder: Path):
     """The cached PackedData, every array a zero-copy view of the memory-mapped files."""
-    from shardtune.train.data.dataset import PackedData  # dataset.py imports this module
-
     meta = json.loads((folder / "meta.json").read_text())
     rows = MappedRows(_column(folder, "row_start.arrow", "row_start"), _column(folder, "rows.arrow", "row_examples"))
     return PackedData(_column(folder, "tokens.arrow", "tokens"), _column(folder, "tokens.arrow", "targets"),

@@ -1,9 +1,9 @@
 """Several datasets mixed by weight (`data.sources`) into one world-size-independent row stream.
 
-Each source is packed on its own (dataset.build_dataset) and read in its own per-epoch seeded
-order (dataset.PackedLoader's). Global stream row g comes from source k with probability
-weight_k / Σ weights, chosen by a uniform draw seeded by (train.seed, g) alone, so the choice
-never depends on the world size or on where a run was resumed. Every rank walks the whole global
+Each source is packed on its own (dataset.build_dataloader packs them and hands them here) and
+read in its own per-epoch seeded order (packing.PackedLoader's). Global stream row g comes from
+source k with probability weight_k / Σ weights, chosen by a uniform draw seeded by (train.seed, g)
+alone, so the choice never depends on the world size or on where a run was resumed. Every rank walks the whole global
 micro-batch (B·D choices), so every rank holds the same per-source positions; it builds only its
 own B rows. state_dict: the global position and each source's consumed row count (JSON values).
 """
@@ -15,8 +15,7 @@ import random
 import torch
 
 from shardtune.errors import UserError
-from shardtune.train.data.dataset import PackedLoader, build_dataset, build_row
-from shardtune.train.data.sources import source_configs
+from shardtune.train.data.packing import PackedData, PackedLoader, build_row
 
 
 class MixedLoader:
@@ -70,11 +69,9 @@ class MixedLoader:
         self.consumed = [int(s["consumed"]) for s in state["sources"]]
 
 
-def build_mixed_loader(data_cfg, train_cfg, tokenizer, dp_rank: int, dp_size: int, seed: int) -> MixedLoader:
-    """The loader of `data.sources` (each source packed and shuffled with its own seed)."""
-    parts, weights = [], []
-    for k, (cfg_k, weight) in enumerate(source_configs(data_cfg)):
-        data = build_dataset(cfg_k, train_cfg.seq_len, tokenizer, seed + k)
-        parts.append(PackedLoader(data, 1, 0, 1, seed + k, data_cfg.shuffle, tokenizer.pad_id))
-        weights.append(weight)
-    return MixedLoader(parts, weights, train_cfg.micro_batch, dp_rank, dp_size, seed, tokenizer.pad_id)
+def build_mixed_loader(sources: list[tuple[PackedData, float]], micro_batch: int, dp_rank: int, dp_size: int,
+                       seed: int, shuffle: bool, pad_id: int) -> MixedLoader:
+    """The loader of `data.sources` from each source's packed data (packed with seed + k, its k)
+    and weight; each source is shuffled with its own seed, seed + k."""
+    parts = [PackedLoader(data, 1, 0, 1, seed + k, shuffle, pad_id) for k, (data, _) in enumerate(sources)]
+    return MixedLoader(parts, [w for _, w in sources], micro_batch, dp_rank, dp_size, seed, pad_id)

@@ -16,14 +16,8 @@ log-probs were precomputed. A pair longer than seq_len is cut at the end of its 
 from __future__ import annotations
 
 from shardtune.errors import UserError
-from shardtune.train.data.dataset import (
-    PackedData,
-    PackedLoader,
-    _check_fills,
-    encode_example,
-    next_fit,
-    resolve_cache_dir,
-)
+from shardtune.train.data.dataset import _check_fills, encode_example, resolve_cache_dir
+from shardtune.train.data.packing import PackedData, PackedLoader, next_fit
 from shardtune.train.data.sources import ROLES, hold_out, read_records
 
 PAIR_VERSION = 1

@@ -5,14 +5,17 @@ Every val example lands in exactly one row of exactly one rank (rows dealt round
 row i → rank i mod world_size, in a fixed unshuffled order); every rank gets the same number
 of micro-batches, the short ones padded with rows whose labels are all -100 (no loss), so the
 global token-mean loss is the sum over ranks of each rank's label sums (train/core/evaluate.py).
-Labels are shifted exactly as the training batches' (dataset.build_row).
+Labels are shifted exactly as the training batches' (packing.build_row).
 """
 from __future__ import annotations
 
 import torch
 
 from shardtune.errors import UserError
-from shardtune.train.data.dataset import IGNORE_INDEX, build_row, encode_records, pack_examples, read_records
+from shardtune.strategies import IGNORE_INDEX
+from shardtune.train.data.dataset import encode_records
+from shardtune.train.data.packing import build_row, pack_examples
+from shardtune.train.data.sources import read_records
 
 
 def val_config(data_cfg):
