@@ -58,8 +58,6 @@ def _replicated(module: nn.Module, mesh: DeviceMesh, input_layout=None) -> None:
     layout = input_layout or Replicate()
 
     def to_dtensor(_mod, inputs, _mesh):
-        from torch.distributed.tensor import DTensor
-
         return tuple(DTensor.from_local(x, _mesh, (layout,), run_check=False)
                      if hasattr(x, "dim") and not isinstance(x, DTensor) else x for x in inputs)
 

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
+
+from shardtune.verify.compare import LABELS
 
 matplotlib.use("Agg")  # files only, no display (report/commands.py imports this module lazily)
 
@@ -38,8 +41,6 @@ def draw_memory(sources: dict[str, dict], title: str):
     bar per source (name → memory dict with the planner's keys; a missing key draws no bar), each
     from zero. Nothing is stacked: a category's maximum over the step and the peak (one moment) are
     read against the same axis."""
-    from shardtune.verify.compare import LABELS  # noqa: PLC0415 the table's column names
-
     keys = [*STACK, "total"]
     peak = max((m.get(k) or 0 for m in sources.values() for k in keys), default=0)
     unit, unit_name = (2**30, "GiB (2^30 B)") if peak >= 2**30 else (2**20, "MiB (2^20 B)")
@@ -108,8 +109,6 @@ def draw_loss(records: list[dict], run_name: str):
 
 def _per_step_axes(ax, ylabel: str, title: str) -> None:
     """Labels, grid and legend of a curve over optimizer steps (whole numbers on the step axis)."""
-    from matplotlib.ticker import MaxNLocator
-
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)

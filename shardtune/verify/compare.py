@@ -6,6 +6,11 @@ MiB = 2^20 bytes. Imports no torch.
 """
 from __future__ import annotations
 
+from rich import box
+from rich.measure import Measurement
+from rich.table import Table
+
+from shardtune.plan.report import make_console
 from shardtune.train.core.memory_json import MEASURED_KEYS, MEMORY_KEYS  # noqa: F401  (report reads both here)
 from shardtune.train.core.memory_json import measured_memory as _measured_memory
 
@@ -58,9 +63,6 @@ class MemoryTable:
         self.title, self.rows, self.unit, self.keys = title, rows, unit, keys
 
     def table(self, compact: bool):
-        from rich import box
-        from rich.table import Table
-
         title = self.title + ("; Δ a/b = (a − b) / b" if compact else "")
         table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=compact)
         for col in ((() if compact else ("strategy",)) + ("source",) + tuple(LABELS[k] for k in self.keys)):
@@ -80,8 +82,6 @@ class MemoryTable:
         return table
 
     def __rich_console__(self, console, options):
-        from rich.measure import Measurement
-
         full = self.table(compact=False)
         natural = Measurement.get(console, options.update(max_width=10_000), full).maximum  # unclamped
         fits = natural <= options.max_width
@@ -95,8 +95,6 @@ def memory_table(title: str, rows: list[tuple[str, str, dict]], unit: int = GIB,
 
 def render_simulated(result, console=None) -> None:
     """`plan --simulate`: analytic, simulated and their difference per strategy and category."""
-    from shardtune.plan.report import make_console
-
     console = console or make_console(140)
     peak = max((sp.memory.total for sp in result.strategies), default=0)
     unit, unit_name = (GIB, "GiB (2^30 bytes)") if peak >= GIB else (MIB, "MiB (2^20 bytes)")

@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import _sharding_prop
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -109,9 +110,6 @@ def real_device_meshes():
     `DeviceMesh._concatenate`), and a mesh locates this rank with `nonzero` on its rank tensor,
     which a fake tensor cannot answer (DynamicOutputShapeException). A mesh is bookkeeping over
     ranks, no model memory: it is made on real tensors, as in a real run."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.distributed.device_mesh import DeviceMesh
-
     init = DeviceMesh.__init__
 
     def real_init(self, *args, **kwargs):

@@ -33,6 +33,7 @@ from shardtune.train.core.dpo import DPO, reference_preference, sequence_logps
 from shardtune.train.core.model import build_meta_model, init_model_weights, uses_pretrained
 from shardtune.train.data.dataset import resolve_cache_dir
 from shardtune.train.data.packing import build_row
+from shardtune.train.data.preference import pair_cache_inputs
 
 REF_VERSION = 1
 FILE = "ref_logps.npy"
@@ -143,8 +144,7 @@ def _weights_fingerprint(cfg) -> list:
 
 def ref_cache_entry(cfg, tokenizer, run_dir: Path) -> tuple[Path, dict]:
     """(the folder of this run's precomputed reference log-probs, what they depend on)."""
-    from shardtune.train.data.cache import key_of
-    from shardtune.train.data.preference import pair_cache_inputs
+    from shardtune.train.data.cache import key_of  # noqa: PLC0415 cache.py needs pyarrow: optional (shardtune[data])
 
     inputs = json.loads(json.dumps({
         "version": REF_VERSION, "data": pair_cache_inputs(cfg.data, cfg.train.seq_len, tokenizer, cfg.train.seed),
@@ -156,7 +156,7 @@ def ref_cache_entry(cfg, tokenizer, run_dir: Path) -> tuple[Path, dict]:
 
 def _load(folder: Path, inputs: dict, num_examples: int) -> np.ndarray | None:
     """The cached array, or None when absent or not of these inputs (said in one line, then rebuilt)."""
-    from shardtune.train.data.cache import verify_entry
+    from shardtune.train.data.cache import verify_entry  # noqa: PLC0415 pyarrow: optional (shardtune[data])
 
     if not folder.is_dir():
         return None
@@ -173,7 +173,7 @@ def _load(folder: Path, inputs: dict, num_examples: int) -> np.ndarray | None:
 
 def _save(folder: Path, inputs: dict, arr: np.ndarray) -> None:
     """The array and its meta.json (key, inputs, size and sha256: data cache's verify_entry format)."""
-    from shardtune.train.data.cache import _sha
+    from shardtune.train.data.cache import _sha  # noqa: PLC0415 pyarrow: optional (shardtune[data])
 
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)

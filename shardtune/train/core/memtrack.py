@@ -53,8 +53,12 @@ def _make_tracker(fsdp: bool, model, optimizer):
     total (the trackers themselves keep only the snapshot at the overall peak)."""
     # imported here, for the one tracked step: the FSDP tracker pulls in dynamo and inductor
     # (0.6 s of every rank's start-up otherwise)
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.fsdp2_mem_tracker import (  # noqa: PLC0415 dynamo at import: 0.6 s a rank
+        FSDPMemTracker,
+        _FSDPRefType,
+        _FSDPState,
+    )
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType  # noqa: PLC0415 as above
 
     base = FSDPMemTracker if fsdp else MemTracker
     _GATHER_STATES = (_FSDPState.PRE_FW, _FSDPState.PRE_BW)

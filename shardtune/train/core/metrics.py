@@ -20,8 +20,13 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
+from shardtune.catalog.gpus import resolve_gpu
+from shardtune.plan.compute import matmul_params, model_flops_per_token
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.eval_lines import eval_lines
 from shardtune.train.core.memory_json import measured_memory
@@ -117,8 +122,6 @@ class SavedActivations:
 
 def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:
     """PaLM appendix B training FLOPs per token, 6N + 12·L·H·Q·T (shardtune/plan/compute.py)."""
-    from shardtune.plan.compute import matmul_params, model_flops_per_token
-
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     n = matmul_params(num_params, hf_config.vocab_size, hf_config.hidden_size,
                       bool(getattr(hf_config, "tie_word_embeddings", False)))
@@ -128,8 +131,6 @@ def flops_per_token(hf_config, num_params: int, seq_len: int) -> float:
 
 def gpu_peak_flops(gpu_name: str) -> float | None:
     """Dense bf16 peak FLOP/s of a catalogue GPU (catalog/gpus.py), None for an unknown name."""
-    from shardtune.catalog.gpus import resolve_gpu
-
     try:
         return float(resolve_gpu(gpu_name).bf16_flops)
     except Exception:  # an unknown GPU name costs the MFU column, not the run
@@ -159,9 +160,6 @@ def _fmt_mib(n: int | None) -> str:
 def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, strategy: str) -> None:
     """One screen at the end: loss first → last, throughput, and measured vs planned memory per
     component (measured: the largest rank; MiB = 2^20 bytes)."""
-    from rich.console import Console
-    from rich.table import Table
-
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
     console = Console()
     records = [r for r in records if r.get("loss") is not None]  # skipped (non-finite) steps carry none
@@ -212,8 +210,6 @@ def optimizer_step_untracked(optimizer) -> bool:
 def _step_outside_tracker(optimizer):
     """optimizer.step with every dispatch mode (the tracker) off: the tracker's step hooks still
     fire, so the states stay tagged as the optimizer's, but the step's temporaries go unseen."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     step = optimizer.step
 
     def outside(*args, **kwargs):
