@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_files
+from shardtune.cp_rules import check_cp
 from shardtune.devices import resolve_backend
 from shardtune.errors import UserError, suggest
-from shardtune.strategies import Layout, check_cp, check_tp_model
+from shardtune.strategies import Layout, check_tp_model
 from shardtune.train.data.dataset import check_dataset
 from shardtune.train.durable.ckpt_files import resolve_resume
 
@@ -298,7 +299,8 @@ def _source_rows(data, tok, seq_len: int, rows_per_step: int, seed: int) -> int:
     """The rows one source packs into, or a bound >= rows_per_step when that is sure. Rows lie
     between ceil(kept tokens / seq_len) (perfect packing) and the kept examples; the seeded
     packing itself (torch's randperm) runs only when the batch falls between the two."""
-    from shardtune.train.data.dataset import encode_records, pack_examples, read_records
+    from shardtune.train.data.dataset import encode_records, read_records
+    from shardtune.train.data.packing import pack_examples
 
     encoded = encode_records(read_records(data), tok, data)
     kept = [min(len(ids), seq_len) for ids, mask in encoded if any(mask[1:seq_len])]
