@@ -52,3 +52,33 @@ def refused_before_any_process(monkeypatch, capsys, argv: list) -> str:
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     return err
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+class SharedRuns:
+    """One `shardtune train` per distinct (recipe, args, nproc) for the whole session, shared by
+    every test (and file) that asks for the same run: a launch costs ~10 s of imports before its
+    first step. A shared run folder is read-only: each later `get` checks that no file in it was
+    added, removed or rewritten, and fails naming them (copy it to tmp_path to change it)."""
+
+    def __init__(self, root: Path):
+        self.root, self.runs = root, {}
+
+    def get(self, recipe: str, *args, nproc: int = 2,
+            timeout_s: float = 280) -> tuple[Path, subprocess.CompletedProcess]:
+        key = (recipe, tuple(map(str, args)), nproc)
+        if key not in self.runs:
+            tmp = self.root / f"run{len(self.runs)}"
+            tmp.mkdir(parents=True)
+            proc = train_recipe(tmp, recipe, *args, nproc=nproc, timeout_s=timeout_s)
+            assert proc.returncode == 0, proc.stdout[-3000:]
+            self.runs[key] = (tmp / "run", proc, _listing(tmp / "run"))
+        run, proc, listing = self.runs[key]
+        now = _listing(run)
+        changed = sorted(k for k in listing.keys() | now.keys() if listing.get(k) != now.get(k))
+        assert not changed, f"a test changed the shared run {run} (copy it first): {changed[:8]}"
+        return run, proc

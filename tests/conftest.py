@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from _cli import REPO, metrics, shardtune_cli, train_recipe
+from _cli import REPO, SharedRuns, metrics, shardtune_cli, train_recipe
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +36,11 @@ def train_cli(tmp_path):
 def read_metrics():
     """`read_metrics(run)`: the records of run/metrics.jsonl."""
     return metrics
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """`shared_run(recipe_yaml, *args, nproc=2) -> (run folder, completed process)`: trained once a
+    session for each distinct recipe/args/nproc, shared across tests and files, read-only
+    (`_cli.SharedRuns`; copy the folder to tmp_path before changing anything in it)."""
+    return SharedRuns(tmp_path_factory.mktemp("shared")).get
