@@ -44,3 +44,27 @@ def shared_run(tmp_path_factory):
     session for each distinct recipe/args/nproc, shared across tests and files, read-only
     (`_cli.SharedRuns`; copy the folder to tmp_path before changing anything in it)."""
     return SharedRuns(tmp_path_factory.mktemp("shared")).get
+
+
+@pytest.fixture(scope="session")
+def shared_one_process_run(tmp_path_factory):
+    """`shared_one_process_run(recipe_yaml) -> run folder`: `python -m shardtune.train` of the recipe
+    (tests/e2e/_runs.py `one_process_run`) once a session per distinct recipe text, shared across
+    files, read-only as `shared_run` is (a changed file fails the next get: copy it first)."""
+    from _cli import _listing
+    from _runs import one_process_run  # tests/e2e/_runs.py: on sys.path once an e2e file is collected
+
+    root, runs = tmp_path_factory.mktemp("shared_one_process"), {}
+
+    def get(recipe: str):
+        if recipe not in runs:
+            tmp = root / f"run{len(runs)}"
+            tmp.mkdir()
+            run = one_process_run(tmp, recipe)
+            runs[recipe] = (run, _listing(run))
+        run, listing = runs[recipe]
+        now = _listing(run)
+        changed = sorted(k for k in listing.keys() | now.keys() if listing.get(k) != now.get(k))
+        assert not changed, f"a test changed the shared run {run} (copy it first): {changed[:8]}"
+        return run
+    return get

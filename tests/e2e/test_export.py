@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runs import dcp_model, one_process_run
+from _runs import dcp_model
 
 pytestmark = [pytest.mark.e2e]
 RECIPE = """
@@ -31,9 +31,10 @@ checkpoint: {every: 4, export_hf: true}
 """
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return one_process_run(tmp_path_factory.mktemp("export"), RECIPE)
+@pytest.fixture
+def run(shared_one_process_run) -> Path:
+    """One run for this file and tests/e2e/test_generate.py (the same RECIPE): read-only, copy to change."""
+    return shared_one_process_run(RECIPE)
 
 
 def _step5_batch(run: Path) -> dict:

@@ -20,22 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runs import REPO, dcp_model, one_process_run
+from _runs import REPO, dcp_model
+from test_export import RECIPE
+from test_lora_export import RECIPE as LORA_RECIPE
 
 from shardtune.processes import run_bounded
 from shardtune.testing.smollm2 import cut_folder, full_folder
 
 pytestmark = [pytest.mark.e2e]
 QUESTION = "What is the capital of France?"
-RECIPE = """
-name: gen
-model: {name: tiny-llama}
-data: {generated_examples: 200}
-parallel: {strategy: zero3, precision: fp32}
-optim: {lr: 0.002, warmup_steps: 2}
-train: {micro_batch: 4, seq_len: 64, max_steps: 5, timeout_s: 60}
-checkpoint: {every: 4, keep: 3, export_hf: true}
-"""
 
 
 def _hf_answer(model, tok, prompt: str, max_new_tokens: int) -> str:
@@ -62,9 +55,11 @@ def test_real_model_folder_answers_paris_as_transformers_does():
     assert "Paris" in proc.stdout
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return one_process_run(tmp_path_factory.mktemp("generate"), RECIPE)
+@pytest.fixture
+def run(shared_one_process_run) -> Path:
+    """tests/e2e/test_export.py's run (its RECIPE: tiny-llama, zero3, fp32, checkpoints at steps 4 and 5,
+    the export at the end), trained once for both files: read-only, copy to change."""
+    return shared_one_process_run(RECIPE)
 
 
 def _dcp_model(ckpt: Path):
@@ -219,20 +214,10 @@ def test_system_message_and_a_template_that_refuses_it(tmp_path, capsys):
     assert len(errors) == 1 and "System role not supported" in errors[0] and "--system" in errors[0], err
 
 
-LORA_RECIPE = """
-name: gen-lora
-model: {name: tiny-llama}
-data: {generated_examples: 200}
-parallel: {strategy: zero3, precision: fp32}
-optim: {lr: 0.01, warmup_steps: 0, schedule: constant}
-train: {micro_batch: 4, seq_len: 64, max_steps: 4, timeout_s: 60}
-checkpoint: {every: 4}
-lora: {rank: 4, alpha: 8}
-"""
 
 
 @pytest.mark.timeout(300)
-def test_a_lora_checkpoint_answers_as_peft_and_as_its_merged_export(tmp_path, capsys):
+def test_a_lora_checkpoint_answers_as_peft_and_as_its_merged_export(shared_run, tmp_path, capsys):
     """A LoRA checkpoint holds adapters only: generate merges them onto the base. References: PEFT's
     own merge (`PeftModel.from_pretrained(base, adapter folder).merge_and_unload()`) for the weights
     and the answer, and the merged export loaded with transformers for the answer."""
@@ -244,7 +229,8 @@ def test_a_lora_checkpoint_answers_as_peft_and_as_its_merged_export(tmp_path, ca
     from shardtune.train.core.model import build_hf_config, init_model_weights
     from shardtune.train.generation import load_for_generation
 
-    ckpt = one_process_run(tmp_path, LORA_RECIPE) / "checkpoints" / "step_4"
+    run, _ = shared_run(LORA_RECIPE, "--lora-rank", "4", nproc=1)  # tests/e2e/test_lora_export.py's run
+    ckpt = run / "checkpoints" / "step_4"
     assert cli.main(["export", str(ckpt), str(tmp_path / "adapter"), "--adapter-only"]) == 0
     assert cli.main(["export", str(ckpt), str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
     capsys.readouterr()

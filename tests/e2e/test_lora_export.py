@@ -10,9 +10,6 @@ Independent references:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from test_export import _step5_batch  # noqa: E402  (the step-5 batch from step_4's data position)
 
-from shardtune.processes import run_bounded
+from shardtune import cli
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
@@ -36,20 +33,13 @@ lora: {alpha: 8}
 """
 
 
-def _shardtune(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    return run_bounded([sys.executable, "-m", "shardtune.cli", *args], timeout_s=timeout_s, cwd=REPO,
-                       stderr=subprocess.STDOUT, env=env)
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("lora_export")
-    (tmp / "recipe.yaml").write_text(RECIPE)
-    proc = _shardtune("train", str(tmp / "recipe.yaml"), "--nproc", "1", "--lora-rank", "4",
-                      "--output-dir", str(tmp / "run"))
+@pytest.fixture
+def run(shared_run) -> Path:
+    """`shardtune train RECIPE --nproc 1 --lora-rank 4`, trained once for this file and the LoRA test
+    of tests/e2e/test_generate.py: read-only, copy to change."""
+    folder, proc = shared_run(RECIPE, "--lora-rank", "4", nproc=1)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    return tmp / "run"
+    return folder
 
 
 @pytest.mark.timeout(600)  # the fixture's training and two exports: 31 CPU-s, 163 s wall at load 10
@@ -63,8 +53,7 @@ def test_merged_export_gives_the_logged_loss_and_the_adapter_folder_loads_in_pef
     assert load_recipe(run / "config.yaml").lora.rank == 4  # the --lora-rank flag reached the run
     assert json.loads((run / "plan.json").read_text())["inputs"]["lora_rank"] == 4
     merged_dir = tmp_path / "merged"
-    proc = _shardtune("export", str(run / "checkpoints" / "step_4"), str(merged_dir), timeout_s=120)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert cli.main(["export", str(run / "checkpoints" / "step_4"), str(merged_dir)]) == 0
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     b = _step5_batch(run)
     with torch.no_grad():
@@ -75,8 +64,7 @@ def test_merged_export_gives_the_logged_loss_and_the_adapter_folder_loads_in_pef
     assert (run / "hf_export" / "config.json").is_file()  # the end-of-run export (step 5) exists
 
     adapter_dir = tmp_path / "adapter"
-    proc = _shardtune("export", str(run / "checkpoints" / "step_4"), str(adapter_dir), "--adapter-only", timeout_s=120)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert cli.main(["export", str(run / "checkpoints" / "step_4"), str(adapter_dir), "--adapter-only"]) == 0
     base = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()))
     init_model_weights(base, ModelConfig(), seed=0)  # the run's frozen base (train.seed 0)
     peft_model = PeftModel.from_pretrained(base, adapter_dir).eval()
@@ -87,7 +75,7 @@ def test_merged_export_gives_the_logged_loss_and_the_adapter_folder_loads_in_pef
 
 
 @pytest.mark.timeout(120)
-def test_adapter_only_on_a_full_fine_tune_is_one_line_exit_2(run, tmp_path):
+def test_adapter_only_on_a_full_fine_tune_is_one_line_exit_2(run, tmp_path, capsys):
     """A checkpoint without LoRA: --adapter-only is refused in one line (a fake non-LoRA config)."""
     import shutil
 
@@ -102,6 +90,8 @@ def test_adapter_only_on_a_full_fine_tune_is_one_line_exit_2(run, tmp_path):
     edited = ckpt / "hf" / "config.json"
     meta["files"]["hf/config.json"] = [edited.stat().st_size, integrity.crc32_file(edited)]
     (ckpt / "shardtune_checkpoint.json").write_text(json.dumps(meta))
-    proc = _shardtune("export", str(ckpt), str(tmp_path / "out"), "--adapter-only", timeout_s=60)
-    assert proc.returncode == 2
-    assert "not trained with LoRA" in proc.stdout and "Traceback" not in proc.stdout
+    capsys.readouterr()
+    assert cli.main(["export", str(ckpt), str(tmp_path / "out"), "--adapter-only"]) == 2
+    out = capsys.readouterr()
+    assert len(out.err.strip().splitlines()) == 1, out.err
+    assert "not trained with LoRA" in out.err and "Traceback" not in out.err + out.out
