@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from _cli import train_recipe
+from _e2eb_shared import elastic_reference, watchers_of
 
 from shardtune.train.durable.watchdog import Judge, Watchdog, limit_s, proc_alive
 
@@ -39,19 +40,6 @@ def _train(tmp: Path, env: dict, *args: str):
     return proc.returncode, proc.stdout, proc.seconds
 
 
-def _watchers_of(tmp: Path) -> list[int]:
-    """Live watcher processes whose beat file is under `tmp`."""
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            cmd = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"shardtune.train.durable.watchdog" in cmd and any(str(tmp).encode() in c for c in cmd):
-            out.append(int(d.name))
-    return out
-
-
 @pytest.mark.timeout(200)
 def test_a_rank_stopped_in_a_collective_ends_the_job_named_long_before_the_timeout(tmp_path):
     rc, out, took = _train(tmp_path, {"SHARDTUNE_TEST_STOP": "4:1"})
@@ -66,15 +54,17 @@ def test_a_rank_stopped_in_a_collective_ends_the_job_named_long_before_the_timeo
     startup = float(re.search(r"start-up ([\d.]+) s", out).group(1))
     assert took - startup < 75, (took, startup)
     time.sleep(1.5)
-    assert _watchers_of(tmp_path) == []
+    assert watchers_of(tmp_path) == []
 
 
 @pytest.mark.timeout(200)
-def test_a_normal_run_with_the_watchdog_on_leaves_nothing_behind(tmp_path):
-    rc, out, _ = _train(tmp_path, {}, "--max-steps", "6")
-    assert rc == 0 and "is hung" not in out, out[-3000:]
-    time.sleep(1.5)  # a watcher notices its rank's end within a second
-    assert _watchers_of(tmp_path) == [] and list((tmp_path / "tmp").glob("shardtune-beat-*")) == []
+def test_a_normal_run_with_the_watchdog_on_leaves_nothing_behind(tmp_path_factory):
+    """test_elastic.py's uninterrupted run (8 steps, checkpoints every 2), SHARDTUNE_WATCHDOG_S=5,
+    trained once a session (_e2eb_shared.py); looked at 1.5 s after its end and again now."""
+    ref = elastic_reference(tmp_path_factory)
+    assert ref.rc == 0 and "is hung" not in ref.text, ref.text[-3000:]
+    assert ref.watchers_after == [] and ref.beats_after == []
+    assert watchers_of(ref.tmp) == [] and list((ref.tmp / "tmp").glob("shardtune-beat-*")) == []
 
 
 def test_proc_alive_reads_a_stopped_process_as_not_alive():

@@ -1,0 +1,60 @@
+"""A run several e2e files read, trained once a session (a launch costs ~10 s of imports):
+the uninterrupted 2-process run of test_elastic.py's recipe, with the watchdog at a 5 s floor and
+TMPDIR in its own folder, so test_watchdog.py reads from it that a normal run leaves no watcher
+and no beat file behind (looked for 1.5 s after its end, as that test did with its own run)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from _cli import train_recipe
+
+ELASTIC_STEPS = 8
+ELASTIC_RECIPE = """
+name: elastic
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+optim: {lr: 0.002, warmup_steps: 2}
+train: {micro_batch: 2, seq_len: 64, max_steps: @STEPS@, timeout_s: 45}
+checkpoint: {keep: 2}
+""".replace("@STEPS@", str(ELASTIC_STEPS))  # the YAML braces rule out an f-string
+
+
+def watchers_of(tmp: Path) -> list[int]:
+    """Live watchdog processes whose command line names a path under `tmp` (their beat file)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"shardtune.train.durable.watchdog" in cmd and any(str(tmp).encode() in c for c in cmd):
+            out.append(int(d.name))
+    return out
+
+
+@dataclass
+class Finished:
+    tmp: Path  # the run is tmp/ref, its TMPDIR tmp/tmp
+    rc: int
+    text: str
+    watchers_after: list[int]  # watcher processes alive 1.5 s after the launcher exited
+    beats_after: list[str]  # beat files left in its TMPDIR then
+
+
+_RUNS: dict[str, Finished] = {}
+
+
+def elastic_reference(tmp_path_factory) -> Finished:
+    """`shardtune train ELASTIC_RECIPE --nproc 2 --checkpoint-every 2`, SHARDTUNE_WATCHDOG_S=5."""
+    if "elastic" not in _RUNS:
+        tmp = tmp_path_factory.mktemp("elastic_ref")
+        (tmp / "tmp").mkdir()
+        proc = train_recipe(tmp, ELASTIC_RECIPE, "--checkpoint-every", "2", out="ref", timeout_s=150,
+                            env={"TMPDIR": str(tmp / "tmp"), "SHARDTUNE_WATCHDOG_S": "5"})
+        time.sleep(1.5)  # a watcher notices its rank's end within a second
+        _RUNS["elastic"] = Finished(tmp, proc.returncode, proc.stdout, watchers_of(tmp),
+                                    [p.name for p in (tmp / "tmp").glob("shardtune-beat-*")])
+    return _RUNS["elastic"]
