@@ -19,13 +19,10 @@ pytestmark = [pytest.mark.e2e]
 
 
 @pytest.mark.timeout(300)
-def test_tiny_cpu_recipe_trains_on_two_processes(tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "2",
-           "--max-steps", "40", "--output-dir", str(out)]
-    proc = run_bounded(cmd, timeout_s=280, cwd=REPO, stderr=subprocess.STDOUT)
-    log = proc.stdout
-    assert proc.returncode == 0, log[-3000:]
+def test_tiny_cpu_recipe_trains_on_two_processes(shared_run):
+    """`shardtune train recipes/tiny-cpu.yaml --nproc 2 --max-steps 40` (its text, through the
+    session's shared run: test_two_hosts.py compares its first losses with a two-node run)."""
+    out, _ = shared_run(RECIPE.read_text(), "--max-steps", "40", nproc=2)
     for name in ("config.yaml", "plan.json", "metrics.jsonl", "memory.json"):
         assert (out / name).is_file(), name
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

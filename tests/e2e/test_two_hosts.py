@@ -3,7 +3,8 @@
 1. Harness check: an all_reduce across the two namespaces over gloo, bound to the veth interface.
 2. Training: the script `shardtune launch torchrun` renders runs unchanged in each namespace and
    trains recipes/tiny-cpu.yaml with zero3 across the two nodes; per-step losses must equal the
-   same run on one node with 2 processes (independent reference: a single-node torchrun).
+   same run on one node with 2 processes (independent reference: a single-node `shardtune train`,
+   the session's shared run, tests/_cli.py SharedRuns).
 Skipped with the reason where namespaces cannot be created (not root, no iproute2).
 """
 from __future__ import annotations
@@ -171,24 +172,17 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in sorted(rows, key=lambda r: r["step"])]
 
 
-@pytest.mark.timeout(180)
-def test_training_across_two_hosts_matches_one_node(tmp_path):
+@pytest.mark.timeout(300)
+def test_training_across_two_hosts_matches_one_node(tmp_path, shared_run):
     missing = _trainer_missing()
     if missing:
         pytest.skip(missing)
     env = _env("lo")
     env.pop("GLOO_SOCKET_IFNAME")
-    # Reference: one node, 2 processes (torchrun --standalone), same recipe and overrides.
-    ref = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "shardtune.train",
-                            str(RECIPE), *OVERRIDES, f"output_dir={tmp_path / 'one-node'}"],
-                           env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
-    try:
-        ref_out, _ = ref.communicate(timeout=80)
-    finally:
-        if ref.poll() is None:
-            os.killpg(ref.pid, 9)
-    assert ref.returncode == 0, ref_out[-3000:]
+    # Reference: one node, 2 processes, the same recipe: the session's `shardtune train
+    # recipes/tiny-cpu.yaml --nproc 2 --max-steps 40` (test_train_cli.py reads it too), its first 4
+    # steps (fp32 and zero3 are the recipe's own; the warmup's lr does not depend on max_steps)
+    ref_run, _ = shared_run(RECIPE.read_text(), "--max-steps", "40", nproc=2)
 
     port = 29400 + os.getpid() % 500
     with TwoHosts() as net:
@@ -207,7 +201,7 @@ def test_training_across_two_hosts_matches_one_node(tmp_path):
         results = _communicate_all(procs, timeout_s=80)
     for rc, out in results:
         assert rc == 0, out[-3000:]
-    one, two = _losses(tmp_path / "one-node"), _losses(tmp_path / "two-nodes")
+    one, two = _losses(ref_run)[:4], _losses(tmp_path / "two-nodes")
     assert len(one) == len(two) == 4
     assert two == pytest.approx(one, abs=1e-5), (one, two)
 
