@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.e2e]
 def test_tiny_cpu_recipe_trains_on_two_processes(shared_run):
     """`shardtune train recipes/tiny-cpu.yaml --nproc 2 --max-steps 40` (its text, through the
     session's shared run: test_two_hosts.py compares its first losses with a two-node run)."""
-    out, _ = shared_run(RECIPE.read_text(), "--max-steps", "40", nproc=2)
+    out, proc = shared_run(RECIPE.read_text(), "--max-steps", "40", nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:]
     for name in ("config.yaml", "plan.json", "metrics.jsonl", "memory.json"):
         assert (out / name).is_file(), name
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -182,7 +182,8 @@ def test_training_across_two_hosts_matches_one_node(tmp_path, shared_run):
     # Reference: one node, 2 processes, the same recipe: the session's `shardtune train
     # recipes/tiny-cpu.yaml --nproc 2 --max-steps 40` (test_train_cli.py reads it too), its first 4
     # steps (fp32 and zero3 are the recipe's own; the warmup's lr does not depend on max_steps)
-    ref_run, _ = shared_run(RECIPE.read_text(), "--max-steps", "40", nproc=2)
+    ref_run, ref = shared_run(RECIPE.read_text(), "--max-steps", "40", nproc=2)
+    assert ref.returncode == 0, ref.stdout[-3000:]
 
     port = 29400 + os.getpid() % 500
     with TwoHosts() as net:
