@@ -1,7 +1,7 @@
 """The README's parquet tour, re-run from the command it shows (SmolLM2-135M, 2 CPU ranks, ~4 min
 on a quiet 2-core machine): its figures (loss at the first logged step and the last, val_loss,
 the sample answers) against what that command writes to metrics.jsonl and samples.jsonl today.
-A long real-model run, so a benchmark and not a test (it was tests/e2e/test_readme_parquet_tour.py,
+A long real-model run, so a benchmark and not a test (it was the e2e test test_readme_parquet_tour,
 a quarter of `make test`'s e2e minutes); BENCHMARKS.md records its last run. Exit 1 when a figure
 differs. Timings are stated as ranges and not checked.
 
