@@ -82,3 +82,32 @@ class SharedRuns:
         changed = sorted(k for k in listing.keys() | now.keys() if listing.get(k) != now.get(k))
         assert not changed, f"a test changed the shared run {run} (copy it first): {changed[:8]}"
         return run, proc
+
+
+# the one sample prompt of `train_simulate_report`'s run
+SAMPLE_PROMPT = "Apply 'upper' to the input.\n\nabc"
+
+
+def train_simulate_report(root: Path) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """What a user does after a short run, once for test_report and test_clean_output: `shardtune
+    train recipes/tiny-cpu.yaml --nproc 2 --max-steps 4` with evaluation (data.val_split, eval at
+    steps 2 and 4) and a sample prompt, no HF export; `plan tiny-llama … --simulate --json` saved
+    as run/simulated.json (as the docs tell users); `shardtune report run`. Both commands with
+    COLUMNS=140 (under pytest the piped console came out 80 wide, which abbreviates row labels the
+    tests read). Returns (run folder, train process, report process), stdout and stderr apart."""
+    run, cli = root / "run", [sys.executable, "-m", "shardtune.cli"]
+    env = dict(os.environ, COLUMNS="140")
+    train = run_bounded([*cli, "train", "recipes/tiny-cpu.yaml", "--nproc", "2", "--output-dir", str(run),
+                         "--max-steps", "4", "data.generated_examples=400", "data.val_split=0.05",
+                         "train.eval_every=2", f"train.sample_prompts={json.dumps([SAMPLE_PROMPT])}",
+                         "train.sample_max_new_tokens=6", "checkpoint.export_hf=false"], timeout_s=400, cwd=REPO,
+                        env=env)
+    assert train.returncode == 0, (train.stdout + train.stderr)[-3000:]
+    with open(run / "simulated.json", "w") as f:
+        plan = run_bounded([*cli, "plan", "tiny-llama", "--gpus", "2", "--strategy", "zero3", "--seq-len", "128",
+                            "--micro-batch", "8", "--precision", "fp32", "--simulate", "--json"], 120, cwd=REPO,
+                           stdout=f)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    report = run_bounded([*cli, "report", str(run)], timeout_s=200, cwd=REPO, env=env)
+    assert report.returncode == 0, (report.stdout + report.stderr)[-2000:]
+    return run, train, report

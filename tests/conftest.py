@@ -68,3 +68,13 @@ def shared_one_process_run(tmp_path_factory):
         assert not changed, f"a test changed the shared run {run} (copy it first): {changed[:8]}"
         return run
     return get
+
+
+@pytest.fixture(scope="session")
+def reported_run(tmp_path_factory):
+    """(run folder, train process, report process) of `_cli.train_simulate_report`: one short tiny-cpu
+    run on 2 processes with evaluation and samples, its simulation and its report, read by
+    test_report and test_clean_output (read-only)."""
+    from _cli import train_simulate_report
+
+    return train_simulate_report(tmp_path_factory.mktemp("reported"))

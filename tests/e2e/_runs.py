@@ -35,3 +35,15 @@ def dcp_model(ckpt: Path, config_dir: Path, dtype=None):
     dcp.load(sd, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(sd["model"])
     return model.eval()
+
+# The small checkpointed run that the checkpoint-damage files share (`shared_one_process_run`):
+# 4 steps, checkpoints at 2 and 4; CKPT_RECIPE_2_STEPS: a run whose only checkpoint is step_2.
+CKPT_RECIPE = """
+name: ckpt
+model: {name: tiny-llama}
+data: {generated_examples: 200}
+parallel: {strategy: zero3, precision: fp32}
+train: {micro_batch: 4, seq_len: 64, max_steps: 4, timeout_s: 60}
+checkpoint: {every: 2, keep: 3}
+"""
+CKPT_RECIPE_2_STEPS = CKPT_RECIPE.replace("max_steps: 4", "max_steps: 2")

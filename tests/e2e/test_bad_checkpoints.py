@@ -5,7 +5,9 @@ any process starts (torchrun forbidden here), and the checkpoint is left byte fo
 zeroed shard in a run with an older intact checkpoint: resume auto falls back to it, in the
 launcher and in the ranks.
 
-One one-process run (tiny-llama, 2 steps) gives the checkpoint; every case edits a copy.
+Two one-process runs shared with the other checkpoint files (`shared_one_process_run`:
+_runs.CKPT_RECIPE_2_STEPS, and CKPT_RECIPE's 4 steps with checkpoints at 2 and 4) give the
+checkpoints; every case edits a copy.
 """
 from __future__ import annotations
 
@@ -16,17 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _runs import REPO, one_process_run
+from _runs import CKPT_RECIPE, CKPT_RECIPE_2_STEPS, REPO
 
 pytestmark = [pytest.mark.e2e]
-RECIPE = """
-name: badckpt
-model: {name: tiny-llama}
-data: {generated_examples: 200}
-parallel: {strategy: zero3, precision: fp32}
-train: {micro_batch: 4, seq_len: 64, max_steps: 2, timeout_s: 60}
-checkpoint: {every: 2}
-"""
 META = "shardtune_checkpoint.json"
 
 
@@ -68,8 +62,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return one_process_run(tmp_path_factory.mktemp("badckpt"), RECIPE)
+def run(shared_one_process_run) -> Path:
+    """A run whose only (and final) checkpoint is step_2; read-only."""
+    return shared_one_process_run(CKPT_RECIPE_2_STEPS)
 
 
 def _damaged(run: Path, root: Path, meta_edit, writes: dict, drops, step: int = 2) -> Path:
@@ -108,7 +103,7 @@ def test_a_damaged_checkpoint_is_one_line_everywhere_and_left_as_it_was(run, tmp
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("torchrun started")))
     copy = _damaged(run, tmp_path, meta_edit, writes, drops)
     ckpt = copy / "checkpoints" / "step_2"
-    (tmp_path / "recipe.yaml").write_text(RECIPE.replace("max_steps: 2", "max_steps: 4"))
+    (tmp_path / "recipe.yaml").write_text(CKPT_RECIPE)  # 4 steps: step_2 is resumed
     before = _snapshot(copy / "checkpoints")
     entries = {
         "export": ["export", str(ckpt), str(tmp_path / "out")],
@@ -141,9 +136,9 @@ def test_an_export_into_its_own_checkpoint_is_refused(run, capsys):
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory) -> Path:
-    recipe = RECIPE.replace("max_steps: 2", "max_steps: 4").replace("{every: 2}", "{every: 2, keep: 3}")
-    return one_process_run(tmp_path_factory.mktemp("badckpt2"), recipe)
+def two_checkpoints(shared_one_process_run) -> Path:
+    """A finished 4-step run with checkpoints step_2 and step_4; read-only."""
+    return shared_one_process_run(CKPT_RECIPE)
 
 
 @pytest.mark.timeout(300)
@@ -156,7 +151,8 @@ def test_resume_auto_falls_back_past_a_damaged_shard_in_the_launcher_and_the_ran
 
     copy = _damaged(two_checkpoints, tmp_path, None, {"__0_0.distcp": damage}, (), step=4)
     recipe = tmp_path / "recipe.yaml"  # steps 3 to 5, saved at 3 and 5: step_4 stays as it is
-    recipe.write_text(RECIPE.replace("max_steps: 2", "max_steps: 5").replace("{every: 2}", "{every: 3, keep: 4}"))
+    recipe.write_text(CKPT_RECIPE.replace("max_steps: 4", "max_steps: 5").replace("{every: 2, keep: 3}",
+                                                                                 "{every: 3, keep: 4}"))
     before = _snapshot(copy / "checkpoints" / "step_4")
     launched = []
     monkeypatch.setattr(commands, "run_process_group", lambda *a, **k: launched.append(a) or 0)
@@ -181,7 +177,7 @@ def test_a_finished_run_whose_last_checkpoint_is_damaged_trains_its_last_steps_a
     from shardtune.train import commands
 
     recipe = tmp_path / "recipe.yaml"  # the finished run's own settings
-    recipe.write_text(RECIPE.replace("max_steps: 2", "max_steps: 4").replace("{every: 2}", "{every: 2, keep: 3}"))
+    recipe.write_text(CKPT_RECIPE)
     launched = []
     monkeypatch.setattr(commands, "run_process_group", lambda *a, **k: launched.append(a) or 0)
     intact = tmp_path / "intact"

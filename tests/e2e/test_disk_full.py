@@ -1,7 +1,9 @@
 """A full disk during training, on a real small file system: a tmpfs mounted in a private mount
 namespace (`unshare -m`, root), its limits set by remounting between runs (issue 15 item 5).
 
-One namespace, three one-process runs in it: train to step 2; remount with room for less than one
+One namespace, one-process runs in it: a copy of the shared 2-step run to start from
+(`shared_one_process_run`, _runs.CKPT_RECIPE_2_STEPS, trained once for the checkpoint
+files, as `train train.max_steps=2` in the namespace did before); remount with room for less than one
 more checkpoint and resume: the save of step 4 is refused before it starts (one line: the bytes
 needed and free); remount with plenty of bytes but seven free inodes (the start of a resume takes
 about four) and resume: the save runs out of inodes midway (ENOSPC) and is one line too. Each
@@ -15,27 +17,19 @@ import sys
 from pathlib import Path
 
 import pytest
-from _runs import REPO
+from _runs import CKPT_RECIPE, CKPT_RECIPE_2_STEPS, REPO
 
 from shardtune.processes import run_bounded
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info
 
 pytestmark = [pytest.mark.e2e]
-RECIPE = """
-name: diskfull
-model: {name: tiny-llama}
-data: {generated_examples: 200}
-parallel: {strategy: zero3, precision: fp32}
-train: {micro_batch: 4, seq_len: 64, max_steps: 4, timeout_s: 60}
-checkpoint: {every: 2, keep: 3}
-"""
 SCRIPT = r"""
 set -u
 M={mnt}
 mount -t tmpfs -o size=200m tmpfs $M || exit 90
 train() {{ {py} -m shardtune.train {recipe} --output-dir $M/run "$@"; }}
-train train.max_steps=2 2>{out}/first.err || exit 91
+cp -a {base} $M/run || exit 91  # trained to step 2 (shared); was `train train.max_steps=2` here
 used=$(df -B1 --output=used $M | tail -1); ckpt=$(du -sb $M/run/checkpoints/step_2 | cut -f1)
 mount -o remount,size=$((used + ckpt / 2)) $M
 train 2>{out}/bytes.err; echo $? >{out}/bytes.rc
@@ -83,14 +77,15 @@ def _unshare_reason() -> str | None:
 
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(_unshare_reason() is not None, reason=str(_unshare_reason()))
-def test_disk_full_before_and_during_a_save_is_one_line_and_the_last_checkpoint_is_intact(tmp_path):
-    (tmp_path / "recipe.yaml").write_text(RECIPE)
+def test_disk_full_before_and_during_a_save_is_one_line_and_the_last_checkpoint_is_intact(tmp_path,
+                                                                                          shared_one_process_run):
+    base = shared_one_process_run(CKPT_RECIPE_2_STEPS)
+    (tmp_path / "recipe.yaml").write_text(CKPT_RECIPE)
     (tmp_path / "mnt").mkdir()
-    script = SCRIPT.format(mnt=tmp_path / "mnt", py=sys.executable, recipe=tmp_path / "recipe.yaml", out=tmp_path,
-                           st=Path(sys.executable).parent / "shardtune")
+    script = SCRIPT.format(mnt=tmp_path / "mnt", base=base, py=sys.executable, recipe=tmp_path / "recipe.yaml",
+                           out=tmp_path, st=Path(sys.executable).parent / "shardtune")
     proc = run_bounded(["unshare", "-m", "sh", "-c", script], timeout_s=360, cwd=REPO)
-    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:], (tmp_path / "first.err").read_text()[-2000:]
-                                  if (tmp_path / "first.err").exists() else "")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     for case, needle in (("bytes", "not enough space to save a checkpoint"),
                          ("inodes", "disk full while saving step 4")):
         err = (tmp_path / f"{case}.err").read_text()

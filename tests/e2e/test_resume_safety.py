@@ -4,7 +4,8 @@ process starts), `python -m shardtune.train` by hand (refused inside the rank by
 and a gadget among the non-tensor values that only a rank's `torch.load(weights_only=True)` sees.
 Each: exit 2, one `shardtune: error` line, no traceback, the sentinel file never created. Every
 tampered file's size and CRC-32 are re-recorded, as an attacker would, so the checksums pass and
-the reader's allow-list is what must refuse. One training run, two more launches.
+the reader's allow-list is what must refuse. One training run (shared with test_bad_checkpoints),
+four more launches.
 """
 from __future__ import annotations
 
@@ -20,20 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runs import REPO, one_process_run
+from _runs import CKPT_RECIPE, REPO
 
 from shardtune.processes import run_bounded
 from shardtune.train.durable import integrity
 
 pytestmark = [pytest.mark.e2e]
-RECIPE = """
-name: safety
-model: {name: tiny-llama}
-data: {generated_examples: 200}
-parallel: {strategy: zero3, precision: fp32}
-train: {micro_batch: 4, seq_len: 64, max_steps: 4, timeout_s: 60}
-checkpoint: {every: 2, keep: 3}
-"""
 
 
 class _Evil:
@@ -89,8 +82,9 @@ def _tamper_a_value(ckpt: Path, marker: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return one_process_run(tmp_path_factory.mktemp("safety"), RECIPE)
+def run(shared_one_process_run) -> Path:
+    """4 steps, checkpoints step_2 and step_4 (_runs.CKPT_RECIPE), shared with test_bad_checkpoints; read-only."""
+    return shared_one_process_run(CKPT_RECIPE)
 
 
 @pytest.fixture
