@@ -2,13 +2,14 @@
 them: none of the third-party notices shardtune/quiet.py filters (torch's ModTracker "Please file a
 bug", torchao / bitsandbytes "Failed to load", setuptools), and the evaluation (val_loss from
 data.val_split's held-out examples, the last sample answers) in the summary and in `report`, equal
-to what the ranks wrote to metrics.jsonl and samples.jsonl. One launch."""
+to what the ranks wrote to metrics.jsonl and samples.jsonl. One launch, shared with test_report."""
 from __future__ import annotations
 
 import json
 import sys
 
 import pytest
+from _cli import SAMPLE_PROMPT
 from _runs import REPO
 
 from shardtune.processes import run_bounded
@@ -16,16 +17,14 @@ from shardtune.processes import run_bounded
 pytestmark = [pytest.mark.e2e]
 NOISE = ("module hierarchy tracking", "Please file a bug", "Failed to load", "setuptools", "distutils",
          "UserWarning", "FutureWarning", "DeprecationWarning", "kernels-community")
-PROMPT = "Apply 'upper' to the input.\n\nabc"
+PROMPT = SAMPLE_PROMPT
 
 
-@pytest.mark.timeout(420)
-def test_train_and_report_print_no_library_noise_and_the_evaluation(tmp_path):
-    run = tmp_path / "run"
-    proc = run_bounded([sys.executable, "-m", "shardtune.cli", "train", "recipes/tiny-cpu.yaml", "--nproc", "2",
-                        "--output-dir", str(run), "--max-steps", "4", "data.generated_examples=400",
-                        "data.val_split=0.05", "train.eval_every=2", f"train.sample_prompts={json.dumps([PROMPT])}",
-                        "train.sample_max_new_tokens=6", "checkpoint.export_hf=false"], timeout_s=400, cwd=REPO)
+@pytest.mark.timeout(600)
+def test_train_and_report_print_no_library_noise_and_the_evaluation(reported_run):
+    # train (tiny-cpu, 2 processes, 4 steps, val_split, eval_every 2, one sample prompt), its saved
+    # simulation and report: one session run shared with test_report (_cli.train_simulate_report)
+    run, proc, rep = reported_run
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert not [line for line in out.splitlines() if any(n in line for n in NOISE)], out
@@ -37,7 +36,6 @@ def test_train_and_report_print_no_library_noise_and_the_evaluation(tmp_path):
     assert line in proc.stdout.splitlines() and "samples at step 4 (samples.jsonl):" in proc.stdout
     assert answer in proc.stdout.splitlines()
 
-    rep = run_bounded([sys.executable, "-m", "shardtune.cli", "report", str(run)], timeout_s=200, cwd=REPO)
     assert rep.returncode == 0, (rep.stdout + rep.stderr)[-2000:]
     assert line in rep.stdout.splitlines() and answer in rep.stdout.splitlines()
     assert not [ln for ln in (rep.stdout + rep.stderr).splitlines() if any(n in ln for n in NOISE)]

@@ -1,47 +1,28 @@
 """`shardtune report RUN_DIR` as a user runs it: train tiny-cpu on 2 processes, save a simulation
-beside it, then draw the plots and print predicted / simulated / measured differences."""
+beside it, then draw the plots and print predicted / simulated / measured differences (the run,
+its simulation and its report are shared with test_clean_output: `reported_run`)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from shardtune.processes import run_bounded
-
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "recipes" / "tiny-cpu.yaml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _run(cmd: list[str], timeout_s: float, stdout=subprocess.PIPE, env=None) -> tuple[int, str]:
-    proc = run_bounded(cmd, timeout_s, cwd=REPO, stdout=stdout, env=env)
-    return proc.returncode, (proc.stdout or "") + proc.stderr
-
-
 @pytest.mark.e2e
-@pytest.mark.timeout(300)
-def test_report_after_train_and_simulate(tmp_path):
-    run = tmp_path / "run"
-    shardtune = [sys.executable, "-m", "shardtune.cli"]
-    rc, train_log = _run([*shardtune, "train", str(RECIPE), "--nproc", "2", "--max-steps", "4",
-                          "--output-dir", str(run)], 200, env=dict(os.environ, COLUMNS="140"))
-    assert rc == 0, train_log[-3000:]
+@pytest.mark.timeout(600)
+def test_report_after_train_and_simulate(reported_run):
+    # train (tiny-cpu, 2 processes, 4 steps), plan --simulate --json > run/simulated.json, report: one
+    # session run shared with test_clean_output (_cli.train_simulate_report, COLUMNS=140 for both)
+    run, train, report = reported_run
+    train_log, out = train.stdout + train.stderr, report.stdout + report.stderr
+    assert train.returncode == 0, train_log[-3000:]
     memory = json.loads((run / "memory.json").read_text())
     # every CPU run carries the tracker's categories of one step, per rank
     assert all({"params", "activations", "buffers", "total"} <= set(r["tracked"]) for r in memory["per_rank"])
-    with open(run / "simulated.json", "w") as f:  # as the docs tell users to save it
-        rc, log = _run([*shardtune, "plan", "tiny-llama", "--gpus", "2", "--strategy", "zero3",
-                        "--seq-len", "128", "--micro-batch", "8", "--precision", "fp32", "--simulate", "--json"],
-                       120, stdout=f)
-    assert rc == 0, log[-2000:]
-    # COLUMNS set: under pytest the piped console came out 80 wide (cause not found yet), which
-    # rightly abbreviates the row labels this test reads
-    rc, out = _run([*shardtune, "report", str(run)], 60, env=dict(os.environ, COLUMNS="140"))
-    assert rc == 0, out
+    assert json.loads((run / "simulated.json").read_text())  # the simulation, saved as the docs say
+    assert report.returncode == 0, out
     for name in ("memory.png", "loss.png", "throughput.png"):
         data = (run / "plots" / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, name
