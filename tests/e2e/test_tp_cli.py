@@ -6,7 +6,7 @@ C: `--nproc 2 --tp 2` (dp 1, micro 8), 2 steps with validation: A's first two lo
 val_loss equals the one computed here from C's export with plain transformers and torch's
 cross_entropy. `shardtune export` of A's step 4 (a DTensor checkpoint saved under tp 2 × dp 2)
 loads with plain transformers and gives the logits of B's export (trained at tp 1); `shardtune
-generate` answers from A's TP checkpoint what it answers from B's export.
+generate` answers from A's TP checkpoint what it answers from B's export (that one in-process).
 """
 from __future__ import annotations
 
@@ -94,6 +94,8 @@ def test_tp2_dp1_gives_the_tp2_dp2_losses_and_the_plain_val_loss(runs):
 def test_export_and_generate_from_a_tp_checkpoint(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from shardtune.train.generation import generate_answer
+
     tmp, _ = runs
     out = tmp_path / "hf"
     proc = shardtune_cli("export", tmp / "a" / "checkpoints" / "step_4", out, timeout_s=200)
@@ -103,28 +105,33 @@ def test_export_and_generate_from_a_tp_checkpoint(runs, tmp_path):
         got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
         want = AutoModelForCausalLM.from_pretrained(tmp / "b" / "hf_export").eval()(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
-    answers = []
-    for target in (tmp / "a" / "checkpoints" / "step_4", tmp / "b" / "hf_export"):  # sampled: rarely empty
-        gen = shardtune_cli("generate", target, "--prompt", "reverse: abc", "--max-new-tokens", "8", "--temperature",
-                            "1", "--seed", "3", timeout_s=200, stderr=subprocess.PIPE)
-        assert gen.returncode == 0, gen.stderr[-3000:]
-        answers.append(gen.stdout)
-    assert answers[0].strip() and answers[0] == answers[1]
+    gen = shardtune_cli("generate", tmp / "a" / "checkpoints" / "step_4", "--prompt", "reverse: abc",
+                        "--max-new-tokens", "8", "--temperature", "1", "--seed", "3", timeout_s=200,
+                        stderr=subprocess.PIPE)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    # what `shardtune generate` prints for B's export, computed in this process (its command prints
+    # generate_answer's string): one launch less
+    want = generate_answer(str(tmp / "b" / "hf_export"), "reverse: abc", max_new_tokens=8, temperature=1.0, seed=3)
+    assert gen.stdout.strip() and gen.stdout == want + "\n"  # sampled: rarely empty
 
 
 @pytest.mark.timeout(900)
-def test_lora_under_tp_trains_and_exports_what_one_process_does(tmp_path):
+def test_lora_under_tp_trains_and_exports_what_one_process_does(tmp_path, shared_run):
     """`--tp 2 --lora-rank 4` on 2 processes (dp 1) against the same LoRA run in one process: the
-    losses, and the merged export's logits (from the TP run's adapters-only checkpoint)."""
+    losses, and the merged export's logits (from the TP run's adapters-only checkpoint). The
+    one-process run is test_lora_export.py's (`--nproc 1 --lora-rank 4`, its recipe: 5 steps, a
+    checkpoint at 4, merged export), trained once a session (shared_run)."""
+    from test_lora_export import RECIPE as LORA_RECIPE
     from transformers import AutoModelForCausalLM
 
-    (tmp_path / "recipe.yaml").write_text(RECIPE)
-    common = ("--lora-rank", "4", "--max-steps", "2", "checkpoint.every=0")
-    tp, _ = _train(tmp_path, "tp", "--nproc", "2", "--tp", "2", *common)
-    one, _ = _train(tmp_path, "one", "--nproc", "1", *common)
+    (tmp_path / "recipe.yaml").write_text(LORA_RECIPE)
+    tp, _ = _train(tmp_path, "tp", "--nproc", "2", "--tp", "2", "--lora-rank", "4")
+    one_run, _ = shared_run(LORA_RECIPE, "--lora-rank", "4", nproc=1)
+    one = metrics(one_run)
+    assert len(tp) == len(one) == 5
     assert [x["loss"] for x in tp] == pytest.approx([x["loss"] for x in one], abs=1e-5)
     ids = torch.arange(0, 40).reshape(2, 20)
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "hf_export").eval()(ids).logits
-        want = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf_export").eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(one_run / "hf_export").eval()(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
