@@ -103,14 +103,19 @@ def test_ddp_live_reference_runs_untracked(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_plan_recipe_simulate_traces_dpo_with_reference(tmp_path):
+def test_plan_recipe_simulate_traces_dpo_with_reference(tmp_path, capsys, monkeypatch):
+    """`shardtune plan RECIPE --simulate` in this process (cli.main: the same command, no second
+    process importing torch again)."""
+    from shardtune import cli
+
     if not (REPO / ".cache/smollm2/SmolLM2-135M-Instruct/config.json").is_file():
         pytest.skip("the SmolLM2 fixture is not built (python -m shardtune.testing.smollm2)")
-    cmd = [sys.executable, "-m", "shardtune.cli", "plan", "recipes/smollm2-dpo.yaml", "--simulate", "--json",
-           "--strategy", "zero3", "--gpus", "2"]
-    proc = run_bounded(cmd, timeout_s=550, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plan = json.loads(proc.stdout)
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    rc = cli.main(["plan", "recipes/smollm2-dpo.yaml", "--simulate", "--json", "--strategy", "zero3", "--gpus", "2"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    plan = json.loads(out.out)
     [sp] = [s for s in plan["strategies"] if s["name"] == "zero3"]
     sim = sp["simulated"]
     assert sim["status"] == "traced", sim

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from test_export import _step5_batch  # noqa: E402  (the step-5 batch from step_4's data position)
 
+from shardtune import cli
 from shardtune.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +48,7 @@ def _shardtune(*args: str, timeout_s: float = 400) -> subprocess.CompletedProces
                        stderr=subprocess.STDOUT, env=env)
 
 
-@pytest.mark.timeout(900)  # train + two exports: > 420 s wall at load 17
+@pytest.mark.timeout(900)  # train (a process) + two exports (in this one): > 420 s wall at load 17 before
 def test_qlora_merged_export_gives_the_logged_loss_and_the_adapter_loads_in_peft(tmp_path):
     from peft import PeftModel
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
@@ -60,8 +61,7 @@ def test_qlora_merged_export_gives_the_logged_loss_and_the_adapter_loads_in_peft
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert json.loads((run / "plan.json").read_text())["inputs"]["quantize_base"] == "nf4"
     merged_dir = tmp_path / "merged"
-    proc = _shardtune("export", str(run / "checkpoints" / "step_4"), str(merged_dir), timeout_s=120)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert cli.main(["export", str(run / "checkpoints" / "step_4"), str(merged_dir)]) == 0  # in this process
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     b = _step5_batch(run)
     with torch.no_grad():
@@ -74,9 +74,7 @@ def test_qlora_merged_export_gives_the_logged_loss_and_the_adapter_loads_in_peft
     assert json.loads((merged_dir / "config.json").read_text()).get("use_cache", True) is True
 
     adapter_dir = tmp_path / "adapter"
-    proc = _shardtune("export", str(run / "checkpoints" / "step_4"), str(adapter_dir), "--adapter-only",
-                      timeout_s=120)
-    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert cli.main(["export", str(run / "checkpoints" / "step_4"), str(adapter_dir), "--adapter-only"]) == 0
     from shardtune.config import ModelConfig
     from shardtune.train.core.model import build_hf_config, init_model_weights
 
