@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,7 @@ RUNS = {
                           "parallel.activation_checkpointing=full"],
 }
 COMMON = ["train.max_steps=2", "checkpoint.export_hf=false", "checkpoint.save_final=false"]
+STEPS = {"zero3-compile-op": ["train.max_steps=3"]}  # read by the compile-vs-eager check too (3 steps)
 
 
 def _train(out: Path, overrides: list[str], timeout_s: float = 420) -> str:
@@ -187,16 +189,35 @@ def test_every_config_key_has_a_row():
     assert not [k for k in TABLE if k not in all_keys(RunConfig)], "rows for keys the schema no longer has"
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`trained(name, overrides) -> (folder, log)`: each distinct run launched once per module, so
+    the compile-vs-eager checks read the lever runs' folders instead of launching their own."""
+    done = {}
+
+    def get(name: str, overrides: list[str]) -> tuple[Path, str]:
+        key = tuple(overrides)
+        if key not in done:
+            out = tmp_path_factory.mktemp(name) / "run"
+            done[key] = (out, _train(out, overrides))
+        return done[key]
+    return get
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(RUNS))
-def test_effective_matches_recipe_and_plan(tmp_path, name):
-    overrides = [*RUNS[name], *COMMON]
-    log = _train(tmp_path / "run", overrides)
-    eff = _check_effective(tmp_path / "run", overrides)
+def test_effective_matches_recipe_and_plan(trained, name):
+    overrides = [*RUNS[name], *COMMON, *STEPS.get(name, [])]
+    out, log = trained(name, overrides)
+    eff = _check_effective(out, overrides)
     line = next(x for x in log.splitlines() if x.startswith("shardtune: effective:"))
     assert f"loss_chunks {eff['loss_chunks']}," in line and eff["optimizer"] in line, line
-    losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 2 and all(0 < x < 10 for x in losses), losses
+    losses = _losses(out)
+    assert len(losses) == load_recipe(RECIPE, overrides).train.max_steps and all(0 < x < 10 for x in losses), losses
 
 
 @pytest.mark.timeout(900)
@@ -216,65 +237,67 @@ def test_adamw_8bit_zero2_saves_and_resumes(tmp_path):
     assert [r["step"] for r in records][-1] == 3 and 0 < records[-1]["loss"] < 10
 
 
-@pytest.mark.timeout(900)
-def test_qlora_adamw_8bit_saves_and_resumes(tmp_path):
+def _qlora(out: Path, *overrides: str) -> str:
     """QLoRA (an nf4 base: SmolLM2's matrices quantise, tiny-llama's are too small) with torchao's
-    8-bit AdamW under zero3: it used to crash at the first checkpoint (the scheduler's tensor lr)."""
+    8-bit AdamW under zero3, a checkpoint every step, on the cut SmolLM2 fixture."""
     from shardtune.testing.smollm2 import cut_folder
 
-    recipe = REPO / "recipes" / "smollm2-dates.yaml"
+    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(REPO / "recipes" / "smollm2-dates.yaml"), "--nproc",
+           "2", "--output-dir", str(out), f"model.name={cut_folder(2)}", "lora.rank=4", "lora.quantize_base=nf4",
+           "optim.name=adamw-8bit", "checkpoint.every=1", "checkpoint.export_hf=false", "train.eval_every=0",
+           "train.sample_prompts=[]", "train.micro_batch=2", "train.seq_len=64", *overrides]
+    proc = run_bounded(cmd, timeout_s=420, cwd=REPO, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def qlora_eager(tmp_path_factory) -> tuple[Path, list[float]]:
+    """The eager QLoRA run (2 steps): its folder (not to be changed: copy it) and its losses."""
+    out = tmp_path_factory.mktemp("qlora") / "run"
+    _qlora(out, "train.max_steps=2")
+    return out, _losses(out)
+
+
+@pytest.mark.timeout(900)
+def test_qlora_adamw_8bit_saves_and_resumes(qlora_eager, tmp_path):
+    """QLoRA with torchao's 8-bit AdamW under zero3: it used to crash at the first checkpoint (the
+    scheduler's tensor lr); a second launch resumes the eager run's copy and takes one more step."""
+    shutil.copytree(qlora_eager[0], tmp_path / "run")
     out = tmp_path / "run"
-    common = [f"model.name={cut_folder(2)}", "lora.rank=4", "lora.quantize_base=nf4", "optim.name=adamw-8bit",
-              "checkpoint.every=1", "checkpoint.export_hf=false", "train.eval_every=0", "train.sample_prompts=[]",
-              "train.micro_batch=2", "train.seq_len=64"]
-
-    def train(steps: int) -> str:
-        cmd = [sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2", "--output-dir", str(out),
-               *common, f"train.max_steps={steps}"]
-        proc = run_bounded(cmd, timeout_s=420, cwd=REPO, stderr=subprocess.STDOUT)
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        return proc.stdout
-
-    train(2)
     eff = json.loads((out / "memory.json").read_text())["effective"]
     assert (eff["optimizer"], eff["quantize_base"], eff["lora_rank"]) == ("adamw-8bit (torchao)", "nf4", 4), eff
-    log = train(3)
+    log = _qlora(out, "train.max_steps=3")
     assert "resuming from" in log and "step 2" in log, log[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records][-1] == 3 and all(0 < r["loss"] < 30 for r in records), records
 
 
 @pytest.mark.timeout(900)
-def test_qlora_compile_losses_match_eager(tmp_path):
-    """train.compile over QLoRA's NF4 base (once refused as untried): the losses equal eager's."""
-    from shardtune.testing.smollm2 import cut_folder
-
-    recipe = REPO / "recipes" / "smollm2-dates.yaml"
-    losses = {}
-    for compile_ in ("false", "true"):
-        out = tmp_path / compile_
-        cmd = [sys.executable, "-m", "shardtune.cli", "train", str(recipe), "--nproc", "2", "--output-dir", str(out),
-               f"model.name={cut_folder(2)}", "lora.rank=4", "lora.quantize_base=nf4", f"train.compile={compile_}",
-               "train.max_steps=2", "train.eval_every=0", "train.sample_prompts=[]", "train.micro_batch=2",
-               "train.seq_len=64", "checkpoint.export_hf=false", "checkpoint.save_final=false"]
-        proc = run_bounded(cmd, timeout_s=420, cwd=REPO, stderr=subprocess.STDOUT)
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        eff = json.loads((out / "memory.json").read_text())["effective"]
-        assert (eff["compile"], eff["quantize_base"]) == (compile_ == "true", "nf4"), eff
-        losses[compile_] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses["true"]) == 2
+def test_qlora_compile_losses_match_eager(qlora_eager, tmp_path):
+    """train.compile over QLoRA's NF4 base (once refused as untried): the losses equal eager's (the
+    eager run is the resume test's first launch: same recipe, compile off)."""
+    out = tmp_path / "true"
+    _qlora(out, "train.compile=true", "train.max_steps=2", "checkpoint.save_final=false")
+    for folder, compiled in ((qlora_eager[0], False), (out, True)):
+        eff = json.loads((folder / "memory.json").read_text())["effective"]
+        assert (eff["compile"], eff["quantize_base"]) == (compiled, "nf4"), eff
+    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_1"]  # saves (the last: save_final off)
+    losses = {"false": qlora_eager[1], "true": _losses(out)}
+    assert len(losses["true"]) == len(losses["false"]) == 2
     assert losses["true"] == pytest.approx(losses["false"], abs=1e-4), losses
 
 
 @pytest.mark.timeout(900)
-def test_compile_losses_match_eager_through_the_cli(tmp_path):
+def test_compile_losses_match_eager_through_the_cli(trained):
     """Issue 26's done-when: `shardtune train recipes/tiny-cpu.yaml --nproc 2 train.compile=true`
-    trains with losses within 1e-4 of the eager run's (fp32, 3 steps, the same seed and batches)."""
-    losses = {}
-    for compile_ in ("false", "true"):
-        out = tmp_path / compile_
-        _train(out, [f"train.compile={compile_}", "train.max_steps=3", *COMMON[1:]])
-        losses[compile_] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    trains with losses within 1e-4 of the eager run's (fp32, 3 steps, the same seed and batches).
+    The compiled run is the zero3-compile-op lever run (3 steps); the eager one its copy, compile off."""
+    losses, compiled = {}, [*RUNS["zero3-compile-op"], *COMMON, *STEPS["zero3-compile-op"]]
+    for compile_, name, overrides in (("false", "zero3-op-eager", [*compiled, "train.compile=false"]),
+                                      ("true", "zero3-compile-op", compiled)):
+        out, _ = trained(name, overrides)
+        losses[compile_] = _losses(out)
         assert json.loads((out / "memory.json").read_text())["effective"]["compile"] is (compile_ == "true")
     assert len(losses["true"]) == 3
     assert losses["true"] == pytest.approx(losses["false"], abs=1e-4), losses
