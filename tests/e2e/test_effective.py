@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_tied_export import recipe as tied_recipe
 
 from shardtune.config import RunConfig, load_recipe
 from shardtune.config.keys import all_keys
@@ -239,24 +240,22 @@ def test_adamw_8bit_zero2_saves_and_resumes(tmp_path):
 
 def _qlora(out: Path, *overrides: str) -> str:
     """QLoRA (an nf4 base: SmolLM2's matrices quantise, tiny-llama's are too small) with torchao's
-    8-bit AdamW under zero3, a checkpoint every step, on the cut SmolLM2 fixture."""
-    from shardtune.testing.smollm2 import cut_folder
-
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(REPO / "recipes" / "smollm2-dates.yaml"), "--nproc",
-           "2", "--output-dir", str(out), f"model.name={cut_folder(2)}", "lora.rank=4", "lora.quantize_base=nf4",
-           "optim.name=adamw-8bit", "checkpoint.every=1", "checkpoint.export_hf=false", "train.eval_every=0",
-           "train.sample_prompts=[]", "train.micro_batch=2", "train.seq_len=64", *overrides]
+    8-bit AdamW under zero3 on the cut SmolLM2 fixture: tests/e2e/test_tied_export.py's QLoRA recipe
+    (3 steps, a checkpoint at step 3), trained into `out` with `overrides`."""
+    (out.parent / "recipe.yaml").write_text(tied_recipe("qlora"))
+    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(out.parent / "recipe.yaml"), "--nproc", "2",
+           "--output-dir", str(out), *overrides]
     proc = run_bounded(cmd, timeout_s=420, cwd=REPO, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
 
 
 @pytest.fixture(scope="module")
-def qlora_eager(tmp_path_factory) -> tuple[Path, list[float]]:
-    """The eager QLoRA run (2 steps): its folder (not to be changed: copy it) and its losses."""
-    out = tmp_path_factory.mktemp("qlora") / "run"
-    _qlora(out, "train.max_steps=2")
-    return out, _losses(out)
+def qlora_eager(shared_run) -> tuple[Path, list[float]]:
+    """The eager QLoRA run, shared with tests/e2e/test_tied_export.py (read-only: copy it), and its losses."""
+    folder, proc = shared_run(tied_recipe("qlora"), nproc=2, timeout_s=400)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return folder, _losses(folder)
 
 
 @pytest.mark.timeout(900)
@@ -267,24 +266,25 @@ def test_qlora_adamw_8bit_saves_and_resumes(qlora_eager, tmp_path):
     out = tmp_path / "run"
     eff = json.loads((out / "memory.json").read_text())["effective"]
     assert (eff["optimizer"], eff["quantize_base"], eff["lora_rank"]) == ("adamw-8bit (torchao)", "nf4", 4), eff
-    log = _qlora(out, "train.max_steps=3")
-    assert "resuming from" in log and "step 2" in log, log[-2000:]
+    log = _qlora(out, "train.max_steps=4", "checkpoint.export_hf=false")
+    assert "resuming from" in log and "step 3" in log, log[-2000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records][-1] == 3 and all(0 < r["loss"] < 30 for r in records), records
+    assert [r["step"] for r in records][-1] == 4 and all(0 < r["loss"] < 30 for r in records), records
 
 
 @pytest.mark.timeout(900)
 def test_qlora_compile_losses_match_eager(qlora_eager, tmp_path):
     """train.compile over QLoRA's NF4 base (once refused as untried): the losses equal eager's (the
-    eager run is the resume test's first launch: same recipe, compile off)."""
+    eager run is the shared QLoRA run: same recipe, compile off; no evaluation or export here)."""
     out = tmp_path / "true"
-    _qlora(out, "train.compile=true", "train.max_steps=2", "checkpoint.save_final=false")
+    _qlora(out, "train.compile=true", "train.eval_every=0", "train.timeout_s=400", "checkpoint.every=1",
+           "checkpoint.export_hf=false", "checkpoint.save_final=false")
     for folder, compiled in ((qlora_eager[0], False), (out, True)):
         eff = json.loads((folder / "memory.json").read_text())["effective"]
         assert (eff["compile"], eff["quantize_base"]) == (compiled, "nf4"), eff
-    assert [p.name for p in (out / "checkpoints").glob("step_*")] == ["step_1"]  # saves (the last: save_final off)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_1", "step_2"]  # saves, compiled
     losses = {"false": qlora_eager[1], "true": _losses(out)}
-    assert len(losses["true"]) == len(losses["false"]) == 2
+    assert len(losses["true"]) == len(losses["false"]) == 3
     assert losses["true"] == pytest.approx(losses["false"], abs=1e-4), losses
 
 

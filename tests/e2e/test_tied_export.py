@@ -1,7 +1,8 @@
 """LoRA and QLoRA exports of a tied-embedding model (the SmolLM2-135M-Instruct cut to 2 layers: real
 weights, `tie_word_embeddings`, like Llama-3.2-1B/3B and small Qwen), as a user runs them:
 `shardtune train --nproc 2` (zero3, fp32, 3 steps, a sample prompt answered at the last step, the
-end-of-run export), then `shardtune export` and `shardtune generate`.
+end-of-run export; QLoRA with torchao's 8-bit AdamW, its run shared with tests/e2e/test_effective.py),
+then `shardtune export` and `shardtune generate`.
 
 Independent references:
 - torch's own DCP reader: the checkpoint holds adapters only (no frozen base, no tied lm_head);
@@ -36,7 +37,7 @@ name: tied-{kind}
 model: {{name: {src}, init: pretrained}}
 data: {{generated_examples: 64, tokenizer: auto}}
 parallel: {{strategy: zero3, precision: fp32}}
-optim: {{lr: 0.01, warmup_steps: 0, schedule: constant}}
+optim: {{name: {optim}, lr: 0.01, warmup_steps: 0, schedule: constant}}
 train: {{micro_batch: 2, seq_len: 64, max_steps: 3, timeout_s: 120, eval_every: 3,
          sample_prompts: ["{prompt}"], sample_max_new_tokens: 12}}
 checkpoint: {{every: 3, export_hf: true}}
@@ -50,17 +51,19 @@ def _shardtune(*args: str, timeout_s: float = 400) -> subprocess.CompletedProces
                        stderr=subprocess.STDOUT, env=env)
 
 
-def _train(tmp: Path, kind: str, quant: str) -> Path:
-    (tmp / "recipe.yaml").write_text(RECIPE.format(kind=kind, src=cut_folder(2), prompt=PROMPT, quant=quant))
-    proc = _shardtune("train", str(tmp / "recipe.yaml"), "--nproc", "2", "--output-dir", str(tmp / "run"))
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return tmp / "run"
+def recipe(kind: str) -> str:
+    """The run's recipe; QLoRA's with torchao's 8-bit AdamW, so tests/e2e/test_effective.py's QLoRA
+    checks (resume after the first checkpoint, compile vs eager) read the same shared run."""
+    quant, optim = ("nf4", "adamw-8bit") if kind == "qlora" else ("none", "adamw")
+    return RECIPE.format(kind=kind, src=cut_folder(2), prompt=PROMPT, quant=quant, optim=optim)
 
 
 @pytest.fixture(scope="module", params=["lora", "qlora"])
-def run(request, tmp_path_factory) -> tuple[str, Path]:
-    kind = request.param
-    return kind, _train(tmp_path_factory.mktemp(kind), kind, "nf4" if kind == "qlora" else "none")
+def run(request, shared_run) -> tuple[str, Path]:
+    """`shardtune train recipe(kind) --nproc 2`, shared (read-only: copy to change)."""
+    folder, proc = shared_run(recipe(request.param), nproc=2, timeout_s=400)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return request.param, folder
 
 
 def _reference(kind: str, adapter: Path):
