@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtune.processes import run_bounded
 from shardtune.testing.smollm2 import full_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +28,8 @@ def exported(tmp_path_factory) -> tuple[Path, Path]:
            "--output-dir", str(run), f"model.name={src}", "model.init=auto", "data.tokenizer=auto",
            "optim.lr=1e-9", "optim.warmup_steps=0", "train.max_steps=1", "train.micro_batch=1",
            "train.seq_len=64", "data.generated_examples=64"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    out = run_bounded(cmd, 600, cwd=ROOT, stderr=subprocess.STDOUT)  # a hung run dies with its process group
+    assert out.returncode == 0, out.stdout[-3000:]
     return src, run / "hf_export"
 
 
