@@ -4,6 +4,8 @@ proc.py), and what a run folder's metrics.jsonl holds. tests/conftest.py binds t
 test files import them by name (tests/ is on sys.path through that conftest)."""
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -54,34 +56,67 @@ def refused_before_any_process(monkeypatch, capsys, argv: list) -> str:
     return err
 
 
-def _listing(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+def _listing(folder: Path) -> dict[str, list[int]]:
+    return {str(p.relative_to(folder)): [p.stat().st_size, p.stat().st_mtime_ns]
             for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
+def once(root: Path, key, build) -> dict:
+    """`build(folder) -> dict` (JSON) once per test run for `key`, whichever process asks first:
+    under pytest-xdist every worker's session fixtures share `root` (the run's base temp folder),
+    and a lock file per key makes the others wait and read the first one's result. The folder is
+    read-only afterwards: each call checks that none of `result["readonly"]`'s files (the listing
+    taken right after the build) was added, removed or rewritten, and fails naming them."""
+    name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    root.mkdir(parents=True, exist_ok=True)
+    folder, done = root / name, root / f"{name}.json"
+    with open(root / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder.mkdir()
+            result = build(folder)
+            result["readonly"] = {str(p): _listing(p) for p in result.get("readonly", [])}
+            done.write_text(json.dumps(result))
+    result = json.loads(done.read_text())
+    for path, listing in result["readonly"].items():
+        now = _listing(Path(path))
+        changed = sorted(k for k in listing.keys() | now.keys() if listing.get(k) != now.get(k))
+        assert not changed, f"a test changed the shared run {path} (copy it first): {changed[:8]}"
+    return result
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """The folder `once` keeps its results in: this test run's base temp folder, the same for every
+    pytest-xdist worker (each worker's own base folder lies inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+
+
+def _proc(d: dict) -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess(d["args"], d["returncode"], d["stdout"], d["stderr"])
+
+
+def _proc_dict(p: subprocess.CompletedProcess) -> dict:
+    return {"args": [str(a) for a in p.args], "returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+
+
 class SharedRuns:
-    """One `shardtune train` per distinct (recipe, args, nproc) for the whole session, shared by
-    every test (and file) that asks for the same run: a launch costs ~10 s of imports before its
-    first step. A shared run folder is read-only: each later `get` checks that no file in it was
-    added, removed or rewritten, and fails naming them (copy it to tmp_path to change it)."""
+    """One `shardtune train` per distinct (recipe, args, nproc) for the whole test run, shared by
+    every test (and file, and pytest-xdist worker) that asks for the same run: a launch costs ~10 s
+    of imports before its first step. The folder is read-only (`once`): copy it to change it."""
 
     def __init__(self, root: Path):
-        self.root, self.runs = root, {}
+        self.root = root
 
     def get(self, recipe: str, *args, nproc: int = 2,
             timeout_s: float = 280) -> tuple[Path, subprocess.CompletedProcess]:
-        key = (recipe, tuple(map(str, args)), nproc)
-        if key not in self.runs:
-            tmp = self.root / f"run{len(self.runs)}"
-            tmp.mkdir(parents=True)
+        def build(tmp: Path) -> dict:
             proc = train_recipe(tmp, recipe, *args, nproc=nproc, timeout_s=timeout_s)
             assert proc.returncode == 0, proc.stdout[-3000:]
-            self.runs[key] = (tmp / "run", proc, _listing(tmp / "run"))
-        run, proc, listing = self.runs[key]
-        now = _listing(run)
-        changed = sorted(k for k in listing.keys() | now.keys() if listing.get(k) != now.get(k))
-        assert not changed, f"a test changed the shared run {run} (copy it first): {changed[:8]}"
-        return run, proc
+            return {"run": str(tmp / "run"), "proc": _proc_dict(proc), "readonly": [tmp / "run"]}
+
+        result = once(self.root, ["train", recipe, [str(a) for a in args], nproc], build)
+        return Path(result["run"]), _proc(result["proc"])
 
 
 # the one sample prompt of `train_simulate_report`'s run

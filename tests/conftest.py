@@ -8,9 +8,21 @@ tests/e2e/_runs.py: a one-process run and torch's own DCP reader."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
-from _cli import REPO, SharedRuns, metrics, shardtune_cli, train_recipe
+from _cli import (
+    REPO,
+    SharedRuns,
+    _proc,
+    _proc_dict,
+    metrics,
+    once,
+    shardtune_cli,
+    shared_root,
+    train_recipe,
+    train_simulate_report,
+)
 
 
 @pytest.fixture(scope="session")
@@ -41,32 +53,23 @@ def read_metrics():
 @pytest.fixture(scope="session")
 def shared_run(tmp_path_factory):
     """`shared_run(recipe_yaml, *args, nproc=2) -> (run folder, completed process)`: trained once a
-    session for each distinct recipe/args/nproc, shared across tests and files, read-only
-    (`_cli.SharedRuns`; copy the folder to tmp_path before changing anything in it)."""
-    return SharedRuns(tmp_path_factory.mktemp("shared")).get
+    test run for each distinct recipe/args/nproc, shared across tests, files and pytest-xdist
+    workers, read-only (`_cli.SharedRuns`; copy the folder to tmp_path before changing it)."""
+    return SharedRuns(shared_root(tmp_path_factory)).get
 
 
 @pytest.fixture(scope="session")
 def shared_one_process_run(tmp_path_factory):
     """`shared_one_process_run(recipe_yaml) -> run folder`: `python -m shardtune.train` of the recipe
-    (tests/e2e/_runs.py `one_process_run`) once a session per distinct recipe text, shared across
-    files, read-only as `shared_run` is (a changed file fails the next get: copy it first)."""
-    from _cli import _listing
+    (tests/e2e/_runs.py `one_process_run`) once a test run per distinct recipe text, shared as
+    `shared_run` is and read-only (a changed file fails the next get: copy it first)."""
     from _runs import one_process_run  # tests/e2e/_runs.py: on sys.path once an e2e file is collected
 
-    root, runs = tmp_path_factory.mktemp("shared_one_process"), {}
-
-    def get(recipe: str):
-        if recipe not in runs:
-            tmp = root / f"run{len(runs)}"
-            tmp.mkdir()
+    def get(recipe: str) -> Path:
+        def build(tmp: Path) -> dict:
             run = one_process_run(tmp, recipe)
-            runs[recipe] = (run, _listing(run))
-        run, listing = runs[recipe]
-        now = _listing(run)
-        changed = sorted(k for k in listing.keys() | now.keys() if listing.get(k) != now.get(k))
-        assert not changed, f"a test changed the shared run {run} (copy it first): {changed[:8]}"
-        return run
+            return {"run": str(run), "readonly": [run]}
+        return Path(once(shared_root(tmp_path_factory), ["one process", recipe], build)["run"])
     return get
 
 
@@ -74,7 +77,9 @@ def shared_one_process_run(tmp_path_factory):
 def reported_run(tmp_path_factory):
     """(run folder, train process, report process) of `_cli.train_simulate_report`: one short tiny-cpu
     run on 2 processes with evaluation and samples, its simulation and its report, read by
-    test_report and test_clean_output (read-only)."""
-    from _cli import train_simulate_report
-
-    return train_simulate_report(tmp_path_factory.mktemp("reported"))
+    test_report and test_clean_output (read-only), once a test run."""
+    def build(tmp: Path) -> dict:
+        run, train, report = train_simulate_report(tmp)
+        return {"run": str(run), "train": _proc_dict(train), "report": _proc_dict(report), "readonly": [run]}
+    result = once(shared_root(tmp_path_factory), ["reported"], build)
+    return Path(result["run"]), _proc(result["train"]), _proc(result["report"])

@@ -30,3 +30,37 @@ def test_a_run_is_trained_once_and_a_changed_folder_fails(tmp_path, monkeypatch)
     (c / "checkpoints" / "new").write_text("x")
     with pytest.raises(AssertionError, match="checkpoints/new"):
         runs.get("name: x\n", "--steps", 2, nproc=1)
+
+
+def _build_slowly(folder):
+    import time
+    time.sleep(0.5)
+    with open(folder.parent / "builds.txt", "a") as f:
+        f.write("built\n")
+    (folder / "out.txt").write_text("x")
+    return {"value": str(folder), "readonly": [folder]}
+
+
+def _ask(root, q):
+    q.put(_cli.once(root, ["same key"], _build_slowly)["value"])
+
+
+def test_once_builds_one_time_for_concurrent_processes(tmp_path):
+    """Two processes (as two pytest-xdist workers) ask for the same key at once: one builds, the
+    other waits on the lock and reads the same result."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ask, args=(tmp_path, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    values = {q.get(timeout=5), q.get(timeout=5)}
+    assert len(values) == 1
+    assert (tmp_path / "builds.txt").read_text() == "built\n"
+    (tmp_path / next(iter(values)).split("/")[-1] / "out.txt").write_text("y")
+    with pytest.raises(AssertionError, match="out.txt"):
+        _cli.once(tmp_path, ["same key"], _build_slowly)
