@@ -7,12 +7,8 @@ seq_len}. Per case it writes both sides' losses, grad norms and the activation b
 from __future__ import annotations
 
 import gc
-import json
-import sys
-from pathlib import Path
 
 import torch
-
 from _batches import global_batch, rank_micro_batches
 from _rank import serve
 

@@ -4,19 +4,15 @@ OptimState8bit's codes, scales and qmap counted from its own inner tensors (__te
 from __future__ import annotations
 
 import gc
-import json
-import sys
-from pathlib import Path
 
 import torch
-
 from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
 from shardtune.parallel.apply import autocast_dtype, build_mesh
-from shardtune.train.core.model import build_model
 from shardtune.train.core.metrics import storages
+from shardtune.train.core.model import build_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepOptions, global_loss, train_step
 

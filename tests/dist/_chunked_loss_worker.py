@@ -11,12 +11,8 @@ checksum.
 from __future__ import annotations
 
 import gc
-import json
-import sys
-from pathlib import Path
 
 import torch
-
 from _batches import global_batch, rank_micro_batches
 from _rank import serve
 

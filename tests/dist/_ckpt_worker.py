@@ -8,13 +8,10 @@ case gets its own run folder <out_dir>/<name>.
 from __future__ import annotations
 
 import gc
-import json
 import os
-import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from _rank import serve
 
 from shardtune.config import load_recipe

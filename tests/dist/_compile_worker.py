@@ -9,13 +9,9 @@ state-dict keys, the activation bytes saved in step 1, and dynamo's graph count 
 from __future__ import annotations
 
 import gc
-import json
-import sys
-from pathlib import Path
 
 import torch
 import torch._dynamo.utils as dynamo_utils
-
 from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
@@ -50,6 +46,9 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     pcfg = ParallelConfig(**case["parallel"])
     mesh = build_mesh(pcfg, world, world, "cpu")
     ocfg = OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant", grad_clip=1.0, weight_decay=0.0)
+    if case.get("fresh_dynamo"):  # as in a fresh process: earlier cases of a shared launch compiled too
+        torch._dynamo.reset()  # (torchao's 8-bit AdamW compiles its step)
+        dynamo_utils.counters.clear()
     out: dict = {"graphs_before": graphs()}
     sides = {}
     for tag, comp in (("eager", False), ("compiled", True)):

@@ -21,13 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
 from _rank import build_case, process_group, write_result  # noqa: E402
 
-from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from shardtune.parallel.apply import autocast_dtype, build_mesh, cp_mesh, dp_group, dp_rank_size  # noqa: E402
+from shardtune.parallel.apply import autocast_dtype, cp_mesh  # noqa: E402
 from shardtune.parallel.cp import cp_degree, shard_batch  # noqa: E402
 from shardtune.parallel.tp import tp_degree  # noqa: E402
 from shardtune.train.core.metrics import SavedActivations  # noqa: E402
-from shardtune.train.core.model import build_model  # noqa: E402
-from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: E402
 from shardtune.train.core.step import StepOptions, train_step  # noqa: E402
 
 

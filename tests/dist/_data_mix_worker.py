@@ -1,6 +1,7 @@
 """One rank of tests/dist/test_data_mix.py: build the data.sources loader (the tokenised cache
 shared by every rank, built by one under its file lock), load a state if given, take N
-micro-batches, write this rank's rows as text (and rank 0 the state) to OUT."""
+micro-batches, write this rank's rows as text (and its state) to OUT. argv: cfg.json OUT N MICRO
+STATE, or as a case of a shared launch (`run_case`, `_rank.serve`): {name, cfg, out, n, micro, state}."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,15 @@ from shardtune.train.data.tokenizer import ByteTokenizer
 
 def main() -> None:
     cfg_json, out, n, micro, state = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    take(cfg_json, out, n, micro, state, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    take(case["cfg"], Path(case["out"]), case["n"], case["micro"], case["state"], rank, world)
+    return {}
+
+
+def take(cfg_json: str, out: Path, n: int, micro: int, state: str, rank: int, world: int) -> None:
     cfg = DataConfig.model_validate_json(cfg_json)
     ld = build_dataloader(cfg, TrainConfig(seq_len=16, micro_batch=micro), ByteTokenizer(), rank, world, 7)
     if state:

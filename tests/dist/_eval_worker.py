@@ -1,28 +1,24 @@
 """One rank of tests/dist/test_eval.py: shardtune's evaluate() on a zero3-sharded model of the cut
-SmolLM2 fixture. argv: folder batches.json out_dir; batches.json holds, per rank, a list of
-batches {input_ids, labels, position_ids} (labels already shifted, shardtune's convention).
-Writes rank<r>.json: the validation loss and whether the model is back in train mode."""
+SmolLM2 fixture. A case (`_rank.serve`): {name, folder, batches: path of a json file holding, per
+rank, a list of batches {input_ids, labels, position_ids} (labels already shifted, shardtune's
+convention)}; it measures the validation loss and whether the model is back in train mode."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
-from _rank import process_group, write_result
+from _rank import serve
 
 from shardtune.config import ModelConfig, ParallelConfig
 from shardtune.parallel.apply import build_mesh
 from shardtune.train.core.evaluate import evaluate
-from shardtune.train.core.step import StepOptions
 from shardtune.train.core.model import build_model
+from shardtune.train.core.step import StepOptions
 
 
-def main() -> None:
-    folder, spec, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    with process_group() as (rank, world):
-        out = _run(folder, spec, rank, world)
-    write_result(out_dir, rank, out)
+def run_case(case: dict, rank: int, world: int) -> dict:
+    return _run(case["folder"], Path(case["batches"]), rank, world)
 
 
 def _run(folder, spec, rank, world) -> dict:
@@ -38,4 +34,4 @@ def _run(folder, spec, rank, world) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    serve(run_case)

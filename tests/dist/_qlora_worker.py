@@ -5,12 +5,8 @@ Per case: the global losses, and this rank's parameter bytes measured from the s
 from __future__ import annotations
 
 import gc
-import json
-import sys
-from pathlib import Path
 
 import torch
-
 from _batches import global_batch, rank_micro_batches
 from _rank import serve
 

@@ -4,9 +4,9 @@ main() of the case workers.
 
 A case worker is a module with `run_case(case, rank, world) -> dict` whose `__main__` calls
 `serve(run_case)`: argv is `cases.json out_dir`, every case runs in the same processes (imports cost
-~7 s a process, so cases share them) and rank<R>.json maps each case's name to what it measured. A
-case may name another worker module (`"worker": "_ckpt_worker"`): its `run_case` runs it, so cases of
-several test files can share one launch."""
+~7 s a process, so cases share them) and rank<R>.json maps each case's name (or its `key`) to what
+it measured. A case may name another worker module (`"worker": "_ckpt_worker"`): its `run_case`
+runs it, so cases of several test files share one launch (tests/dist/conftest.py `dist_launch`)."""
 from __future__ import annotations
 
 import gc
@@ -38,9 +38,10 @@ def write_result(out_dir: str | os.PathLike, rank: int, result) -> None:
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def serve(run_case: Callable[[dict, int, int], dict], timeout_s: float = 60) -> None:
-    """argv: cases.json out_dir. Runs each case (`case["out_dir"]` is out_dir) with `run_case` or
-    its own worker's, a barrier after each, then writes rank<R>.json {name: result}."""
+def serve(run_case: Callable[[dict, int, int], dict] | None, timeout_s: float = 60) -> None:
+    """argv: cases.json out_dir. Runs each case (`case["out_dir"]` is out_dir unless the case gives
+    its own) with `run_case` or its own worker's, a barrier after each, then writes rank<R>.json
+    {key or name: result}."""
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     results = {}
@@ -48,7 +49,7 @@ def serve(run_case: Callable[[dict, int, int], dict], timeout_s: float = 60) -> 
         for case in cases:
             case = {"out_dir": str(out_dir), **case}
             run = importlib.import_module(case["worker"]).run_case if "worker" in case else run_case
-            results[case["name"]] = run(case, rank, world)
+            results[case.get("key", case["name"])] = run(case, rank, world)
             dist.barrier()
     write_result(out_dir, rank, results)
 

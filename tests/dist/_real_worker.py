@@ -1,15 +1,12 @@
 """One rank of tests/dist/test_real_model.py: shardtune's own data path and trainer on the cut
-SmolLM2 fixture. argv: folder data.jsonl out_dir. Writes rank<r>.json: the step-1 loss of zero3
-fp32 (2 rows per rank, no packing, no shuffle) and the dtypes of the optimizer-owned parameter
-shards under bf16-mixed."""
+SmolLM2 fixture. A case (`_rank.serve`): {name, folder, data: a chat .jsonl}; it measures the
+step-1 loss of zero3 fp32 (2 rows per rank, no packing, no shuffle) and the dtypes of the
+optimizer-owned parameter shards under bf16-mixed."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _rank import process_group, write_result
+from _rank import serve
 
 from shardtune.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from shardtune.parallel.apply import autocast_dtype, build_mesh
@@ -19,11 +16,8 @@ from shardtune.train.core.step import StepOptions, global_loss, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer
 
 
-def main() -> None:
-    folder, data, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    with process_group() as (rank, world):
-        out = _run(folder, data, rank, world)
-    write_result(out_dir, rank, out)
+def run_case(case: dict, rank: int, world: int) -> dict:
+    return _run(case["folder"], case["data"], rank, world)
 
 
 def _run(folder, data, rank, world) -> dict:
@@ -54,4 +48,4 @@ def _run(folder, data, rank, world) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    serve(run_case)

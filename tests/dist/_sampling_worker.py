@@ -1,14 +1,13 @@
 """One rank of tests/dist/test_sharded_sampling.py: generate_ids on a zero3-sharded model of the cut SmolLM2
-fixture, every rank in lockstep with the same prompt. argv: folder prompt.json out_dir; prompt.json
-holds {ids, max_new_tokens, stop_ids}. Writes rank<r>.json: the greedy and a sampled answer."""
+fixture, every rank in lockstep with the same prompt. A case (`_rank.serve`): {name, folder, prompt:
+a json file holding {ids, max_new_tokens, stop_ids}}; it measures the greedy and a sampled answer."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
-from _rank import process_group, write_result
+from _rank import serve
 
 from shardtune.config import ModelConfig, ParallelConfig
 from shardtune.parallel.apply import build_mesh
@@ -16,11 +15,8 @@ from shardtune.train.core.model import build_model
 from shardtune.train.core.sampling import generate_ids
 
 
-def main() -> None:
-    folder, spec, out_dir = sys.argv[1], json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3])
-    with process_group() as (rank, world):
-        out = _run(folder, spec, rank, world)
-    write_result(out_dir, rank, out)
+def run_case(case: dict, rank: int, world: int) -> dict:
+    return _run(case["folder"], json.loads(Path(case["prompt"]).read_text()), rank, world)
 
 
 def _run(folder, spec, rank, world) -> dict:
@@ -36,4 +32,4 @@ def _run(folder, spec, rank, world) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    serve(run_case)

@@ -1,28 +1,20 @@
 """One rank of the tensor-parallel tests (tests/dist/test_tp.py): several cases in the same processes,
 rank<r>.json with what each measured. argv: cases.json out_dir.
 
-A case: {name, parallel: {...ParallelConfig with tp}, model: {...ModelConfig}, lora: {...LoraConfig}, steps, rows, seq_len, grad_accum, lr, comm: bool}.
+A case: {name, parallel: {...ParallelConfig with tp}, model: {...ModelConfig}, lora: {...LoraConfig},
+steps, rows, seq_len, grad_accum, lr, comm: bool}.
 Each rank takes its data-parallel share of `_batches.global_batch` (ranks of one TP group the same
 rows); `comm` counts one step's collectives with torch's CommDebugMode.
 """
 from __future__ import annotations
 
 import gc
-import json
-import sys
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 from _batches import global_batch, rank_micro_batches
 from _rank import build_case, serve
 
-from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh, dp_group, dp_rank_size, tp_mesh
+from shardtune.parallel.apply import autocast_dtype, tp_mesh
 from shardtune.train.core.metrics import model_state_bytes
-from shardtune.train.core.model import build_model
-from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepOptions, global_loss, train_step
 
 

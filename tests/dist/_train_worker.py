@@ -10,15 +10,11 @@ trainer instead (_ckpt_worker.run_case).
 from __future__ import annotations
 
 import gc
-import json
-import sys
-from pathlib import Path
 
+import _ckpt_worker
 import torch
 import torch.distributed as dist
-
 from _batches import global_batch, rank_micro_batches
-import _ckpt_worker
 from _lora_checks import LoraProbe
 from _rank import serve
 

@@ -6,13 +6,9 @@ stay outside the selective region) runs and agrees within bf16's noise; op AC sa
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from _harness import launch, rank_results
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_ac_op_worker.py"
@@ -26,15 +22,15 @@ def _case(name, strategy, precision="fp32"):
 CASES = [_case("zero3", "zero3"), _case("ddp", "ddp"), _case("zero3_bf16_mixed", "zero3", "bf16-mixed")]
 
 
+DIST_LAUNCHES = {2: lambda d: ([{**c, "worker": WORKER.stem} for c in CASES], 300)}  # tests/dist/conftest.py
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ac_op")
-    (d / "cases.json").write_text(json.dumps(CASES))
-    launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=300, log_dir=d / "logs")
-    return rank_results(d, 2)
+def results(dist_launch, request):
+    return dist_launch(request.module, 2)[1]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400, func_only=True)
 @pytest.mark.parametrize("name", ["zero3", "ddp"])
 def test_op_ac_equals_no_ac_fp32_over_4_steps(results, name):
     for r in results:
@@ -44,7 +40,7 @@ def test_op_ac_equals_no_ac_fp32_over_4_steps(results, name):
         assert c["op_activation_bytes"] < c["none_activation_bytes"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(400, func_only=True)
 def test_op_ac_runs_under_fsdp2_bf16_mixed(results):
     for r in results:
         c = r["zero3_bf16_mixed"]

@@ -6,13 +6,9 @@ counted from its own inner tensors) equal plan/memory.py `shardtune_states`, wit
 quantised states by hand; the losses follow 32-bit AdamW's within a stated tolerance."""
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from _harness import launch, rank_results
 
 pytest.importorskip("torchao")
 pytestmark = [pytest.mark.dist]
@@ -29,17 +25,21 @@ def _case(name, strategy, optimizer, steps=2):
             "lr": 3e-3, "steps": steps, "rows": 4, "seq_len": 32}
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    d = tmp_path_factory.mktemp("adamw8bit")
+def world2_cases(d: Path) -> tuple[list[dict], float]:
     cases = [_case("zero3", "zero3", "adamw-8bit", LONG), _case("zero3_adamw", "zero3", "adamw", LONG),
              _case("zero2", "zero2", "adamw-8bit"), _case("ddp", "ddp", "adamw-8bit")]
-    (d / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=420, log_dir=d / "logs")
-    return rank_results(d, 2)
+    return [{**c, "worker": WORKER.stem} for c in cases], 420
 
 
-@pytest.mark.timeout(480)
+DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def world2(dist_launch, request):
+    return dist_launch(request.module, 2)[1]
+
+
+@pytest.mark.timeout(480, func_only=True)
 @pytest.mark.parametrize("name, strategy, shard", [("zero3", "zero3", 2), ("zero2", "zero2", 2), ("ddp", "ddp", 1)])
 def test_optimizer_bytes_per_rank_equal_planner(world2, name, strategy, shard):
     from shardtune.catalog.models import resolve_model_config
@@ -58,7 +58,7 @@ def test_optimizer_bytes_per_rank_equal_planner(world2, name, strategy, shard):
             assert got["step_counters"] == 4 * 39  # torchao: one fp32 CPU `step` per tensor
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(480, func_only=True)
 def test_losses_follow_32bit_adamw_and_agree_across_ranks(world2):
     eight, full = world2[0]["zero3"]["losses"], world2[0]["zero3_adamw"]["losses"]
     assert eight[0] == full[0]  # the same model and batch before any update

@@ -1,7 +1,8 @@
 """Checkpoint, resume and bad-numerics behaviour of the real trainer on gloo ranks.
 
-Three launches run every case (2 ranks: straight runs, resumes under the same and other
-strategies, NaN steps; 4 ranks and 1 rank: resumes at another world size). The reference for a
+The tier's shared 2- and 4-rank launches (tests/dist/conftest.py) and one 1-rank launch run every
+case (2 ranks: straight runs, resumes under the same and other strategies, NaN steps; 4 ranks and 1
+rank: resumes at another world size). The reference for a
 resumed run is the same trainer run straight through, without stopping: "8 steps straight ==
 4 steps, stop, resume, 4 steps". The global batch is the same at every world size (micro_batch ×
 ranks = 4 rows), so the data stream and the token-mean loss are the same computation.
@@ -9,11 +10,9 @@ ranks = 4 rows), so the data stream and the token-mean loss are the same computa
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
 from _harness import launch
 
 from shardtune.train.durable.ckpt_files import complete_checkpoints, read_info
@@ -47,10 +46,8 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def two(tmp_path_factory) -> Path:
+def world2_cases(d: Path) -> tuple[list[dict], float]:
     """2 ranks: straight runs (zero3, ddp, zero1), resumes, NaN cases."""
-    d = tmp_path_factory.mktemp("ckpt2")
     s4 = lambda name: str(d / name / "checkpoints" / "step_4")  # noqa: E731
     cases = [
         _case("z3_straight", "zero3", 2),
@@ -69,21 +66,36 @@ def two(tmp_path_factory) -> Path:
               env={"SHARDTUNE_TEST_NAN_STEPS": "3,4,5"}),
         _case("sigterm", "zero3", 2, "checkpoint.save_final=false", env={"SHARDTUNE_TEST_SIGTERM": "3:1"}),
     ]
-    results = _run(d, 2, cases, timeout_s=200)
-    return d, results
+    return [{**c, "worker": WORKER.stem} for c in cases], 200
+
+
+def world4_cases(d: Path) -> tuple[list[dict], float]:
+    """4 ranks resume the 2-rank checkpoints (the 2-rank launch runs first)."""
+    cases = [_case("z3_w4", "zero3", 4, resume=str(d / "z3_straight/checkpoints/step_4")),
+             _case("hsdp_w4", "hsdp", 4, "parallel.hsdp_shard_size=2",
+                   resume=str(d / "ddp_straight/checkpoints/step_4"))]
+    return [{**c, "worker": WORKER.stem} for c in cases], 150
+
+
+DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def other_worlds(two, tmp_path_factory) -> Path:
-    """4 ranks and 1 rank resume the 2-rank checkpoints."""
+def two(dist_launch, request) -> tuple[Path, dict]:
+    d, results = dist_launch(request.module, 2)
+    return d, results[0]
+
+
+@pytest.fixture(scope="module")
+def other_worlds(two, dist_launch, request) -> Path:
+    """4 ranks (the shared launch) and 1 rank (its own launch) resume the 2-rank checkpoints; the
+    runs lie in the module's folder."""
     d2, _ = two
-    d = tmp_path_factory.mktemp("ckptw")
-    _run(d / "w4", 4, [_case("z3_w4", "zero3", 4, resume=str(d2 / "z3_straight/checkpoints/step_4")),
-                       _case("hsdp_w4", "hsdp", 4, "parallel.hsdp_shard_size=2",
-                             resume=str(d2 / "ddp_straight/checkpoints/step_4"))], timeout_s=150)
-    _run(d / "w1", 1, [_case("z3_w1", "zero3", 1, resume=str(d2 / "z3_straight/checkpoints/step_4"))],
+    d4, w4 = dist_launch(request.module, 4)
+    assert d4 == d2 and {w4[0][n]["outcome"] for n in ("z3_w4", "hsdp_w4")} == {"ok"}, w4[0]
+    _run(d2 / "w1", 1, [_case("z3_w1", "zero3", 1, resume=str(d2 / "z3_straight/checkpoints/step_4"))],
          timeout_s=90)
-    return d
+    return d2
 
 
 def _assert_continues(straight: Path, resumed: Path, tol: float) -> None:
@@ -94,7 +106,7 @@ def _assert_continues(straight: Path, resumed: Path, tol: float) -> None:
         assert abs(got[s] - ref[s]) <= tol, (s, got[s], ref[s])
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, func_only=True)
 @pytest.mark.parametrize("strategy", ["z3", "ddp"])
 def test_eight_straight_equals_four_then_resume_four(two, strategy):
     d, results = two
@@ -106,7 +118,7 @@ def test_eight_straight_equals_four_then_resume_four(two, strategy):
     assert all(abs(r["lr"] - lr_ref[r["step"]]) < 1e-12 for r in rec), "the LR schedule continues"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, func_only=True)
 @pytest.mark.parametrize("straight, resumed", [("z3_straight", "z3_to_ddp"), ("ddp_straight", "ddp_to_z2"),
                                                 ("z3_straight", "z3_to_z1"), ("z1_straight", "z1_to_z3"),
                                                 ("z3_straight", "z3_to_offload")])
@@ -116,8 +128,8 @@ def test_resume_under_another_strategy(two, straight, resumed):
     _assert_continues(d / straight, d / resumed, 1e-5)
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("resumed", ["w4/z3_w4", "w4/hsdp_w4", "w1/z3_w1"])
+@pytest.mark.timeout(400, func_only=True)
+@pytest.mark.parametrize("resumed", ["z3_w4", "hsdp_w4", "w1/z3_w1"])
 def test_resume_at_another_world_size(two, other_worlds, resumed):
     d2, _ = two
     straight = d2 / ("ddp_straight" if "hsdp" in resumed else "z3_straight")
@@ -126,7 +138,7 @@ def test_resume_at_another_world_size(two, other_worlds, resumed):
     assert info.world_size == 2
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, func_only=True)
 def test_layout_atomic_names_and_keep(two):
     d, _ = two
     ck = d / "z3_straight" / "checkpoints"
@@ -140,7 +152,7 @@ def test_layout_atomic_names_and_keep(two):
     assert [i.step for i in complete_checkpoints(d / "nan_once")] == [4, 6]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, func_only=True)
 def test_nan_step_is_skipped_and_the_run_continues(two):
     d, results = two
     assert results["nan_once"]["outcome"] == "ok", results
@@ -157,7 +169,7 @@ def test_nan_step_is_skipped_and_the_run_continues(two):
     assert {"event": "skipped_step", "step": 3}.items() <= skipped.items()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, func_only=True)
 def test_consecutive_nan_steps_stop_the_run_with_its_checkpoint_intact(two):
     d, results = two
     r = results["nan_stop"]
@@ -168,7 +180,7 @@ def test_consecutive_nan_steps_stop_the_run_with_its_checkpoint_intact(two):
     assert max(_losses(d / "nan_stop")) == 5
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, func_only=True)
 def test_sigterm_on_one_rank_saves_at_the_next_step_boundary_and_stops(two):
     d, results = two
     assert results["sigterm"]["outcome"] == "ok", results

@@ -10,12 +10,9 @@ wrapper, and ddp bf16-mixed the autocast path (bf16 matmuls in both: a looser to
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from _harness import launch, rank_results
 
 from shardtune.catalog.models import resolve_model_config
 
@@ -31,20 +28,24 @@ def _case(name, strategy, precision="fp32", model="tiny-llama", chunks=4, grad_a
 TOL = {"zero3": 1e-5, "zero3_tied_accum": 1e-5, "ddp": 1e-5, "ddp_bf16_mixed": 2e-2}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("chunked_loss")
+def world2_cases(d: Path) -> tuple[list[dict], float]:
     tied = dict(resolve_model_config("tiny-llama"), tie_word_embeddings=True)
     (d / "tied.json").write_text(json.dumps(tied))
     cases = [_case("zero3", "zero3"), _case("zero3_tied_accum", "zero3", model=str(d / "tied.json"), chunks=3,
                                             grad_accum=2),
              _case("ddp", "ddp"), _case("ddp_bf16_mixed", "ddp", precision="bf16-mixed")]
-    (d / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=400, log_dir=d / "logs")
-    return rank_results(d, 2)
+    return [{**c, "worker": WORKER.stem} for c in cases], 400
 
 
-@pytest.mark.timeout(500)
+DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def results(dist_launch, request):
+    return dist_launch(request.module, 2)[1]
+
+
+@pytest.mark.timeout(500, func_only=True)
 @pytest.mark.parametrize("name", list(TOL))
 def test_chunked_matches_full_logits_over_4_steps(results, name):
     tol = TOL[name]

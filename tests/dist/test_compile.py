@@ -10,13 +10,9 @@ generation add no graph (no recompiles); activation checkpointing still recomput
 """
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from _harness import launch, rank_results
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_compile_worker.py"
@@ -32,15 +28,21 @@ CASES = [_case("zero3", "zero3"), _case("zero3_full_ac", "zero3", "full"), _case
          _case("ddp_every_2nd_layer_ac", "ddp", "layer"), _case("zero2_lora", "zero2", lora=LORA)]
 
 
+def world2_cases(d: Path) -> tuple[list[dict], float]:
+    """CASES, the first with dynamo's caches and counters reset as in a fresh process (the shared
+    launch's earlier cases may have compiled)."""
+    return [{**c, "worker": WORKER.stem, "fresh_dynamo": i == 0} for i, c in enumerate(CASES)], 600
+
+
+DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    d = tmp_path_factory.mktemp("compile")
-    (d / "cases.json").write_text(json.dumps(CASES))
-    launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=600, log_dir=d / "logs")
-    return rank_results(d, 2)
+def results(dist_launch, request):
+    return dist_launch(request.module, 2)[1]
 
 
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700, func_only=True)
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_compiled_matches_eager_over_4_steps(results, name):
     for r in results:
@@ -50,7 +52,7 @@ def test_compiled_matches_eager_over_4_steps(results, name):
         assert c["compiled_keys"] == c["eager_keys"]
 
 
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700, func_only=True)
 def test_state_dict_keys_are_the_hf_names(results):
     from transformers import AutoModelForCausalLM
 
@@ -63,7 +65,7 @@ def test_state_dict_keys_are_the_hf_names(results):
     assert not any("_orig_mod" in k for k in lora_keys) and any(".lora_A." in k for k in lora_keys)
 
 
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700, func_only=True)
 def test_one_graph_for_all_layers_and_no_recompile_from_validation_or_sampling(results):
     for r in results:
         first = r["zero3"]
@@ -77,7 +79,7 @@ def test_one_graph_for_all_layers_and_no_recompile_from_validation_or_sampling(r
         assert r["zero2_lora"]["sample"] == results[0]["zero2_lora"]["sample"]  # ranks agree
 
 
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700, func_only=True)
 def test_activation_checkpointing_still_recomputes_under_compile(results):
     for r in results:
         full, none = r["zero3_full_ac"], r["zero3"]

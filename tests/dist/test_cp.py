@@ -14,7 +14,6 @@ logits move, and the unchanged batch's logits equal the plain model's.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cp_worker import changed_document_batches  # noqa: E402
-from _harness import launch, rank_results  # noqa: E402
 from test_train_parity import ROWS, SEQ, _plain_model, reference  # noqa: E402
 
 pytestmark = [pytest.mark.dist]
@@ -39,9 +37,7 @@ def _case(name, cp=2, strategy="zero3", precision="fp32", **kw):
     return {"name": name, "parallel": par, "steps": STEPS, "rows": ROWS, "seq_len": SEQ, **kw}
 
 
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp4")
+def world4_cases(d: Path) -> tuple[list[dict], float]:
     cases = [
         _case("cp2_zero3", logits=True),
         _case("cp2_zero2_accum", strategy="zero2", grad_accum=2),
@@ -55,22 +51,34 @@ def world4(tmp_path_factory):
         _case("cp2_lora", lora=LORA, lr=1e-2),
         _case("cp1_lora", cp=1, lora=LORA, lr=1e-2),
     ]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, 4, [str(tmp / "cases.json"), str(tmp)], timeout_s=500, log_dir=tmp / "logs")
-    return rank_results(tmp, 4)
+    return [{**c, "worker": WORKER.stem} for c in cases], 500
 
 
-@pytest.mark.timeout(700)
+DIST_LAUNCHES = {4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def world4(dist_launch, request):
+    return dist_launch(request.module, 4)[1]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The one-process run (test_train_parity's reference) at STEPS, once for every case."""
+    return reference(steps=STEPS)
+
+
+@pytest.mark.timeout(700, func_only=True)
 @pytest.mark.parametrize("name", PARITY)
-def test_cp_matches_one_process(world4, name):
-    want_losses, want_norms = reference(steps=STEPS)
+def test_cp_matches_one_process(world4, ref, name):
+    want_losses, want_norms = ref
     for rank_result in world4:
         got = rank_result[name]
         assert got["losses"] == pytest.approx(want_losses, abs=1e-5), name
         assert got["grad_norms"] == pytest.approx(want_norms, rel=1e-4), name
 
 
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700, func_only=True)
 def test_layouts_are_what_the_cases_ask(world4):
     """Mesh (dp_replicate, dp_shard, cp, tp), tp innermost: ranks of a cp group read the same rows."""
     got = {name: [(r[name]["dp_rank"], r[name]["dp_size"], r[name]["cp"], r[name]["tp"]) for r in world4]
@@ -80,15 +88,15 @@ def test_layouts_are_what_the_cases_ask(world4):
     assert got["cp4"] == [(0, 1, 4, 1)] * 4
 
 
-@pytest.mark.timeout(700)
-def test_bf16_mixed_close(world4):
-    want, _ = reference(steps=STEPS)
+@pytest.mark.timeout(700, func_only=True)
+def test_bf16_mixed_close(world4, ref):
+    want, _ = ref
     got = world4[0]["cp2_bf16mixed"]["losses"]
     assert got == pytest.approx(want, abs=2e-2)
     assert got != pytest.approx(want, abs=1e-7)  # bf16 compute really used
 
 
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700, func_only=True)
 def test_lora_under_cp_matches_cp1(world4):
     for rank_result in world4:
         want = rank_result["cp1_lora"]
@@ -97,7 +105,7 @@ def test_lora_under_cp_matches_cp1(world4):
     assert want["losses"][-1] < want["losses"][1]
 
 
-@pytest.mark.timeout(700)
+@pytest.mark.timeout(700, func_only=True)
 def test_a_document_never_attends_to_another(world4):
     """Row 0's first document (tokens 0..15: cp rank 0's piece) changed: the second document's
     logits (cp rank 1's piece, after it in the row) and row 1's stay bit for bit, the changed

@@ -2,20 +2,17 @@
 
 The examples are chats of the cut SmolLM2 fixture (real weights), ids from transformers'
 apply_chat_template, loss on the assistant tokens; the ranks hold unequal numbers of batches
-(rank 0 two, rank 1 one), so evaluate() must run the extra forward without counting it. One
-2-rank launch.
+(rank 0 two, rank 1 one), so evaluate() must run the extra forward without counting it. The case
+runs in the tier's shared 2-rank launch (tests/dist/conftest.py).
 """
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from _harness import launch, rank_results
 from test_real_model import reference_example
 
 from shardtune.testing.smollm2 import cut_folder
@@ -47,19 +44,27 @@ def _batch(ids, labels) -> dict:
     return {"input_ids": ids.tolist(), "labels": shifted.tolist(), "position_ids": pos.tolist()}
 
 
-@pytest.mark.timeout(300)
-def test_zero3_val_loss_is_the_global_token_mean_of_transformers_loss(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def world2_cases(d: Path) -> tuple[list[dict], float]:
+    from transformers import AutoTokenizer
 
     folder = cut_folder(2)
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    ids, labels = _rows(tok)
+    ids, labels = _rows(AutoTokenizer.from_pretrained(str(folder)))
     per_rank = [[_batch(ids[0:2], labels[0:2]), _batch(ids[2:3], labels[2:3])],  # rank 0: two batches
                 [_batch(ids[3:5], labels[3:5])]]  # rank 1: one (a different row count)
-    (tmp_path / "batches.json").write_text(json.dumps(per_rank))
-    launch(WORKER, 2, [str(folder), str(tmp_path / "batches.json"), str(tmp_path)], timeout_s=240,
-           log_dir=tmp_path / "logs")
-    ranks = rank_results(tmp_path, 2)
+    (d / "batches.json").write_text(json.dumps(per_rank))
+    return [{"name": "eval", "worker": WORKER.stem, "folder": str(folder), "batches": str(d / "batches.json")}], 240
+
+
+DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_zero3_val_loss_is_the_global_token_mean_of_transformers_loss(dist_launch, request):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ranks = [r["eval"] for r in dist_launch(request.module, 2)[1]]
+    folder = cut_folder(2)
+    ids, labels = _rows(AutoTokenizer.from_pretrained(str(folder)))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     with torch.no_grad():  # one process, all five examples in one call: HF's mean over every target token
         want = model(input_ids=ids, labels=labels).loss.item()

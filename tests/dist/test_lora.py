@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _batches import global_batch
-from _harness import launch, rank_results
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_train_worker.py"
@@ -92,9 +89,7 @@ def ref():
     return reference()
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lora2")
+def world2_cases(d: Path) -> tuple[list[dict], float]:
     s2 = str(d / "lora_straight" / "checkpoints" / "step_2")
     cases = [
         _case("zero3", "zero3", logits=True, save_dir=str(d / "zero3_run")),
@@ -108,22 +103,29 @@ def world2(tmp_path_factory):
         {"name": "lora_resume", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", f"checkpoint.resume={s2}"]},
         {"name": "lora_resume_ddp", "overrides": [*CKPT_BASE, "parallel.strategy=ddp", f"checkpoint.resume={s2}"]},
     ]
-    (d / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=240, log_dir=d / "logs")
-    return d, rank_results(d, 2)
+    return [{**c, "worker": WORKER.stem} for c in cases], 240
+
+
+def world4_cases(d: Path) -> tuple[list[dict], float]:
+    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}),
+             _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
+    return [{**c, "worker": WORKER.stem} for c in cases], 240
+
+
+DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    d = tmp_path_factory.mktemp("lora4")
-    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}),
-             _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
-    (d / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, 4, [str(d / "cases.json"), str(d)], timeout_s=240, log_dir=d / "logs")
-    return rank_results(d, 4)
+def world2(dist_launch, request):
+    return dist_launch(request.module, 2)
 
 
-@pytest.mark.timeout(300)
+@pytest.fixture(scope="module")
+def world4(dist_launch, request):
+    return dist_launch(request.module, 4)[1]
+
+
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero2", "zero3_offload"])
 def test_lora_loss_parity_two_ranks_vs_one_process(world2, ref, name):
     for rank_result in world2[1]:
@@ -131,7 +133,7 @@ def test_lora_loss_parity_two_ranks_vs_one_process(world2, ref, name):
         assert rank_result[name]["grad_norms"] == pytest.approx(ref[1], rel=1e-4), name
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["hsdp", "hsdp_accum"])
 def test_lora_hsdp_2x2_vs_one_process(world4, ref, name):
     """hsdp: 2 replicas × 2 shards, with and without accumulation; the base stays frozen."""
@@ -141,7 +143,7 @@ def test_lora_hsdp_2x2_vs_one_process(world4, ref, name):
         assert rank_result[name]["frozen_max_change"] == 0.0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_initial_logits_are_the_base_models(world2):
     """B = 0: before training, the LoRA model computes exactly the plain model."""
     ids = global_batch(99, 2, 16)["input_ids"]
@@ -151,7 +153,7 @@ def test_initial_logits_are_the_base_models(world2):
         torch.testing.assert_close(torch.tensor(rank_result["zero3"]["logits"]), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero3_bf16_ac", "ddp_bf16"])
 def test_base_frozen_and_only_adapters_get_grads(world2, name):
     L = 4  # tiny-llama layers
@@ -172,7 +174,7 @@ def _lora_trainable_numel() -> int:
     return L * RANK * per_layer
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name, strategy, shard, precision", [
     ("zero3", "zero3", 2, "fp32"), ("ddp", "ddp", 1, "fp32"), ("zero1", "zero1", 1, "fp32"),
     ("zero2", "zero2", 2, "fp32"), ("ddp_bf16", "ddp", 1, "bf16-mixed"),
@@ -201,7 +203,7 @@ def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, p
             assert got["params_bytes"] == 2 * base + 4 * _lora_trainable_numel()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path):
     """Merged export → AutoModelForCausalLM.from_pretrained, and the adapter folder →
     PeftModel.from_pretrained on the plain base: both give the trained model's logits."""
@@ -229,7 +231,7 @@ def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_checkpoint_holds_adapters_not_the_base(world2):
     """The saved model tensors are the adapters alone (2 per target per layer); the base is a
     pointer in hf/config.json that names the seeded catalogue init and the training dtype."""
@@ -252,7 +254,7 @@ def test_checkpoint_holds_adapters_not_the_base(world2):
     assert base == {"model": "tiny-llama", "init": "random", "seed": 0, "dtype": "float32"}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, func_only=True)
 def test_resume_on_another_base_is_a_user_error():
     from types import SimpleNamespace
 
@@ -273,7 +275,7 @@ def _losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["lora_resume", "lora_resume_ddp"])
 def test_lora_resume_continues_the_straight_run(world2, name):
     """4 steps straight == 2 steps, checkpoint, resume (same zero3 or resharded to ddp), 2 steps."""
@@ -286,7 +288,7 @@ def test_lora_resume_continues_the_straight_run(world2, name):
     assert plan["inputs"]["lora_rank"] == RANK
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, func_only=True)
 @pytest.mark.parametrize("override, needle", [
     ("lora.rank=-1", "lora.rank"), ("lora.alpha=0", "lora.alpha"), ("lora.dropout=1", "lora.dropout"),
     ("lora.target_modules=[]", "lora.target_modules"), ("lora.rnak=4", "did you mean 'lora.rank'")])
@@ -299,7 +301,7 @@ def test_bad_lora_settings_are_one_line_user_errors(override, needle):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, func_only=True)
 def test_unknown_target_module_is_a_user_error():
     from shardtune.config import LoraConfig, ModelConfig
     from shardtune.errors import UserError

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _batches import global_batch
-from _harness import launch, rank_results
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_qlora_worker.py"
@@ -75,20 +72,25 @@ def reference(cfg_path: Path):
     return losses, quantised
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qlora")
+def world2_cases(d: Path) -> tuple[list[dict], float]:
     cfg = d / "config.json"
     cfg.write_text(json.dumps(CONFIG))
     cases = [{"name": n, "parallel": {"strategy": s, "precision": p, **kw}, "steps": STEPS, "rows": ROWS,
               "seq_len": SEQ, "lr": LR, "model": {"name": str(cfg), "init": "random"},
               "lora": {"rank": RANK, "alpha": ALPHA, "quantize_base": "nf4"}} for n, s, p, kw in CASES]
-    (d / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, 2, [str(d / "cases.json"), str(d)], timeout_s=300, log_dir=d / "logs")
-    return cfg, rank_results(d, 2)
+    return [{**c, "worker": WORKER.stem} for c in cases], 300
 
 
-@pytest.mark.timeout(400)
+DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def runs(dist_launch, request):
+    d, results = dist_launch(request.module, 2)
+    return d / "config.json", results
+
+
+@pytest.mark.timeout(400, func_only=True)
 def test_qlora_two_ranks(runs):
     from shardtune.plan.memory import shardtune_states
     from shardtune.plan.params import architecture_from_config, model_shapes

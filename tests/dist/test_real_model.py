@@ -2,18 +2,16 @@
 layers: real weights, embeddings, tokenizer and chat template) against transformers itself.
 
 References are built here from transformers alone: `tokenizer.apply_chat_template` for the ids and
-the assistant spans, `model(input_ids, labels=...)` for the loss. One 2-rank launch.
+the assistant spans, `model(input_ids, labels=...)` for the loss. The case runs in the tier's
+shared 2-rank launch (tests/dist/conftest.py).
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from _harness import launch, rank_results
 
 from shardtune.testing.smollm2 import cut_folder
 
@@ -60,13 +58,20 @@ def test_ids_and_loss_mask_match_the_chat_template(folder, hf_tok):
         assert ids[-2] == hf_tok.convert_tokens_to_ids("<|im_end|>")  # the turn's end is a target
 
 
-def test_zero3_step1_loss_and_bf16_mixed_masters(folder, hf_tok, tmp_path):
+def world2_cases(d: Path) -> tuple[list[dict], float]:
+    data = d / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
+    return [{"name": "real", "worker": WORKER.stem, "folder": str(cut_folder(2)), "data": str(data)}], 240
+
+
+DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_zero3_step1_loss_and_bf16_mixed_masters(folder, hf_tok, dist_launch, request):
     from transformers import AutoModelForCausalLM
 
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
-    launch(WORKER, 2, [str(folder), str(data), str(tmp_path)], timeout_s=240, log_dir=tmp_path / "logs")
-    ranks = rank_results(tmp_path, 2)
+    ranks = [r["real"] for r in dist_launch(request.module, 2)[1]]
 
     rows = [reference_example(hf_tok, m) for m in CHATS]
     ids = torch.full((len(rows), SEQ), hf_tok.pad_token_id)

@@ -1,17 +1,14 @@
 """generate_ids on a zero3-sharded model (2 gloo ranks, the cut SmolLM2 fixture: real weights)
 against transformers' own `generate(do_sample=False)` on the unsharded model; a sampled answer is
-the same on both ranks and equals generate_ids on the unsharded model with the same seed. One
-2-rank launch."""
+the same on both ranks and equals generate_ids on the unsharded model with the same seed. The case
+runs in the tier's shared 2-rank launch (tests/dist/conftest.py)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from _harness import launch, rank_results
 
 from shardtune.testing.smollm2 import cut_folder
 from shardtune.train.core.sampling import generate_ids
@@ -21,19 +18,33 @@ WORKER = Path(__file__).parent / "_sampling_worker.py"
 NEW = 12
 
 
-@pytest.mark.timeout(300)
-def test_zero3_greedy_equals_transformers_generate_and_sampling_agrees_across_ranks(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _prompt(folder: Path) -> tuple[list[int], list[int]]:
+    """(the chat prompt's ids, the stop ids)."""
+    from transformers import AutoTokenizer
 
-    folder = cut_folder(2)
     tok = AutoTokenizer.from_pretrained(str(folder))
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True, return_dict=False)
-    stop = [tok.eos_token_id]
-    (tmp_path / "prompt.json").write_text(json.dumps({"ids": list(ids), "max_new_tokens": NEW, "stop_ids": stop}))
-    launch(WORKER, 2, [str(folder), str(tmp_path / "prompt.json"), str(tmp_path)], timeout_s=240,
-           log_dir=tmp_path / "logs")
-    ranks = rank_results(tmp_path, 2)
+    return list(ids), [tok.eos_token_id]
+
+
+def world2_cases(d: Path) -> tuple[list[dict], float]:
+    ids, stop = _prompt(cut_folder(2))
+    (d / "prompt.json").write_text(json.dumps({"ids": ids, "max_new_tokens": NEW, "stop_ids": stop}))
+    return [{"name": "sampling", "worker": WORKER.stem, "folder": str(cut_folder(2)),
+             "prompt": str(d / "prompt.json")}], 240
+
+
+DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.mark.timeout(300, func_only=True)
+def test_zero3_greedy_equals_transformers_generate_and_sampling_agrees_across_ranks(dist_launch, request):
+    from transformers import AutoModelForCausalLM
+
+    ranks = [r["sampling"] for r in dist_launch(request.module, 2)[1]]
+    folder = cut_folder(2)
+    ids, stop = _prompt(folder)
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     x = torch.tensor([ids])

@@ -1,66 +1,21 @@
 """Simulated (fake tensors, fake process group) vs real (gloo, 2 CPU ranks) per-rank memory.
 
-One 2-process launch runs the trainer's real setup (train.core.model.build_model: meta build, shard,
-materialise, random init) for zero3, zero2 and ddp, and zero3 and ddp with 2 micro-batches of
-gradient accumulation (the grads persist across them), one warm-up and one tracked train step each,
-and measures with torch's trackers over the real tensors (train/core/memtrack.py `track_step`). This test
+The tier's shared 2-rank launch (tests/dist/conftest.py) runs, in _simulate_worker.py, the
+trainer's real setup (train.core.model.build_model: meta build, shard, materialise, random init)
+for zero3, zero2 and ddp, and zero3 and ddp with 2 micro-batches of gradient accumulation (the
+grads persist across them), one warm-up and one tracked train step each, and measures with torch's
+trackers over the real tensors (train/core/memtrack.py `track_step`). This test
 process then traces the same configurations on fake tensors at world 2 (`simulate_strategy`).
 Both sides force foreach AdamW (what torch does on CUDA), so the fake optimizer-step temporaries
 are checked against real ones. Expected values come from the real run, not from the simulator.
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
-
 import pytest
 
 CASES = (("zero3", 1), ("zero2", 1), ("ddp", 1), ("zero3", 2), ("ddp", 2))  # (strategy, grad_accum)
 SEQ_LEN, MICRO_BATCH = 64, 2
 KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
-
-
-def _worker(out_path: str) -> None:
-    """One rank: real tiny-llama per strategy, tracked bytes → out_path.rank<r>.json."""
-    import gc
-
-    import torch
-    import torch.distributed as dist
-
-    from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
-    from shardtune.parallel.apply import build_mesh
-    from shardtune.train.core.step import StepOptions
-    from shardtune.strategies import STRATEGY
-    from shardtune.train.core.memtrack import track_step
-    from shardtune.train.core.model import build_model, unwrap
-    from shardtune.train.core.optim import build_optimizer, build_scheduler
-    from shardtune.verify.simulate import make_step, module_stats_per_micro_batch
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
-    for strategy, grad_accum in CASES:
-        torch.manual_seed(rank)
-        pc = ParallelConfig(strategy=strategy, precision="bf16-mixed")
-        mesh = build_mesh(pc, world, world, "cpu")
-        model = build_model(ModelConfig(name="tiny-llama"), pc, mesh, torch.device("cpu"), seed=0)
-        opt = build_optimizer(model, OptimConfig(), pc, mesh.get_group())
-        sched = build_scheduler(opt, OptimConfig(), 10)
-        vocab = unwrap(model).config.vocab_size
-        step = make_step(model, opt, sched, StepOptions.from_config(RunConfig(parallel=pc), vocab), vocab_size=vocab,
-                         seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, grad_accum=grad_accum, world_size=world)
-        # real DDP rebuilds its buckets in the second step's forward (the trace keeps them as built)
-        with module_stats_per_micro_batch(model):  # the trackers' per-module stats, per micro-batch
-            results[f"{strategy} ga{grad_accum}"] = track_step(
-                model, opt, step, fsdp=STRATEGY[strategy].fsdp,
-                warmup_steps=1 if STRATEGY[strategy].fsdp else 2)
-        del model, opt, sched, step
-        gc.collect()  # DDP's reducer before the next strategy / teardown (gloo exit hang)
-        dist.barrier()
-    Path(f"{out_path}.rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
 
 
 def _largest_reduce_scatter_input_bytes() -> int:
@@ -76,16 +31,16 @@ def _largest_reduce_scatter_input_bytes() -> int:
     return 4 * max(layer, root)
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(200)
-def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
-    from _harness import launch
+DIST_LAUNCHES = {2: lambda d: ([{"name": "real", "worker": "_simulate_worker", "cases": CASES,
+                                  "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH}], 170)}  # tests/dist/conftest.py
 
+
+@pytest.mark.dist
+@pytest.mark.timeout(200, func_only=True)
+def test_simulated_bytes_equal_real_tracked_bytes(dist_launch, request):
     from shardtune.verify.simulate import simulate_strategy
 
-    out = tmp_path / "real"
-    launch(Path(__file__), 2, [str(out)], timeout_s=170, log_dir=tmp_path / "logs")
-    real = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
+    real = [r["real"] for r in dist_launch(request.module, 2)[1]]
     failures = []
     staging = _largest_reduce_scatter_input_bytes()
     for strategy, grad_accum in CASES:
@@ -109,7 +64,3 @@ def test_simulated_bytes_equal_real_tracked_bytes(tmp_path):
         for key in ("params", "grads", "optimizer"):
             assert real[0][case][key] == real[1][case][key], (case, key)
     assert not failures, "\n".join(failures)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

@@ -1,6 +1,7 @@
-"""Tensor (+ sequence) parallelism composed with FSDP2 against one plain process (gloo, 4 ranks, one
-launch): tp 2 × dp 2 (zero3, zero2 with grad accumulation, hsdp, AC full without SP, AC op,
-AC full with SP, bf16-mixed, LoRA with and without SP) and tp 4 × dp 1, fp32, 4 steps, on `_batches`' packed rows with masked prompts. The
+"""Tensor (+ sequence) parallelism composed with FSDP2 against one plain process (gloo, 4 ranks, the
+tier's shared 4-rank launch, tests/dist/conftest.py): tp 2 × dp 2 (zero3, zero2 with grad
+accumulation, hsdp, AC full without SP, AC op, AC full with SP, bf16-mixed, LoRA with and without
+SP) and tp 4 × dp 1, fp32, 4 steps, on `_batches`' packed rows with masked prompts. The
 reference is test_train_parity's: a plain transformers model on the whole global batch, torch's
 cross_entropy, AdamW and clip_grad_norm_ (tp 2 × dp 1 runs through the CLI: tests/e2e/test_tp_cli.py).
 
@@ -15,13 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from _harness import launch, rank_results
 from test_train_parity import ROWS, SEQ, reference
 
 pytestmark = [pytest.mark.dist]
@@ -47,9 +44,7 @@ def _kv4_config(tmp: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp4")
+def world4_cases(tmp: Path) -> tuple[list[dict], float]:
     kv4 = _kv4_config(tmp)
     cases = [
         _case("tp2_zero3", comm=True),
@@ -64,9 +59,16 @@ def world4(tmp_path_factory):
         _case("tp2_lora_nosp", parallel={"sequence_parallel": False}, lora=LORA, lr=1e-2),
         _case("tp1_lora", tp=1, lora=LORA, lr=1e-2),
     ]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, 4, [str(tmp / "cases.json"), str(tmp)], timeout_s=400, log_dir=tmp / "logs")
-    return rank_results(tmp, 4), kv4
+    return [{**c, "worker": WORKER.stem} for c in cases], 400
+
+
+DIST_LAUNCHES = {4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def world4(dist_launch, request):
+    d, results = dist_launch(request.module, 4)
+    return results, d / "kv4.json"
 
 
 def _reference_kv4(kv4: Path) -> list[float]:
@@ -88,7 +90,7 @@ def ref():
     return reference(steps=STEPS)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)
 @pytest.mark.parametrize("name", ["tp2_zero3", "tp2_zero2_accum", "tp2_hsdp", "tp2_nosp_acfull", "tp2_acop",
                                   "tp2_acfull"])
 def test_tp2_dp2_matches_one_process(world4, ref, name):
@@ -101,7 +103,7 @@ def test_tp2_dp2_matches_one_process(world4, ref, name):
     assert [r[name]["dp_rank"] for r in world4[0]] == [0, 0, 1, 1]  # TP innermost: ranks 0, 1 share rows
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)
 def test_tp4_matches_one_process(world4):
     results, kv4 = world4
     want = _reference_kv4(kv4)
@@ -110,7 +112,7 @@ def test_tp4_matches_one_process(world4):
         assert rank_result["tp4"]["losses"] == pytest.approx(want, abs=1e-5)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)
 def test_tp2_bf16_mixed_close(world4, ref):
     want, _ = ref
     got = world4[0][0]["tp2_bf16mixed"]["losses"]
@@ -128,7 +130,7 @@ def _tp_collectives(b: int, s: int, h: int, L: int, e: int = 4) -> dict:
             "all_reduce": [1 + 3 + norms + 1, act + 3 * tokens + norms * h * 4]}  # bytes: bar the grad norm's
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)
 def test_tp_collectives_per_step_match_the_hand_count(world4):
     b, s, h, L = ROWS // 2, SEQ, TINY["h"], TINY["L"]  # per dp rank: 4 rows of 32
     want = _tp_collectives(b, s, h, L)
@@ -146,7 +148,7 @@ def test_tp_collectives_per_step_match_the_hand_count(world4):
              "measured": world4[0][0]["tp2_zero3"]["comm"], "hand_count_tp": want}, indent=1))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)
 def test_state_bytes_per_rank_are_params_over_tp_times_dp_shard(world4):
     """fp32 AdamW states of tp 2 × dp_shard 2: every weight split 4 ways, the SP norm weights
     (replicated over tp) 2 ways; m and v 8 B/param, + a 4-byte `step` per tensor."""
@@ -163,7 +165,7 @@ def test_state_bytes_per_rank_are_params_over_tp_times_dp_shard(world4):
         assert got["optimizer_bytes"] == 8 * params + 4 * tensors
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(600, func_only=True)
 @pytest.mark.parametrize("name", ["tp2_lora", "tp2_lora_nosp"])
 def test_lora_on_tp_split_linears_matches_tp1(world4, name):
     """LoRA adapters on the TP-split projections (A whole and B split on column-parallel ones, A

@@ -1,20 +1,19 @@
 """Trainer vs a plain single-process run on the same global batch (gloo, 2 and 4 ranks).
 
-Two launches run every case (2 ranks: ddp, zero1, zero2, zero3, AC, grad accumulation, bf16-mixed,
-model build; 4 ranks: hsdp 2 × 2 with and without grad accumulation, zero3). The reference is
+The tier's shared 2- and 4-rank launches (tests/dist/conftest.py) run every case (2 ranks: ddp,
+zero1, zero2, zero3, AC, grad accumulation, bf16-mixed, model build; 4 ranks: hsdp 2 × 2 with and
+without grad accumulation, zero3). The reference is
 written here independently of train/core/step.py: a plain transformers model, one forward over
 the whole global batch, the token mean from torch's cross_entropy, torch AdamW and clip_grad_norm_.
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _batches import global_batch
 from _harness import launch, rank_results
 
@@ -64,8 +63,7 @@ def reference(steps=STEPS, lr=LR, same_batch=False, optimizer_class=torch.optim.
     return losses, norms
 
 
-@pytest.fixture(scope="module")
-def pretrained_dir(tmp_path_factory) -> Path:
+def _save_pretrained(d: Path) -> Path:
     """An HF folder (config + safetensors) with transformers' own random init."""
     from transformers import AutoModelForCausalLM
 
@@ -73,9 +71,8 @@ def pretrained_dir(tmp_path_factory) -> Path:
     from shardtune.train.core.model import build_hf_config
 
     torch.manual_seed(123)
-    d = tmp_path_factory.mktemp("hf")
-    AutoModelForCausalLM.from_config(build_hf_config(ModelConfig())).save_pretrained(d)
-    return d
+    AutoModelForCausalLM.from_config(build_hf_config(ModelConfig())).save_pretrained(d / "hf")
+    return d / "hf"
 
 
 def _run(tmp: Path, nproc: int, cases: list[dict]) -> list[dict]:
@@ -85,8 +82,8 @@ def _run(tmp: Path, nproc: int, cases: list[dict]) -> list[dict]:
     return rank_results(tmp, nproc)
 
 
-@pytest.fixture(scope="module")
-def world2(tmp_path_factory, pretrained_dir):
+def world2_cases(d: Path) -> tuple[list[dict], float]:
+    pretrained = _save_pretrained(d)
     cases = [_case(s, s, logits=(s == "zero3")) for s in ("ddp", "zero1", "zero2", "zero3")]
     cases += [
         _case("zero3_ac_full", "zero3", parallel={"activation_checkpointing": "full"}),
@@ -99,7 +96,7 @@ def world2(tmp_path_factory, pretrained_dir):
         _case("ddp_bf16mixed", "ddp", "bf16-mixed", **BF16),
         _case("zero3_bf16", "zero3", "bf16", **BF16),
         _case("zero1_bf16mixed", "zero1", "bf16-mixed", **BF16),
-        {**_case("zero3_pretrained", "zero3", logits=True, model={"name": str(pretrained_dir)}), "steps": 1},
+        {**_case("zero3_pretrained", "zero3", logits=True, model={"name": str(pretrained)}), "steps": 1},
         _case("zero3_fused", "zero3", optim={"implementation": "fused"}),
         _case("zero2_foreach", "zero2", optim={"implementation": "foreach"}),
         _case("ddp_for-loop", "ddp", optim={"implementation": "for-loop"}),
@@ -109,14 +106,31 @@ def world2(tmp_path_factory, pretrained_dir):
         _case("zero3_bf16_sr_small_lr", "zero3", "bf16", optim={"implementation": "bf16-stochastic"}, **SMALL_LR),
         _case("zero1_8bit", "zero1", optim={"name": "adamw-8bit"}),
     ]
-    return _run(tmp_path_factory.mktemp("w2"), 2, cases)
+    return [{**c, "worker": WORKER.stem} for c in cases], 240
+
+
+def world4_cases(d: Path) -> tuple[list[dict], float]:
+    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}), _case("zero3", "zero3"),
+             _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
+    return [{**c, "worker": WORKER.stem} for c in cases], 240
+
+
+DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}), _case("zero3", "zero3"),
-             _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
-    return _run(tmp_path_factory.mktemp("w4"), 4, cases)
+def world2(dist_launch, request):
+    return dist_launch(request.module, 2)[1]
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(dist_launch, request) -> Path:
+    return dist_launch(request.module, 2)[0] / "hf"
+
+
+@pytest.fixture(scope="module")
+def world4(dist_launch, request):
+    return dist_launch(request.module, 4)[1]
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +152,7 @@ def bnb_ref():
     return reference(optimizer_class=bnb.optim.AdamW8bit)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3", "zero3_ac_full", "zero2_ac_selective",
                                   "ddp_ac_full", "zero3_accum", "ddp_accum", "zero3_offload",
                                   "zero3_fused", "zero2_foreach", "ddp_for-loop"])
@@ -149,7 +163,7 @@ def test_loss_parity_two_ranks(world2, ref, name):
         assert got["grad_norms"] == pytest.approx(ref[1], rel=1e-4), name
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["hsdp", "zero3", "hsdp_accum"])
 def test_loss_parity_four_ranks(world4, ref, name):
     for rank_result in world4:
@@ -157,7 +171,7 @@ def test_loss_parity_four_ranks(world4, ref, name):
         assert rank_result[name]["grad_norms"] == pytest.approx(ref[1], rel=1e-4)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["zero3_bf16mixed", "ddp_bf16mixed", "zero1_bf16mixed", "zero3_bf16",
                                   "zero3_bf16_sr"])
 def test_bf16_close_and_falling(world2, bf16_ref, name):
@@ -169,7 +183,7 @@ def test_bf16_close_and_falling(world2, bf16_ref, name):
     assert losses[-1] < losses[0] - 0.3
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_sharded_build_gives_plain_model_logits(world2, pretrained_dir):
     """Random init at world 2 equals the one-process init; safetensors load equals from_pretrained
     (both need the rotary inv_freq rebuilt after to_empty)."""
@@ -190,7 +204,7 @@ def _tiny_llama_counts() -> tuple[int, int]:
     return V * H + L * per_layer + H + V * H, 3 + 9 * L
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name, sharded", [("ddp", False), ("zero1", False), ("zero2", True), ("zero3", True)])
 def test_bytes_per_rank_after_first_step(world2, name, sharded):
     """fp32 AdamW: params 4P, grads 4P, m and v 8P (+ a 4-byte `step` per tensor), ÷ N when
@@ -211,7 +225,7 @@ def test_bytes_per_rank_after_first_step(world2, name, sharded):
         assert all(r[name]["bytes"]["optimizer_bytes"] < 8 * P for r in world2)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_bytes_per_rank_hsdp(world4):
     P, T = _tiny_llama_counts()
     for rank_result in world4:  # shard groups of 2: each rank holds half
@@ -219,7 +233,7 @@ def test_bytes_per_rank_hsdp(world4):
                                                 "optimizer_bytes": 4 * P + 4 * T}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, func_only=True)
 def test_a_crashing_rank_fails_fast(tmp_path):
     import time
 
@@ -242,7 +256,7 @@ def _planned(strategy: str, world: int, shard_degree: int, rank: int, optimizer:
     return {"params_bytes": s.params, "grads_bytes": s.grads, "optimizer_bytes": s.optimizer + s.optimizer_host}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name, world, shard", [("ddp", 2, 1), ("zero1", 2, 1), ("zero2", 2, 2),
                                                 ("zero3", 2, 2), ("hsdp", 4, 2), ("zero3", 4, 4),
                                                 ("zero3_fused", 2, 2), ("ddp_8bit", 2, 1), ("zero1_8bit", 2, 1),
@@ -256,7 +270,7 @@ def test_bytes_per_rank_equal_planner(world2, world4, name, world, shard):
         assert rank_result[name]["bytes"] == _planned(strategy, world, shard, rank, optimizer, precision), (name, rank)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["ddp_8bit", "zero1_8bit"])
 def test_adamw_8bit_two_ranks_vs_one_process_bitsandbytes(world2, bnb_ref, name):
     """bitsandbytes' AdamW8bit under ddp (every rank steps every tensor) and zero1 (each rank its
@@ -268,7 +282,7 @@ def test_adamw_8bit_two_ranks_vs_one_process_bitsandbytes(world2, bnb_ref, name)
         assert rank_result[name]["grad_norms"] == pytest.approx(want_norms, rel=1e-4), name
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_adamw_8bit_state_bytes_by_hand(world2):
     """AdamW8bit's states under ddp, by hand from tiny-llama's tensors: a tensor of n ≥ 4,096
     elements keeps two uint8 states (2n) and two fp32 absmax per 256-block (8·⌈n/256⌉); smaller
@@ -282,7 +296,7 @@ def test_adamw_8bit_state_bytes_by_hand(world2):
         assert rank_result["ddp_8bit"]["bytes"]["optimizer_bytes"] == want
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_activation_checkpointing_really_drops_saved_activations(world2):
     """AC on/off give equal losses (above), so check that AC was applied at all: the bytes saved
     for backward fall with full AC, and selective (every 2nd of 4 layers) lies in between. With
@@ -302,7 +316,7 @@ def test_activation_checkpointing_really_drops_saved_activations(world2):
     assert world2[0]["zero3"]["activations_bytes"] == pytest.approx(planned, rel=0.05)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_ddp_accumulation_reduces_gradients_once_per_step(world2):
     """no_sync on all but the last micro-batch: 2 micro-batches cost the all-reduces of 1."""
     for r in world2:
@@ -310,7 +324,7 @@ def test_ddp_accumulation_reduces_gradients_once_per_step(world2):
         assert one > 0 and two == one
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_hsdp_accumulation_all_reduces_across_replicas_once_per_step(world4):
     """set_requires_all_reduce(False) on all but the last micro-batch: FSDP2 all-reduces each of
     tiny-llama's L + 1 = 5 groups (4 decoder layers and the root) across the replica group once per
@@ -321,7 +335,7 @@ def test_hsdp_accumulation_all_reduces_across_replicas_once_per_step(world4):
         assert r["hsdp_accum"]["replica_allreduces"] == STEPS * groups
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300, func_only=True)
 def test_stochastic_rounding_keeps_small_lr_training_in_pure_bf16(world2):
     """lr 1e-5, 6 steps on one batch: the fp32 one-process run's loss falls by ~0.042 (measured);
     pure bf16 with torch's AdamW (nearest rounding) loses most of its updates and falls ~5× less;
