@@ -7,7 +7,8 @@ each case names its worker module (`"worker": "_train_worker"`). The first modul
 the cases of every collected module declaring that world, in collection order, each under its own
 folder; launches of smaller worlds run first (a case may resume a smaller world's checkpoint). A
 rank costs ~7 s of imports, so the tier pays them once per world size, not once per module. A
-failed launch fails every test that reads it, with the launch's error.
+failed launch fails every test that reads it, with the launch's error. Under pytest-xdist the
+workers share each launch (`_cli.once`: the first builds it, the others wait and read it).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _cli import once, shared_root
 from _harness import launch, rank_results
 
 SHARED_WORKER = Path(__file__).parent / "_shared_worker.py"
@@ -30,6 +32,10 @@ class SharedLaunches:
         return d
 
     def _launch(self, world: int) -> None:
+        key = ["dist launch", world, sorted(m.__name__ for m in self.modules if world in m.DIST_LAUNCHES)]
+        self.done[world] = once(self.base, key, lambda out: self._build(world, out))
+
+    def _build(self, world: int, out: Path) -> dict:
         cases, timeout_s = [], 0.0
         for module in self.modules:
             fn = module.DIST_LAUNCHES.get(world)
@@ -40,14 +46,12 @@ class SharedLaunches:
             assert all("worker" in c for c in mod_cases), module.__name__
             cases += [{"out_dir": str(d), **c, "key": f"{module.__name__}::{c['name']}"} for c in mod_cases]
             timeout_s += mod_timeout
-        out = self.base / f"launch_w{world}"
-        out.mkdir()
         (out / "cases.json").write_text(json.dumps(cases))
         try:
             launch(SHARED_WORKER, world, [str(out / "cases.json"), str(out)], timeout_s, out / "logs")
-            self.done[world] = rank_results(out, world)
+            return {"results": rank_results(out, world)}
         except AssertionError as e:
-            self.done[world] = e
+            return {"error": str(e)}
 
     def get(self, module, world: int) -> tuple[Path, list[dict]]:
         """(the module's folder, each rank's {case name: result} for the module's cases)."""
@@ -57,9 +61,9 @@ class SharedLaunches:
         for w in sorted({w for m in self.modules for w in m.DIST_LAUNCHES}):
             if w <= world and w not in self.done:
                 self._launch(w)
-        results = self.done[world]
-        if isinstance(results, AssertionError):
-            raise AssertionError(f"the shared {world}-rank launch failed: {results}")
+        if "error" in self.done[world]:
+            raise AssertionError(f"the shared {world}-rank launch failed: {self.done[world]['error']}")
+        results = self.done[world]["results"]
         prefix = f"{module.__name__}::"
         return self.folder(module), [{k.removeprefix(prefix): v for k, v in r.items() if k.startswith(prefix)}
                                      for r in results]
@@ -74,4 +78,4 @@ def dist_launch(request, tmp_path_factory):
         module = getattr(item, "module", None)
         if module is not None and hasattr(module, "DIST_LAUNCHES") and module not in modules:
             modules.append(module)
-    return SharedLaunches(tmp_path_factory.mktemp("dist_shared"), modules).get
+    return SharedLaunches(shared_root(tmp_path_factory) / "dist", modules).get

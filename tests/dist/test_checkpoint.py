@@ -87,15 +87,15 @@ def two(dist_launch, request) -> tuple[Path, dict]:
 
 
 @pytest.fixture(scope="module")
-def other_worlds(two, dist_launch, request) -> Path:
-    """4 ranks (the shared launch) and 1 rank (its own launch) resume the 2-rank checkpoints; the
-    runs lie in the module's folder."""
+def other_worlds(two, dist_launch, request, tmp_path_factory) -> dict[str, Path]:
+    """4 ranks (the shared launch) and 1 rank (its own launch, in this process's own folder) resume
+    the 2-rank checkpoints: {case: run folder}."""
     d2, _ = two
     d4, w4 = dist_launch(request.module, 4)
     assert d4 == d2 and {w4[0][n]["outcome"] for n in ("z3_w4", "hsdp_w4")} == {"ok"}, w4[0]
-    _run(d2 / "w1", 1, [_case("z3_w1", "zero3", 1, resume=str(d2 / "z3_straight/checkpoints/step_4"))],
-         timeout_s=90)
-    return d2
+    w1 = tmp_path_factory.mktemp("ckpt_w1")
+    _run(w1, 1, [_case("z3_w1", "zero3", 1, resume=str(d2 / "z3_straight/checkpoints/step_4"))], timeout_s=90)
+    return {"z3_w4": d2 / "z3_w4", "hsdp_w4": d2 / "hsdp_w4", "z3_w1": w1 / "z3_w1"}
 
 
 def _assert_continues(straight: Path, resumed: Path, tol: float) -> None:
@@ -129,11 +129,11 @@ def test_resume_under_another_strategy(two, straight, resumed):
 
 
 @pytest.mark.timeout(400, func_only=True)
-@pytest.mark.parametrize("resumed", ["z3_w4", "hsdp_w4", "w1/z3_w1"])
+@pytest.mark.parametrize("resumed", ["z3_w4", "hsdp_w4", "z3_w1"])
 def test_resume_at_another_world_size(two, other_worlds, resumed):
     d2, _ = two
     straight = d2 / ("ddp_straight" if "hsdp" in resumed else "z3_straight")
-    _assert_continues(straight, other_worlds / resumed, 1e-5)
+    _assert_continues(straight, other_worlds[resumed], 1e-5)
     info = read_info(straight / "checkpoints" / "step_4")
     assert info.world_size == 2
 
