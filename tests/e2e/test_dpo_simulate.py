@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.testing.proc import run_bounded
+from shardtune.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
