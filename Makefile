@@ -40,10 +40,17 @@ demo-real: $(STAMP)
 	@echo "after 10 steps (expected: 07/08/2040):"
 	$(BIN)/shardtune generate runs/demo-real --prompt "$(DATE_PROMPT)" --max-new-tokens 12
 
-# Lint first (ruff, pyproject.toml), then every tier of tests; either failing fails `make test`.
+# Lint first (ruff, pyproject.toml), then every tier of tests; either failing fails `make test`. The
+# tests run on WORKERS pytest-xdist processes, a file's tests on one worker (its module fixtures run
+# once; shared runs are built once for all workers, tests/_cli.py `once`), then the `serial` ones
+# (wall-time bounds, tc-capped links) alone. WORKERS=0: one process, in order.
+WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check shardtune tests bench
-	$(BIN)/python -m pytest -q --durations=25
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not serial" && \
+	$(BIN)/python -m pytest -q --durations=10 -m serial; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s of pytest, exit $$rc"; exit $$rc
 
 # The container image for `shardtune launch k8s --image` (Dockerfile: CUDA base, RDMA userspace,
 # torch's CUDA build, this project and its extras). Needs docker; then docker push $(IMAGE).

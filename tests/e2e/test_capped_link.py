@@ -12,7 +12,7 @@ import pytest
 
 from shardtune.testing.netns import netns_unavailable_reason
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.e2e, pytest.mark.serial, pytest.mark.timeout(90)]
 REPO = Path(__file__).resolve().parents[2]
 RATE_MBIT = 100
 

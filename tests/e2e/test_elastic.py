@@ -19,7 +19,7 @@ import pytest
 from _cli import train_recipe
 from _e2eb_shared import ELASTIC_RECIPE, ELASTIC_STEPS, elastic_reference
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 STEPS, RECIPE = ELASTIC_STEPS, ELASTIC_RECIPE  # tests/e2e/_e2eb_shared.py: its reference run is shared
 
 

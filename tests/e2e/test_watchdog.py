@@ -22,7 +22,7 @@ from _e2eb_shared import elastic_reference, watchers_of
 
 from shardtune.train.durable.watchdog import Judge, Watchdog, limit_s, proc_alive
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 RECIPE = """
 name: watchdog
 model: {name: tiny-llama}
