@@ -1,8 +1,8 @@
 """The dist tier's shared launches: one launch per world size for the whole session.
 
 A test module declares `DIST_LAUNCHES = {world: cases_fn}`, where `cases_fn(folder) -> (cases,
-timeout_s)` builds its cases (writing any file they read under `folder`, the module's own) and
-each case names its worker module (`"worker": "_train_worker"`). The first module fixture that asks
+timeout_s)` builds its cases (writing any file they read under `folder`, the module's own); a
+case runs the module's `WORKER` unless it names another (`"worker": "_train_worker"`). The first module fixture that asks
 `dist_launch(request.module, world)` starts ONE launch of `world` ranks (_shared_worker.py) that runs
 the cases of every collected module declaring that world, in collection order, each under its own
 folder; launches of smaller worlds run first (a case may resume a smaller world's checkpoint). A
@@ -43,8 +43,10 @@ class SharedLaunches:
                 continue
             d = self.folder(module)
             mod_cases, mod_timeout = fn(d)
-            assert all("worker" in c for c in mod_cases), module.__name__
-            cases += [{"out_dir": str(d), **c, "key": f"{module.__name__}::{c['name']}"} for c in mod_cases]
+            default = getattr(module, "WORKER", None)  # a case without "worker" runs its module's WORKER
+            assert all("worker" in c for c in mod_cases) or default is not None, module.__name__
+            cases += [{"out_dir": str(d), **({"worker": Path(default).stem} if default else {}), **c,
+                       "key": f"{module.__name__}::{c['name']}"} for c in mod_cases]
             timeout_s += mod_timeout
         (out / "cases.json").write_text(json.dumps(cases))
         try:

@@ -22,7 +22,7 @@ def _case(name, strategy, precision="fp32"):
 CASES = [_case("zero3", "zero3"), _case("ddp", "ddp"), _case("zero3_bf16_mixed", "zero3", "bf16-mixed")]
 
 
-DIST_LAUNCHES = {2: lambda d: ([{**c, "worker": WORKER.stem} for c in CASES], 300)}  # tests/dist/conftest.py
+DIST_LAUNCHES = {2: lambda d: (CASES, 300)}  # tests/dist/conftest.py
 
 
 @pytest.fixture(scope="module")

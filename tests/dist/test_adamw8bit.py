@@ -28,7 +28,7 @@ def _case(name, strategy, optimizer, steps=2):
 def world2_cases(d: Path) -> tuple[list[dict], float]:
     cases = [_case("zero3", "zero3", "adamw-8bit", LONG), _case("zero3_adamw", "zero3", "adamw", LONG),
              _case("zero2", "zero2", "adamw-8bit"), _case("ddp", "ddp", "adamw-8bit")]
-    return [{**c, "worker": WORKER.stem} for c in cases], 420
+    return cases, 420
 
 
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)

@@ -66,7 +66,7 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
               env={"SHARDTUNE_TEST_NAN_STEPS": "3,4,5"}),
         _case("sigterm", "zero3", 2, "checkpoint.save_final=false", env={"SHARDTUNE_TEST_SIGTERM": "3:1"}),
     ]
-    return [{**c, "worker": WORKER.stem} for c in cases], 200
+    return cases, 200
 
 
 def world4_cases(d: Path) -> tuple[list[dict], float]:
@@ -74,7 +74,7 @@ def world4_cases(d: Path) -> tuple[list[dict], float]:
     cases = [_case("z3_w4", "zero3", 4, resume=str(d / "z3_straight/checkpoints/step_4")),
              _case("hsdp_w4", "hsdp", 4, "parallel.hsdp_shard_size=2",
                    resume=str(d / "ddp_straight/checkpoints/step_4"))]
-    return [{**c, "worker": WORKER.stem} for c in cases], 150
+    return cases, 150
 
 
 DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)

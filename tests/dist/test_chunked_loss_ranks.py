@@ -34,7 +34,7 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
     cases = [_case("zero3", "zero3"), _case("zero3_tied_accum", "zero3", model=str(d / "tied.json"), chunks=3,
                                             grad_accum=2),
              _case("ddp", "ddp"), _case("ddp_bf16_mixed", "ddp", precision="bf16-mixed")]
-    return [{**c, "worker": WORKER.stem} for c in cases], 400
+    return cases, 400
 
 
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)

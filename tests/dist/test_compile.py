@@ -31,7 +31,7 @@ CASES = [_case("zero3", "zero3"), _case("zero3_full_ac", "zero3", "full"), _case
 def world2_cases(d: Path) -> tuple[list[dict], float]:
     """CASES, the first with dynamo's caches and counters reset as in a fresh process (the shared
     launch's earlier cases may have compiled)."""
-    return [{**c, "worker": WORKER.stem, "fresh_dynamo": i == 0} for i, c in enumerate(CASES)], 600
+    return [{**c, "fresh_dynamo": i == 0} for i, c in enumerate(CASES)], 600
 
 
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)

@@ -51,7 +51,7 @@ def world4_cases(d: Path) -> tuple[list[dict], float]:
         _case("cp2_lora", lora=LORA, lr=1e-2),
         _case("cp1_lora", cp=1, lora=LORA, lr=1e-2),
     ]
-    return [{**c, "worker": WORKER.stem} for c in cases], 500
+    return cases, 500
 
 
 DIST_LAUNCHES = {4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)

@@ -33,7 +33,7 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
     """The first 6 micro-batches of 2 rows on 2 ranks (24 rows: source b, 15 rows, wraps its epoch)."""
     (d / "two").mkdir()
     cfg = _config(d, write=True)[1]
-    case = {"name": "two", "worker": WORKER.stem, "cfg": cfg.model_dump_json(), "out": str(d / "two"), "n": 6,
+    case = {"name": "two", "cfg": cfg.model_dump_json(), "out": str(d / "two"), "n": 6,
             "micro": 2, "state": ""}
     return [case], 120
 

@@ -52,7 +52,7 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
     per_rank = [[_batch(ids[0:2], labels[0:2]), _batch(ids[2:3], labels[2:3])],  # rank 0: two batches
                 [_batch(ids[3:5], labels[3:5])]]  # rank 1: one (a different row count)
     (d / "batches.json").write_text(json.dumps(per_rank))
-    return [{"name": "eval", "worker": WORKER.stem, "folder": str(folder), "batches": str(d / "batches.json")}], 240
+    return [{"name": "eval", "folder": str(folder), "batches": str(d / "batches.json")}], 240
 
 
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)

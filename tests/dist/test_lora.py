@@ -103,13 +103,13 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
         {"name": "lora_resume", "overrides": [*CKPT_BASE, "parallel.strategy=zero3", f"checkpoint.resume={s2}"]},
         {"name": "lora_resume_ddp", "overrides": [*CKPT_BASE, "parallel.strategy=ddp", f"checkpoint.resume={s2}"]},
     ]
-    return [{**c, "worker": WORKER.stem} for c in cases], 240
+    return cases, 240
 
 
 def world4_cases(d: Path) -> tuple[list[dict], float]:
     cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}),
              _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
-    return [{**c, "worker": WORKER.stem} for c in cases], 240
+    return cases, 240
 
 
 DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)

@@ -78,7 +78,7 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
     cases = [{"name": n, "parallel": {"strategy": s, "precision": p, **kw}, "steps": STEPS, "rows": ROWS,
               "seq_len": SEQ, "lr": LR, "model": {"name": str(cfg), "init": "random"},
               "lora": {"rank": RANK, "alpha": ALPHA, "quantize_base": "nf4"}} for n, s, p, kw in CASES]
-    return [{**c, "worker": WORKER.stem} for c in cases], 300
+    return cases, 300
 
 
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)

@@ -61,7 +61,7 @@ def test_ids_and_loss_mask_match_the_chat_template(folder, hf_tok):
 def world2_cases(d: Path) -> tuple[list[dict], float]:
     data = d / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
-    return [{"name": "real", "worker": WORKER.stem, "folder": str(cut_folder(2)), "data": str(data)}], 240
+    return [{"name": "real", "folder": str(cut_folder(2)), "data": str(data)}], 240
 
 
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)

@@ -31,7 +31,7 @@ def _prompt(folder: Path) -> tuple[list[int], list[int]]:
 def world2_cases(d: Path) -> tuple[list[dict], float]:
     ids, stop = _prompt(cut_folder(2))
     (d / "prompt.json").write_text(json.dumps({"ids": ids, "max_new_tokens": NEW, "stop_ids": stop}))
-    return [{"name": "sampling", "worker": WORKER.stem, "folder": str(cut_folder(2)),
+    return [{"name": "sampling", "folder": str(cut_folder(2)),
              "prompt": str(d / "prompt.json")}], 240
 
 

@@ -59,7 +59,7 @@ def world4_cases(tmp: Path) -> tuple[list[dict], float]:
         _case("tp2_lora_nosp", parallel={"sequence_parallel": False}, lora=LORA, lr=1e-2),
         _case("tp1_lora", tp=1, lora=LORA, lr=1e-2),
     ]
-    return [{**c, "worker": WORKER.stem} for c in cases], 400
+    return cases, 400
 
 
 DIST_LAUNCHES = {4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)

@@ -106,13 +106,13 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
         _case("zero3_bf16_sr_small_lr", "zero3", "bf16", optim={"implementation": "bf16-stochastic"}, **SMALL_LR),
         _case("zero1_8bit", "zero1", optim={"name": "adamw-8bit"}),
     ]
-    return [{**c, "worker": WORKER.stem} for c in cases], 240
+    return cases, 240
 
 
 def world4_cases(d: Path) -> tuple[list[dict], float]:
     cases = [_case("hsdp", "hsdp", parallel={"hsdp_shard_size": 2}), _case("zero3", "zero3"),
              _case("hsdp_accum", "hsdp", parallel={"hsdp_shard_size": 2}, grad_accum=2)]
-    return [{**c, "worker": WORKER.stem} for c in cases], 240
+    return cases, 240
 
 
 DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per world (tests/dist/conftest.py)
