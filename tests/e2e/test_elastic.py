@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from _cli import train_recipe
-from _e2eb_shared import ELASTIC_RECIPE, ELASTIC_STEPS, elastic_reference
+from _elastic_reference import ELASTIC_RECIPE, ELASTIC_STEPS, elastic_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
-STEPS, RECIPE = ELASTIC_STEPS, ELASTIC_RECIPE  # tests/e2e/_e2eb_shared.py: its reference run is shared
+STEPS, RECIPE = ELASTIC_STEPS, ELASTIC_RECIPE  # tests/e2e/_elastic_reference.py: its reference run is shared
 
 
 def _train(tmp: Path, name: str, *args: str, env: dict | None = None, timeout_s: float = 120):
@@ -39,7 +39,7 @@ def _events(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """The uninterrupted run (the same recipe, checkpoints every 2), trained once a session:
-    test_watchdog.py reads it too (_e2eb_shared.py)."""
+    test_watchdog.py reads it too (_elastic_reference.py)."""
     ref = elastic_reference(tmp_path_factory)
     assert ref.rc == 0, ref.text[-3000:]
     return _records(ref.tmp / "ref")

@@ -1,7 +1,7 @@
 """Signals to the launcher itself, through the real CLI (`shardtune train ... --nproc 2`, gloo):
 Ctrl-C (SIGINT) saves and exits 130, so `train && export` stops; a kill -9 of the launcher takes
 its job with it (the agent's and the ranks' parent-death signal, train/launcher/agent.py), no process of
-the run outlives it. The SIGINT run is the session's one (tests/e2e/_e2eb_signals.py), which
+the run outlives it. The SIGINT run is the session's one (tests/e2e/_sigint_run.py), which
 test_train_cli.py's Ctrl-C test reads too."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _e2eb_signals import processes_of, signalled, start, wait_for_steps
+from _sigint_run import processes_of, signalled, start, wait_for_steps
 
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info

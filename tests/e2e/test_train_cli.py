@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _e2eb_signals import signalled
+from _sigint_run import signalled
 
 from shardtune.processes import run_bounded
 
@@ -72,7 +72,7 @@ def test_bad_input_exit_2_one_line_before_any_process(monkeypatch, capsys, args,
 def test_ctrl_c_stops_torchrun_and_every_worker(tmp_path_factory, sig):
     """Ctrl-C (SIGINT) or SIGTERM to `shardtune train` mid-run leaves no process behind; SIGINT exits
     130 (so `train && export` stops), SIGTERM 0 (a preemption), each after saving. The runs are the
-    session's (tests/e2e/_e2eb_signals.py: only the signal ends them; test_launcher_signals.py reads
+    session's (tests/e2e/_sigint_run.py: only the signal ends them; test_launcher_signals.py reads
     the SIGINT one too)."""
     r = signalled(tmp_path_factory, sig)
     assert r.running_before, "no torchrun / worker processes found while training"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _cli import train_recipe
-from _e2eb_shared import elastic_reference, watchers_of
+from _elastic_reference import elastic_reference, watchers_of
 
 from shardtune.train.durable.watchdog import Judge, Watchdog, limit_s, proc_alive
 
@@ -60,7 +60,7 @@ def test_a_rank_stopped_in_a_collective_ends_the_job_named_long_before_the_timeo
 @pytest.mark.timeout(200)
 def test_a_normal_run_with_the_watchdog_on_leaves_nothing_behind(tmp_path_factory):
     """test_elastic.py's uninterrupted run (8 steps, checkpoints every 2), SHARDTUNE_WATCHDOG_S=5,
-    trained once a session (_e2eb_shared.py); looked at 1.5 s after its end and again now."""
+    trained once a session (_elastic_reference.py); looked at 1.5 s after its end and again now."""
     ref = elastic_reference(tmp_path_factory)
     assert ref.rc == 0 and "is hung" not in ref.text, ref.text[-3000:]
     assert ref.watchers_after == [] and ref.beats_after == []
