@@ -43,10 +43,13 @@ demo-real: $(STAMP)
 # Lint first (ruff, pyproject.toml), then every tier of tests; either failing fails `make test`. The
 # tests run on WORKERS pytest-xdist processes, a file's tests on one worker (its module fixtures run
 # once; shared runs are built once for all workers, tests/_cli.py `once`), then the `serial` ones
-# (wall-time bounds, tc-capped links) alone. WORKERS=0: one process, in order.
+# (the tc-capped link's timing) alone. WORKERS=0: one process, in order. compileall first: where
+# PYTHONDONTWRITEBYTECODE is set (CI), each of the suite's ~500 Python processes would otherwise
+# compile shardtune's sources again.
 WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check shardtune tests bench
+	$(BIN)/python -m compileall -q shardtune tests > /dev/null
 	@start=$$(date +%s); \
 	$(BIN)/python -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not serial" && \
 	$(BIN)/python -m pytest -q --durations=10 -m serial; rc=$$?; \

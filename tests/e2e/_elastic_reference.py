@@ -4,11 +4,14 @@ TMPDIR in its own folder, so test_watchdog.py reads from it that a normal run le
 and no beat file behind (looked for 1.5 s after its end, as that test did with its own run)."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from _cli import train_recipe
+
+from shardtune.train.durable.watchdog import WATCHER_NAME
 
 ELASTIC_STEPS = 8
 ELASTIC_RECIPE = """
@@ -23,14 +26,18 @@ checkpoint: {keep: 2}
 
 
 def watchers_of(tmp: Path) -> list[int]:
-    """Live watchdog processes whose command line names a path under `tmp` (their beat file)."""
-    out = []
+    """Live watchdog processes of a run under `tmp`: a fresh interpreter whose command line names its
+    beat file there, or a forked watcher (/proc/<pid>/comm `shardtune-watch`) whose rank's command
+    line or open files name a path there."""
+    out, under = [], str(tmp).encode()
     for d in Path("/proc").iterdir():
         try:
             cmd = (d / "cmdline").read_bytes().split(b"\0")
+            forked = (d / "comm").read_bytes().strip() == WATCHER_NAME
+            files = [os.fsencode(os.readlink(f)) for f in (d / "fd").iterdir()] if forked else []
         except OSError:
             continue
-        if b"shardtune.train.durable.watchdog" in cmd and any(str(tmp).encode() in c for c in cmd):
+        if (b"shardtune.train.durable.watchdog" in cmd or forked) and any(under in c for c in cmd + files):
             out.append(int(d.name))
     return out
 

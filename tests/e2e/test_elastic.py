@@ -19,7 +19,7 @@ import pytest
 from _cli import train_recipe
 from _elastic_reference import ELASTIC_RECIPE, ELASTIC_STEPS, elastic_reference
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = [pytest.mark.e2e]
 STEPS, RECIPE = ELASTIC_STEPS, ELASTIC_RECIPE  # tests/e2e/_elastic_reference.py: its reference run is shared
 
 

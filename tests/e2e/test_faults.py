@@ -15,7 +15,7 @@ from _cli import train_recipe
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = [pytest.mark.e2e]
 RECIPE = """
 name: faults
 model: {name: tiny-llama}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from _cli import train_recipe
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = [pytest.mark.e2e]
 RECIPE = """
 name: first
 model: {name: tiny-llama}

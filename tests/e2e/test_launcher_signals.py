@@ -16,7 +16,7 @@ from _sigint_run import processes_of, signalled, start, wait_for_steps
 from shardtune.train.durable import integrity
 from shardtune.train.durable.ckpt_files import read_info
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = [pytest.mark.e2e]
 
 
 @pytest.mark.timeout(300)

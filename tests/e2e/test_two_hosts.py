@@ -26,7 +26,7 @@ from shardtune.testing.netns import TwoHosts, cleanup_stale, netns_unavailable_r
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 _reason = netns_unavailable_reason()
-pytestmark = [pytest.mark.e2e, pytest.mark.serial, pytest.mark.skipif(_reason is not None, reason=str(_reason))]
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(_reason is not None, reason=str(_reason))]
 
 ALLREDUCE = textwrap.dedent("""
     import os, torch, torch.distributed as dist

@@ -22,7 +22,7 @@ from _elastic_reference import elastic_reference, watchers_of
 
 from shardtune.train.durable.watchdog import Judge, Watchdog, limit_s, proc_alive
 
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = [pytest.mark.e2e]
 RECIPE = """
 name: watchdog
 model: {name: tiny-llama}
@@ -119,3 +119,59 @@ def test_on_by_default_with_a_120_s_floor_and_off_with_zero(monkeypatch):
     assert not w.enabled and w._thread is None
     w.beat(3)
     w.stop()
+
+
+# A rank's watcher, forked (prefork) or a fresh interpreter: its heartbeat in the job's store,
+# its name in ps, its end at stop(). Before prefork the process has one thread unless THREAD.
+WATCHER_SCRIPT = """
+import os, sys, threading, time
+os.environ.update(WORLD_SIZE="2", SHARDTUNE_WATCHDOG_S="5")
+if "THREAD" in sys.argv:
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+from torch.distributed import TCPStore
+from shardtune.train.durable import watchdog as wd
+wd.prefork()
+spare = wd._Spare.current
+if "EOF" in sys.argv:  # a rank that ends before its watchdog starts
+    print(spare.pid, flush=True)
+    sys.exit(0)
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the job's (torchrun's)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+w = wd.Watchdog(0, 2, 60).start()
+pid = w._thread.pid
+for _ in range(100 if spare is not None else 1):  # a forked one names itself when it runs
+    name = open(f"/proc/{pid}/comm").read().strip()
+    if name != "python":
+        break
+    time.sleep(0.05)
+for step in range(1, 4):
+    w.beat(step)
+    time.sleep(1.3)
+beat = store.get("shardtune/watchdog/beat/0").decode().split("|")
+w.stop()
+print(spare is not None, w._thread is None, name, beat[0], beat[1], beat[2], beat[5] == str(os.getpid()),
+      os.path.exists(f"/proc/{pid}"), flush=True)
+"""
+
+
+def _watcher_script(*args: str) -> list[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # numpy's BLAS pool: one thread, as under `shardtune train`
+    proc = subprocess.run([sys.executable, "-c", WATCHER_SCRIPT, *args], capture_output=True, text=True,
+                          timeout=90, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
+@pytest.mark.timeout(200)
+def test_the_watcher_is_forked_when_the_rank_has_one_thread_and_a_fresh_interpreter_otherwise():
+    forked, stopped, name, counter, step, phase, own, left = _watcher_script()
+    assert (forked, stopped, name) == ("True", "True", "shardtune-watch")
+    assert int(counter) >= 2 and (step, phase, own, left) == ("3", "step", "True", "False")
+    forked, stopped, name, counter, step, phase, own, left = _watcher_script("THREAD")
+    assert (forked, stopped, name) == ("False", "True", "python")  # Popen: python -m ...watchdog
+    assert int(counter) >= 2 and (step, phase, own, left) == ("3", "step", "True", "False")
+    (pid,) = _watcher_script("EOF")  # never started: it ends with its rank
+    deadline = time.monotonic() + 10
+    while proc_alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not proc_alive(int(pid))

@@ -5,8 +5,6 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.serial]  # wall-time bounds: run alone, not beside a pytest-xdist worker
-
 SCRIPT = """
 import threading, time
 from shardtune.train.durable.resilience import exit_if_stuck

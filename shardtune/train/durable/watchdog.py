@@ -21,6 +21,11 @@ the watchdog then only names it; a lower cap ended slow but healthy steps); the 
 default for every run of more than one rank. Validation and sample prompts beat phase "eval": like a
 save, no deadlock is judged while it lasts (the heartbeat still must move).
 
+The watcher is forked (`prefork`, at the rank's start, while it has one thread) and waits on a
+pipe until `start` sends its arguments: it shares the rank's imports instead of importing torch
+again (1.4 CPU-s and ~300 MB of memory a rank). Where the rank has threads already (a second run in
+one process), `start` runs a fresh interpreter instead:
+
     python -m shardtune.train.durable.watchdog BEAT_FILE RANK WORLD PID TIMEOUT_S FLOOR_S  # the watcher
 """
 from __future__ import annotations
@@ -80,9 +85,10 @@ class Watchdog:
         faulthandler.register(STACK_SIGNAL, all_threads=True, chain=False)
         self._fd, self._path = tempfile.mkstemp(prefix=f"shardtune-beat-{self.rank}-")
         self._write()
-        self._thread = subprocess.Popen(
-            [sys.executable, "-m", "shardtune.train.durable.watchdog", self._path, str(self.rank),
-             str(self.world_size), str(os.getpid()), str(self.timeout_s), str(self.floor_s)],
+        args = [self._path, str(self.rank), str(self.world_size), str(os.getpid()), str(self.timeout_s),
+                str(self.floor_s)]
+        self._thread = _Spare.take(args) or subprocess.Popen(
+            [sys.executable, "-m", "shardtune.train.durable.watchdog", *args],
             stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
@@ -116,6 +122,94 @@ class Watchdog:
             self._fd = None
         if Watchdog._current is self:
             Watchdog._current = None
+
+
+# ---------------------------------------------------------------- the forked watcher
+WATCHER_NAME = b"shardtune-watch"  # the forked watcher's /proc/<pid>/comm (ps -o comm), 15 bytes at most
+
+
+def prefork() -> None:
+    """Fork this rank's watcher now, to wait for `Watchdog.start`: only where it will be used (more
+    than one rank, the watchdog on) and safe (Linux, this process has one thread: a fork copies no
+    lock another thread holds). Called once, before the process group starts its threads."""
+    env = os.environ.get("SHARDTUNE_WATCHDOG_S")
+    if (int(os.environ.get("WORLD_SIZE", "1")) > 1 and (env is None or float(env) > 0)
+            and _Spare.current is None and hasattr(os, "fork") and _threads() == 1):
+        _Spare.current = _Spare()
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0  # not Linux: no fork
+
+
+class _Spare:
+    """A forked watcher waiting on a pipe; `take(args)` starts it (Popen's wait/kill for the rank)."""
+
+    current: _Spare | None = None
+
+    def __init__(self) -> None:
+        r, self._w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self._w)
+            os._exit(_serve(r))
+        os.close(r)
+
+    @classmethod
+    def take(cls, args: list[str]) -> _Spare | None:
+        spare, cls.current = cls.current, None
+        if spare is None:
+            return None
+        try:
+            where = [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]  # the store, as set now
+            os.write(spare._w, "\0".join([*args, *where]).encode())
+        except (OSError, KeyError):  # it is gone, or no store named: a fresh interpreter instead
+            spare.wait(timeout=1)
+            return None
+        finally:
+            os.close(spare._w)
+        return spare
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(WATCHER_NAME.decode(), timeout)
+            time.sleep(0.02)
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _serve(r: int) -> int:
+    """The forked watcher: its own session, default signals, no file of the rank's but the pipe;
+    reads its arguments (EOF: the rank never started it) and watches."""
+    try:
+        os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.closerange(3, r)
+        os.closerange(r + 1, 65536)
+        with contextlib.suppress(OSError):
+            with open("/proc/self/comm", "wb") as f:
+                f.write(WATCHER_NAME)
+        data = b""
+        while chunk := os.read(r, 65536):
+            data += chunk
+        if not data:
+            return 0
+        a = data.decode().split("\0")
+        os.environ.update(MASTER_ADDR=a[6], MASTER_PORT=a[7])
+        return watch(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5]))
+    except BaseException:  # noqa: BLE001 a forked child never returns into the rank's code
+        return 1
 
 
 # ---------------------------------------------------------------- the watcher process

@@ -25,6 +25,7 @@ from shardtune.processes import free_port
 from shardtune.strategies import resolve_optimizer_impl
 from shardtune.train.durable.diskfull import check_room, on_full_disk, write_atomic
 from shardtune.train.durable.resilience import exit_if_stuck, restart_safe_store_kwargs
+from shardtune.train.durable.watchdog import prefork as prefork_watcher
 from shardtune.train.launcher.runlock import RUN_LOCK_ENV, RunLock
 from shardtune.train.rank.context import DistContext
 from shardtune.train.rank.loop import finish, loop, set_up
@@ -72,6 +73,7 @@ TEARDOWN_LIMIT_S = 30.0  # a healthy destroy_process_group takes well under a se
 def run(cfg: RunConfig) -> dict:
     """Train with `cfg` on this process's rank; returns the final metrics record (rank 0)."""
 
+    prefork_watcher()  # before the process group's threads (train/durable/watchdog.py)
     ctx = setup_distributed(cfg)
     guard = None
     try:
