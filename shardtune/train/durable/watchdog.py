@@ -152,6 +152,8 @@ class _Spare:
 
     def __init__(self) -> None:
         r, self._w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # nothing of the rank's buffered twice
+            stream.flush()
         self.pid = os.fork()
         if self.pid == 0:
             os.close(self._w)
