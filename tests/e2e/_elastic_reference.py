@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from _cli import train_recipe
+from _cli import once, shared_root, train_recipe
 
 from shardtune.train.durable.watchdog import WATCHER_NAME
 
@@ -51,17 +51,17 @@ class Finished:
     beats_after: list[str]  # beat files left in its TMPDIR then
 
 
-_RUNS: dict[str, Finished] = {}
-
-
 def elastic_reference(tmp_path_factory) -> Finished:
-    """`shardtune train ELASTIC_RECIPE --nproc 2 --checkpoint-every 2`, SHARDTUNE_WATCHDOG_S=5."""
-    if "elastic" not in _RUNS:
-        tmp = tmp_path_factory.mktemp("elastic_ref")
+    """`shardtune train ELASTIC_RECIPE --nproc 2 --checkpoint-every 2`, SHARDTUNE_WATCHDOG_S=5: once a
+    test run, whichever pytest-xdist worker asks first (`_cli.once`; read-only)."""
+    def build(tmp: Path) -> dict:
         (tmp / "tmp").mkdir()
         proc = train_recipe(tmp, ELASTIC_RECIPE, "--checkpoint-every", "2", out="ref", timeout_s=150,
                             env={"TMPDIR": str(tmp / "tmp"), "SHARDTUNE_WATCHDOG_S": "5"})
         time.sleep(1.5)  # a watcher notices its rank's end within a second
-        _RUNS["elastic"] = Finished(tmp, proc.returncode, proc.stdout, watchers_of(tmp),
-                                    [p.name for p in (tmp / "tmp").glob("shardtune-beat-*")])
-    return _RUNS["elastic"]
+        return {"rc": proc.returncode, "text": proc.stdout, "watchers_after": watchers_of(tmp),
+                "beats_after": [p.name for p in (tmp / "tmp").glob("shardtune-beat-*")],
+                "readonly": [str(tmp / "ref")]}
+
+    d = once(shared_root(tmp_path_factory), ["elastic reference", ELASTIC_RECIPE], build)
+    return Finished(Path(next(iter(d["readonly"]))).parent, d["rc"], d["text"], d["watchers_after"], d["beats_after"])
