@@ -25,6 +25,24 @@ from _cli import (
 )
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s `--dist loadfile`, with the whole dist tier as ONE unit: a file's tests on one
+    worker (its module fixtures run once) and every tests/dist file on the same worker, so that while
+    the tier's shared launches run (tests/dist/conftest.py) the other worker goes on with its own
+    files instead of waiting on their lock. (xdist's loadgroup cannot say this under pytest 9: it
+    renames node ids through an attribute pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 only under pytest-xdist
+
+    class FilesAndTheDistTier(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/dist" if path.startswith("tests/dist/") else path
+
+    return FilesAndTheDistTier(config, log)
+
+
 @pytest.fixture(scope="session")
 def repo():
     """The repository root (recipes/, README.md, docs/)."""
