@@ -132,9 +132,8 @@ def prefork() -> None:
     """Fork this rank's watcher now, to wait for `Watchdog.start`: only where it will be used (more
     than one rank, the watchdog on) and safe (Linux, this process has one thread: a fork copies no
     lock another thread holds). Called once, before the process group starts its threads."""
-    env = os.environ.get("SHARDTUNE_WATCHDOG_S")
-    if (int(os.environ.get("WORLD_SIZE", "1")) > 1 and (env is None or float(env) > 0)
-            and _Spare.current is None and hasattr(os, "fork") and _threads() == 1):
+    will_watch = Watchdog(0, int(os.environ.get("WORLD_SIZE", "1")), timeout_s=0.0).enabled  # its one rule
+    if will_watch and _Spare.current is None and hasattr(os, "fork") and _threads() == 1:
         _Spare.current = _Spare()
 
 
