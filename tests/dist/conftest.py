@@ -81,3 +81,15 @@ def dist_launch(request, tmp_path_factory):
         if module is not None and hasattr(module, "DIST_LAUNCHES") and module not in modules:
             modules.append(module)
     return SharedLaunches(shared_root(tmp_path_factory) / "dist", modules).get
+
+
+@pytest.fixture(scope="module")
+def world2(dist_launch, request) -> list[dict]:
+    """Each rank's results for the requesting module's cases in the shared 2-rank launch."""
+    return dist_launch(request.module, 2)[1]
+
+
+@pytest.fixture(scope="module")
+def world4(dist_launch, request) -> list[dict]:
+    """Each rank's results for the requesting module's cases in the shared 4-rank launch."""
+    return dist_launch(request.module, 4)[1]

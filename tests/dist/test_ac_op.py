@@ -25,15 +25,10 @@ CASES = [_case("zero3", "zero3"), _case("ddp", "ddp"), _case("zero3_bf16_mixed",
 DIST_LAUNCHES = {2: lambda d: (CASES, 300)}  # tests/dist/conftest.py
 
 
-@pytest.fixture(scope="module")
-def results(dist_launch, request):
-    return dist_launch(request.module, 2)[1]
-
-
 @pytest.mark.timeout(400, func_only=True)
 @pytest.mark.parametrize("name", ["zero3", "ddp"])
-def test_op_ac_equals_no_ac_fp32_over_4_steps(results, name):
-    for r in results:
+def test_op_ac_equals_no_ac_fp32_over_4_steps(world2, name):
+    for r in world2:
         c = r[name]
         assert c["op_losses"] == pytest.approx(c["none_losses"], abs=1e-6, rel=0)
         assert c["op_norms"] == pytest.approx(c["none_norms"], abs=1e-6, rel=1e-6)
@@ -41,8 +36,8 @@ def test_op_ac_equals_no_ac_fp32_over_4_steps(results, name):
 
 
 @pytest.mark.timeout(400, func_only=True)
-def test_op_ac_runs_under_fsdp2_bf16_mixed(results):
-    for r in results:
+def test_op_ac_runs_under_fsdp2_bf16_mixed(world2):
+    for r in world2:
         c = r["zero3_bf16_mixed"]
         assert c["op_losses"] == pytest.approx(c["none_losses"], abs=1e-3, rel=0)
         assert c["op_activation_bytes"] < c["none_activation_bytes"]

@@ -34,11 +34,6 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def world2(dist_launch, request):
-    return dist_launch(request.module, 2)[1]
-
-
 @pytest.mark.timeout(480, func_only=True)
 @pytest.mark.parametrize("name, strategy, shard", [("zero3", "zero3", 2), ("zero2", "zero2", 2), ("ddp", "ddp", 1)])
 def test_optimizer_bytes_per_rank_equal_planner(world2, name, strategy, shard):

@@ -40,16 +40,11 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def results(dist_launch, request):
-    return dist_launch(request.module, 2)[1]
-
-
 @pytest.mark.timeout(500, func_only=True)
 @pytest.mark.parametrize("name", list(TOL))
-def test_chunked_matches_full_logits_over_4_steps(results, name):
+def test_chunked_matches_full_logits_over_4_steps(world2, name):
     tol = TOL[name]
-    for r in results:
+    for r in world2:
         c = r[name]
         k = next(int(key.split("_")[1]) for key in c if key.startswith("losses_") and key != "losses_1")
         assert c[f"losses_{k}"] == pytest.approx(c["losses_1"], abs=tol, rel=0)

@@ -37,15 +37,10 @@ def world2_cases(d: Path) -> tuple[list[dict], float]:
 DIST_LAUNCHES = {2: world2_cases}  # one shared launch per world (tests/dist/conftest.py)
 
 
-@pytest.fixture(scope="module")
-def results(dist_launch, request):
-    return dist_launch(request.module, 2)[1]
-
-
 @pytest.mark.timeout(700, func_only=True)
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
-def test_compiled_matches_eager_over_4_steps(results, name):
-    for r in results:
+def test_compiled_matches_eager_over_4_steps(world2, name):
+    for r in world2:
         c = r[name]
         assert c["compiled_losses"] == pytest.approx(c["eager_losses"], abs=1e-5, rel=0)
         assert c["compiled_norms"] == pytest.approx(c["eager_norms"], rel=1e-5)
@@ -53,21 +48,21 @@ def test_compiled_matches_eager_over_4_steps(results, name):
 
 
 @pytest.mark.timeout(700, func_only=True)
-def test_state_dict_keys_are_the_hf_names(results):
+def test_state_dict_keys_are_the_hf_names(world2):
     from transformers import AutoModelForCausalLM
 
     from shardtune.config import ModelConfig
     from shardtune.train.core.model import build_hf_config
 
     plain = AutoModelForCausalLM.from_config(build_hf_config(ModelConfig()), attn_implementation="sdpa")
-    assert results[0]["zero3"]["compiled_keys"] == list(plain.state_dict().keys())
-    lora_keys = results[0]["zero2_lora"]["compiled_keys"]
+    assert world2[0]["zero3"]["compiled_keys"] == list(plain.state_dict().keys())
+    lora_keys = world2[0]["zero2_lora"]["compiled_keys"]
     assert not any("_orig_mod" in k for k in lora_keys) and any(".lora_A." in k for k in lora_keys)
 
 
 @pytest.mark.timeout(700, func_only=True)
-def test_one_graph_for_all_layers_and_no_recompile_from_validation_or_sampling(results):
-    for r in results:
+def test_one_graph_for_all_layers_and_no_recompile_from_validation_or_sampling(world2):
+    for r in world2:
         first = r["zero3"]
         # 4 layers × 4 steps: dynamo compiled exactly one graph, shared by every layer
         assert (first["graphs_before"], first["graphs_after_train"]) == (0, 1)
@@ -76,12 +71,12 @@ def test_one_graph_for_all_layers_and_no_recompile_from_validation_or_sampling(r
             # a new model may add a graph (DDP's layers are another class; LoRA's first layer gets an
             # input without grad), never one per layer or per step
             assert c["graphs_after_train"] - c["graphs_before"] <= 2, name
-        assert r["zero2_lora"]["sample"] == results[0]["zero2_lora"]["sample"]  # ranks agree
+        assert r["zero2_lora"]["sample"] == world2[0]["zero2_lora"]["sample"]  # ranks agree
 
 
 @pytest.mark.timeout(700, func_only=True)
-def test_activation_checkpointing_still_recomputes_under_compile(results):
-    for r in results:
+def test_activation_checkpointing_still_recomputes_under_compile(world2):
+    for r in world2:
         full, none = r["zero3_full_ac"], r["zero3"]
         # full AC keeps only each layer's input, compiled or not; without AC compile saves several times more
         assert full["compiled_activation_bytes"] == full["eager_activation_bytes"]

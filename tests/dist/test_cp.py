@@ -58,11 +58,6 @@ DIST_LAUNCHES = {4: world4_cases}  # one shared launch per world (tests/dist/con
 
 
 @pytest.fixture(scope="module")
-def world4(dist_launch, request):
-    return dist_launch(request.module, 4)[1]
-
-
-@pytest.fixture(scope="module")
 def ref():
     """The one-process run (test_train_parity's reference) at STEPS, once for every case."""
     return reference(steps=STEPS)

@@ -116,19 +116,14 @@ DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per worl
 
 
 @pytest.fixture(scope="module")
-def world2(dist_launch, request):
+def launch2(dist_launch, request):
     return dist_launch(request.module, 2)
-
-
-@pytest.fixture(scope="module")
-def world4(dist_launch, request):
-    return dist_launch(request.module, 4)[1]
 
 
 @pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero2", "zero3_offload"])
-def test_lora_loss_parity_two_ranks_vs_one_process(world2, ref, name):
-    for rank_result in world2[1]:
+def test_lora_loss_parity_two_ranks_vs_one_process(launch2, ref, name):
+    for rank_result in launch2[1]:
         assert rank_result[name]["losses"] == pytest.approx(ref[0], abs=1e-5), name
         assert rank_result[name]["grad_norms"] == pytest.approx(ref[1], rel=1e-4), name
 
@@ -144,20 +139,20 @@ def test_lora_hsdp_2x2_vs_one_process(world4, ref, name):
 
 
 @pytest.mark.timeout(300, func_only=True)
-def test_initial_logits_are_the_base_models(world2):
+def test_initial_logits_are_the_base_models(launch2):
     """B = 0: before training, the LoRA model computes exactly the plain model."""
     ids = global_batch(99, 2, 16)["input_ids"]
     with torch.no_grad():
         want = _plain_model()(input_ids=ids).logits
-    for rank_result in world2[1]:
+    for rank_result in launch2[1]:
         torch.testing.assert_close(torch.tensor(rank_result["zero3"]["logits"]), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["zero3", "ddp", "zero1", "zero3_bf16_ac", "ddp_bf16"])
-def test_base_frozen_and_only_adapters_get_grads(world2, name):
+def test_base_frozen_and_only_adapters_get_grads(launch2, name):
     L = 4  # tiny-llama layers
-    for rank_result in world2[1]:
+    for rank_result in launch2[1]:
         r = rank_result[name]
         assert r["frozen_max_change"] == 0.0
         assert r["num_frozen"] == 3 + 9 * L  # embed, norm, lm_head + 9 per layer (test_train_parity)
@@ -179,7 +174,7 @@ def _lora_trainable_numel() -> int:
     ("zero3", "zero3", 2, "fp32"), ("ddp", "ddp", 1, "fp32"), ("zero1", "zero1", 1, "fp32"),
     ("zero2", "zero2", 2, "fp32"), ("ddp_bf16", "ddp", 1, "bf16-mixed"),
     ("zero3_bf16_ac", "zero3", 2, "bf16-mixed")])
-def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, precision):
+def test_bytes_per_rank_equal_planner_with_lora(launch2, name, strategy, shard, precision):
     """After step 1 each rank's params (frozen base + adapters), grads (adapters only) and AdamW
     states (adapters only) equal plan/memory.py's `shardtune_states` for lora_rank (on CPU the
     `step` counters, the planner's `optimizer_host`, share the RAM with m and v)."""
@@ -189,7 +184,7 @@ def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, p
 
     shapes = model_shapes(architecture_from_config(resolve_model_config("tiny-llama")), lora_rank=RANK)
     assert sum(p.numel for p in shapes if p.trainable) == _lora_trainable_numel()
-    for rank, rank_result in enumerate(world2[1]):
+    for rank, rank_result in enumerate(launch2[1]):
         s = shardtune_states(shapes, strategy, 2, shard, precision, "adamw", rank)
         got = dict(rank_result[name]["bytes"])
         assert got == {"params_bytes": s.params, "grads_bytes": s.grads,
@@ -204,7 +199,7 @@ def test_bytes_per_rank_equal_planner_with_lora(world2, name, strategy, shard, p
 
 
 @pytest.mark.timeout(300, func_only=True)
-def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path):
+def test_export_merged_and_adapter_load_with_the_trained_logits(launch2, tmp_path):
     """Merged export → AutoModelForCausalLM.from_pretrained, and the adapter folder →
     PeftModel.from_pretrained on the plain base: both give the trained model's logits."""
     from peft import PeftModel
@@ -212,7 +207,7 @@ def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path
 
     from shardtune.train.durable.export import export_checkpoint
 
-    d, results = world2
+    d, results = launch2
     want = torch.tensor(results[0]["zero3"]["logits_after"])
     assert not torch.allclose(want, torch.tensor(results[0]["zero3"]["logits"]), atol=1e-3)  # trained
     ckpt = d / "zero3_run" / "checkpoints" / f"step_{STEPS}"
@@ -232,7 +227,7 @@ def test_export_merged_and_adapter_load_with_the_trained_logits(world2, tmp_path
 
 
 @pytest.mark.timeout(300, func_only=True)
-def test_checkpoint_holds_adapters_not_the_base(world2):
+def test_checkpoint_holds_adapters_not_the_base(launch2):
     """The saved model tensors are the adapters alone (2 per target per layer); the base is a
     pointer in hf/config.json that names the seeded catalogue init and the training dtype."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -240,7 +235,7 @@ def test_checkpoint_holds_adapters_not_the_base(world2):
     from shardtune.train.durable.checkpoint import SafeFileSystemReader
     from shardtune.train.durable.export import model_tensors
 
-    d, _ = world2
+    d, _ = launch2
     ckpt = d / "zero3_run" / "checkpoints" / f"step_{STEPS}"
     names = [name for _, name, _, _ in model_tensors(ckpt)]
     assert len(names) == 2 * len(TARGETS) * 4 and all(".lora_A." in n or ".lora_B." in n for n in names)
@@ -277,9 +272,9 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.timeout(300, func_only=True)
 @pytest.mark.parametrize("name", ["lora_resume", "lora_resume_ddp"])
-def test_lora_resume_continues_the_straight_run(world2, name):
+def test_lora_resume_continues_the_straight_run(launch2, name):
     """4 steps straight == 2 steps, checkpoint, resume (same zero3 or resharded to ddp), 2 steps."""
-    d, results = world2
+    d, results = launch2
     assert results[0]["lora_straight"]["outcome"] == "ok" and results[0][name]["outcome"] == "ok"
     straight, resumed = _losses(d / "lora_straight"), _losses(d / name)
     assert sorted(resumed) == [3, 4]

@@ -119,18 +119,8 @@ DIST_LAUNCHES = {2: world2_cases, 4: world4_cases}  # one shared launch per worl
 
 
 @pytest.fixture(scope="module")
-def world2(dist_launch, request):
-    return dist_launch(request.module, 2)[1]
-
-
-@pytest.fixture(scope="module")
 def pretrained_dir(dist_launch, request) -> Path:
     return dist_launch(request.module, 2)[0] / "hf"
-
-
-@pytest.fixture(scope="module")
-def world4(dist_launch, request):
-    return dist_launch(request.module, 4)[1]
 
 
 @pytest.fixture(scope="module")
