@@ -76,7 +76,8 @@ class RunConfig(_Section):
                           activation_offload=par.activation_offload)
         if par.tp > 1 and self.lora.rank > 0 and self.lora.dropout > 0:
             raise ValueError(f"lora.dropout {self.lora.dropout} with parallel.tp {par.tp} is not implemented yet (the "
-                             "replicated adapter input would need one dropout mask on every tp rank): lora.dropout 0")
+                             "o/down adapters' inputs are split over tp and each shard draws the same mask, so the "
+                             "mask repeats across shards instead of one-process dropout's): lora.dropout 0")
         check_objective_tp(self.train.objective, par.tp)
         if par.tp > 1 and self.train.sample_prompts:
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (sequence "
