@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 
 
@@ -49,3 +50,16 @@ def run_bounded(cmd: Sequence[str], timeout_s: float, **popen_kwargs) -> subproc
         raise TimeoutError(f"{' '.join(map(str, cmd[:6]))} ... did not finish in {timeout_s:.0f} s; "
                            f"output tail: {(out or '')[-2000:]}{(err or '')[-2000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def exit_now(code: int) -> None:
+    """End the rank with `code` once its run has returned, skipping interpreter finalization: there
+    a C++ thread of the process group's (gloo) that asks for the GIL is ended by Python, which
+    aborts the process ("terminate called without an active exception", SIGABRT) after the run
+    has succeeded. Everything is written and closed by then (train/rank/main.py `run`)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

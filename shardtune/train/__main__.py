@@ -66,4 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardtune.processes import exit_now
+
+    exit_now(main())

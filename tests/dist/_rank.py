@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from shardtune.processes import exit_now
+
 
 @contextmanager
 def process_group(timeout_s: float = 60):
@@ -41,7 +43,7 @@ def write_result(out_dir: str | os.PathLike, rank: int, result) -> None:
 def serve(run_case: Callable[[dict, int, int], dict] | None, timeout_s: float = 60) -> None:
     """argv: cases.json out_dir. Runs each case (`case["out_dir"]` is out_dir unless the case gives
     its own) with `run_case` or its own worker's, a barrier after each, then writes rank<R>.json
-    {key or name: result}."""
+    {key or name: result}, and ends the process."""
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
     results = {}
@@ -52,6 +54,7 @@ def serve(run_case: Callable[[dict, int, int], dict] | None, timeout_s: float = 
             results[case.get("key", case["name"])] = run(case, rank, world)
             dist.barrier()
     write_result(out_dir, rank, results)
+    exit_now(0)  # as a rank does (shardtune/processes.py): no interpreter finalization after the group
 
 
 def build_case(case: dict, world: int):

@@ -5,7 +5,8 @@ rank that fails (a UserError, any exception that is not a broken collective) and
 ends a hung rank each `record` one line there; the file is created exclusively, so the first to
 fail wins. The agent (train/launcher/agent.py) reads it when the job has failed. Without it (a rank killed
 by a signal writes nothing) the agent names the rank that did not stop because of another's
-failure (`PEER_EXIT`), the earliest first. Torch-free; every write is best effort (a full disk).
+failure (`PEER_EXIT`) or by torchrun's SIGTERM, the earliest first. Torch-free; every write is best
+effort (a full disk).
 """
 from __future__ import annotations
 
@@ -67,7 +68,10 @@ def exit_words(code: int) -> str:
 
 def first_failed(failures: list[tuple[int, int, float]]) -> tuple[int, int]:
     """(rank, exit code) of the first failure among (rank, exit code, timestamp): a rank that stopped
-    because another failed (`PEER_EXIT`) is never the first while another is listed."""
+    because another failed (`PEER_EXIT`) is never the first while another is listed, nor is one
+    killed by SIGTERM (torchrun's signal to the ranks still running once one has failed; its
+    timestamps are whole seconds, so the order alone cannot tell them apart)."""
     own = [f for f in failures if f[1] != PEER_EXIT] or failures
+    own = [f for f in own if f[1] != -signal.SIGTERM] or own
     rank, code, _ = min(own, key=lambda f: (f[2], f[0]))
     return rank, code
