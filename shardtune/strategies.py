@@ -368,13 +368,6 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     check_activation_offload(activation_offload, compile=compile, offload=offload)
 
 
-def check_objective_tp(objective: str, tp: int) -> None:
-    """Pair objectives (dpo, simpo) under tensor parallelism: refused, for train and plan alike."""
-    if tp > 1 and objective != "sft":
-        raise UserError(f"train.objective {objective} with parallel.tp {tp} is not implemented yet (its pair "
-                        "loss and reference model are not tensor-parallel): parallel.tp 1 / --tp 1")
-
-
 def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str, quantize_base: str,
                           compile: bool, loss_chunks: int | None) -> None:
     """What tensor parallelism (parallel.tp > 1) does not compose with yet, one line each."""

@@ -27,7 +27,7 @@ from shardtune.config.plan_keys import PLAN_KEYS, read_key
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.cp_rules import check_activation_offload, check_cp
 from shardtune.errors import UserError
-from shardtune.strategies import check_combination, check_objective_tp
+from shardtune.strategies import check_combination
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -78,7 +78,6 @@ class RunConfig(_Section):
             raise ValueError(f"lora.dropout {self.lora.dropout} with parallel.tp {par.tp} is not implemented yet (the "
                              "o/down adapters' inputs are split over tp and each shard draws the same mask, so the "
                              "mask repeats across shards instead of one-process dropout's): lora.dropout 0")
-        check_objective_tp(self.train.objective, par.tp)
         if par.tp > 1 and self.train.sample_prompts:
             raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (sequence "
                              "parallelism needs lengths divisible by tp, which generation's are not; without it, "

@@ -13,7 +13,6 @@ from shardtune.errors import UserError
 from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
     Layout,
-    check_objective_tp,
     normalize_ac,
     normalize_offload,
     normalize_optimizer,
@@ -147,7 +146,6 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.ac = normalize_ac(inp.ac)
     inp.offload = normalize_offload(inp.offload)
     check_objective(inp.objective, inp.reference)
-    check_objective_tp(inp.objective, inp.tp)
     if inp.accounting not in ACCOUNTINGS:
         raise UserError(f"unknown accounting {inp.accounting!r}; choose one of {', '.join(ACCOUNTINGS)}")
     if inp.strategies is not None:

@@ -2,6 +2,7 @@
 and `shardtune train --tp` refusing what cannot run: one line, exit 2, before any process starts."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -98,21 +99,22 @@ BAD = [
     (["--nproc", "2", "--tp", "2", "train.seq_len=127"], "seq_len 127"),
     (["--nproc", "2", "--tp", "2", "--lora-rank", "4", "lora.dropout=0.1"], "lora.dropout 0.1"),
     (["--nproc", "4", "--tp", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=4"], "data-parallel degree 2"),
-    (["--nproc", "2", "--tp", "2", "train.objective=simpo"], "train.objective simpo with parallel.tp 2"),
-    (["--nproc", "2", "--tp", "2", "train.objective=dpo", "data.path=data/smollm2-dpo/train.jsonl"],
-     "train.objective dpo with parallel.tp 2"),  # without the refusal: a crash in aten.index (Tensor and DTensor)
     (["--nproc", "2", "--tp", "2", "train.sample_prompts=[hi]"], "train.sample_prompts with parallel.tp 2"),
 ]
 
 
 @pytest.mark.parametrize("objective", ["dpo", "simpo"])
-def test_plan_refuses_a_pair_objective_under_tp_as_train_does(capsys, objective):
-    # the planner once refused dpo only, and accepted simpo under tp, which train refused
+def test_plan_takes_a_pair_objective_under_tp_as_train_does(capsys, objective):
+    # both were refused under tp until the pair step ran vocabulary-parallel (tests/e2e/test_dpo_tp.py)
     from shardtune import cli
 
-    rc = cli.main(["plan", "llama-3-8b", "--gpus", "8", "--tp", "2", "--objective", objective])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and f"train.objective {objective} with parallel.tp 2" in err[0], err
+    rc = cli.main(["plan", "llama-3-8b", "--gpus", "8", "--tp", "2", "--strategy", "zero3", "--objective", objective,
+                   "--json"])
+    assert rc == 0
+    mem = json.loads(capsys.readouterr().out)["strategies"][0]["memory"]
+    # dpo: the frozen copy is sharded as the policy is (zero3 x tp 2), in the compute dtype (bf16: half of
+    # the fp32 masters' bytes); simpo has no reference
+    assert mem["reference"] * 2 == mem["params"] if objective == "dpo" else mem["reference"] == 0, mem
 
 
 @pytest.mark.timeout(120)

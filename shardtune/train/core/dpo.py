@@ -4,7 +4,8 @@ Rafailov et al. 2023 eq. 7, with conservative label smoothing ε (TRL's "sigmoid
   z = β·[(log πθ(y_c|x) − log π_ref(y_c|x)) − (log πθ(y_r|x) − log π_ref(y_r|x))]
   loss = −(1 − ε)·log σ(z) − ε·log σ(−z);  rewards r_c, r_r = β·(log πθ − log π_ref) of each side.
 The log-probs are sums over each side's response tokens, computed in vocabulary chunks inside the
-root's forward (chunked_loss.py's hook), so [T, V] logits never exist; chosen and rejected share a
+root's forward (chunked_loss.py's hook), so [T, V] logits never exist (under tp: the vocabulary-
+sharded logits' per-token cross-entropy in `loss_parallel`); chosen and rejected share a
 row (train/data/preference.py), so one forward scores both. A side is sequence k of its row, found
 from the position restarts: slot (row, k // 2, k % 2) of a (B, P, 2) tensor, P = ⌈T / 2⌉.
 
@@ -22,7 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from shardtune.parallel.tp import is_tp, loss_context
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward, chunked_token_logps
 from shardtune.train.core.step import StepOptions, StepResult, accumulation, clip_and_step
@@ -52,11 +55,20 @@ def valid_pairs(batch: dict) -> torch.Tensor:
 def sequence_logps(model: nn.Module, batch: dict, loss_chunks: int | None,
                    autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """(B, P, 2) fp32: each side's summed response-token log-probs through `model` (FSDP2, DDP or a
-    plain HF causal LM), the LM head applied in chunks inside the root's forward."""
+    plain HF causal LM), the LM head applied in chunks inside the root's forward. Tensor parallel:
+    the vocabulary-sharded logits' per-token cross-entropy under `loss_parallel` (as the SFT step's
+    loss), so the backward of the result must run in `loss_context(model)` too."""
     lm = getattr(model, "module", model)
-    k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
     ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     amp = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    if is_tp(lm):
+        with amp, loss_context(lm):
+            logits = model(input_ids=ids, position_ids=pos).logits  # (B, T, V/tp) per rank
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                  reduction="none")  # 0 at IGNORE_INDEX
+            token = -(nll.full_tensor() if isinstance(nll, DTensor) else nll)
+        return _per_side(token.view(ids.shape), batch)
+    k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
     no_position = torch.empty(0, dtype=torch.long, device=ids.device)
     with amp, _loss_in_root_forward(lm, labels, k, chunked_token_logps):
         out = model(input_ids=ids, position_ids=pos, logits_to_keep=no_position)
@@ -134,7 +146,8 @@ class DPO:
                     pol = sequence_logps(model, mb, opts.loss_chunks, opts.autocast_dtype)
                 losses, chosen, rejected = self.losses(pol, mb, opts)
                 part = pair_sums(losses, chosen, rejected, valid[i])
-                (part[0] * dp_size / denom).backward()
+                with loss_context(model):  # TP: loss_parallel's backward
+                    (part[0] * dp_size / denom).backward()
             sums += part.detach()
         norm, lr, skipped = clip_and_step(model, optimizer, scheduler, sums[0], opts)
         parts = sums / denom

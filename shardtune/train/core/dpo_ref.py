@@ -116,9 +116,11 @@ def _batch(built: list, device) -> dict:
 
 
 def precompute_logps(reference, data, micro_batch: int, rank: int, world: int, device, opts,
-                     pad_id: int) -> np.ndarray:
-    """Every example's reference log-prob (float64, by example id); rows dealt round-robin to ranks,
-    every rank running the same number of forwards (blank rows pad), one all-reduce."""
+                     pad_id: int, group=None) -> np.ndarray:
+    """Every example's reference log-prob (float64, by example id); rows dealt round-robin to the
+    data-parallel ranks (`rank` of `world` in `group`: the ranks of one tp group run the same rows,
+    their forward is one collective), every rank running the same number of forwards (blank rows
+    pad), one all-reduce over `group`."""
     mine = list(range(rank, data.num_rows, world))
     per_rank = -(-data.num_rows // world)
     n_batches = -(-per_rank // micro_batch)
@@ -132,7 +134,7 @@ def precompute_logps(reference, data, micro_batch: int, rank: int, world: int, d
             row = data.rows[i]
             for s in range(len(row) // 2):
                 out[row[2 * s]], out[row[2 * s + 1]] = logps[j, s, 0], logps[j, s, 1]
-    dist.all_reduce(out)  # each example was computed by exactly one rank
+    dist.all_reduce(out, group=group)  # each example was computed by exactly one data-parallel rank
     return out.cpu().numpy()
 
 
@@ -199,7 +201,7 @@ def set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir: Path, o
     if val_batches:
         for b in val_batches:
             b["ref_logps"] = reference.logps({k: v.to(ctx.device) for k, v in b.items()}, opts).cpu()
-        prefer, pairs = reference_preference(val_batches, ctx.device)
+        prefer, pairs = reference_preference(val_batches, ctx.device, ctx.dp_group)
         if ctx.rank == 0:  # before training: the policy is the reference
             print(f"shardtune: held-out pairs: the model before training prefers the chosen side in {prefer} of "
                   f"{pairs} ({prefer / max(pairs, 1):.1%}); val_pref_acc in metrics.jsonl is the same after",
@@ -211,8 +213,8 @@ def set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir: Path, o
         have = torch.tensor([arr is not None], dtype=torch.int32, device=ctx.device)
         dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank loads, or every rank computes
         if not int(have):
-            arr = precompute_logps(reference, loader.data, cfg.train.micro_batch, ctx.rank, ctx.world_size,
-                                   ctx.device, opts, tokenizer.pad_id)
+            arr = precompute_logps(reference, loader.data, cfg.train.micro_batch, ctx.dp_rank, ctx.dp_size,
+                                   ctx.device, opts, tokenizer.pad_id, ctx.dp_group)
             if ctx.rank == 0:
                 _save(folder, inputs, arr)
             dist.barrier()

@@ -265,7 +265,7 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
               "tokens_per_s": tokens_per_s, "tflops": tflops,
               "mfu": tflops * 1e12 / run.peak_flops if run.peak_flops else None,
               "peak_mem_bytes": peak_all, "step_time_s": dt, "target_tokens": int(r.num_tokens)}
-    record.update({k: float(per_rank[:, 3 + i].sum()) for i, k in enumerate(r.parts)})
+    record.update({k: float(per_rank[::run.ctx.tp, 3 + i].sum()) for i, k in enumerate(r.parts)})
     record.update(run.keeper.record_extra(run.state.step, r))
     return record, signum
 
