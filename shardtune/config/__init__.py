@@ -78,10 +78,6 @@ class RunConfig(_Section):
             raise ValueError(f"lora.dropout {self.lora.dropout} with parallel.tp {par.tp} is not implemented yet (the "
                              "o/down adapters' inputs are split over tp and each shard draws the same mask, so the "
                              "mask repeats across shards instead of one-process dropout's): lora.dropout 0")
-        if par.tp > 1 and self.train.sample_prompts:
-            raise ValueError(f"train.sample_prompts with parallel.tp {par.tp} is not implemented yet (sequence "
-                             "parallelism needs lengths divisible by tp, which generation's are not; without it, "
-                             "untested): drop train.sample_prompts or use parallel.tp 1")
         check_cp(par.cp, tp=par.tp, seq_len=self.train.seq_len,
                  sequence_parallel=par.sequence_parallel, objective=self.train.objective,
                  sample_prompts=bool(self.train.sample_prompts))  # cp_rules.py; heads and world: preflight

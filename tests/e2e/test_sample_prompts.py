@@ -55,3 +55,30 @@ def test_samples_at_each_evaluation_equal_transformers_generate_on_that_steps_ch
             assert r["completion"] == tok.decode([t for t in want if t != tok.eos_token_id], skip_special_tokens=True)
             answers[step, r["prompt"]] = want
     assert any(len(a) > 1 for a in answers.values())  # real answers, not an immediate stop
+
+
+@pytest.mark.timeout(300)
+def test_samples_under_tensor_parallelism_equal_transformers_generate_on_the_checkpoint(tmp_path):
+    """tp 2 with sequence parallelism: each forward's ids are padded on the right to a multiple of tp
+    (both prompts have an odd length, and every other answer length is odd). The seeded tiny Llama
+    after one step at lr 1e-5 answers with a dozen tokens, not at once with eos."""
+    prompts = ["reverse: abc", "reverse: hello world"]
+    run = tmp_path / "run"
+    proc = run_bounded([sys.executable, "-m", "shardtune.cli", "train", str(REPO / "recipes" / "tiny-cpu.yaml"),
+                        "--nproc", "2", "--tp", "2", "--output-dir", str(run), "train.max_steps=1",
+                        "train.eval_every=1", f"train.sample_prompts={json.dumps(prompts)}",
+                        f"train.sample_max_new_tokens={NEW}", "optim.warmup_steps=0", "optim.lr=1e-5"],
+                       timeout_s=240, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert json.loads((run / "memory.json").read_text())["effective"]["tp"] == 2
+    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in rows] == [(1, p) for p in prompts]
+    model = dcp_model(run / "checkpoints" / "step_1", run / "hf_export", torch.float32)  # the export's config
+    eos = 257  # the byte tokenizer's (shardtune/train/data/tokenizer.py)
+    for r in rows:
+        assert len(r["prompt_ids"]) % 2 == 1
+        with torch.no_grad():
+            out = model.generate(torch.tensor([r["prompt_ids"]]), do_sample=False, max_new_tokens=NEW,
+                                 eos_token_id=eos, pad_token_id=eos)
+        assert r["completion_ids"] == out[0, len(r["prompt_ids"]):].tolist(), r
+        assert len(r["completion_ids"]) == NEW and eos not in r["completion_ids"]

@@ -88,8 +88,8 @@ def test_config_keys_and_flag():
     cfg = load_recipe(RECIPE, flag_overrides(tp=2))
     assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel is True
     assert load_recipe(RECIPE, ["parallel.sequence_parallel=false"]).parallel.sequence_parallel is False
-    with pytest.raises(UserError, match="sample_prompts"):
-        load_recipe(RECIPE, ["parallel.tp=2", "train.sample_prompts=[hi]"])
+    # sample prompts run under tp (each forward padded to a multiple of tp: tests/e2e/test_sample_prompts.py)
+    assert load_recipe(RECIPE, ["parallel.tp=2", "train.sample_prompts=[hi]"]).train.sample_prompts == ["hi"]
 
 
 BAD = [
@@ -99,7 +99,6 @@ BAD = [
     (["--nproc", "2", "--tp", "2", "train.seq_len=127"], "seq_len 127"),
     (["--nproc", "2", "--tp", "2", "--lora-rank", "4", "lora.dropout=0.1"], "lora.dropout 0.1"),
     (["--nproc", "4", "--tp", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=4"], "data-parallel degree 2"),
-    (["--nproc", "2", "--tp", "2", "train.sample_prompts=[hi]"], "train.sample_prompts with parallel.tp 2"),
 ]
 
 

@@ -4,7 +4,8 @@
 gathers the same layers in the same order: each rank must call it in lockstep with the same
 input. Sampling draws from a CPU generator seeded with `seed`, the same on every rank; on a
 sharded model rank 0's token is also broadcast, so a last-bit difference in logits cannot make
-the ranks stop at different steps (a hang). Greedy (temperature 0) is transformers'
+the ranks stop at different steps (a hang). Under tensor parallelism each forward's ids are padded on
+the right to a multiple of tp (`_last_logits`). Greedy (temperature 0) is transformers'
 `generate(do_sample=False)`; temperature / top-p follow its warpers (temperature, then the
 smallest set of tokens whose probability reaches top_p, at least one kept).
 """
@@ -16,6 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from shardtune.parallel.tp import tp_degree
 
 
 def _is_sharded(model: nn.Module) -> bool:
@@ -41,6 +45,18 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
     return int(torch.multinomial(next_token_probs(logits, temperature, top_p), 1, generator=gen))
 
 
+def _last_logits(model: nn.Module, ids: torch.Tensor, tp: int) -> torch.Tensor:
+    """The logits (V,) after the last of `ids` (1, n). Tensor parallel: the ids padded on the right
+    to a multiple of tp (sequence parallelism splits the length over tp; a causal model's logits
+    at n − 1 do not see what follows), the vocabulary-sharded logits of that one position gathered."""
+    n = ids.shape[1]
+    pad = -n % tp
+    if pad:
+        ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
+    last = model(input_ids=ids, use_cache=False).logits[0, n - 1]
+    return last.full_tensor() if isinstance(last, DTensor) else last
+
+
 @torch.no_grad()
 def generate_ids(model: nn.Module, input_ids: Iterable[int] | torch.Tensor, *, max_new_tokens: int,
                  stop_ids: Iterable[int], temperature: float = 0.0, top_p: float = 1.0,
@@ -55,14 +71,14 @@ def generate_ids(model: nn.Module, input_ids: Iterable[int] | torch.Tensor, *, m
     device = next(model.parameters()).device
     ids = torch.as_tensor(list(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids,
                           dtype=torch.long, device=device).reshape(1, -1)
-    sharded = _is_sharded(model)
+    sharded, tp = _is_sharded(model), tp_degree(model)
     gen = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
     out: list[int] = []
     try:
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids, use_cache=False).logits[0, -1].float().cpu()
+            logits = _last_logits(model, ids, tp).float().cpu()
             token = _pick(logits, temperature, top_p, gen)
             if sharded:  # every rank continues with rank 0's token
                 t = torch.tensor([token], dtype=torch.long, device=device)
