@@ -74,10 +74,6 @@ class RunConfig(_Section):
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
                           activation_offload=par.activation_offload)
-        if par.tp > 1 and self.lora.rank > 0 and self.lora.dropout > 0:
-            raise ValueError(f"lora.dropout {self.lora.dropout} with parallel.tp {par.tp} is not implemented yet (the "
-                             "o/down adapters' inputs are split over tp and each shard draws the same mask, so the "
-                             "mask repeats across shards instead of one-process dropout's): lora.dropout 0")
         check_cp(par.cp, tp=par.tp, seq_len=self.train.seq_len,
                  sequence_parallel=par.sequence_parallel, objective=self.train.objective,
                  sample_prompts=bool(self.train.sample_prompts))  # cp_rules.py; heads and world: preflight

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -89,7 +90,29 @@ def _projection(layer: nn.Module, path: str, colwise: bool, seq, mesh: DeviceMes
         else:
             _replicated(module.lora_B[name], mesh, seq)
             plan[f"{path}.lora_A.{name}"] = RowwiseParallel(output_layouts=seq)
+            drop = module.lora_dropout[name]
+            if isinstance(drop, nn.Dropout) and drop.p > 0:
+                module.lora_dropout[name] = SplitInputDropout(drop.p, mesh.get_local_rank(), mesh.size())
     return plan
+
+
+class SplitInputDropout(nn.Module):
+    """A row-parallel adapter's dropout (o, down: its input split by columns over tp): every tp rank
+    draws the mask of the whole input, as one process would (the ranks of a tp group run the same
+    ops, so their generators agree), and keeps its own columns, so the shards' masks do not repeat.
+    CPU: the same draws and ops as `nn.Dropout` on the whole input (bernoulli_, div_, mul)."""
+
+    def __init__(self, p: float, rank: int, size: int) -> None:
+        super().__init__()
+        self.p, self.rank, self.size = p, rank, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        w = x.shape[-1]
+        full = torch.empty((*x.shape[:-1], w * self.size), dtype=x.dtype, device=x.device).bernoulli_(1 - self.p)
+        noise = full[..., self.rank * w:(self.rank + 1) * w].contiguous()  # the whole mask is not kept for backward
+        return x * noise.div_(1 - self.p)
 
 
 def _shard_rows_once(layer: nn.Module, mesh: DeviceMesh) -> None:

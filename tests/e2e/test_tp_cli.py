@@ -135,3 +135,20 @@ def test_lora_under_tp_trains_and_exports_what_one_process_does(tmp_path, shared
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "hf_export").eval()(ids).logits
         want = AutoModelForCausalLM.from_pretrained(one_run / "hf_export").eval()(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.timeout(600)
+def test_lora_dropout_under_tp_draws_the_masks_one_process_draws(tmp_path):
+    """`--tp 2 --lora-rank 8 lora.dropout=0.1` against the same run in one process, 4 steps: the same
+    losses. The o/down adapters' inputs are split by columns over tp; their dropout draws the whole
+    input's mask on every tp rank and keeps its columns (parallel/tp.py `SplitInputDropout`); a mask
+    drawn per shard (the same on both, as before) moves step 2's loss by 1e-3."""
+    (tmp_path / "recipe.yaml").write_text(RECIPE)
+    args = ["--lora-rank", "8", "lora.dropout=0.1", "checkpoint.every=0", "checkpoint.export_hf=false",
+            "checkpoint.save_final=false"]
+    one, _ = _train(tmp_path, "one", "--nproc", "1", *args)
+    tp, _ = _train(tmp_path, "tp", "--nproc", "2", "--tp", "2", *args)
+    eff = json.loads((tmp_path / "tp" / "memory.json").read_text())["effective"]
+    assert (eff["tp"], eff["lora_rank"], eff["lora_dropout"]) == (2, 8, 0.1)
+    assert len(tp) == len(one) == 4
+    assert [x["loss"] for x in tp] == pytest.approx([x["loss"] for x in one], abs=1e-5)

@@ -97,7 +97,6 @@ BAD = [
     (["--nproc", "4", "--tp", "4"], "KV heads"),
     (["--nproc", "2", "--tp", "2", "--strategy", "ddp"], "'ddp'"),
     (["--nproc", "2", "--tp", "2", "train.seq_len=127"], "seq_len 127"),
-    (["--nproc", "2", "--tp", "2", "--lora-rank", "4", "lora.dropout=0.1"], "lora.dropout 0.1"),
     (["--nproc", "4", "--tp", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=4"], "data-parallel degree 2"),
 ]
 
