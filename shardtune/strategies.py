@@ -380,9 +380,6 @@ def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str,
                      f"{', '.join(FSDP_STRATEGIES)}: parallel.strategy / --strategy"),
         (quantize_base != "none", f"QLoRA's NF4 base (lora.quantize_base {quantize_base}: NF4 tensors are not "
                                   "split by DTensor): lora.quantize_base none, or parallel.tp 1"),
-        (compile, "train.compile (not tried under tensor parallelism): train.compile=false"),
-        (offload != "none", f"offload {offload!r} (not tried under tensor parallelism): parallel.offload none"),
-        (optimizer != "adamw", f"optimizer {optimizer!r} (not tried on 2-D DTensor params): optim.name adamw"),
         (loss_chunks is not None and loss_chunks > 1,
          f"train.loss_chunks {loss_chunks} (under tp the loss is vocabulary-parallel, loss_parallel: the full "
          "logits never exist on one rank): leave train.loss_chunks unset or 1"),
