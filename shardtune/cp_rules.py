@@ -69,12 +69,8 @@ def check_cp(cp: int, *, world_size: int | None = None, tp: int = 1,
     refused = (
         (objective != "sft", f"train.objective {objective} (its pair log-prob sums are not reduced over cp): "
                              "train.objective sft, or parallel.cp 1"),
-        (compile, "train.compile (not tried with the all-to-all attention): train.compile=false"),
         (quantize_base != "none", f"QLoRA's NF4 base (lora.quantize_base {quantize_base}: not tried on the "
                                   "dp x cp mesh): lora.quantize_base none, or parallel.cp 1"),
-        (offload != "none", f"offload {offload!r} (not tried with context parallelism): parallel.offload none; "
-                            "parallel.activation_offload moves the activations instead"),
-        (optimizer != "adamw", f"optimizer {optimizer!r} (not tried on the dp x cp mesh): optim.name adamw"),
         (sample_prompts, "train.sample_prompts (generation runs one unsplit sequence): drop train.sample_prompts"),
     )
     for bad, what in refused:

@@ -144,10 +144,13 @@ RUNS = {
     "zero3-tp2": ["parallel.tp=2", "train.compile=true", "parallel.offload=all", "optim.name=adamw-8bit"],
     "zero3-cp2-offload": ["parallel.cp=2", "parallel.activation_offload=true",
                           "parallel.activation_checkpointing=full"],
+    "zero3-cp2-compile-8bit": ["parallel.cp=2", "train.compile=true", "parallel.offload=all", "optim.name=adamw-8bit"],
 }
+LEVERS = ["train.compile=true", "parallel.offload=all", "optim.name=adamw-8bit"]  # once untried under tp and cp
 COMMON = ["train.max_steps=2", "checkpoint.export_hf=false", "checkpoint.save_final=false"]
 STEPS = {"zero3-compile-op": ["train.max_steps=3"],  # read by the compile-vs-eager check too (3 steps)
-         "zero3-tp2": ["train.max_steps=3"]}  # and the tp-vs-one-process check (two 8-bit updates)
+         "zero3-tp2": ["train.max_steps=3"],  # and the tp/cp-vs-one-process check (two 8-bit updates)
+         "zero3-cp2-compile-8bit": ["train.max_steps=3"]}
 
 
 def _train(out: Path, overrides: list[str], timeout_s: float = 420) -> str:
@@ -304,23 +307,33 @@ def test_compile_losses_match_eager_through_the_cli(trained):
     assert losses["true"] == pytest.approx(losses["false"], abs=1e-4), losses
 
 
-@pytest.mark.timeout(900)
-def test_tp2_with_compile_offload_and_8bit_adamw_gives_one_processs_losses(trained, tmp_path):
-    """compile, offload all and adamw-8bit under tp 2 (each refused as untried until measured so): the
-    zero3-tp2 lever run against the same levers in one process, 3 steps. Two updates by 8-bit AdamW,
-    whose blocks of 256 follow each rank's shard: measured 2.2e-5 apart at step 3, where 8-bit and
-    fp32 AdamW are 6e-5 apart; before any 8-bit state is read back (steps 1, 2) within fp32 noise."""
-    levers = [*RUNS["zero3-tp2"], *COMMON, *STEPS["zero3-tp2"]]
-    out, _ = trained("zero3-tp2", levers)
-    one = tmp_path / "one"
+@pytest.fixture(scope="module")
+def one_process_levers(tmp_path_factory) -> Path:
+    """The LEVERS run in one process (3 steps): the reference of the tp and cp lever runs."""
+    one = tmp_path_factory.mktemp("one") / "run"
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "1", "--output-dir", str(one),
-           *[x for x in levers if x != "parallel.tp=2"]]
+           *LEVERS, *COMMON, "train.max_steps=3"]
     proc = run_bounded(cmd, timeout_s=420, cwd=REPO, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    for folder, tp in ((out, 2), (one, 1)):
+    return one
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name, tp, cp", [("zero3-tp2", 2, 1), ("zero3-cp2-compile-8bit", 1, 2)])
+def test_compile_offload_and_8bit_adamw_under_tp_or_cp_give_one_processs_losses(trained, one_process_levers,
+                                                                                name, tp, cp):
+    """compile, offload all and adamw-8bit under tp 2 and under cp 2 (each refused as untried until
+    measured so): the lever run against the same levers in one process, 3 steps. Two updates by 8-bit
+    AdamW, whose blocks of 256 follow each rank's shard: measured 2.2e-5 apart at step 3 under tp
+    (5e-7 under cp), where 8-bit and fp32 AdamW are 6e-5 apart; before any 8-bit state is read back
+    (steps 1, 2) within fp32 noise."""
+    levers = [*RUNS[name], *COMMON, *STEPS[name]]
+    assert [x for x in RUNS[name] if x in LEVERS] == LEVERS
+    out, _ = trained(name, levers)
+    for folder, degrees in ((out, (tp, cp)), (one_process_levers, (1, 1))):
         eff = json.loads((folder / "memory.json").read_text())["effective"]
-        assert (eff["tp"], eff["compile"], eff["offload"], eff["optimizer"]) == (tp, True, "all",
-                                                                                "adamw-8bit (torchao)"), eff
-    got, want = _losses(out), _losses(one)
+        assert (eff["tp"], eff["cp"], eff["compile"], eff["offload"], eff["optimizer"]) == (
+            *degrees, True, "all", "adamw-8bit (torchao)"), eff
+    got, want = _losses(out), _losses(one_process_levers)
     assert len(got) == len(want) == 3
     assert got[:2] == pytest.approx(want[:2], abs=1e-5) and got[2] == pytest.approx(want[2], abs=1e-4), (got, want)

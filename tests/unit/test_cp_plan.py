@@ -156,7 +156,6 @@ def test_70b_at_32k_on_64_gpus_suggests_cp():
     (["--cp", "64", "--gpus", "64", "--seq-len", "4096"], "32 attention heads"),
     (["--cp", "2", "--strategy", "ddp"], "FSDP2 strategies"),
     (["--cp", "4", "--strategy", "hsdp", "--hsdp-shard-size", "4"], "data-parallel degree"),
-    (["--cp", "2", "--offload", "all", "--strategy", "zero3"], "does not compose with offload"),
     (["--activation-offload", "--offload", "all", "--strategy", "zero3"], "does not compose with offload"),
     (["--host-ram", "-1", "--activation-offload"], "--host-ram"),
 ])
