@@ -14,6 +14,8 @@ forward (a document starts where the position id does not follow its predecessor
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,6 +40,7 @@ class CPState:
         self.group, self.rank, self.size = group, rank, size
         self.split = size * (tp if sequence_parallel and tp > 1 else 1)  # what seq_len must divide by
         self.segments: list[list[tuple[int, int]]] = []  # per row: [(start, end)) of each document
+        self.base_attn = "sdpa"  # the model's own attention implementation (apply_cp records it)
 
     def set_positions(self, position_ids: torch.Tensor) -> None:
         """Record the documents of a full (b, s) batch: one host sync per micro-batch."""
@@ -128,8 +131,26 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, tp: int = 1, sequence_parall
     state = CPState(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size(), tp, sequence_parallel)
     for layer in decoder_layers(model):
         setattr(layer.self_attn, CP_ATTR, state)
+    state.base_attn = model.config._attn_implementation  # what `unsplit_attention` puts back
     model.config._attn_implementation = ATTN_NAME
     setattr(model, CP_ATTR, state)
+
+
+@contextmanager
+def unsplit_attention(model: nn.Module):
+    """The attention `apply_cp` replaced, for forwards of the whole sequence on every rank of the cp
+    group (generation: one short sequence, the same on each rank, their FSDP gathers in lockstep);
+    cp's all-to-all again after. A model without cp: nothing changes."""
+    state = cp_state(model)
+    if state is None:
+        yield
+        return
+    config = getattr(model, "module", model).config
+    config._attn_implementation = state.base_attn
+    try:
+        yield
+    finally:
+        config._attn_implementation = ATTN_NAME
 
 
 def cp_state(model: nn.Module) -> CPState | None:

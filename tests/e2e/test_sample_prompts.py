@@ -58,19 +58,21 @@ def test_samples_at_each_evaluation_equal_transformers_generate_on_that_steps_ch
 
 
 @pytest.mark.timeout(300)
-def test_samples_under_tensor_parallelism_equal_transformers_generate_on_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("split", ["tp", "cp"])
+def test_samples_under_tensor_and_context_parallelism_equal_transformers_generate_on_the_checkpoint(tmp_path, split):
     """tp 2 with sequence parallelism: each forward's ids are padded on the right to a multiple of tp
-    (both prompts have an odd length, and every other answer length is odd). The seeded tiny Llama
-    after one step at lr 1e-5 answers with a dozen tokens, not at once with eos."""
+    (both prompts have an odd length, and every other answer length is odd); cp 2: each rank runs
+    the whole sequence with the model's own attention. The seeded tiny Llama after one step at lr
+    1e-5 answers with a dozen tokens, not at once with eos."""
     prompts = ["reverse: abc", "reverse: hello world"]
     run = tmp_path / "run"
     proc = run_bounded([sys.executable, "-m", "shardtune.cli", "train", str(REPO / "recipes" / "tiny-cpu.yaml"),
-                        "--nproc", "2", "--tp", "2", "--output-dir", str(run), "train.max_steps=1",
+                        "--nproc", "2", f"--{split}", "2", "--output-dir", str(run), "train.max_steps=1",
                         "train.eval_every=1", f"train.sample_prompts={json.dumps(prompts)}",
                         f"train.sample_max_new_tokens={NEW}", "optim.warmup_steps=0", "optim.lr=1e-5"],
                        timeout_s=240, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert json.loads((run / "memory.json").read_text())["effective"]["tp"] == 2
+    assert json.loads((run / "memory.json").read_text())["effective"][split] == 2
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["prompt"]) for r in rows] == [(1, p) for p in prompts]
     model = dcp_model(run / "checkpoints" / "step_1", run / "hf_export", torch.float32)  # the export's config

@@ -43,7 +43,6 @@ LLAMA = {"num_attention_heads": 32, "num_key_value_heads": 8}
     (dict(cp=8, tp=8, hf=LLAMA), "4 query heads per tp rank"),
     (dict(cp=2, objective="dpo"), "train.objective dpo"),
     (dict(cp=2, quantize_base="nf4"), "NF4"),
-    (dict(cp=2, sample_prompts=True), "train.sample_prompts"),
 ])
 def test_check_cp_refusals_are_one_line(kwargs, needle):
     with pytest.raises(UserError) as e:

@@ -5,7 +5,8 @@ gathers the same layers in the same order: each rank must call it in lockstep wi
 input. Sampling draws from a CPU generator seeded with `seed`, the same on every rank; on a
 sharded model rank 0's token is also broadcast, so a last-bit difference in logits cannot make
 the ranks stop at different steps (a hang). Under tensor parallelism each forward's ids are padded on
-the right to a multiple of tp (`_last_logits`). Greedy (temperature 0) is transformers'
+the right to a multiple of tp (`_last_logits`); under context parallelism every cp rank runs the
+whole sequence with the model's own attention (`unsplit_attention`). Greedy (temperature 0) is transformers'
 `generate(do_sample=False)`; temperature / top-p follow its warpers (temperature, then the
 smallest set of tokens whose probability reaches top_p, at least one kept).
 """
@@ -19,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from shardtune.parallel.cp import unsplit_attention
 from shardtune.parallel.tp import tp_degree
 
 
@@ -53,7 +55,8 @@ def _last_logits(model: nn.Module, ids: torch.Tensor, tp: int) -> torch.Tensor:
     pad = -n % tp
     if pad:
         ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
-    last = model(input_ids=ids, use_cache=False).logits[0, n - 1]
+    with unsplit_attention(model):  # context parallel: the whole sequence on every cp rank
+        last = model(input_ids=ids, use_cache=False).logits[0, n - 1]
     return last.full_tensor() if isinstance(last, DTensor) else last
 
 
