@@ -67,8 +67,6 @@ def check_cp(cp: int, *, world_size: int | None = None, tp: int = 1,
             raise UserError(f"cp {cp} does not divide the model's {local}: the all-to-all hands each cp rank a "
                             "share of the heads; choose a cp that divides them (parallel.cp / --cp)")
     refused = (
-        (objective != "sft", f"train.objective {objective} (its pair log-prob sums are not reduced over cp): "
-                             "train.objective sft, or parallel.cp 1"),
         (quantize_base != "none", f"QLoRA's NF4 base (lora.quantize_base {quantize_base}: not tried on the "
                                   "dp x cp mesh): lora.quantize_base none, or parallel.cp 1"),
     )

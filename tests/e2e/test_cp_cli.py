@@ -117,7 +117,6 @@ BAD = [
     (["--nproc", "3", "--cp", "2"], "cp 2 does not divide the world size 3"),
     (["--nproc", "4", "--cp", "2", "--tp", "2", "train.seq_len=126"], "cp x tp = 4"),
     (["--nproc", "2", "--cp", "2", "--strategy", "ddp"], "composes with FSDP2 strategies"),
-    (["--nproc", "2", "--cp", "2", "train.objective=dpo"], "does not compose with train.objective dpo"),
     (["--nproc", "2", "parallel.activation_offload=true", "parallel.offload=all"], "activation_offload"),
 ]
 

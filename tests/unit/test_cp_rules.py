@@ -41,7 +41,6 @@ LLAMA = {"num_attention_heads": 32, "num_key_value_heads": 8}
     (dict(cp=2, tp=4, seq_len=68), "cp x tp = 8"),
     (dict(cp=3, hf=LLAMA), "does not divide the model's 32 attention heads"),
     (dict(cp=8, tp=8, hf=LLAMA), "4 query heads per tp rank"),
-    (dict(cp=2, objective="dpo"), "train.objective dpo"),
     (dict(cp=2, quantize_base="nf4"), "NF4"),
 ])
 def test_check_cp_refusals_are_one_line(kwargs, needle):

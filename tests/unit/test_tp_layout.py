@@ -107,7 +107,7 @@ BAD = [
 
 @pytest.mark.parametrize("objective", ["dpo", "simpo"])
 def test_plan_takes_a_pair_objective_under_tp_as_train_does(capsys, objective):
-    # both were refused under tp until the pair step ran vocabulary-parallel (tests/e2e/test_dpo_tp.py)
+    # both were refused under tp until the pair step ran vocabulary-parallel (tests/e2e/test_dpo_tp_cp.py)
     from shardtune import cli
 
     rc = cli.main(["plan", "llama-3-8b", "--gpus", "8", "--tp", "2", "--strategy", "zero3", "--objective", objective,

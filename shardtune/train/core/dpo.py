@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from shardtune.parallel.cp import cp_degree, cp_state, shard_batch
 from shardtune.parallel.tp import is_tp, loss_context
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward, chunked_token_logps
@@ -59,7 +60,8 @@ def sequence_logps(model: nn.Module, batch: dict, loss_chunks: int | None,
     the vocabulary-sharded logits' per-token cross-entropy under `loss_parallel` (as the SFT step's
     loss), so the backward of the result must run in `loss_context(model)` too."""
     lm = getattr(model, "module", model)
-    ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+    local = shard_batch(lm, batch)  # context parallel: this rank's block of every row
+    ids, pos, labels = local["input_ids"], local["position_ids"], local["labels"]
     amp = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     if is_tp(lm):
         with amp, loss_context(lm):
@@ -67,12 +69,36 @@ def sequence_logps(model: nn.Module, batch: dict, loss_chunks: int | None,
             nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                   reduction="none")  # 0 at IGNORE_INDEX
             token = -(nll.full_tensor() if isinstance(nll, DTensor) else nll)
+    else:
+        k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
+        no_position = torch.empty(0, dtype=torch.long, device=ids.device)
+        with amp, _loss_in_root_forward(lm, labels, k, chunked_token_logps):
+            token = model(input_ids=ids, position_ids=pos, logits_to_keep=no_position).loss
+    state = cp_state(lm)
+    if state is None:
         return _per_side(token.view(ids.shape), batch)
-    k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
-    no_position = torch.empty(0, dtype=torch.long, device=ids.device)
-    with amp, _loss_in_root_forward(lm, labels, k, chunked_token_logps):
-        out = model(input_ids=ids, position_ids=pos, logits_to_keep=no_position)
-    return _per_side(out.loss.view(ids.shape), batch)
+    seg, width = _slots(batch)  # the full rows' sequence index, padded as shard_batch pads them
+    seg = torch.cat([seg, seg[:, -1:].expand(-1, ids.shape[1] * state.size - seg.shape[1])], dim=1)
+    mine = seg[:, state.rank * ids.shape[1]:(state.rank + 1) * ids.shape[1]]
+    part = torch.zeros(ids.shape[0], width, dtype=token.dtype, device=token.device)
+    part = part.scatter_add(1, mine, token.view(ids.shape))
+    return _SumOverGroup.apply(part, state.group).view(ids.shape[0], width // 2, 2)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The sum of every cp rank's partial side sums. Every rank then computes the same pair loss from
+    it, so each rank's gradient of its own part is the loss's gradient of the sum: backward is the
+    identity (an all-reduce there would count it cp times)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, beta: float, label_smoothing: float = 0.0):
@@ -150,7 +176,7 @@ class DPO:
                     (part[0] * dp_size / denom).backward()
             sums += part.detach()
         norm, lr, skipped = clip_and_step(model, optimizer, scheduler, sums[0], opts)
-        parts = sums / denom
+        parts = sums / denom / cp_degree(model)  # cp: every rank of the group holds the same pair sums
         return StepResult(loss_part=parts[0], grad_norm=norm.detach(), lr=lr, num_tokens=counts[1], skipped=skipped,
                           parts=dict(zip(METRICS, parts[1:])))
 

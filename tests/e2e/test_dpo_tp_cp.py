@@ -1,8 +1,10 @@
-"""DPO under tensor parallelism through `shardtune train`: recipes/smollm2-dpo.yaml on the seeded tiny
-Llama (byte tokenizer), fp32, 3 steps, against the same recipe in one process. tp 2 with the live
-reference (a frozen tp 2 + FSDP2 copy), and dp 2 x tp 2 with `train.reference: precompute` (each
-pair's reference log-probs computed by one data-parallel rank, the two ranks of a tp group running
-the same rows): every logged number equals the one-process run's, and the ranks report tp 2."""
+"""DPO under tensor and context parallelism through `shardtune train`: recipes/smollm2-dpo.yaml on the
+seeded tiny Llama (byte tokenizer), fp32, 3 steps, against the same recipe in one process. tp 2 with
+the live reference (a frozen tp 2 + FSDP2 copy), dp 2 x tp 2 with `train.reference: precompute`
+(each pair's reference log-probs computed by one data-parallel rank, the two ranks of a tp group
+running the same rows), and cp 2 with the live reference (each rank's block of every row, the side
+sums added over the cp group): every logged number equals the one-process run's, and the ranks
+report the split they ran."""
 from __future__ import annotations
 
 import json
@@ -38,17 +40,18 @@ def _train(tmp: Path, name: str, args: list[str]) -> tuple[list[dict], dict, str
     return records, json.loads((out / "memory.json").read_text())["effective"], proc.stdout
 
 
-@pytest.mark.timeout(900)  # three launches (1, 2 and 4 ranks); a dead rank fails at once
-def test_dpo_under_tp_live_and_precompute_equals_one_process(tmp_path):
+@pytest.mark.timeout(900)  # four launches (1, 2, 4 and 2 ranks); a dead rank fails at once
+def test_dpo_under_tp_and_cp_live_and_precompute_equals_one_process(tmp_path):
     want, one, _ = _train(tmp_path, "one", ["--nproc", "1", "train.micro_batch=2", "train.grad_accum=2"])
     assert (one["tp"], one["objective"]) == (1, "dpo")
     assert max(r["reward_margin"] for r in want) > 0.01  # the policy moved: the comparison means something
     runs = {"tp2 live": ["--nproc", "2", "--tp", "2", "train.micro_batch=4"],
-            "dp2 x tp2 precompute": ["--nproc", "4", "--tp", "2", "train.micro_batch=2", "train.reference=precompute"]}
+            "dp2 x tp2 precompute": ["--nproc", "4", "--tp", "2", "train.micro_batch=2", "train.reference=precompute"],
+            "cp2 live": ["--nproc", "2", "--cp", "2", "train.micro_batch=4"]}
     for name, args in runs.items():
         got, eff, log = _train(tmp_path, name.replace(" ", "-"), args)
-        assert (eff["tp"], eff["sequence_parallel"], eff["objective"], eff["world_size"]) == (2, True, "dpo",
-                                                                                             int(args[1])), eff
+        split = args[2].removeprefix("--")
+        assert (eff[split], eff["objective"], eff["world_size"]) == (2, "dpo", int(args[1])), eff
         assert [r["step"] for r in got] == list(range(1, STEPS + 1))
         for g, w in zip(got, want):  # fp32; vocabulary-parallel log-softmax vs one process's
             for key in KEYS:
