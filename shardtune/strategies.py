@@ -286,9 +286,6 @@ def check_tp_model(tp: int, hf: dict, seq_len: int | None = None, sequence_paral
     if sequence_parallel and seq_len is not None and seq_len % tp:
         raise UserError(f"sequence parallelism splits train.seq_len {seq_len} over tp {tp}: make it a multiple "
                         f"of {tp}, or parallel.sequence_parallel=false")
-    if hf.get("tie_word_embeddings"):
-        raise UserError(f"tp {tp} with tied embeddings (tie_word_embeddings) is not supported yet: the embedding "
-                        "and the head would each get a sharded copy of the one weight; use parallel.tp 1")
 
 
 # Modes the planner plans as what-ifs but the trainer does not offer (plan notes say so).

@@ -146,6 +146,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
     head = model.get_output_embeddings()
     parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
                                                       use_local_output=False))
+    if model.config.tie_word_embeddings:  # both split the vocabulary rows (Shard(0)): one weight again
+        head.weight = inner.embed_tokens.weight
     if sp:
         parallelize_module(inner.norm, tp_mesh, SequenceParallel())
     else:

@@ -16,7 +16,7 @@ from shardtune.plan.activations import activation_split
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.plan.model import _Model
 from shardtune.plan.preference import reference_bytes
-from shardtune.plan.tp import check_tp_arch, tp_collectives, tp_embedding_grad_bytes
+from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.strategies import STRATEGY, Layout, autocasts, check_combination, resolve_optimizer_impl
 
@@ -152,6 +152,8 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                 reduce += tp_embedding_grad_bytes(m.arch, tp, memory.dtypes(inp.precision).compute)
         chunks = _loss_chunks(m, inp) if m.arch else 1
         tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
+        if tied and tp > 1 and m.arch is not None:  # + the embedding's whole-vocabulary gradient (e·V·h)
+            tied += tied_tp_embedding_grad_bytes(m.arch, memory.dtypes(inp.precision).compute)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
     ref = reference_bytes(shapes, -(-m.num_params // tp), strategy, dp, shard, inp.precision, inp.objective,
                           inp.reference, inp.lora_rank)

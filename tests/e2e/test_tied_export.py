@@ -159,3 +159,34 @@ def test_generate_refuses_an_export_that_holds_only_the_head(run, tmp_path, caps
     out = capsys.readouterr()
     assert out.out == "" and len(out.err.strip().splitlines()) == 1, out
     assert "lacks model." in out.err and "Traceback" not in out.err
+
+
+@pytest.mark.timeout(900)
+def test_a_tied_model_under_tp_trains_and_exports_what_one_process_does(tmp_path):
+    """SmolLM2 (tied embeddings; 9 heads, 3 KV heads: tp 3) fully fine-tuned at tp 3 against one
+    process, 3 steps: the embedding and the head share one vocabulary-split weight, whose gradient
+    is the sum of both uses. The losses, and the exports' logits."""
+    from transformers import AutoModelForCausalLM
+
+    text = RECIPE.format(kind="tp", src=cut_folder(2), prompt=PROMPT, quant="none", optim="adamw")
+    text = text.replace("lr: 0.01", "lr: 0.001").replace("seq_len: 64", "seq_len: 66").replace("rank: 4", "rank: 0")
+    (tmp_path / "recipe.yaml").write_text(text)
+    losses, exports = {}, {}
+    for name, args in (("one", ["--nproc", "1"]), ("tp", ["--nproc", "3", "--tp", "3", "train.micro_batch=2"])):
+        out = tmp_path / name
+        proc = _shardtune("train", str(tmp_path / "recipe.yaml"), *args, "--output-dir", str(out),
+                          "train.eval_every=0", "train.sample_prompts=[]", "checkpoint.every=0")
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        eff = json.loads((out / "memory.json").read_text())["effective"]
+        assert (eff["tp"], eff["lora_rank"], eff["loss_chunks"]) == ((3, 0, 1) if name == "tp" else (1, 0, 8)), eff
+        losses[name] = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+        exports[name] = AutoModelForCausalLM.from_pretrained(str(out / "hf_export")).eval()
+        if name == "tp":  # torch's tracker against the planner (plan/tp.py `tied_tp_embedding_grad_bytes`)
+            measured = max(r["tracked"]["total"] for r in json.loads((out / "memory.json").read_text())["per_rank"])
+            planned = json.loads((out / "plan.json").read_text())["strategies"][0]["memory"]["total"]
+            assert 0.97 <= measured / planned <= 1.03, (measured, planned)
+    assert len(losses["tp"]) == 3 and losses["tp"] == pytest.approx(losses["one"], rel=1e-6), losses
+    assert exports["tp"].config.tie_word_embeddings is True
+    ids = torch.tensor([[1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 198, 1, 4093, 198]])
+    with torch.no_grad():
+        torch.testing.assert_close(exports["tp"](ids).logits, exports["one"](ids).logits, atol=2e-4, rtol=1e-4)

@@ -61,8 +61,7 @@ def test_model_checks_name_what_tp_does_not_divide():
         check_tp_model(2, {**hf, "intermediate_size": 345}, 64)
     with pytest.raises(UserError, match="vocabulary"):
         check_tp_model(2, {**hf, "vocab_size": 265}, 64)
-    with pytest.raises(UserError, match="tied embeddings"):
-        check_tp_model(2, {**hf, "tie_word_embeddings": True}, 64)
+    check_tp_model(2, {**hf, "tie_word_embeddings": True}, 64)  # tied: one Shard(0) weight (e2e/test_tied_export.py)
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -141,3 +140,15 @@ def test_a_resume_keeps_the_global_batch_over_data_parallel_ranks():
     assert keep_global_batch(info, old, load_recipe(RECIPE, ["parallel.tp=2", "train.micro_batch=1"]), 4, []) == []
     with pytest.raises(UserError, match="--nproc 2 or 4,"):  # dp 1 or 2 at tp 2: 8 rows of micro 4
         keep_global_batch(info, old, load_recipe(RECIPE, ["parallel.tp=2", "train.micro_batch=4"]), 8, [])
+
+
+def test_a_tp_run_uses_and_reports_one_loss_chunk_whatever_the_vocabulary():
+    # under tp the loss is vocabulary-parallel on the whole logits; the effective line once said the
+    # vocabulary's default (8 for Llama-3's 128,256 ids) while the step ran 1
+    from shardtune.config import load_recipe
+    from shardtune.plan.loss import default_loss_chunks
+    from shardtune.train.core.step import StepOptions
+
+    assert default_loss_chunks(128_256) > 1
+    assert StepOptions.from_config(load_recipe(RECIPE, ["parallel.tp=2"]), 128_256).loss_chunks == 1
+    assert StepOptions.from_config(load_recipe(RECIPE, []), 128_256).loss_chunks == default_loss_chunks(128_256)
