@@ -38,8 +38,7 @@ def kv_repeat(kv_heads: int, q_heads: int, cp: int) -> int:
 
 def check_cp(cp: int, *, world_size: int | None = None, tp: int = 1,
              seq_len: int | None = None, sequence_parallel: bool = True, hf: dict | None = None,
-             objective: str = "sft", compile: bool = False, quantize_base: str = "none",
-             offload: str = "none", optimizer: str = "adamw") -> None:
+             quantize_base: str = "none") -> None:
     """The one rule of context parallelism (parallel.cp / --cp), one UserError line each: cp is a
     positive integer; tp x cp divides the world size (the strategy, FSDP2 only: strategies.py);
     cp (x tp with sequence parallelism) divides train.seq_len; cp divides the query heads of one tp

@@ -1,4 +1,5 @@
-"""Processes that cannot hang: the one place shardtune and its tests start bounded subprocesses.
+"""Processes that cannot hang: the one place shardtune and its tests start bounded subprocesses,
+and end a rank whose work is done (`exit_now`).
 
 Every child starts in its own session (`start_new_session=True`), so a timeout kills its whole
 process group — torchrun's workers included (killing torchrun alone leaves them running,

@@ -357,16 +357,13 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     if quantize_base != "none" and lora_rank == 0:
         raise UserError(f"quantize_base {quantize_base!r} freezes the base in 4 bits: it needs LoRA adapters "
                         "(lora.rank / --lora-rank > 0)")
-    _check_tp_combination(s, tp, offload=offload, optimizer=optimizer, quantize_base=quantize_base,
-                          compile=compile, loss_chunks=loss_chunks)
+    _check_tp_combination(s, tp, quantize_base=quantize_base, loss_chunks=loss_chunks)
     _check_cp_strategy(s, cp)
-    check_cp(cp, tp=tp, compile=compile, quantize_base=quantize_base, offload=offload,
-             optimizer=optimizer)  # cp_rules.py: the heads, world and seq_len parts where those are known
+    check_cp(cp, tp=tp, quantize_base=quantize_base)  # cp_rules.py: the heads, world and seq_len parts where known
     check_activation_offload(activation_offload, compile=compile, offload=offload)
 
 
-def _check_tp_combination(s: Strategy, tp: int, *, offload: str, optimizer: str, quantize_base: str,
-                          compile: bool, loss_chunks: int | None) -> None:
+def _check_tp_combination(s: Strategy, tp: int, *, quantize_base: str, loss_chunks: int | None) -> None:
     """What tensor parallelism (parallel.tp > 1) does not compose with yet, one line each."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise UserError(f"tensor-parallel degree {tp!r} is not a positive integer (parallel.tp / --tp)")

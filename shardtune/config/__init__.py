@@ -74,8 +74,8 @@ class RunConfig(_Section):
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
                           activation_offload=par.activation_offload)
-        check_cp(par.cp, tp=par.tp, seq_len=self.train.seq_len, sequence_parallel=par.sequence_parallel,
-                 objective=self.train.objective)  # cp_rules.py; heads and world: preflight
+        check_cp(par.cp, tp=par.tp, seq_len=self.train.seq_len,
+                 sequence_parallel=par.sequence_parallel)  # cp_rules.py; heads and world: preflight
         check_activation_offload(par.activation_offload, compile=self.train.compile, objective=self.train.objective,
                                  offload=par.offload)
         return self

@@ -12,6 +12,10 @@ def default_loss_chunks(vocab_size: int) -> int:
     return DEFAULT_CHUNKS if vocab_size > CHUNK_ABOVE_VOCAB else 1
 
 
-def resolve_loss_chunks(loss_chunks: int | None, vocab_size: int) -> int:
-    """The chunk count a run uses: the recipe's, or the default for this vocabulary."""
+def resolve_loss_chunks(loss_chunks: int | None, vocab_size: int, tp: int = 1) -> int:
+    """The chunk count a run uses: the recipe's, or the default for this vocabulary; under tensor
+    parallelism 1 (the loss is vocabulary-parallel, `loss_parallel`: V / tp logits a token already;
+    tp refuses an explicit K > 1)."""
+    if tp > 1:
+        return 1
     return default_loss_chunks(vocab_size) if loss_chunks is None else int(loss_chunks)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from shardtune.catalog.gpus import GPU
-from shardtune.cp_rules import check_activation_offload, check_cp
+from shardtune.cp_rules import check_activation_offload
 from shardtune.errors import UserError
 from shardtune.plan import comm, memory
 from shardtune.plan import cp as cpp
@@ -115,9 +115,8 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> tuple[int, int]:
 
 
 def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
-    """The trainer's cross-entropy chunks: under TP none (vocabulary-parallel `loss_parallel`:
-    V / tp logits a token already), else train.loss_chunks' default (plan/loss.py)."""
-    return 1 if inp.tp > 1 else resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size)
+    """The trainer's cross-entropy chunks (plan/loss.py: none under TP)."""
+    return resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size, inp.tp)
 
 
 def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
@@ -213,8 +212,7 @@ def combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           tp=1 if inp.accounting == "paper" else inp.tp, cp=inp.cp)
     except UserError as e:
         return e
-    try:  # context parallelism's and activation offload's rules on the objective (cp_rules.py, the trainer's)
-        check_cp(inp.cp, objective=inp.objective)
+    try:  # activation offload's rule on the objective (cp_rules.py, the trainer's)
         check_activation_offload(inp.activation_offload, objective=inp.objective, offload=inp.offload)
     except UserError as e:
         return e

@@ -23,11 +23,15 @@ KEYS = ("loss", "grad_norm", "reward_acc", "reward_margin", "reward_chosen", "re
 VAL_KEYS = ("val_loss", "val_reward_acc", "val_reward_margin", "val_pref_acc")
 
 
-def _train(tmp: Path, name: str, args: list[str]) -> tuple[list[dict], dict, str]:
+def _write_pairs(tmp: Path) -> None:
+    """The shipped pairs cut to STEPS steps (a global batch of 4 pairs) and 8 held-out pairs, once."""
     pairs = (REPO / "data" / "smollm2-dpo" / "train.jsonl").read_text().splitlines()
     val = (REPO / "data" / "smollm2-dpo" / "val.jsonl").read_text().splitlines()
-    (tmp / "train.jsonl").write_text("\n".join(pairs[:STEPS * 4]) + "\n")  # global batch 4 pairs a step
+    (tmp / "train.jsonl").write_text("\n".join(pairs[:STEPS * 4]) + "\n")
     (tmp / "val.jsonl").write_text("\n".join(val[:8]) + "\n")
+
+
+def _train(tmp: Path, name: str, args: list[str]) -> tuple[list[dict], dict, str]:
     out = tmp / name
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(REPO / "recipes" / "smollm2-dpo.yaml"), "--output-dir",
            str(out), "model.name=tiny-llama", "model.init=random", "data.tokenizer=byte", "data.chat_template=null",
@@ -42,6 +46,7 @@ def _train(tmp: Path, name: str, args: list[str]) -> tuple[list[dict], dict, str
 
 @pytest.mark.timeout(900)  # four launches (1, 2, 4 and 2 ranks); a dead rank fails at once
 def test_dpo_under_tp_and_cp_live_and_precompute_equals_one_process(tmp_path):
+    _write_pairs(tmp_path)
     want, one, _ = _train(tmp_path, "one", ["--nproc", "1", "train.micro_batch=2", "train.grad_accum=2"])
     assert (one["tp"], one["objective"]) == (1, "dpo")
     assert max(r["reward_margin"] for r in want) > 0.01  # the policy moved: the comparison means something

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardtune.parallel.cp import shard_batch
-from shardtune.parallel.tp import is_tp
+from shardtune.parallel.tp import tp_degree
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.strategies import IGNORE_INDEX  # the one definition (HF / torch cross_entropy convention)
 
@@ -128,7 +128,7 @@ def lm_token_loss_sum(model: nn.Module, batch: dict, loss_chunks: int | None,
     the head applied to no position there. The model runs under autocast to `autocast_dtype`."""
     lm = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
     # tensor parallel: vocabulary-sharded logits and loss_parallel (the caller's loss_context), one chunk
-    k = 1 if is_tp(lm) else resolve_loss_chunks(loss_chunks, lm.config.vocab_size)
+    k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size, tp_degree(lm))
     batch = shard_batch(lm, batch)  # context parallel: this rank's rows (labels shifted before the split)
     ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
     amp = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from shardtune.parallel.cp import cp_degree, cp_state, shard_batch
+from shardtune.parallel.cp import CPState, cp_degree, cp_state, shard_batch
 from shardtune.parallel.tp import is_tp, loss_context
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward, chunked_token_logps
@@ -41,11 +41,19 @@ def _slots(batch: dict) -> tuple[torch.Tensor, int]:
     return seg.clamp(min=0), t + t % 2
 
 
-def _per_side(values: torch.Tensor, batch: dict) -> torch.Tensor:
-    """(B, T) per-position values summed per side: (B, P, 2)."""
+def _per_side(values: torch.Tensor, batch: dict, cp: CPState | None = None) -> torch.Tensor:
+    """(B, T) per-position values of `batch`'s rows summed per side: (B, P, 2). With `cp`, `values`
+    are this cp rank's block of each row (the rows padded as `shard_batch` pads them: the pad joins
+    the last sequence), and the sums are added over the cp group."""
     seg, width = _slots(batch)
-    out = torch.zeros(values.shape[0], width, dtype=values.dtype, device=values.device)
-    return out.scatter_add(1, seg, values).view(values.shape[0], width // 2, 2)
+    if cp is not None:
+        n = values.shape[1]
+        seg = torch.cat([seg, seg[:, -1:].expand(-1, n * cp.size - seg.shape[1])], dim=1)
+        seg = seg[:, cp.rank * n:(cp.rank + 1) * n]
+    out = torch.zeros(values.shape[0], width, dtype=values.dtype, device=values.device).scatter_add(1, seg, values)
+    if cp is not None:
+        out = _SumOverGroup.apply(out, cp.group)
+    return out.view(values.shape[0], width // 2, 2)
 
 
 def valid_pairs(batch: dict) -> torch.Tensor:
@@ -74,15 +82,7 @@ def sequence_logps(model: nn.Module, batch: dict, loss_chunks: int | None,
         no_position = torch.empty(0, dtype=torch.long, device=ids.device)
         with amp, _loss_in_root_forward(lm, labels, k, chunked_token_logps):
             token = model(input_ids=ids, position_ids=pos, logits_to_keep=no_position).loss
-    state = cp_state(lm)
-    if state is None:
-        return _per_side(token.view(ids.shape), batch)
-    seg, width = _slots(batch)  # the full rows' sequence index, padded as shard_batch pads them
-    seg = torch.cat([seg, seg[:, -1:].expand(-1, ids.shape[1] * state.size - seg.shape[1])], dim=1)
-    mine = seg[:, state.rank * ids.shape[1]:(state.rank + 1) * ids.shape[1]]
-    part = torch.zeros(ids.shape[0], width, dtype=token.dtype, device=token.device)
-    part = part.scatter_add(1, mine, token.view(ids.shape))
-    return _SumOverGroup.apply(part, state.group).view(ids.shape[0], width // 2, 2)
+    return _per_side(token.view(ids.shape), batch, cp_state(lm))
 
 
 class _SumOverGroup(torch.autograd.Function):

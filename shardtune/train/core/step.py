@@ -57,10 +57,7 @@ class StepOptions:
     @classmethod
     def from_config(cls, cfg: RunConfig, vocab_size: int, **overrides) -> StepOptions:
         """The options of a run of `cfg` on a model of `vocab_size` ids; `overrides` replace fields."""
-        # under tp the loss is vocabulary-parallel on the whole logits (chunked_loss.py `lm_token_loss_sum`;
-        # tp refuses an explicit K > 1), whatever the vocabulary's default K: 1, as the planner counts it
-        chunks = 1 if cfg.parallel.tp > 1 else resolve_loss_chunks(cfg.train.loss_chunks, vocab_size)
-        opts = cls(loss_chunks=chunks,
+        opts = cls(loss_chunks=resolve_loss_chunks(cfg.train.loss_chunks, vocab_size, cfg.parallel.tp),
                    autocast_dtype=autocast_dtype(cfg.parallel), grad_clip=cfg.optim.grad_clip,
                    objective=cfg.train.objective, dpo_beta=cfg.train.dpo_beta,
                    dpo_label_smoothing=cfg.train.dpo_label_smoothing, simpo_gamma=cfg.train.simpo_gamma,
