@@ -1,9 +1,8 @@
-"""The shared vocabulary of planner and trainer: what each strategy is, and how a run is laid out.
+"""The shared vocabulary of planner and trainer: what each strategy is, and which options combine.
 
 One name, one meaning (docs/DESIGN.md, "Strategies"): `STRATEGY[name]` says what a strategy shards,
-how torch applies it and on which mesh; `Layout` is a strategy on a world of ranks (torchtitan's
-`ParallelDims`), built and validated once. Planner, config, launch checks, parallel/ and the
-trainer all read these two. Imports no torch.
+how torch applies it and on which mesh; a strategy on a world of ranks is layout.py's `Layout`.
+Planner, config, launch checks, parallel/ and the trainer all read these. Imports no torch.
 """
 from __future__ import annotations
 
@@ -148,120 +147,7 @@ def resolve_optimizer_impl(impl: str) -> str:
     return "fused"
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A strategy on `world_size` ranks, `gpus_per_node` per node: the one place the degrees are
-    derived and the hsdp divisibility is checked (planner, config, launch and trainer alike).
-
-    shard_degree: ranks one sharded state is split over (ddp 1; zero1/2/3 the world; hsdp the
-    shard group). replicate_degree: copies of each parameter (ddp/zero1 the world; zero2/3 1;
-    hsdp world / shard). hsdp's shard group defaults to one node's ranks, so reduce-scatter and
-    all-gather stay on the fast intra-node links (FSDP2 HSDP, DeviceMesh (replicate, shard))."""
-
-    strategy: Strategy
-    world_size: int
-    gpus_per_node: int
-    shard_degree: int  # of the data-parallel ranks (world / tp)
-    replicate_degree: int
-    tp: int = 1  # tensor-parallel degree: ranks one layer's matmuls are split over, innermost
-    sequence_parallel: bool = False  # with tp > 1: norms and residuals on sequence shards
-    cp: int = 1  # context-parallel degree: ranks one sequence is split over (cp_rules.py), inside dp
-
-    @property
-    def num_nodes(self) -> int:
-        return max(1, self.world_size // self.gpus_per_node)
-
-    @property
-    def dp(self) -> int:
-        """The data-parallel degree: world / (tp x cp) (ranks of one TP and CP group read the same batch)."""
-        return self.world_size // (self.tp * self.cp)
-
-    @property
-    def fsdp_shard_degree(self) -> int:
-        """Ranks FSDP splits one state over: the shard group x cp (FSDP shards over dp_shard x cp)."""
-        return self.shard_degree * self.cp
-
-    @property
-    def mesh_axes(self) -> tuple[str, ...]:
-        """The strategy's axes; with tp > 1 the 3-D ("dp_replicate", "dp_shard", "tp"), TP innermost
-        (consecutive ranks: one node, its fast links), as torchtitan's ParallelDims; with cp > 1
-        the 4-D ("dp_replicate", "dp_shard", "cp", "tp") (tp may be 1 there)."""
-        if self.cp > 1:
-            return CP_MESH_AXES
-        return self.strategy.mesh_axes if self.tp == 1 else TP_MESH_AXES
-
-    @property
-    def mesh_shape(self) -> tuple[int, ...]:
-        """The device mesh's shape along `mesh_axes`."""
-        if self.cp > 1:
-            return (self.replicate_degree, self.shard_degree, self.cp, self.tp)
-        if self.tp > 1:
-            return (self.replicate_degree, self.shard_degree, self.tp)
-        if self.strategy.hybrid:
-            return (self.replicate_degree, self.shard_degree)
-        return (self.world_size,)
-
-    @classmethod
-    def of_config(cls, par, world_size: int, gpus_per_node: int | None = None, strategy_name: str | None = None,
-                  hsdp_shard_size: int | None = None) -> Layout:
-        """`build` from a recipe's `parallel:` section (config.ParallelConfig; read by name, so this
-        leaf imports no config): the one call of the trainer, its preflight and the launcher."""
-        return cls.build(strategy_name or par.strategy, world_size, gpus_per_node,
-                         hsdp_shard_size or par.hsdp_shard_size, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                         tp_across_nodes=par.tp_across_nodes, cp=par.cp)
-
-    @classmethod
-    def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,
-              hsdp_shard_size: int | None = None, tp: int = 1, sequence_parallel: bool = True,
-              tp_across_nodes: bool = False, cp: int = 1) -> Layout:
-        """Validated layout; a bad world, a tp that does not divide it (or spans nodes unless
-        `tp_across_nodes`), a cp that does not divide world / tp (`check_cp`) or an hsdp shard size
-        that does not divide world / (tp x cp) is a UserError."""
-        s = strategy_name if isinstance(strategy_name, Strategy) else strategy(strategy_name)
-        if not isinstance(world_size, int) or world_size < 1:
-            raise UserError(f"world size {world_size!r} is not positive; start at least one process")
-        per_node = world_size if gpus_per_node is None else gpus_per_node
-        if not isinstance(per_node, int) or per_node < 1:
-            raise UserError(f"processes per node {per_node!r} is not positive")
-        dp = _check_tp_world(s, world_size, per_node, tp, tp_across_nodes)
-        _check_cp_strategy(s, cp)
-        check_cp(cp, world_size=world_size, tp=tp)
-        dp //= cp
-        sp = bool(sequence_parallel) and tp > 1
-        if s.hybrid:
-            shard = hsdp_shard_size if hsdp_shard_size is not None else min(max(1, per_node // (tp * cp)), dp)
-            if shard < 1 or shard > dp or dp % shard:
-                what = (f"the world size {world_size}" if tp * cp == 1
-                        else f"the data-parallel degree {dp} (world / (tp x cp))")
-                raise UserError(f"hsdp shard size {shard} does not divide {what}; "
-                                f"set parallel.hsdp_shard_size (plan: --hsdp-shard-size) to a divisor of {dp}")
-            return cls(s, world_size, per_node, shard, dp // shard, tp, sp, cp)
-        if not s.shards_optimizer:
-            return cls(s, world_size, per_node, 1, dp, tp, sp, cp)
-        return cls(s, world_size, per_node, dp, 1 if s.shards_params else dp, tp, sp, cp)
-
-
-TP_MESH_AXES = ("dp_replicate", "dp_shard", "tp")
-CP_MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
-
-
-def _check_tp_world(s: Strategy, world_size: int, per_node: int, tp: int, across_nodes: bool) -> int:
-    """The data-parallel degree world / tp, once tp fits the world, the node and the strategy."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise UserError(f"tensor-parallel degree {tp!r} is not a positive integer (parallel.tp / --tp)")
-    if world_size % tp:
-        raise UserError(f"tp {tp} does not divide the world size {world_size} (world = dp x tp); "
-                        f"start a multiple of {tp} processes or lower parallel.tp / --tp")
-    if tp > 1 and not s.fsdp:
-        raise UserError(f"tp {tp} composes with FSDP2 strategies ({', '.join(FSDP_STRATEGIES)}), not {s.name!r} "
-                        "(DDP/ZeroRedundancyOptimizer take no DTensor params): parallel.strategy / --strategy")
-    if tp > per_node and not across_nodes:
-        raise UserError(f"tp {tp} spans more than one node's {per_node} processes (TP's per-layer collectives want "
-                        "the intra-node links); lower parallel.tp, or set parallel.tp_across_nodes=true to insist")
-    return world_size // tp
-
-
-def _check_cp_strategy(s: Strategy, cp: int) -> None:
+def check_cp_strategy(s: Strategy, cp: int) -> None:
     """The strategy's part of the cp rule (cp_rules.check_cp holds the rest): FSDP shards over dp x cp."""
     if isinstance(cp, int) and cp > 1 and not s.fsdp:
         raise UserError(f"cp {cp} composes with FSDP2 strategies ({', '.join(FSDP_STRATEGIES)}), not {s.name!r} "
@@ -358,7 +244,7 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
         raise UserError(f"quantize_base {quantize_base!r} freezes the base in 4 bits: it needs LoRA adapters "
                         "(lora.rank / --lora-rank > 0)")
     _check_tp_combination(s, tp, quantize_base=quantize_base, loss_chunks=loss_chunks)
-    _check_cp_strategy(s, cp)
+    check_cp_strategy(s, cp)
     check_cp(cp, tp=tp, quantize_base=quantize_base)  # cp_rules.py: the heads, world and seq_len parts where known
     check_activation_offload(activation_offload, compile=compile, offload=offload)
 

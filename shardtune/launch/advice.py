@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from shardtune.config import RunConfig
 from shardtune.errors import UserError
+from shardtune.layout import Layout
 from shardtune.plan.api import plan
-from shardtune.strategies import Layout
 
 # The catalogue link a network preset stands for, unless the user names one (--link).
 DEFAULT_LINK = {"ib": "ib-ndr-400", "roce": "roce-400", "efa": "efa", "eth": "eth-10g"}

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from shardtune.errors import UserError, check_no_blocking_pipe
-from shardtune.strategies import Layout
+from shardtune.layout import Layout
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write what a cluster needs to run a recipe on several nodes.")
 
@@ -82,30 +82,19 @@ def resolve_interconnect(name: str, link: str | None) -> tuple[str, str | None]:
     return transport, link or named
 
 
-def check_tp_placement(cfg, gpus_per_node: int) -> None:
-    """Each tensor-parallel group inside one node. torchrun numbers ranks node by node (global rank
-    = node rank x processes per node + local rank) and the trainer's TP groups are consecutive
-    ranks (the innermost mesh axis, strategies.Layout), so a group lies in one node exactly when tp
-    divides the processes per node; with parallel.tp_across_nodes, when it spans whole nodes. The
-    model's own tp checks (heads, vocabulary, sequence) as the trainer's preflight makes them."""
+def check_layout(cfg, nodes: int, gpus_per_node: int) -> Layout:
+    """The trainer's layout on `nodes` nodes (`Layout.of_config`: the degrees and the placement rule,
+    a tp group inside one node), and what tp and cp split of the model (heads, vocabulary, sequence)
+    as the trainer's preflight checks it (`Layout.check_model`)."""
     from shardtune.catalog.models import resolve_model_config
-    from shardtune.strategies import check_tp_model
 
-    par = cfg.parallel
-    if par.tp <= 1:
-        return
-    if par.tp <= gpus_per_node and gpus_per_node % par.tp:
-        raise UserError(f"parallel.tp {par.tp} does not divide --gpus-per-node {gpus_per_node}: a tensor-parallel "
-                        "group (consecutive ranks, numbered node by node) would straddle two nodes; choose a tp that "
-                        f"divides {gpus_per_node}")
-    if par.tp > gpus_per_node and par.tp % gpus_per_node:  # Layout refused it unless tp_across_nodes
-        raise UserError(f"parallel.tp {par.tp} across nodes is not a multiple of --gpus-per-node {gpus_per_node}: a "
-                        "tensor-parallel group would hold part of a node; give whole nodes per group")
+    layout = Layout.of_config(cfg.parallel, nodes * gpus_per_node, gpus_per_node)
     try:
         hf = resolve_model_config(cfg.model.plan_name())
     except UserError:  # a folder not on this machine and no model.architecture: the nodes' preflight checks
-        return
-    check_tp_model(par.tp, hf, cfg.train.seq_len, par.sequence_parallel)
+        return layout
+    layout.check_model(hf, cfg.train.seq_len)
+    return layout
 
 
 def _build(recipe: str, overrides: list[str] | None, **kw):
@@ -117,13 +106,12 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     kw["interconnect"], link = resolve_interconnect(kw["interconnect"], kw.pop("link", None))
     # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
     spec = validate(LaunchSpec(recipe=os.path.abspath(recipe), overrides=tuple(overrides or ()), **kw))
-    # the trainer checks its layout on every node; a bad hsdp shard size or tp is refused here, before
-    # a script is written (an elastic job may run at any node count from MIN to MAX)
-    par = cfg.parallel
+    # the trainer checks its layout on every node (the same Layout, its placement rule included); a bad
+    # hsdp shard size, tp or cp is refused here, before a script is written (an elastic job may run at
+    # any node count from MIN to MAX)
     lo, hi = spec.elastic or (spec.nodes, spec.nodes)
     for nodes in range(max(lo, 1), hi + 1):
-        Layout.of_config(par, nodes * spec.gpus_per_node, spec.gpus_per_node)
-    check_tp_placement(cfg, spec.gpus_per_node)
+        check_layout(cfg, nodes, spec.gpus_per_node)
     return cfg, spec, link
 
 

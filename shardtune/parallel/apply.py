@@ -20,7 +20,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardtune.errors import UserError
-from shardtune.strategies import STRATEGY, Layout, autocasts, checkpointed_layers
+from shardtune.layout import Layout
+from shardtune.strategies import STRATEGY, autocasts, checkpointed_layers
 
 if TYPE_CHECKING:
     from shardtune.config import ParallelConfig

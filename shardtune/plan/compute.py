@@ -9,6 +9,8 @@ recomputed forward of activation checkpointing costs time but is not model FLOPs
 """
 from __future__ import annotations
 
+# the PaLM count is shared with the trainer's MFU (rules/flops.py); the planner reads it from here
+from shardtune.rules.flops import forward_flops_per_token, matmul_params, model_flops_per_token  # noqa: F401
 from shardtune.strategies import checkpointed_layers
 
 # Achievable MFU of a compute-only training step (no exposed communication, no recompute), by GPU
@@ -33,26 +35,6 @@ def achievable_mfu(gpu_name: str | None) -> tuple[float, str]:
         if g.startswith(family) or family in g:
             return mfu, f"default for {family.upper()} (see shardtune/plan/compute.py)"
     return DEFAULT_MFU, "cautious default for an unknown GPU (override with --mfu)"
-
-
-def matmul_params(total_params: int, vocab_size: int, hidden_size: int, tied_embeddings: bool) -> int:
-    """Parameters that take part in matmuls: all but the input embedding table.
-
-    With tied embeddings the one table is also the LM head (a matmul), so nothing is removed.
-    """
-    return total_params if tied_embeddings else total_params - vocab_size * hidden_size
-
-
-def model_flops_per_token(matmul_params_count: int, num_layers: int, num_heads: int,
-                          head_dim: int, seq_len: int) -> float:
-    """PaLM appendix B: 6N + 12·L·H·Q·T training FLOPs per token (forward + backward)."""
-    return 6.0 * matmul_params_count + 12.0 * num_layers * num_heads * head_dim * seq_len
-
-
-def forward_flops_per_token(matmul_params_count: int, num_layers: int, num_heads: int,
-                            head_dim: int, seq_len: int) -> float:
-    """The forward third of PaLM's count: 2N + 4·L·H·Q·T."""
-    return 2.0 * matmul_params_count + 4.0 * num_layers * num_heads * head_dim * seq_len
 
 
 # op AC's recompute time / the no-AC forward+backward time, measured by bench/recompute.py on the

@@ -14,16 +14,16 @@ import shlex
 from pathlib import Path
 
 from shardtune.config import load_recipe
+from shardtune.config.flags import TRAIN_FLAGS
 from shardtune.config.plan_keys import PLAN_KEYS
 from shardtune.plan.fit import Candidate
 from shardtune.plan.validate import PlanInputs
 from shardtune.strategies import STRATEGY
-from shardtune.train.launcher.flags import TRAIN_FLAGS
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 FALLBACK_RECIPE = "llama-3-8b-8xh100.yaml"  # a GPU recipe (nccl, bf16-mixed) for any catalogue model
 # the inputs `--fit` chooses or keeps → (train flag or None, recipe key): the recipe key is the one
-# table's (config/plan_keys.py), the flag the trainer's own for that key (train/launcher/flags.py)
+# table's (config/plan_keys.py), the flag the trainer's own for that key (config/flags.py)
 _FIT_FIELDS = ("strategy", "precision", "lora_rank", "model", "gpu", "seq_len", "micro_batch", "grad_accum",
                "optimizer", "optimizer_impl", "ac", "ac_every", "offload", "hsdp_shard_size", "tp", "cp",
                "activation_offload")

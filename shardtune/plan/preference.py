@@ -14,28 +14,14 @@
 """
 from __future__ import annotations
 
-from shardtune.errors import UserError
 from shardtune.plan.memory import dtypes, local_numels
-
-OBJECTIVES = ("sft", "dpo", "simpo")  # simpo: no reference
-REFERENCES = ("live", "precompute")
-
-
-def check_objective(objective: str, reference: str) -> None:
-    if objective not in OBJECTIVES:
-        raise UserError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    if reference not in REFERENCES:
-        raise UserError(f"unknown reference {reference!r}; choose one of {', '.join(REFERENCES)}")
-
-
-def holds_reference(objective: str, reference: str, lora_rank: int) -> bool:
-    """A frozen reference copy lives on the GPUs during training."""
-    return objective == "dpo" and reference == "live" and not lora_rank
-
-
-def reference_forward(objective: str, reference: str) -> bool:
-    """Every micro-batch runs a reference forward (a copy's, or LoRA's base with adapters off)."""
-    return objective == "dpo" and reference == "live"
+from shardtune.rules.preference import (  # noqa: F401  (the planner's callers read them from here)
+    OBJECTIVES,
+    REFERENCES,
+    check_objective,
+    holds_reference,
+    reference_forward,
+)
 
 
 def reference_bytes(shapes, num_params: int, strategy: str, world_size: int, shard_degree: int, precision: str,

@@ -10,15 +10,16 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from shardtune.catalog.gpus import GPU
 from shardtune.cp_rules import check_activation_offload
 from shardtune.errors import UserError
+from shardtune.layout import Layout
 from shardtune.plan import comm, memory
 from shardtune.plan import cp as cpp
 from shardtune.plan.activations import activation_split
-from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.plan.model import _Model
 from shardtune.plan.preference import reference_bytes
 from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
 from shardtune.plan.validate import PlanInputs, resolve_inputs
-from shardtune.strategies import STRATEGY, Layout, autocasts, check_combination, resolve_optimizer_impl
+from shardtune.rules.loss import resolve_loss_chunks
+from shardtune.strategies import STRATEGY, autocasts, check_combination, resolve_optimizer_impl
 
 GIB = 2**30
 
@@ -115,7 +116,7 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> tuple[int, int]:
 
 
 def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
-    """The trainer's cross-entropy chunks (plan/loss.py: none under TP)."""
+    """The trainer's cross-entropy chunks (rules/loss.py: none under TP)."""
     return resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size, inp.tp)
 
 

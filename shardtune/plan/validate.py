@@ -10,9 +10,9 @@ from dataclasses import fields as dc_fields
 
 from shardtune.cp_rules import check_cp
 from shardtune.errors import UserError
+from shardtune.layout import Layout, check_placement
 from shardtune.plan.preference import check_objective
 from shardtune.strategies import (
-    Layout,
     normalize_ac,
     normalize_offload,
     normalize_optimizer,
@@ -52,7 +52,7 @@ class PlanInputs:
     offload: str = "none"
     lora_rank: int = 0
     quantize_base: str = "none"  # lora.quantize_base: nf4 stores the LoRA base in 4 bits (QLoRA)
-    loss_chunks: int | None = None  # train.loss_chunks; default: plan/loss.py (8 above a 32k vocabulary)
+    loss_chunks: int | None = None  # train.loss_chunks; default: rules/loss.py (8 above a 32k vocabulary)
     objective: str = "sft"  # train.objective: dpo holds a reference model (plan/preference.py)
     reference: str = "live"  # train.reference: live | precompute
     accounting: str = "shardtune"
@@ -189,7 +189,7 @@ def _layout(inp: PlanInputs) -> None:
 
 
 def _tp_layout(inp: PlanInputs) -> None:
-    """TP innermost, inside one node (its collectives need NVLink), dividing the world and, with
+    """TP innermost, inside one node (its collectives need NVLink; layout.check_placement), dividing the world and, with
     sequence parallelism (default on with tp > 1), the sequence."""
     t = inp.tp
     if inp.sequence_parallel is None:
@@ -201,12 +201,7 @@ def _tp_layout(inp: PlanInputs) -> None:
         return
     if inp.gpus % t:
         raise UserError(f"--tp {t} does not divide --gpus {inp.gpus}; give a world of dp × tp GPUs")
-    if t > inp.gpus_per_node and not inp.tp_across_nodes:
-        raise UserError(f"--tp {t} exceeds the {inp.gpus_per_node} GPUs of a node: tensor parallelism "
-                        "talks every layer and needs the intra-node link; give --tp ≤ --gpus-per-node "
-                        "(or --tp-across-nodes to insist)")
-    if t > inp.gpus_per_node and t % inp.gpus_per_node:
-        raise UserError(f"--tp {t} across nodes must be a multiple of the {inp.gpus_per_node} GPUs of a node")
+    check_placement(t, inp.gpus_per_node, inp.tp_across_nodes)  # the trainer's and launch's rule (layout.py)
     if inp.sequence_parallel and inp.seq_len % t:
         raise UserError(f"--seq-len {inp.seq_len} is not divisible by --tp {t}: sequence parallelism splits "
                         "the sequence; give a multiple of tp (or --no-sequence-parallel)")

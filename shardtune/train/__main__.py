@@ -1,5 +1,5 @@
 """`python -m shardtune.train RECIPE [flags] [key.path=value ...]`, one process per rank under
-torchrun; the flags are train/launcher/flags.py's table, as for `shardtune train`.
+torchrun; the flags are config/flags.py's table, as for `shardtune train`.
 
 Bad input: one line on stderr, exit code 2 (no traceback).
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardtune.config.flags import TRAIN_FLAGS, add_argparse_flags
 from shardtune.errors import UserError
-from shardtune.train.launcher.flags import TRAIN_FLAGS, add_argparse_flags
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from shardtune.errors import quiet_library_notices
+    from shardtune.plan import plan  # handed to the trainer, which imports no planner (docs/DESIGN.md)
     from shardtune.train.commands import resolve_config
     from shardtune.train.launcher.preflight import validate_for_launch
 
@@ -37,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args.recipe, args.overrides, **{f.name: getattr(args, f.name) for f in TRAIN_FLAGS})
         world = int(os.environ.get("WORLD_SIZE", 1))
         if os.environ.get("SHARDTUNE_PREFLIGHT") != "done":  # by hand; `shardtune train` checked it already
-            validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), planner=plan)
         from shardtune.train.rank.main import run
 
-        run(cfg)
+        run(cfg, planner=plan)
     except UserError as e:
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's error file: `shardtune train` prints it once
             from torch.distributed.elastic.multiprocessing.errors import get_error_handler

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import typer
 
+from shardtune.config.flags import flag_argv, flag_overrides, with_flags
 from shardtune.errors import UserError
-from shardtune.train.launcher.flags import flag_argv, flag_overrides, with_flags
 from shardtune.train.launcher.preflight import validate_for_launch
 
 __all__ = ["flag_overrides", "resolve_config", "torchrun_command", "train_command", "register"]
@@ -107,11 +107,12 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
         raise UserError(f"--nproc {nproc}: give at least 1 process")
     if not 0 <= max_restarts <= 1000:  # each restart is a start-up and a resume: more is a typo
         raise UserError(f"--max-restarts {max_restarts}: give 0 to 1000")
+    from shardtune.plan import plan  # handed to the launch checks: the trainer imports no planner
     from shardtune.train.core.loggers import check_loop_options
 
     cfg = resolve_config(recipe, overrides, **flags)
     check_loop_options(cfg)
-    validate_for_launch(cfg, nproc, nproc)
+    validate_for_launch(cfg, nproc, nproc, planner=plan)
     with RunLock(cfg.run_dir) as lock:
         decision = decide(cfg, move_aside, nproc)
         if decision.done:
@@ -162,7 +163,7 @@ def _param(name: str, annotation, default) -> inspect.Parameter:
 
 
 def register(app: typer.Typer) -> None:
-    """`shardtune train`: the arguments below, then one option per row of train/launcher/flags.py."""
+    """`shardtune train`: the arguments below, then one option per row of config/flags.py."""
     params = [
         _param("recipe", str, typer.Argument(..., help="YAML recipe, e.g. recipes/tiny-cpu.yaml")),
         _param("overrides", list[str] | None,

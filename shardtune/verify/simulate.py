@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
 from shardtune.parallel.apply import apply_precision, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
-from shardtune.plan.preference import holds_reference
+from shardtune.rules.preference import holds_reference
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.dpo import DPO, add_reference_bytes
 from shardtune.train.core.dpo_ref import ModelReference, build_reference_model, reference_parallel_config

@@ -18,6 +18,7 @@ from shardtune.config import load_recipe
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh
 from shardtune.train.rank.context import DistContext
+from shardtune.plan import plan
 from shardtune.train.rank.main import train
 
 
@@ -31,7 +32,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     # in tests/e2e/test_watchdog.py and test_elastic.py
     os.environ.update({"SHARDTUNE_WATCHDOG_S": "0", **case.get("env", {})})
     try:
-        train(cfg, ctx)
+        train(cfg, ctx, planner=plan)  # plan.json, as python -m shardtune.train writes it
         return {"outcome": "ok"}
     except UserError as e:
         return {"outcome": "error", "message": str(e)}

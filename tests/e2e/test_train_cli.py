@@ -84,7 +84,7 @@ def test_ctrl_c_stops_torchrun_and_every_worker(tmp_path_factory, sig):
     assert r.left_after == []
 
 
-# the flags each entry point must offer, written out here (not read from train/launcher/flags.py)
+# the flags each entry point must offer, written out here (not read from config/flags.py)
 EXPECTED_FLAGS = {"--strategy": "parallel.strategy", "--precision": "parallel.precision",
                   "--max-steps": "train.max_steps", "--seed": "train.seed", "--output-dir": "output_dir",
                   "--checkpoint-every": "checkpoint.every", "--keep": "checkpoint.keep",
@@ -95,7 +95,7 @@ def test_train_help_lists_every_flag_with_its_help():
     from typer.testing import CliRunner
 
     from shardtune.cli import app
-    from shardtune.train.launcher.flags import TRAIN_FLAGS
+    from shardtune.config.flags import TRAIN_FLAGS
 
     out = CliRunner().invoke(app, ["train", "--help"], terminal_width=400).output
     for option in [*EXPECTED_FLAGS, "--nproc", "--max-restarts"]:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.catalog.models import resolve_model_config
-from shardtune.plan.loss import default_loss_chunks
+from shardtune.rules.loss import default_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, chunked_cross_entropy, lm_token_loss_sum
 
 

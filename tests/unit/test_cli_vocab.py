@@ -9,11 +9,11 @@ import pytest
 
 from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS, get_interconnect
 from shardtune.cli import main
+from shardtune.config.flags import TRAIN_FLAGS
 from shardtune.launch.commands import resolve_interconnect
 from shardtune.launch.network import env_dict, preset
 from shardtune.strategies import PRECISIONS, STRATEGIES
 from shardtune.train.__main__ import parse_args
-from shardtune.train.launcher.flags import TRAIN_FLAGS
 
 INTER = [n for n, v in INTERCONNECTS.items() if v.scope == "inter"]
 INTER_ALIASES = [a for a, n in ALIASES.items() if INTERCONNECTS[n].scope == "inter"]

@@ -7,7 +7,8 @@ import pytest
 from shardtune.config import load_recipe
 from shardtune.cp_rules import check_cp, kv_repeat
 from shardtune.errors import UserError
-from shardtune.strategies import Layout, check_combination
+from shardtune.layout import Layout
+from shardtune.strategies import check_combination
 
 
 @pytest.mark.parametrize("strategy, world, per_node, tp, cp, shard, mesh, dp", [

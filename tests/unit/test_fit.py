@@ -100,7 +100,7 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     args = shlex.split(line)
     params = _parse_as_cli(args)
     if args[1] == "train":
-        from shardtune.train.launcher.flags import FLAG_BY_NAME
+        from shardtune.config.flags import FLAG_BY_NAME
 
         flags = {k: v for k, v in params.items() if k in FLAG_BY_NAME}  # the recipe-key flags
         cfg = resolve_config(params["recipe"], params["overrides"], **flags)

@@ -8,11 +8,11 @@ import dataclasses
 import typer
 
 from shardtune.config import RunConfig, load_recipe
+from shardtune.config.flags import TRAIN_FLAGS
 from shardtune.config.keys import all_keys
 from shardtune.config.plan_keys import PLAN_KEYS, PLANNER_ONLY
 from shardtune.plan.commands import _RENAMED, plan_cmd, plan_input_values
 from shardtune.plan.validate import PlanInputs
-from shardtune.train.launcher.flags import TRAIN_FLAGS
 
 FIELDS = {f.name for f in dataclasses.fields(PlanInputs)}
 

@@ -238,9 +238,9 @@ def _tp_groups_by_node(world: int, per_node: int, tp: int) -> set[frozenset[int]
     """The nodes each TP group of the trainer's mesh lands on: init_device_mesh lays ranks out
     row-major over the mesh shape (torch.arange(world).view(shape)); the TP axis is innermost
     (strategies.Layout), and torchrun gives node n the ranks n*per_node ... (n+1)*per_node - 1."""
-    from shardtune.strategies import Layout
+    from shardtune.layout import Layout
 
-    layout = Layout.build("zero3", world, per_node, tp=tp, tp_across_nodes=tp > per_node)
+    layout = Layout.build("zero3", world, world, tp=tp)  # the mesh's order does not depend on the nodes
     assert layout.mesh_axes[-1] == "tp" and layout.mesh_shape[-1] == tp
     ranks = list(range(world))  # row-major: the innermost axis varies fastest
     return {frozenset(r // per_node for r in ranks[i:i + tp]) for i in range(0, world, tp)}
@@ -259,7 +259,7 @@ def test_tp_groups_stay_inside_a_node(tmp_path, capsys):
         rc, out, err = _run(capsys, "launch", *launcher, recipe, "--nodes", "2", "--gpus-per-node", "6",
                             "parallel.tp=4", *ok)
         assert rc == 2 and not out and err.count("\n") == 1, (launcher, err)
-        assert "parallel.tp 4 does not divide --gpus-per-node 6" in err
+        assert "parallel.tp 4 does not divide the 6 GPUs of a node" in err
     # larger than a node: the trainer's rule (strategies.Layout) refuses unless tp_across_nodes, then whole nodes
     rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "4", "--gpus-per-node", "8", "parallel.tp=16",
                         *ok)
@@ -269,7 +269,7 @@ def test_tp_groups_stay_inside_a_node(tmp_path, capsys):
     assert rc == 0 and all(len(nodes) == 2 for nodes in _tp_groups_by_node(16, 4, 8)), err
     rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "4", "--gpus-per-node", "6", "parallel.tp=8",
                         "parallel.tp_across_nodes=true", *ok)
-    assert rc == 2 and "not a multiple of --gpus-per-node 6" in err, err
+    assert rc == 2 and "not a multiple of the 6 GPUs of a node" in err, err
     # the model's own tp checks, as the trainer's preflight: 8 KV heads do not split 16 ways
     rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "2", "--gpus-per-node", "8", "parallel.tp=16",
                         "parallel.tp_across_nodes=true", *ok)

@@ -221,3 +221,20 @@ def test_the_launcher_side_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"the launcher side imports {out.stdout.strip()}"
+
+
+# The trainer (train/, parallel/) and the planner (plan/) import neither each other (issue 38): what
+# both need lives below them (rules/, layout.py, strategies.py, cp_rules.py, config/flags.py). The
+# trainer's two entries (train/commands.py, train/__main__.py: command glue) hand it `shardtune.plan.plan`
+# as a function for plan.json and the memory check; plan/'s glue imports nothing of train/ either.
+SEPARATED = (("train", "plan"), ("parallel", "plan"), ("plan", "train"), ("plan", "parallel"))
+
+
+def test_trainer_and_planner_do_not_import_each_other():
+    modules = _modules()
+    inside = lambda m, pkg: m == pkg or m.startswith(pkg + ".")  # noqa: E731
+    edges = [f"{p.relative_to(ROOT)}:{line} imports shardtune.{t}"
+             for m, p in modules.items() for src, dst in SEPARATED
+             if inside(m, src) and (src == "plan" or not _is_glue(p))
+             for line, t in sorted(set(_imports(p, modules))) if inside(t, dst)]
+    assert not edges, "trainer <-> planner imports (move the shared rule to rules/):\n  " + "\n  ".join(edges)

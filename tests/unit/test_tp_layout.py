@@ -10,7 +10,8 @@ from _cli import refused_before_any_process
 
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
-from shardtune.strategies import Layout, check_combination, check_tp_model
+from shardtune.layout import Layout
+from shardtune.strategies import check_combination, check_tp_model
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 
@@ -35,7 +36,8 @@ def test_layout_degrees_and_mesh(strategy, world, per_node, tp, shard, mesh):
     (dict(strategy_name="zero3", world_size=6, tp=4), "tp 4 does not divide the world size 6"),
     (dict(strategy_name="ddp", world_size=4, tp=2), "composes with FSDP2 strategies"),
     (dict(strategy_name="zero1", world_size=4, tp=2), "not 'zero1'"),
-    (dict(strategy_name="zero3", world_size=16, gpus_per_node=8, tp=16), "spans more than one node"),
+    (dict(strategy_name="zero3", world_size=16, gpus_per_node=8, tp=16), "exceeds the 8 GPUs of a node"),
+        (dict(strategy_name="zero3", world_size=12, gpus_per_node=6, tp=4), "would straddle two nodes"),
     (dict(strategy_name="hsdp", world_size=8, tp=2, hsdp_shard_size=3), "data-parallel degree 4"),
     (dict(strategy_name="zero3", world_size=4, tp=0), "not a positive integer"),
 ])
@@ -86,7 +88,7 @@ def test_compile_offload_and_8bit_adamw_compose_with_tp():
 
 def test_config_keys_and_flag():
     from shardtune.config import load_recipe
-    from shardtune.train.launcher.flags import flag_overrides
+    from shardtune.config.flags import flag_overrides
 
     cfg = load_recipe(RECIPE, flag_overrides(tp=2))
     assert cfg.parallel.tp == 2 and cfg.parallel.sequence_parallel is True
@@ -146,7 +148,7 @@ def test_a_tp_run_uses_and_reports_one_loss_chunk_whatever_the_vocabulary():
     # under tp the loss is vocabulary-parallel on the whole logits; the effective line once said the
     # vocabulary's default (8 for Llama-3's 128,256 ids) while the step ran 1
     from shardtune.config import load_recipe
-    from shardtune.plan.loss import default_loss_chunks
+    from shardtune.rules.loss import default_loss_chunks
     from shardtune.train.core.step import StepOptions
 
     assert default_loss_chunks(128_256) > 1

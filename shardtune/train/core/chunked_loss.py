@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.parallel.cp import shard_batch
 from shardtune.parallel.tp import tp_degree
-from shardtune.plan.loss import resolve_loss_chunks
+from shardtune.rules.loss import resolve_loss_chunks
 from shardtune.strategies import IGNORE_INDEX  # the one definition (HF / torch cross_entropy convention)
 
 

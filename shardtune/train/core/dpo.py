@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.parallel.cp import CPState, cp_degree, cp_state, shard_batch
 from shardtune.parallel.tp import is_tp, loss_context
-from shardtune.plan.loss import resolve_loss_chunks
+from shardtune.rules.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward, chunked_token_logps
 from shardtune.train.core.step import StepOptions, StepResult, accumulation, clip_and_step
 

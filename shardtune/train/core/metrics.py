@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from shardtune.catalog.gpus import resolve_gpu
-from shardtune.plan.compute import matmul_params, model_flops_per_token
+from shardtune.rules.flops import matmul_params, model_flops_per_token
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.eval_lines import eval_lines
 from shardtune.train.core.memory_json import measured_memory

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from shardtune.parallel.apply import autocast_dtype
 from shardtune.parallel.tp import loss_context
-from shardtune.plan.loss import resolve_loss_chunks
+from shardtune.rules.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
 from shardtune.train.core.offload import HostOffload
 
@@ -44,7 +44,7 @@ class StepOptions:
     so no call site re-derives a setting (issue 26). A new setting is one field here and one line
     in `from_config`."""
     loss_chunks: int | None = None  # train.loss_chunks; from_config resolves it (None: the vocabulary's
-    # default, plan/loss.py, resolved at the loss)
+    # default, rules/loss.py, resolved at the loss)
     autocast_dtype: torch.dtype | None = None  # parallel.precision under ddp/zero1 (parallel/apply.py)
     grad_clip: float = 1.0  # optim.grad_clip (0: no clipping)
     skip_non_finite: bool = True  # a non-finite loss or grad norm skips the update (the simulator: off)

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_files
-from shardtune.cp_rules import check_cp
 from shardtune.devices import resolve_backend
 from shardtune.errors import UserError, suggest
-from shardtune.strategies import Layout, check_tp_model
+from shardtune.layout import Layout
 from shardtune.train.data.dataset import check_dataset
 from shardtune.train.durable.ckpt_files import resolve_resume
 
@@ -230,14 +229,16 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def _check_model_states_fit(cfg: RunConfig, world_size: int, local_world_size: int, gpus: bool) -> None:
+def _check_model_states_fit(cfg: RunConfig, world_size: int, local_world_size: int, gpus: bool, planner) -> None:
     """The planner's model states per rank (params, grads, optimizer: exact, tests/dist) against this
     node's memory: the GPU's on a GPU run, the host's available memory for CPU ranks or offload
-    'all' (every local rank's share). Only what surely cannot fit is refused (activations aside)."""
-    from shardtune.plan import plan
-
+    'all' (every local rank's share). Only what surely cannot fit is refused (activations aside).
+    `planner`: `shardtune.plan.plan`, handed down by the command (the trainer imports no planner);
+    None: not checked."""
+    if planner is None:
+        return
     try:
-        row = plan(gpus=world_size, gpus_per_node=local_world_size, strategies=[cfg.parallel.strategy],
+        row = planner(gpus=world_size, gpus_per_node=local_world_size, strategies=[cfg.parallel.strategy],
                    **cfg.plan_inputs()).to_dict()["strategies"][0]["memory"]
     except Exception:  # a model the planner cannot price: the ranks' own limits stand
         return
@@ -349,9 +350,11 @@ def check_environment(strategy: str, *, optimizer: str = "adamw", quantize_base:
                             "train.compile=false")
 
 
-def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) -> Layout:
+def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int, planner=None) -> Layout:
     """The run's layout on `world_size` ranks (`local_world_size` per node), once every check has
-    passed: hsdp shard size (strategies.Layout, the one check), model, data, run folder, resume."""
+    passed: the degrees and where their groups land (layout.Layout: `shardtune plan` and `launch` build
+    the same), what tp and cp split of the model, model states against memory (`planner`:
+    `shardtune.plan.plan`, passed by the commands; None: not checked), data, run folder, resume."""
     par = cfg.parallel
     layout = Layout.of_config(par, world_size, local_world_size)
     check_environment(par.strategy, optimizer=cfg.optim.name, quantize_base=cfg.lora.quantize_base,
@@ -360,10 +363,9 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int) 
 
     check_recipe_paths(cfg, "model.")
     _check_model(cfg.model, cfg.train.seq_len)
-    check_tp_model(par.tp, resolve_model_config(cfg.model.name), cfg.train.seq_len, par.sequence_parallel)
-    check_cp(par.cp, world_size=world_size, tp=par.tp, hf=resolve_model_config(cfg.model.name))
+    layout.check_model(resolve_model_config(cfg.model.name), cfg.train.seq_len)  # what tp and cp split
     gpus = _check_backend(cfg.train.backend, local_world_size)
-    _check_model_states_fit(cfg, world_size, local_world_size, gpus)
+    _check_model_states_fit(cfg, world_size, local_world_size, gpus, planner)
     check_recipe_paths(cfg)
     if cfg.lora.rank > 0:
         _check_lora_targets(cfg)

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import shutil
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +21,6 @@ from shardtune.config import RunConfig, dump_config
 from shardtune.devices import resolve_backend
 from shardtune.errors import UserError
 from shardtune.parallel.apply import build_mesh
-from shardtune.plan import plan
 from shardtune.processes import free_port
 from shardtune.strategies import resolve_optimizer_impl
 from shardtune.train.durable.diskfull import check_room, on_full_disk, write_atomic
@@ -29,6 +29,8 @@ from shardtune.train.durable.watchdog import prefork as prefork_watcher
 from shardtune.train.launcher.runlock import RUN_LOCK_ENV, RunLock
 from shardtune.train.rank.context import DistContext
 from shardtune.train.rank.loop import finish, loop, set_up
+
+Planner = Callable[..., object]  # shardtune.plan.plan: keyword PlanInputs fields -> PlanResult (.to_dict())
 
 
 def setup_distributed(cfg: RunConfig) -> DistContext:
@@ -54,13 +56,17 @@ def setup_distributed(cfg: RunConfig) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, device, mesh)
 
 
-def plan_dict(cfg: RunConfig, world_size: int, local_world_size: int) -> dict:
-    """The planner's prediction for this exact run (plan.json); {"error": ...} if it cannot plan it."""
+def plan_dict(cfg: RunConfig, world_size: int, local_world_size: int, planner: Planner | None) -> dict:
+    """The planner's prediction for this exact run (plan.json); {"error": ...} if it cannot plan it.
+    `planner`: `shardtune.plan.plan`, handed down by the entry (train/__main__.py), so the trainer
+    imports no planner (docs/DESIGN.md, Layers); None (a rank started from a test): no prediction."""
+    if planner is None:
+        return {"error": "no planner given: the entry (python -m shardtune.train) passes shardtune.plan.plan"}
     try:
         inputs = cfg.plan_inputs()  # `auto`: the kernel the trainer builds (torch's AdamW only)
         if inputs["optimizer"] == "adamw":
             inputs["optimizer_impl"] = resolve_optimizer_impl(inputs["optimizer_impl"])
-        p = plan(gpus=world_size, gpus_per_node=local_world_size,
+        p = planner(gpus=world_size, gpus_per_node=local_world_size,
                  strategies=[cfg.parallel.strategy], **inputs)
         return p.to_dict()
     except Exception as e:  # the run goes on without a prediction, and says why
@@ -70,14 +76,15 @@ def plan_dict(cfg: RunConfig, world_size: int, local_world_size: int) -> dict:
 TEARDOWN_LIMIT_S = 30.0  # a healthy destroy_process_group takes well under a second
 
 
-def run(cfg: RunConfig) -> dict:
-    """Train with `cfg` on this process's rank; returns the final metrics record (rank 0)."""
+def run(cfg: RunConfig, planner: Planner | None = None) -> dict:
+    """Train with `cfg` on this process's rank; returns the final metrics record (rank 0). `planner`:
+    `shardtune.plan.plan` for plan.json (`plan_dict`)."""
 
     prefork_watcher()  # before the process group's threads (train/durable/watchdog.py)
     ctx = setup_distributed(cfg)
     guard = None
     try:
-        record = train(cfg, ctx)
+        record = train(cfg, ctx, planner)
         guard = exit_if_stuck(TEARDOWN_LIMIT_S, "the process-group teardown")
         return record
     finally:
@@ -109,13 +116,13 @@ def write_run_files(run_dir: Path, config_text: str, plan_text: str) -> None:
         write_atomic({run_dir / "config.yaml": config_text, run_dir / "plan.json": plan_text})
 
 
-def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None]:
+def prepare_run_dir(cfg: RunConfig, ctx: DistContext, planner: Planner | None = None) -> tuple[Path, dict | None]:
     """Rank 0 writes config.yaml and plan.json (its UserError, e.g. a full disk, is every rank's:
     they stop together); rank 0 gets the planner's prediction."""
     run_dir = cfg.run_dir
     planned, error = None, None
     if ctx.rank == 0:
-        d = plan_dict(cfg, ctx.world_size, ctx.local_world_size)
+        d = plan_dict(cfg, ctx.world_size, ctx.local_world_size, planner)
         planned = d if "error" not in d else None
         try:
             write_run_files(run_dir, dump_config(cfg), json.dumps(d, indent=1))
@@ -130,14 +137,14 @@ def prepare_run_dir(cfg: RunConfig, ctx: DistContext) -> tuple[Path, dict | None
     return run_dir, planned
 
 
-def train(cfg: RunConfig, ctx: DistContext) -> dict:
+def train(cfg: RunConfig, ctx: DistContext, planner: Planner | None = None) -> dict:
     """set-up → loop → finish (train/rank/loop.py); returns the last logged metrics record."""
 
     lock = None
     if ctx.rank == 0 and not os.environ.get(RUN_LOCK_ENV):  # started by hand: rank 0 owns the folder
         lock = RunLock(cfg.run_dir).acquire()
     try:
-        run_dir, planned = prepare_run_dir(cfg, ctx)
+        run_dir, planned = prepare_run_dir(cfg, ctx, planner)
         built = set_up(cfg, ctx, run_dir, planned)
         record, rank_bytes = loop(built)
         finish(built, rank_bytes)

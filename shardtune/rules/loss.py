@@ -1,5 +1,6 @@
-"""How many chunks the chunked cross-entropy uses (`train.loss_chunks`), shared by the planner and
-the trainer (train/core/chunked_loss.py). Imports no torch. Why these numbers: docs/loss.md.
+"""How many chunks the chunked cross-entropy uses (`train.loss_chunks`), shared by the planner
+(plan/strategy_plan.py) and the trainer (train/core/chunked_loss.py, step.py, dpo.py). Imports no
+torch. Why these numbers: docs/loss.md.
 """
 from __future__ import annotations
 
