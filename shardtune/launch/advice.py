@@ -41,7 +41,7 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
     """The planner's predicted step (`shardtune.plan.plan`) for the recipe, or for `strategy`,
     on nodes × gpus_per_node GPUs joined by `link` (default: the preset's catalogue link)."""
     strategy, par = strategy or cfg.parallel.strategy, cfg.parallel
-    # hsdp's shard group: the one rule (strategies.Layout), one node's data-parallel ranks unless the recipe says
+    # hsdp's shard group: the one rule (layout.Layout), one node's data-parallel ranks unless the recipe says
     layout = Layout.of_config(par, nodes * gpus_per_node, gpus_per_node, strategy, shard_size)
     shard_size = layout.shard_degree if layout.strategy.hybrid else None
     # the recipe's own planner inputs (RunConfig.plan_inputs: cp, LoRA, optimizer, objective … included)

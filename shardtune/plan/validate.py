@@ -180,7 +180,7 @@ def _layout(inp: PlanInputs) -> None:
         inp.nodes = n // inp.gpus_per_node
     _tp_layout(inp)
     check_cp(inp.cp, world_size=n, tp=inp.tp, seq_len=inp.seq_len, sequence_parallel=inp.sequence_parallel)
-    # hsdp's shard group: the trainer's rule and default (strategies.Layout: a divisor of the
+    # hsdp's shard group: the trainer's rule and default (layout.Layout: a divisor of the
     # gpus / (tp × cp) data-parallel ranks, one node's by default), planned for every strategy
     if inp.hsdp_shard_size is not None:
         inp.hsdp_shard_size = _int_in("hsdp_shard_size", inp.hsdp_shard_size, 1, MAX_GPUS)
