@@ -2,7 +2,7 @@
 
 Each helper changes a model in place (or wraps it: DDP) and does no I/O; `parallel/build.py`
 orders them (precision → AC → shard → materialise → fill) for the trainer and the simulator
-alike. The mesh is `strategies.Layout`'s shape on `Strategy.mesh_axes`.
+alike. The mesh is `layout.Layout`'s shape on its `mesh_axes`.
 """
 from __future__ import annotations
 
@@ -34,88 +34,82 @@ def build_layout(parallel_cfg: ParallelConfig, world_size: int, local_world_size
 
 def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: int,
                device_type: str) -> DeviceMesh:
-    """The layout's mesh: 1-D ("dp",) for ddp/zero1/zero2/zero3, 2-D ("replicate", "shard") for
-    hsdp, 3-D ("dp_replicate", "dp_shard", "tp") with tp > 1, 4-D ("dp_replicate", "dp_shard",
-    "cp", "tp") with cp > 1 (`Layout.build` checks the degrees). With cp the flattened sub-meshes
-    torchtitan's ParallelDims makes are made here once: "dp" (the data ranks) and "dp_shard_cp" (FSDP
-    shards over it). Needs an initialised default process group."""
+    """The layout's mesh, named by `Layout.mesh_axes`: 1-D ("dp",) for ddp/zero1/zero2/zero3, 2-D
+    ("replicate", "shard") for hsdp, 3-D ("dp_replicate", "dp_shard", "tp") with tp > 1, 4-D
+    ("dp_replicate", "dp_shard", "cp", "tp") with cp > 1 (`Layout.build` checks the degrees); its
+    sub-meshes by name (`sub_mesh`) are made here, once, on every rank alike (making a group is a
+    collective). Needs an initialised default process group."""
     layout = build_layout(parallel_cfg, world_size, local_world_size)
     mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
-    if has_cp_dim(mesh):  # torch 2.13 asks to keep the flattened meshes rather than slice them by name
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Slicing a flattened dim")
-            sub = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-                   "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp")}
-            sub["hsdp"] = mesh["dp_replicate", "dp_shard_cp"]
-        setattr(mesh, _SUB, sub)
+    _sub_meshes(mesh)
     return mesh
 
 
-_SUB = "_shardtune_sub_meshes"  # on a cp mesh: its flattened sub-meshes, made once by build_mesh
+_SUB = "_shardtune_sub_meshes"  # on a mesh: its sub-meshes by name, made once (`_sub_meshes`)
+SUB_MESHES = ("dp", "fsdp", "hsdp", "tp", "cp")
 
 
-def has_cp_dim(mesh: DeviceMesh) -> bool:
-    """Whether `mesh` is the 4-D context-parallel one (its "tp" may have size 1)."""
-    return "cp" in (mesh.mesh_dim_names or ())
+def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
+    """The one place that reads the mesh's dimension names: "dp" (the data-parallel ranks, 1-D: ranks
+    of one tp and cp group read the same rows), "fsdp" (what zero2/zero3 shard over: the data ranks
+    without cp, dp_shard x cp flattened with it, as torchtitan's "dp_shard_cp"), "hsdp" (FSDP2's 2-D
+    replicate x shard mesh), "tp" and "cp" (1-D, None at degree 1)."""
+    if (table := getattr(mesh, _SUB, None)) is not None:
+        return table
+    names = mesh.mesh_dim_names or ()
+    size = lambda n: mesh[n].size() if n in names else 1  # noqa: E731
+    with warnings.catch_warnings():  # torch 2.13 asks to keep the flattened meshes rather than slice them by name
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        if "dp_shard" not in names:  # the strategy's own 1-D ("dp",) or hsdp's 2-D ("replicate", "shard")
+            dp = mesh if mesh.ndim == 1 else mesh._flatten("dp")
+            table = {"dp": dp, "fsdp": mesh, "hsdp": mesh}
+        elif "cp" in names:  # FSDP shards over dp_shard x cp (torchtitan's "dp_shard_cp")
+            shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            table = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"), "fsdp": shard,
+                     "hsdp": mesh["dp_replicate", "dp_shard_cp"]}
+        else:
+            table = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"), "fsdp": mesh["dp_shard"],
+                     "hsdp": mesh["dp_replicate", "dp_shard"]}
+    table |= {n: mesh[n] if size(n) > 1 else None for n in ("tp", "cp")}
+    setattr(mesh, _SUB, table)
+    return table
 
 
-def has_tp(mesh: DeviceMesh) -> bool:
-    """Whether the mesh has a tensor-parallel dimension of size > 1."""
-    return "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1
-
-
-def _nd(mesh: DeviceMesh) -> bool:
-    """The N-D layout (tp and/or cp): data ranks along ("dp_replicate", "dp_shard")."""
-    return "dp_shard" in (mesh.mesh_dim_names or ())
+def sub_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
+    """The sub-mesh called `name` (SUB_MESHES); None for a tp or cp of degree 1."""
+    return _sub_meshes(mesh)[name]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The 1-D tensor-parallel sub-mesh, or None without tp."""
-    return mesh["tp"] if has_tp(mesh) else None
+    return sub_mesh(mesh, "tp")
 
 
 def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The 1-D context-parallel sub-mesh, or None without cp (> 1)."""
-    return mesh["cp"] if has_cp_dim(mesh) and mesh["cp"].size() > 1 else None
+    return sub_mesh(mesh, "cp")
 
 
 def fsdp_mesh(mesh: DeviceMesh, hybrid: bool) -> DeviceMesh:
-    """The mesh FSDP2 shards over: the whole mesh without tp or cp; with tp, "dp_shard" (hsdp:
-    ("dp_replicate", "dp_shard"), a 2-D mesh FSDP2 reads as replicate × shard); with cp,
-    "dp_shard_cp" (dp_shard x cp flattened, as torchtitan does; hsdp: ("dp_replicate", "dp_shard_cp"))."""
-    if not _nd(mesh):
-        return mesh
-    if has_cp_dim(mesh):
-        return getattr(mesh, _SUB)["hsdp" if hybrid else "dp_shard_cp"]
-    return mesh["dp_replicate", "dp_shard"] if hybrid else mesh["dp_shard"]
+    """The mesh FSDP2 shards over: hsdp's 2-D replicate x shard, or the 1-D shard group."""
+    return sub_mesh(mesh, "hsdp" if hybrid else "fsdp")
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh of the data-parallel ranks (flattened to 1-D; the whole mesh without tp or cp)."""
-    if not _nd(mesh):
-        return mesh
-    return getattr(mesh, _SUB)["dp"] if has_cp_dim(mesh) else mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    """The mesh of the data-parallel ranks, 1-D."""
+    return sub_mesh(mesh, "dp")
 
 
 def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
     """(this rank's data-parallel index, the data-parallel degree): ranks of one TP (and CP) group share one."""
-    if not _nd(mesh):
-        return mesh.get_rank() if mesh.ndim == 1 else _flat_rank(mesh), mesh.size()
     dp = dp_mesh(mesh)
     return dp.get_local_rank(), dp.size()
 
 
-def _flat_rank(mesh: DeviceMesh) -> int:
-    r, s = mesh.get_coordinate()
-    return r * mesh.size(1) + s
-
-
 def dp_group(mesh: DeviceMesh):
-    """The group over all data-parallel ranks (zero1 shards its optimizer over it); None on hsdp's
-    2-D mesh without tp (every rank is a dp rank: the world)."""
-    if _nd(mesh):
-        return dp_mesh(mesh).get_group()
-    return mesh.get_group() if mesh.ndim == 1 else None
+    """The group over all data-parallel ranks (zero1 shards its optimizer over it, the step sums its
+    token counts over it)."""
+    return dp_mesh(mesh).get_group()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

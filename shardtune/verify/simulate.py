@@ -36,7 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
-from shardtune.parallel.apply import apply_precision, build_mesh, dp_group
+from shardtune.parallel.apply import apply_precision, build_layout, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
 from shardtune.rules.preference import holds_reference
 from shardtune.strategies import STRATEGY
@@ -264,7 +264,8 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
     live = holds_reference(objective, reference, 0)
     with (tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation(),
           real_device_meshes()):
-        mesh = build_mesh(parallel_cfg, gpus, gpus_per_node or min(8, gpus), "cpu")  # outside fake mode
+        per_node = gpus_per_node or min(8, gpus)
+        mesh = build_mesh(parallel_cfg, gpus, per_node, "cpu")  # outside fake mode
         # the meta model is built outside the fake mode: `to_empty` of a fake meta parameter must
         # swap tensors, which fake tensors refuse (weakrefs); inputs may be real only for the build
         meta = build_meta_model(ModelConfig(name=_model_file(model, Path(tmp))))
@@ -292,7 +293,7 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             step_opts = StepOptions.from_config(run_cfg, vocab)
             step = make_step(net, optimizer, scheduler, step_opts, vocab_size=vocab,
                              seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                             world_size=gpus // tp,  # the data-parallel degree: TP ranks share a batch
+                             world_size=build_layout(parallel_cfg, gpus, per_node).dp,  # TP ranks share a batch
                              pairs=pairs, precomputed=objective == "dpo" and not live)
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardtune.parallel.apply import cp_mesh, dp_group, dp_rank_size, has_tp
+from shardtune.parallel.apply import cp_mesh, dp_group, dp_rank_size, tp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -31,7 +31,7 @@ class DistContext:
     @property
     def tp(self) -> int:
         """The tensor-parallel degree (1 without tp)."""
-        return self.mesh["tp"].size() if has_tp(self.mesh) else 1
+        return tp_mesh(self.mesh).size() if tp_mesh(self.mesh) is not None else 1
 
     @property
     def cp(self) -> int:
@@ -46,4 +46,10 @@ class DistContext:
     @property
     def dp_size(self) -> int:
         """The data-parallel degree world / (tp x cp) (ranks of one TP and CP group read the same rows)."""
-        return self.world_size // (self.tp * self.cp)
+        return dp_rank_size(self.mesh)[1]
+
+    @property
+    def grad_divide_factor(self) -> int:
+        """Ranks a gradient is averaged over: dp x cp (FSDP reduces over the cp ranks too;
+        layout.Layout.grad_divide_factor)."""
+        return self.dp_size * self.cp

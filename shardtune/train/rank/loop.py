@@ -222,7 +222,7 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
         # the ranks of a cp group share the batch, so its (full) target tokens are counted over dp;
         # FSDP averages the grads over dp x cp ranks (dp_shard x cp, and replicate): undone in full
         return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.dp_group,
-                    dp_size=ctx.dp_size * ctx.cp, activations=run.activations)
+                    dp_size=ctx.grad_divide_factor, activations=run.activations)
 
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
     if len(micro_batches) == 1 and track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank,
