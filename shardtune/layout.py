@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardtune.cp_rules import check_cp
 from shardtune.errors import UserError
-from shardtune.strategies import FSDP_STRATEGIES, Strategy, check_cp_strategy, check_tp_model, strategy
+from shardtune.rules.combination import check_cp_strategy
+from shardtune.rules.cp import check_cp
+from shardtune.rules.tp import check_tp_model
+from shardtune.strategies import FSDP_STRATEGIES, Strategy, strategy
 
 # The mesh's named dimensions, outermost first; consecutive ranks vary the innermost (tp) fastest,
 # so a tp group is tp consecutive ranks: one node's when tp divides the processes per node.
@@ -65,7 +67,7 @@ class Layout:
     gpus_per_node: int
     dp_replicate: int
     dp_shard: int
-    cp: int = 1  # context-parallel degree: ranks one sequence is split over (cp_rules.py)
+    cp: int = 1  # context-parallel degree: ranks one sequence is split over (rules/cp.py)
     tp: int = 1  # tensor-parallel degree: ranks one layer's matmuls are split over, innermost
     sequence_parallel: bool = False  # with tp > 1: norms and residuals on sequence shards
     tp_across_nodes: bool = False  # a tp group may span whole nodes (parallel.tp_across_nodes)
@@ -142,8 +144,8 @@ class Layout:
 
     def check_model(self, hf: dict, seq_len: int | None = None) -> None:
         """What tp and cp split of the model (`hf`: its config.json values) divides evenly: heads, KV
-        heads, MLP width, vocabulary (strategies.check_tp_model), cp's query heads per tp rank and the
-        sequence (cp_rules.check_cp). launch and the trainer's preflight call it after `build`."""
+        heads, MLP width, vocabulary (rules.tp.check_tp_model), cp's query heads per tp rank and the
+        sequence (rules.cp.check_cp). launch and the trainer's preflight call it after `build`."""
         check_tp_model(self.tp, hf, seq_len, self.sequence_parallel)
         check_cp(self.cp, tp=self.tp, seq_len=seq_len, sequence_parallel=self.sequence_parallel, hf=hf)
 

@@ -25,9 +25,8 @@ from shardtune.config.parallel import ParallelConfig
 from shardtune.config.paths import resolve_recipe_paths
 from shardtune.config.plan_keys import PLAN_KEYS, read_key
 from shardtune.config.train import CheckpointConfig, TrainConfig
-from shardtune.cp_rules import check_activation_offload, check_cp
 from shardtune.errors import UserError
-from shardtune.strategies import check_combination
+from shardtune.rules.combination import check_combination
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -73,12 +72,9 @@ class RunConfig(_Section):
                           hsdp_shard_size=par.hsdp_shard_size, activation_checkpointing=par.activation_checkpointing,
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
-                          activation_offload=par.activation_offload)
-        check_cp(par.cp, tp=par.tp, seq_len=self.train.seq_len,
-                 sequence_parallel=par.sequence_parallel)  # cp_rules.py; heads and world: preflight
-        check_activation_offload(par.activation_offload, compile=self.train.compile, objective=self.train.objective,
-                                 offload=par.offload)
-        return self
+                          activation_offload=par.activation_offload, seq_len=self.train.seq_len,
+                          sequence_parallel=par.sequence_parallel, objective=self.train.objective)
+        return self  # once, here; the heads and the world are the layout's (preflight, Layout.check_model)
 
     @property
     def run_dir(self) -> Path:

@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
-from shardtune.cp_rules import check_cp, kv_repeat
 from shardtune.parallel.apply import decoder_layers
+from shardtune.rules.cp import check_cp, kv_repeat
 from shardtune.strategies import IGNORE_INDEX
 
 ATTN_NAME = "shardtune_cp"  # the attention implementation name registered with transformers

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardtune.parallel.apply import decoder_layers
-from shardtune.strategies import check_tp_model
+from shardtune.rules.tp import check_tp_model
 
 TP_ATTR = "_shardtune_tp"  # set on the model: (tp degree, sequence_parallel); the step reads it
 

@@ -6,7 +6,7 @@ attention an all-to-all turns the sequence-sharded q, k, v into head shards (H/c
 the whole sequence) and another one turns the output back. Mesh (dp_replicate, dp_shard, cp,
 tp), tp innermost; FSDP shards over dp_shard × cp (torchtitan). Per layer and micro-batch, with
 t = b·s/cp local tokens and widths per TP rank, forward: 4 all-to-alls (q: e·t·h_q, k and v:
-e·t·h_kv' each with h_kv' the KV heads repeated until cp divides them (cp_rules.kv_repeat), out: e·t·h_q); backward
+e·t·h_kv' each with h_kv' the KV heads repeated until cp divides them (rules.cp.kv_repeat), out: e·t·h_q); backward
 the same 4 for the gradients; AC re-runs the forward's 4 of each recomputed layer. Activation
 offload (torch's save_on_cpu) moves what the decoder layers save to pinned host RAM and back:
 2× those bytes over the GPU's host link per micro-batch. Derivations: docs/long-context.md.
@@ -16,9 +16,9 @@ from __future__ import annotations
 from math import ceil
 
 from shardtune.catalog.interconnects import get_interconnect
-from shardtune.cp_rules import check_cp, kv_repeat
 from shardtune.errors import UserError
 from shardtune.plan.params import Architecture
+from shardtune.rules.cp import check_cp, kv_repeat
 
 # the host link (PCIe x16) of each catalogue GPU; SXM H100 / H200 and MI300X: Gen5, the others Gen4
 HOST_LINKS = {"h100-80gb": "pcie-gen5", "h200-141gb": "pcie-gen5", "mi300x-192gb": "pcie-gen5"}
@@ -37,7 +37,7 @@ def cp_degrees(gpus: int, tp: int) -> list[int]:
 
 
 def check_cp_arch(arch: Architecture | None, config: dict | None, cp: int, tp: int) -> None:
-    """The trainer's rule on the model (cp_rules.check_cp: cp divides the query heads of a TP
+    """The trainer's rule on the model (rules.cp.check_cp: cp divides the query heads of a TP
     rank); a bare --params count has no heads to split. One-line UserError."""
     if cp > 1 and arch is None:
         raise UserError(f"--cp {cp} needs a model architecture (the heads it splits); give a MODEL, not --params")
@@ -47,7 +47,7 @@ def check_cp_arch(arch: Architecture | None, config: dict | None, cp: int, tp: i
 
 def kv_width(arch: Architecture, cp: int, tp: int) -> int:
     """K (or V) width a TP rank sends into the all-to-all: its KV heads, repeated until cp divides
-    them (cp_rules.kv_repeat, the trainer's)."""
+    them (rules.cp.kv_repeat, the trainer's)."""
     kv = max(1, arch.num_kv_heads // tp)
     return kv * kv_repeat(kv, arch.num_heads // tp, cp) * arch.head_dim
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from shardtune.catalog.gpus import GPU
-from shardtune.cp_rules import check_activation_offload
 from shardtune.errors import UserError
 from shardtune.layout import Layout
 from shardtune.plan import comm, memory
@@ -18,8 +17,10 @@ from shardtune.plan.model import _Model
 from shardtune.plan.preference import reference_bytes
 from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
 from shardtune.plan.validate import PlanInputs, resolve_inputs
+from shardtune.rules.combination import check_combination
+from shardtune.rules.cp import check_activation_offload
 from shardtune.rules.loss import resolve_loss_chunks
-from shardtune.strategies import STRATEGY, autocasts, check_combination, resolve_optimizer_impl
+from shardtune.strategies import STRATEGY, autocasts, resolve_optimizer_impl
 
 GIB = 2**30
 
@@ -213,7 +214,7 @@ def combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           tp=1 if inp.accounting == "paper" else inp.tp, cp=inp.cp)
     except UserError as e:
         return e
-    try:  # activation offload's rule on the objective (cp_rules.py, the trainer's)
+    try:  # activation offload's rule on the objective (rules/cp.py, the trainer's)
         check_activation_offload(inp.activation_offload, objective=inp.objective, offload=inp.offload)
     except UserError as e:
         return e

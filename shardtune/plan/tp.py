@@ -66,10 +66,10 @@ def tp_local_shapes(shapes: list[ParamShape], tp: int) -> list[ParamShape]:
 
 
 def check_tp_arch(arch: Architecture, config: dict, tp: int) -> None:
-    """The trainer's rule (strategies.check_tp_model: tp divides the heads, KV heads, the MLP
+    """The trainer's rule (rules.tp.check_tp_model: tp divides the heads, KV heads, the MLP
     width and the vocabulary, no tied embeddings) and the MoE experts, which its plan does not
     split. One-line UserError."""
-    from shardtune.strategies import check_tp_model
+    from shardtune.rules.tp import check_tp_model
 
     if tp > 1 and arch.num_experts:
         raise UserError(f"--tp {tp}: tensor parallelism of MoE experts ({arch.model_type}) is not supported; "

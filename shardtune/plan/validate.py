@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from dataclasses import fields as dc_fields
 
-from shardtune.cp_rules import check_cp
 from shardtune.errors import UserError
 from shardtune.layout import Layout, check_placement
 from shardtune.plan.preference import check_objective
+from shardtune.rules.cp import check_cp
 from shardtune.strategies import (
     normalize_ac,
     normalize_offload,

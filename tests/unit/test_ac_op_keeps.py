@@ -135,7 +135,7 @@ def test_layer_ac_keeps_selective_as_its_old_name(capsys):
     from shardtune.cli import main
     from shardtune.config import load_recipe
     from shardtune.plan import plan
-    from shardtune.strategies import check_combination
+    from shardtune.rules.combination import check_combination
 
     got = {}
     for ac in ("selective", "layer", "op", "none", "full"):

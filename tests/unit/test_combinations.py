@@ -1,4 +1,4 @@
-"""strategies.check_combination: the one rule of what can run, shared by train, plan and plan --fit.
+"""rules.combination.check_combination: the one rule of what can run, shared by train, plan and plan --fit.
 
 Each refused case is one the trainer really cannot run (config.py / parallel/ / train/core/optim.py
 say why); each accepted case is one a tests/dist parity test runs."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shardtune.errors import UserError
-from shardtune.strategies import check_combination
+from shardtune.rules.combination import check_combination
 
 
 @pytest.mark.parametrize("strategy,kw,expected", [

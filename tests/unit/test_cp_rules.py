@@ -1,14 +1,14 @@
-"""Context parallelism's layout and rules (strategies.Layout with cp, cp_rules.check_cp, the KV-head
+"""Context parallelism's layout and rules (strategies.Layout with cp, rules.cp.check_cp, the KV-head
 repeat) and the config refusing what cp was not made to work with: one line each."""
 from __future__ import annotations
 
 import pytest
 
 from shardtune.config import load_recipe
-from shardtune.cp_rules import check_cp, kv_repeat
 from shardtune.errors import UserError
 from shardtune.layout import Layout
-from shardtune.strategies import check_combination
+from shardtune.rules.combination import check_combination
+from shardtune.rules.cp import check_cp, kv_repeat
 
 
 @pytest.mark.parametrize("strategy, world, per_node, tp, cp, shard, mesh, dp", [

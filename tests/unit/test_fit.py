@@ -126,7 +126,7 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
 
 
 def test_fit_never_picks_what_the_trainer_refuses():
-    from shardtune.strategies import check_combination
+    from shardtune.rules.combination import check_combination
 
     fit = search("llama-3-8b", gpus=8, optimizer="adamw-8bit")
     assert fit.best and fit.ranked

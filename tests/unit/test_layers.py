@@ -224,7 +224,7 @@ def test_the_launcher_side_imports_no_torch():
 
 
 # The trainer (train/, parallel/) and the planner (plan/) import neither each other (issue 38): what
-# both need lives below them (rules/, layout.py, strategies.py, cp_rules.py, config/flags.py). The
+# both need lives below them (rules/, layout.py, strategies.py, rules/cp.py, config/flags.py). The
 # trainer's two entries (train/commands.py, train/__main__.py: command glue) hand it `shardtune.plan.plan`
 # as a function for plan.json and the memory check; plan/'s glue imports nothing of train/ either.
 SEPARATED = (("train", "plan"), ("parallel", "plan"), ("plan", "train"), ("plan", "parallel"))

@@ -166,7 +166,7 @@ def test_pure_bf16_70b_recipe_states_are_8_bytes_per_param(capsys):
     (["--optimizer-impl", "bf16-stochastic"], "needs parallel.precision bf16"),
 ])
 def test_combination_nothing_runs_is_one_line_exit_2(argv, expected, capsys):
-    # strategies.check_combination, the rule `shardtune train` applies too: no empty tables
+    # rules.combination.check_combination, the rule `shardtune train` applies too: no empty tables
     assert main(["plan", "llama-3-8b", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1 and expected in err, err

@@ -11,7 +11,8 @@ from _cli import refused_before_any_process
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
 from shardtune.layout import Layout
-from shardtune.strategies import check_combination, check_tp_model
+from shardtune.rules.combination import check_combination
+from shardtune.rules.tp import check_tp_model
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 

@@ -36,7 +36,7 @@ def test_states_dominated_with_lora_on_does_not_suggest_lora():
 
 
 def test_adamw_8bit_runs_under_zero3_with_a_quarter_of_adams_state():
-    # torchao's AdamW8bit takes FSDP2's DTensors (strategies.check_combination lets zero3 plan it):
+    # torchao's AdamW8bit takes FSDP2's DTensors (rules.combination.check_combination lets zero3 plan it):
     # 8-bit m and v are 2 B a parameter against fp32 Adam's 8, so the sharded state is about a quarter
     r8 = plan("llama-3-70b", 8, optimizer="adamw-8bit", strategies=["zero3"]).strategy("zero3").memory
     r32 = plan("llama-3-70b", 8, strategies=["zero3"]).strategy("zero3").memory

@@ -323,7 +323,7 @@ def _check_val(cfg: RunConfig) -> None:
 def check_environment(strategy: str, *, optimizer: str = "adamw", quantize_base: str = "none",
                       compile: bool = False) -> None:
     """What THIS machine must have for the run, one UserError each (the combination itself is
-    strategies.check_combination's, which probes nothing: `plan` judges it for any machine)."""
+    rules.combination.check_combination's, which probes nothing: `plan` judges it for any machine)."""
     import importlib.util
     import shutil
     import sys
