@@ -92,7 +92,7 @@ def test_train_flags_show_their_choices_and_metavars(capsys):
     (["launch", "k8s"], "Usage: shardtune launch k8s [OPTIONS] RECIPE [KEY=VALUE]..."),
     (["export"], "Usage: shardtune export [OPTIONS] CHECKPOINT_DIR OUT_DIR"),
     (["generate"], "Usage: shardtune generate [OPTIONS] TARGET"),
-    (["plan"], "Usage: shardtune plan [OPTIONS] [MODEL]"),
+    (["plan"], "Usage: shardtune plan [OPTIONS] [MODEL] [OVERRIDES]..."),
 ])
 def test_arguments_read_as_a_posix_usage(capsys, argv, usage):
     assert main([*argv, "-h"]) == 0
