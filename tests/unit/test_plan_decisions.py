@@ -63,3 +63,59 @@ def test_bad_overrides_are_one_line(argv, fragment, capsys):
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_communication_bound_fit_is_named_with_its_lever(capsys):
+    """405B on 16 nodes × 8 H100, tp 8, AC full: zero3 fits but most of its step waits on the network."""
+    argv = ["plan", "llama-3.1-405b", "--gpus", "128", "--tp", "8", "--ac", "full"]
+    d = _json([*argv, "--json"], capsys)
+    z3 = next(s for s in d["strategies"] if s["name"] == "zero3")
+    assert z3["fits"] and z3["exposed_comm_s"] > 0.5 * z3["step_time_s"]
+    v = d["verdict"]
+    assert (f"zero3 is communication-bound: {z3['exposed_comm_s']:.3g} s of its {z3['step_time_s']:.3g} s step"
+            in v and f"MFU {z3['mfu']:.1%}" in v and f"MFU {z3['mfu']:.1%}" == "MFU 7.4%"), v
+    lever = v.split("zero3 is communication-bound")[1].split("(try ")[1].split(" (")[0]  # e.g. --micro-batch 8
+    claimed = v.split("zero3 is communication-bound")[1].split(": MFU ")[1].rstrip(")")
+    again = _json([*argv, *lever.split(), "--strategy", "zero3", "--json"], capsys)["strategies"][0]
+    assert again["fits"] and f"{again['mfu']:.1%}" == claimed and again["mfu"] > 1.1 * z3["mfu"]
+    rc = main([*argv])
+    assert rc in (0, None) and "communication-bound" in capsys.readouterr().out
+
+
+def test_a_plan_that_is_not_communication_bound_says_nothing(capsys):
+    d = _json(["plan", "llama-3-70b", "--gpus", "8", "--json"], capsys)
+    assert "communication-bound" not in d["verdict"]
+
+
+def _row(out: str, name: str) -> dict:
+    lines = out.splitlines()
+    head = next(ln for ln in lines if ln.split()[:1] == ["strategy"] and "params" in ln)
+    for two in ("peak GiB", "peak GB", "free GiB", "opt tmp"):
+        head = head.replace(two, two.replace(" ", "_"))
+    head = head.split()
+    row = next(ln for ln in lines if ln.split()[:1] == [name]).split()
+    return dict(zip(head, row))
+
+
+def test_wide_dpo_shows_the_reference_column_and_columns_sum_to_the_peak(capsys):
+    argv = ["plan", "llama-3-8b", "--gpus", "8", "--objective", "dpo"]
+    d = _json([*argv, "--json"], capsys)
+    assert main([*argv, "--wide"]) in (0, None)
+    out = capsys.readouterr().out
+    for s in d["strategies"]:
+        r = _row(out, s["name"])
+        assert float(r["ref"]) == round(s["memory"]["reference"] / 2**30, 1) > 0
+    ddp = _row(out, "ddp")  # grads held through backward: every column is in the peak
+    parts = sum(float(ddp[k]) for k in ("params", "grads", "optim", "activ", "buffers", "ref"))
+    assert abs(parts - float(ddp["peak_GiB"])) <= 0.3, (parts, ddp)
+    assert main(["plan", "llama-3-8b", "--gpus", "8", "--wide"]) in (0, None)  # sft: no reference, no column
+    assert "ref" not in _row(capsys.readouterr().out, "ddp")
+
+
+def test_a_sequence_past_the_trained_context_is_one_warning_line(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["plan", "llama-3-8b", "--seq-len", "16384"]) in (0, None)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "max_position_embeddings" in ln]
+    assert len(lines) == 1 and "warning: seq_len 16384" in lines[0] and "8192" in lines[0], lines
+    assert main(["plan", "llama-3-8b", "--seq-len", "8192"]) in (0, None)
+    assert "max_position_embeddings" not in capsys.readouterr().out
