@@ -85,10 +85,13 @@ def _plan(ctx: typer.Context, model: str | None, overrides: list[str] | None, li
         _fit(inputs, as_json, recipe, fit_batch, kept_fields(ctx, overrides))
         return
     result = plan(inputs)
-    if simulate and not _untraced(result):  # torch is imported only here (verify/simulate.py)
-        from shardtune.verify.simulate import attach_simulation
+    if simulate:
+        from shardtune.verify.compare import mark_untraced
 
-        attach_simulation(result, inputs.model)
+        if not mark_untraced(result):  # torch is imported only here (verify/simulate.py)
+            from shardtune.verify.simulate import attach_simulation
+
+            attach_simulation(result, inputs.model)
     if as_json:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -169,21 +172,6 @@ def _build_plan_cmd():
 
 
 plan_cmd = _build_plan_cmd()
-
-
-def _untraced(result) -> bool:
-    """--simulate with cp > 1 or activation offload: the trace (verify/simulate.py) runs neither, so
-    each strategy is marked untraced with the reason (never traced as cp 1)."""
-    inp = result.inputs
-    reason = ("the fake-tensor trace does not run context parallelism (cp > 1)" if inp.get("cp", 1) > 1 else
-              "the fake-tensor trace does not run activation offload" if inp.get("activation_offload") else "")
-    if not reason:
-        return False
-    for sp in result.strategies:
-        sp.simulated = {"status": "analytic fallback", "reason": reason}
-    print(f"shardtune: --simulate cannot trace {', '.join(s.name for s in result.strategies)}: {reason}; "
-          "showing the analytic plan (marked 'analytic')", file=sys.stderr)
-    return True
 
 
 def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None, fit_batch: bool = False,

@@ -9,7 +9,7 @@ import pytest
 
 from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS, get_interconnect
 from shardtune.cli import main
-from shardtune.launch.commands import resolve_interconnect
+from shardtune.launch.checks import resolve_interconnect
 from shardtune.launch.network import env_dict, preset
 from shardtune.strategies import PRECISIONS, STRATEGIES
 from shardtune.train.__main__ import parse_args
