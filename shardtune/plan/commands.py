@@ -58,8 +58,6 @@ def kept_fields(ctx: typer.Context, overrides: list[str]) -> frozenset[str]:
     by_key = {key: field for field, key in PLAN_KEYS.items()}
     named = {_RENAMED.get(p, p) for p in _given_on_command_line(ctx)}
     named |= {by_key[o.split("=", 1)[0].strip()] for o in overrides if o.split("=", 1)[0].strip() in by_key}
-    if any(o.split("=", 1)[0].strip() == "parallel.strategy" for o in overrides):
-        named.add("strategies")
     return frozenset(named & set(PlanInputs.__dataclass_fields__))
 
 
