@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test install clean image
+.PHONY: demo demo-real test check install clean image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -55,6 +55,16 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 -n $(WORKERS) --dist loadfile -m "not serial" && \
 	$(BIN)/python -m pytest -q --durations=10 -m serial; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s of pytest, exit $$rc"; exit $$rc
+
+# The inner loop (issue 38 item 6): lint, the unit tier and one 2-rank gloo smoke (op AC against no
+# AC, tests/dist/test_ac_op.py: one torchrun launch of the tiny Llama); under 4 minutes on 2 cores.
+CHECK_SMOKE ?= tests/dist/test_ac_op.py
+check: $(STAMP)
+	$(BIN)/ruff check shardtune tests bench
+	$(BIN)/python -m compileall -q shardtune tests > /dev/null
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q --durations=5 -n $(WORKERS) --dist loadfile -m "not serial" tests/unit $(CHECK_SMOKE); \
+	rc=$$?; echo "make check: $$(( $$(date +%s) - start )) s of pytest, exit $$rc"; exit $$rc
 
 # The container image for `shardtune launch k8s --image` (Dockerfile: CUDA base, RDMA userspace,
 # torch's CUDA build, this project and its extras). Needs docker; then docker push $(IMAGE).

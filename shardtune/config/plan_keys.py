@@ -3,8 +3,15 @@
 pasteable train line (plan/fit_commands.py) and by tests/unit/test_key_table.py, which checks that
 every field and key named here exists, that every PlanInputs field is either here or planner-only,
 and that `shardtune plan` has an option for each. The trainer's flags (config/flags.py) name their
-recipe key, so a flag's planner input is found through this table."""
+recipe key, so a flag's planner input is found through this table.
+
+`PLAN_OPTIONS` is `shardtune plan`'s options, one row per planner input, in help order:
+plan/commands.py builds the command from these rows, each option's type and default taken from its
+PlanInputs field (torchtitan builds its CLI from its config dataclasses the same way). A new planner
+input is a PlanInputs field, a row here and, where a recipe sets it, a PLAN_KEYS entry."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # PlanInputs field → the recipe key it is read from (model: `model.plan_name()`, the folder or its architecture)
 PLAN_KEYS: dict[str, str] = {
@@ -46,3 +53,75 @@ def read_key(cfg, key: str):
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    field: str  # the PlanInputs field it sets (type and default come from there)
+    flag: str  # the option as typed; its parameter is the first name, dashes as underscores
+    help: str
+    metavar: str | None = None  # None for a flag
+
+    @property
+    def param(self) -> str:
+        return self.flag.split("/")[0].removeprefix("--").replace("-", "_")
+
+
+_O = PlanOption
+# `shardtune plan`'s planner options in help order (the command's own, --list to --fit, are in plan/commands.py)
+PLAN_OPTIONS: tuple[PlanOption, ...] = (
+    _O("gpus", "--gpus", "Total GPUs (world size).", "N"),
+    _O("nodes", "--nodes", "Nodes (default: gpus / gpus-per-node).", "N"),
+    _O("gpus_per_node", "--gpus-per-node", "GPUs per node (default min(8, gpus)).", "N"),
+    _O("gpu", "--gpu", "GPU catalogue name.", "NAME"),
+    _O("seq_len", "--seq-len", "Tokens per sequence.", "TOKENS"),
+    _O("micro_batch", "--micro-batch", "Sequences per GPU per forward/backward.", "N"),
+    _O("grad_accum", "--grad-accum", "Micro-batches per optimizer step.", "N"),
+    _O("precision", "--precision", "bf16-mixed | bf16 | fp32.", "[bf16-mixed|bf16|fp32]"),
+    _O("optimizer", "--optimizer", "adamw | sgd | adamw-8bit.", "[adamw|sgd|adamw-8bit]"),
+    _O("optimizer_impl", "--optimizer-impl",
+       "AdamW kernel: auto (torch's fused AdamW, what the trainer builds; strategies.resolve_optimizer_impl) "
+       "| foreach | fused | for-loop | bf16-stochastic; sets the step's temporaries.",
+       "[auto|foreach|fused|for-loop|bf16-stochastic]"),
+    _O("ac", "--ac", "Activation checkpointing: none | full | op (matmul outputs kept) | layer (every k-th; "
+       "old name selective).", "[none|full|op|layer]"),
+    _O("ac_every", "--ac-every", "layer AC: checkpoint every k-th layer.", "K"),
+    _O("offload", "--offload", "none | optimizer | all (CPU RAM per node is reported).", "[none|optimizer|all]"),
+    _O("lora_rank", "--lora-rank", "LoRA rank on all attention and MLP projections (0: full fine-tune).", "R"),
+    _O("quantize_base", "--quantize-base", "nf4: the LoRA base in 4-bit NF4 (QLoRA; needs --lora-rank).",
+       "[none|nf4]"),
+    _O("loss_chunks", "--loss-chunks",
+       "Cross-entropy over K token chunks (train.loss_chunks; default 8 above a 32k vocabulary, else 1).", "K"),
+    _O("objective", "--objective", "dpo: preference tuning; adds the reference model (memory.reference) and "
+       "its forward (train.objective).", "[sft|dpo]"),
+    _O("reference", "--reference", "dpo's reference log-probs: live (a sharded frozen copy; LoRA: the base) or "
+       "precompute (computed once, no copy held).", "[live|precompute]"),
+    _O("accounting", "--accounting", "shardtune (what the trainer holds) | paper (ZeRO §5).", "[shardtune|paper]"),
+    _O("hsdp_shard_size", "--hsdp-shard-size", "hsdp: ranks per shard group (default data-parallel ranks "
+       "per node: gpus per node / tp).", "N"),
+    _O("tp", "--tp", "Tensor-parallel degree inside a node (parallel.tp); FSDP shards over gpus / tp.", "N"),
+    _O("sequence_parallel", "--sequence-parallel/--no-sequence-parallel",
+       "Sequence parallelism with --tp (parallel.sequence_parallel; default on when tp > 1)."),
+    _O("tp_across_nodes", "--tp-across-nodes",
+       "Allow a --tp larger than a node (parallel.tp_across_nodes): TP priced on the inter-node link."),
+    _O("cp", "--cp", "Context-parallel degree (parallel.cp): each row's sequence split over N ranks "
+       "(all-to-all, DeepSpeed-Ulysses); FSDP shards over dp × cp.", "N"),
+    _O("activation_offload", "--activation-offload",
+       "Saved activations (with --ac full: the layer inputs) in pinned host RAM (parallel.activation_offload); "
+       "host RAM per node and PCIe time are reported."),
+    _O("host_ram_gib", "--host-ram", "Host RAM per node for --activation-offload (default 256 GiB per GPU).",
+       "GIB"),
+    _O("params", "--params", "A bare parameter count (e.g. 7.5e9) instead of MODEL: model states only.", "COUNT"),
+    _O("reserve_gib", "--reserve-gib", "GiB kept free per GPU (default 1 GiB + 5 % of the GPU).", "GIB"),
+    _O("strategies", "--strategy", "Only these strategies (repeatable).", "[ddp|zero1|zero2|zero3|hsdp]"),
+    _O("interconnect", "--interconnect", "Link between nodes: ib-ndr-400, ib-hdr-200, roce-400, efa, "
+       "eth-100g, eth-25g, eth-10g (default ib-ndr-400).", "NAME"),
+    _O("intra_node", "--intra-node",
+       "Link inside a node: nvlink-h100, nvlink-a100, pcie-gen4, pcie-gen5 (default from --gpu).", "NAME"),
+    _O("nics_per_node", "--nics-per-node",
+       "NICs per node for --interconnect (default: the catalogue's, e.g. 8 for IB, 1 for Ethernet).", "N"),
+    _O("network_profile", "--network-profile",
+       "Measured profile from `shardtune bench comm -o FILE`, used instead of catalogue bandwidths.", "FILE"),
+    _O("mfu", "--mfu", "Achievable MFU of the compute (default per GPU, e.g. 0.40 for H100).", "FRACTION"),
+    _O("tokens", "--tokens", "Tokens to train on: report wall-clock days and GPU-hours.", "COUNT"),
+)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import typer
 
-from shardtune.errors import UserError, check_no_blocking_pipe
-from shardtune.layout import Layout
+from shardtune.errors import UserError
+from shardtune.launch.checks import check_layout, interconnect_help, resolve_interconnect
+from shardtune.launch.checks import parse_elastic as _parse_elastic
+from shardtune.launch.emit import emit as _emit
+from shardtune.launch.emit import node_resources_notes as _node_resources
 
 launch_app = typer.Typer(no_args_is_help=True, help="Write what a cluster needs to run a recipe on several nodes.")
 
@@ -21,17 +23,7 @@ _NODES = typer.Option(1, "--nodes", metavar="N", help="Number of nodes.")
 _GPUS = typer.Option(8, "--gpus-per-node", metavar="N", help="GPUs (trainer processes) per node.")
 
 
-def _interconnect_help() -> str:
-    """The help of --interconnect, from the catalogue (plan's vocabulary), so the two cannot drift."""
-    from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS
-
-    links = [n for n, v in INTERCONNECTS.items() if v.scope == "inter"]
-    aliases = [a for a, n in ALIASES.items() if INTERCONNECTS[n].scope == "inter"]
-    return (f"Link between nodes, as in `shardtune plan`: {', '.join(links)} (or {', '.join(aliases)}); "
-            "or a transport: eth (= eth-10g), nvlink (one node). Sets NCCL/gloo's environment and the estimate.")
-
-
-_IC = typer.Option("ib", "--interconnect", metavar="NAME", help=_interconnect_help())
+_IC = typer.Option("ib", "--interconnect", metavar="NAME", help=interconnect_help())
 _IFNAME = typer.Option(None, "--ifname", metavar="IFACE",
                        help="Interface of the training network on every node (eth0, ens5): pins "
                             "NCCL and gloo sockets.")
@@ -54,49 +46,6 @@ _GRACE = typer.Option(300, "--checkpoint-grace-s", metavar="SECONDS",
                            "long before --time).")
 
 
-# transport of a catalogue link, by its name's prefix (what NCCL/gloo are told: launch/network.py)
-_TRANSPORT = (("ib-", "ib"), ("roce-", "roce"), ("efa", "efa"), ("eth-", "eth"), ("nvlink-", "nvlink"),
-              ("pcie-", "nvlink"))
-
-
-def resolve_interconnect(name: str, link: str | None) -> tuple[str, str | None]:
-    """--interconnect NAME (and --link) → (transport for the environment, catalogue link for the
-    estimate). NAME is plan's vocabulary (a catalogue link or alias: ib-ndr-400, ib, roce, 10gbe,
-    nvlink, ...) or a transport (eth, infiniband, tcp, ...: launch/spec.py); --link, when given,
-    is the estimate's link."""
-    from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS, get_interconnect
-    from shardtune.launch.spec import normalize_interconnect
-
-    key = ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
-    if key in INTERCONNECTS:
-        transport = next(t for prefix, t in _TRANSPORT if key.startswith(prefix))
-        named = key if INTERCONNECTS[key].scope == "inter" else None
-    else:
-        try:
-            transport, named = normalize_interconnect(name), None
-        except UserError:
-            get_interconnect(name)  # the catalogue's error: names every link
-            raise
-    if link:
-        get_interconnect(link, scope="inter")  # a mistyped --link is an error, not a missing estimate
-    return transport, link or named
-
-
-def check_layout(cfg, nodes: int, gpus_per_node: int) -> Layout:
-    """The trainer's layout on `nodes` nodes (`Layout.of_config`: the degrees and the placement rule,
-    a tp group inside one node), and what tp and cp split of the model (heads, vocabulary, sequence)
-    as the trainer's preflight checks it (`Layout.check_model`)."""
-    from shardtune.catalog.models import resolve_model_config
-
-    layout = Layout.of_config(cfg.parallel, nodes * gpus_per_node, gpus_per_node)
-    try:
-        hf = resolve_model_config(cfg.model.plan_name())
-    except UserError:  # a folder not on this machine and no model.architecture: the nodes' preflight checks
-        return layout
-    layout.check_model(hf, cfg.train.seq_len)
-    return layout
-
-
 def _build(recipe: str, overrides: list[str] | None, **kw):
     """Validate the recipe (as the trainer will see it) and the launch options."""
     from shardtune.config import load_recipe
@@ -113,36 +62,6 @@ def _build(recipe: str, overrides: list[str] | None, **kw):
     for nodes in range(max(lo, 1), hi + 1):
         check_layout(cfg, nodes, spec.gpus_per_node)
     return cfg, spec, link
-
-
-def _node_resources(cfg, spec):
-    """CPUs and memory per node (launch/resources.py), with its note when the planner has no figure."""
-    from shardtune.launch.resources import node_resources
-
-    res = node_resources(cfg, spec.nodes, spec.gpus_per_node, spec.cpus_per_task or spec.cpus)
-    return res, ([f"note: {res.note}; the job asks only for the per-process allowance"] if res.note else [])
-
-
-def _emit(text: str, output: str | None, cfg, spec, link: str | None, executable: bool,
-          notes: list[str] = ()) -> None:
-    from shardtune.launch.advice import comm_bound_warning
-
-    if output is not None:  # a path that cannot take the file is the one line, before any warning
-        check_no_blocking_pipe(Path(output), "-o")
-    warning = comm_bound_warning(cfg, spec.nodes, spec.gpus_per_node, spec.interconnect, link)
-    for line in [*notes, warning] if warning else notes:
-        print(line, file=sys.stderr)
-    if output is None:
-        sys.stdout.write(text)
-        return
-    path = Path(output)
-    try:
-        path.write_text(text)
-        if executable:
-            path.chmod(path.stat().st_mode | 0o111)
-    except OSError as e:
-        raise UserError(f"cannot write {output!r}: {e.strerror}") from None
-    print(f"wrote {output}", file=sys.stderr)
 
 
 @launch_app.command("torchrun")
@@ -213,15 +132,6 @@ def slurm_cmd(
     notes = check_node_paths(cfg, strict)
     res, res_notes = _node_resources(cfg, spec)
     _emit(render_slurm(spec, res), output, cfg, spec, link, executable=False, notes=notes + res_notes)
-
-
-def _parse_elastic(value: str | None) -> tuple[int, int] | None:
-    if not value:
-        return None
-    lo, sep, hi = value.partition(":")
-    if not sep or not lo.isdigit() or not hi.isdigit():
-        raise UserError(f"--elastic {value!r} is not MIN:MAX nodes (e.g. 2:4)")
-    return int(lo), int(hi)
 
 
 @launch_app.command("k8s")

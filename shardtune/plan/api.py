@@ -24,7 +24,7 @@ from shardtune.plan.strategy_plan import (
 from shardtune.plan.timing import add_timing
 from shardtune.plan.tp import check_tp_arch
 from shardtune.plan.validate import PlanInputs, resolve_inputs
-from shardtune.plan.verdict import suggest, verdict
+from shardtune.plan.verdict import comm_bound, suggest, verdict
 from shardtune.strategies import STRATEGIES
 
 
@@ -97,7 +97,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
         p.comm_ratio_to_ddp = round(p.comm_bytes_per_step / ddp_bytes, 4) if ddp_bytes else None
         if not p.fits:
             p.suggestion = suggest(m, p, inp, usable)
-    notes = _notes(m, inp, omitted)
+    notes = _notes(m, inp, omitted) + _past_context(m, inp)
     result = PlanResult(
         model={"name": m.name, "source": m.source, "params": m.num_params,
                "trainable_params": m.trainable, "active_params": m.active,
@@ -109,7 +109,18 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
         verdict=verdict(plans, usable), notes=notes, disk=reference_disk(inp.objective, inp.reference),
     )
     add_timing(result, m.arch, inp, gpu, **inp.timing_options())  # step time, tokens/s, MFU (plan/timing.py)
+    result.verdict += comm_bound(m, plans, inp, usable, gpu)  # a fit that waits on the network, and its lever
     return result
+
+
+def _past_context(m: _Model, inp: PlanInputs) -> list[str]:
+    """One warning when seq_len exceeds the model's trained context (config.json
+    max_position_embeddings): the plan holds, the model may not (RoPE positions it never saw)."""
+    trained = (m.config or {}).get("max_position_embeddings")
+    if not isinstance(trained, int) or inp.seq_len <= trained:
+        return []
+    return [f"warning: seq_len {inp.seq_len} is past {m.name}'s trained context (max_position_embeddings "
+            f"{trained}); planned, but the model needs RoPE scaling"]
 
 
 def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:

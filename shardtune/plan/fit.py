@@ -117,9 +117,12 @@ def _shard_sizes(world: int, per_node: int) -> list[int]:
     return sorted(sizes)
 
 
-def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: bool = False, **fields) -> FitResult:
+def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: bool = False,
+           keep: frozenset[str] = frozenset(), **fields) -> FitResult:
     """Every configuration of the search space, ranked; inputs as `shardtune.plan.plan`. The global
-    batch is kept unless `fit_batch` (then the micro-batch is searched over MICRO_BATCHES)."""
+    batch is kept unless `fit_batch` (then the micro-batch is searched over MICRO_BATCHES). `keep`:
+    the PlanInputs fields the user gave (`plan --fit` passes its options and overrides), each held
+    at its value and not searched."""
     from shardtune.catalog.gpus import resolve_gpu
     from shardtune.plan.model import _load_model
     from shardtune.plan.strategy_plan import combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
@@ -136,29 +139,37 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     ctx = timing_context(base, gpu, **base.timing_options())
     strategies = base.strategies or list(STRATEGIES)
     # a bare --params count has no activations to model: AC and micro-batch cannot be searched
-    acs = AC_MODES if m.arch is not None else ("none",)
-    micro_batches = MICRO_BATCHES if m.arch is not None else (base.micro_batch,)
-    offloads = (base.offload,) if base.offload in OFFLOADS[1:] else OFFLOADS  # a runnable --offload is kept
+    acs = (base.ac,) if "ac" in keep or m.arch is None else AC_MODES
+    micro_batches = MICRO_BATCHES if m.arch is not None and "micro_batch" not in keep else (base.micro_batch,)
+    runnable = base.offload in OFFLOADS[1:] or ("offload" in keep and base.offload in OFFLOADS)
+    offloads = (base.offload,) if runnable else OFFLOADS  # a runnable --offload is kept
+    precisions = (base.precision,) if "precision" in keep else PRECISIONS
     out: list[Candidate] = []
     refused: dict[str, Exception] = {}
     # tensor parallelism: a --tp given is kept, else every degree of plan/tp.py that can run here
-    tps = [base.tp] if base.tp > 1 or m.arch is None else [t for t in TP_DEGREES if with_tp(base, t, m)]
+    tps = [base.tp] if base.tp > 1 or "tp" in keep or m.arch is None else [t for t in TP_DEGREES if with_tp(base, t, m)]
     long = m.arch is not None and (base.seq_len >= LONG_SEQ or base.cp > 1 or base.activation_offload)
-    act_offloads = (base.activation_offload,) if base.activation_offload or not long else (False, True)
-    for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, long)):
+    act_offloads = ((base.activation_offload,) if base.activation_offload or not long or
+                    "activation_offload" in keep else (False, True))
+    for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, long, keep)):
         at_tp = with_tp(base, tp, m) if tp != base.tp else base
         at_tp = with_cp(at_tp, cp, m) if cp != at_tp.cp else at_tp
         # the global batch kept: grad_accum follows cp (--fit-batch: the global batch changes anyway)
         accum = base.grad_accum if fit_batch else base.grad_accum * cp // base.cp
-        if at_tp is None or (not fit_batch and accum * base.cp != base.grad_accum * cp):
+        if at_tp is None or (not fit_batch and accum * base.cp != base.grad_accum * cp) or (
+                "grad_accum" in keep and accum != base.grad_accum):
             continue
         dp, dp_per_node = base.gpus // (tp * cp), max(1, base.gpus_per_node // (tp * cp))
         shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
+        if STRATEGY[strategy].hybrid and "hsdp_shard_size" in keep and base.hsdp_shard_size:
+            shards = [base.hsdp_shard_size]
         mbs = micro_batches if fit_batch else _same_batch(base, tp)
+        if "micro_batch" in keep:  # given: held, so only the degrees that keep it with the global batch run
+            mbs = tuple(mb for mb in mbs if mb == base.micro_batch)
         for shard, act_off in ((g, a) for g in shards for a in act_offloads):
-            for precision in PRECISIONS:
+            for precision in precisions:
                 for ac in acs:
-                    impl = _impl_for(base, precision)
+                    impl = base.optimizer_impl if "optimizer_impl" in keep else _impl_for(base, precision)
                     for offload in offloads:
                         inp = replace(at_tp, strategies=[strategy], hsdp_shard_size=shard or at_tp.hsdp_shard_size,
                                       precision=precision, ac=ac, offload=offload, optimizer_impl=impl,
@@ -196,6 +207,11 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
              "micro-batch follows tp" + (", grad_accum follows cp" if long else "")
              + "; --fit-batch also searches the micro-batch (the global batch then changes)",
              f"compute at {ctx['mfu']:.0%} MFU ({ctx['network']['mfu_source']})"]
+    searched_fields = {"strategies", "tp", "cp", "ac", "offload", "precision", "hsdp_shard_size", "micro_batch",
+                       "grad_accum", "activation_offload", "optimizer_impl"}
+    if keep & searched_fields:
+        kept = sorted(keep & searched_fields)
+        notes.insert(0, "kept as given: " + ", ".join(f"{k} {getattr(base, k)}" for k in kept))
     if base.offload != "none":
         notes.insert(1, f"offload {base.offload} kept (--offload)" if len(offloads) == 1 else
                      f"offload {base.offload} is planner-only: the trainer's none and all searched")
@@ -203,13 +219,13 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                      {"precision": base.precision, "global_batch": g0, "seq_len": base.seq_len})
 
 
-def _cps(base, tp: int, m, long: bool) -> list[int]:
+def _cps(base, tp: int, m, long: bool, keep: frozenset[str] = frozenset()) -> list[int]:
     """Context-parallel degrees to search at `tp`: a --cp given is kept; for long sequences every
     power of two of plan/cp.py that can run here; else 1."""
     from shardtune.plan.cp import cp_degrees
     from shardtune.plan.strategy_plan import with_cp, with_tp
 
-    if base.cp > 1 or not long:
+    if base.cp > 1 or not long or "cp" in keep:
         return [base.cp]
     at_tp = with_tp(base, tp, m) if tp != base.tp else base
     return [c for c in cp_degrees(base.gpus, tp) if at_tp and (c == 1 or with_cp(at_tp, c, m))]

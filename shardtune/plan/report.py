@@ -101,32 +101,43 @@ def _memory_table(result: PlanResult, mark: str | None = None):
     table = Table(title="Per-GPU memory in GiB (2^30 bytes); peak also in GB (10^9 bytes)",
                   box=box.SIMPLE_HEAD, padding=(0, 1))
     tp = result.inputs.get("tp", 1)
+    ref = _has_reference(result)
     for col in ("strategy", "dp×tp" if tp > 1 else "shard", "params", "grads", "optim", "activ", "buffers",
-                "opt tmp", "peak GiB", "peak GB", "free GiB", "fits"):
+                *(("ref",) if ref else ()), "opt tmp", "peak GiB", "peak GB", "free GiB", "fits"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for s in result.strategies:
         mem = s.memory
         shard = f"{s.shard_degree}×{tp}" if tp > 1 else str(s.shard_degree)  # the FSDP shard group × TP
         table.add_row(
             _name(s, mark), shard, _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
-            _gib(mem.activations), _gib(mem.buffers), _gib(mem.optimizer_step_temp), _gib(mem.total),
+            _gib(mem.activations), _gib(mem.buffers), *((_gib(mem.reference),) if ref else ()),
+            _gib(mem.optimizer_step_temp), _gib(mem.total),
             f"{mem.total / GB:,.1f}", f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
     return table
 
 
+def _has_reference(result: PlanResult) -> bool:
+    """dpo's frozen reference copy is part of some row's peak: its column is shown (else omitted)."""
+    return any(s.memory.reference for s in result.strategies)
+
+
 def _compact_memory_table(result: PlanResult, mark: str | None = None):
-    """strategy, states (params + grads + optimizer), activations, buffers, opt tmp, peak, free, fits."""
+    """strategy, states (params + grads + optimizer), activations, buffers, (dpo) reference, opt tmp,
+    peak, free, fits."""
     from rich import box
     from rich.table import Table
 
     table = Table(title="Per-GPU memory, GiB (2^30 bytes); --wide: every column, peak in GB",
                   box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("strategy", "states", "activ", "buffers", "opt tmp", "peak GiB", "free GiB", "fits"):
+    ref = _has_reference(result)
+    for col in ("strategy", "states", "activ", "buffers", *(("ref",) if ref else ()), "opt tmp", "peak GiB",
+                "free GiB", "fits"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
     for s in result.strategies:
         mem = s.memory
         table.add_row(_name(s, mark), _gib(mem.params + mem.grads + mem.optimizer), _gib(mem.activations),
-                      _gib(mem.buffers), _gib(mem.optimizer_step_temp), _gib(mem.total),
+                      _gib(mem.buffers), *((_gib(mem.reference),) if ref else ()),
+                      _gib(mem.optimizer_step_temp), _gib(mem.total),
                       f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
     return table
 

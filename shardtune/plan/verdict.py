@@ -196,3 +196,56 @@ def suggest(m, sp, inp, usable: int) -> str:
     if found:
         return " or ".join(found)
     return fallback(m, sp, inp, usable)  # re-planned alternatives
+
+
+COMM_BOUND_SHARE = 0.5  # a fit whose step waits on exposed communication at least half the time
+MIN_GAIN = 1.1  # a lever is named only when it lifts the MFU by 10 % or more
+
+
+def _comm_levers(m, sp, inp):
+    """(label, strategy, inputs) that put more compute behind each collective: a larger
+    micro-batch (FSDP's gathers and reduce-scatters stay per micro-batch), a smaller tp (its
+    per-layer collectives are all exposed), hsdp with the shard group inside a node."""
+    for k in (2, 4, 8):
+        yield (f"--micro-batch {inp.micro_batch * k} (the global batch grows {k}×)", sp.name,
+               replace(inp, micro_batch=inp.micro_batch * k))
+    for t in (t for t in TP_DEGREES if t < inp.tp):
+        changed = with_tp(inp, t, m)
+        if changed:
+            yield f"--tp {t}", sp.name, changed
+    in_node = inp.gpus_per_node // (inp.tp * inp.cp)
+    if sp.name == "zero3" and inp.nodes > 1 and in_node > 1:
+        yield (f"--strategy hsdp --hsdp-shard-size {in_node}", "hsdp",
+               replace(inp, strategies=["hsdp"], hsdp_shard_size=in_node))
+
+
+def comm_bound(m, plans, inp, usable: int, gpu) -> str:
+    """"; zero3 is communication-bound: 6.68 s of its 8.7 s step ... (try X: MFU Y)" for each
+    strategy that fits but waits on exposed communication at least COMM_BOUND_SHARE of its step,
+    with the re-planned and re-timed lever (plan/timing.py) that lifts its MFU most; else ""."""
+    from shardtune.plan.timing import time_strategy, timing_context
+
+    bound = [p for p in plans if p.fits and p.timing
+             and p.timing["exposed_comm_s"] >= COMM_BOUND_SHARE * p.timing["step_time_s"]]
+    if not bound or m.arch is None:
+        return ""
+    ctx = timing_context(inp, gpu, **inp.timing_options())
+    info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
+    out = ""
+    for p in bound:
+        t = p.timing
+        out += (f"; {p.name} is communication-bound: {t['exposed_comm_s']:.3g} s of its {t['step_time_s']:.3g} s "
+                f"step is exposed communication ({t['exposed_comm_s'] / t['step_time_s']:.0%}), MFU {t['mfu']:.1%}")
+        best = None
+        for label, strategy, changed in _comm_levers(m, p, inp):
+            if combination_error(changed, strategy):
+                continue
+            q = plan_strategy(m, strategy, changed, usable, per_rank=False)
+            if not q.fits:
+                continue
+            mfu = time_strategy(q, m.arch, info, changed, gpu, ctx)["mfu"]
+            if mfu >= MIN_GAIN * t["mfu"] and (best is None or mfu > best[1]):
+                best = (label, mfu)
+        out += (f" (try {best[0]}: MFU {best[1]:.1%})" if best else
+                " (no larger micro-batch, smaller tp or shard group lifts it: a faster interconnect would)")
+    return out

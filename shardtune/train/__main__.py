@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from shardtune.errors import quiet_library_notices
     from shardtune.plan import plan  # handed to the trainer, which imports no planner (docs/DESIGN.md)
-    from shardtune.train.commands import resolve_config
     from shardtune.train.launcher.preflight import validate_for_launch
+    from shardtune.train.launcher.supervise import resolve_config
 
     quiet_library_notices()
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.getppid() != 1:  # under torchrun: die with its agent

@@ -6,6 +6,8 @@ MiB = 2^20 bytes. Imports no torch.
 """
 from __future__ import annotations
 
+import sys
+
 from rich import box
 from rich.measure import Measurement
 from rich.table import Table
@@ -118,3 +120,18 @@ def render_simulated(result, console=None) -> None:
                   "(FSDPMemTracker / MemTracker, rank 0); see docs/calibration.md")
     for n in notes:
         console.print(f"note: {n}")
+
+
+def mark_untraced(result) -> bool:
+    """--simulate with cp > 1 or activation offload: the trace (verify/simulate.py) runs neither, so
+    each strategy is marked untraced with the reason (never traced as cp 1)."""
+    inp = result.inputs
+    reason = ("the fake-tensor trace does not run context parallelism (cp > 1)" if inp.get("cp", 1) > 1 else
+              "the fake-tensor trace does not run activation offload" if inp.get("activation_offload") else "")
+    if not reason:
+        return False
+    for sp in result.strategies:
+        sp.simulated = {"status": "analytic fallback", "reason": reason}
+    print(f"shardtune: --simulate cannot trace {', '.join(s.name for s in result.strategies)}: {reason}; "
+          "showing the analytic plan (marked 'analytic')", file=sys.stderr)
+    return True

@@ -97,7 +97,7 @@ def _snapshot(folder: Path) -> dict:
 def test_a_damaged_checkpoint_is_one_line_everywhere_and_left_as_it_was(run, tmp_path, monkeypatch, capsys, name,
                                                                       meta_edit, writes, drops, where, needle):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     monkeypatch.setattr(commands, "run_process_group",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("torchrun started")))
@@ -147,7 +147,7 @@ def test_resume_auto_falls_back_past_a_damaged_shard_in_the_launcher_and_the_ran
                                                                                     monkeypatch, capsys, damage):
     from shardtune import cli
     from shardtune.processes import run_bounded
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     copy = _damaged(two_checkpoints, tmp_path, None, {"__0_0.distcp": damage}, (), step=4)
     recipe = tmp_path / "recipe.yaml"  # steps 3 to 5, saved at 3 and 5: step_4 stays as it is
@@ -174,7 +174,7 @@ def test_a_finished_run_whose_last_checkpoint_is_damaged_trains_its_last_steps_a
     """resume auto decides "already complete" on the checkpoint the ranks will load, not on a damaged
     newest one they would skip: the re-run resumes from step_2 instead of doing nothing."""
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     recipe = tmp_path / "recipe.yaml"  # the finished run's own settings
     recipe.write_text(CKPT_RECIPE)

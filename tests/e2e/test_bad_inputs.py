@@ -129,7 +129,7 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
 @pytest.mark.timeout(300)
 def test_bad_inputs_one_line_exit_2_folder_unchanged(tmp_path, monkeypatch, capsys):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     def no_torchrun(*a, **k):
         raise AssertionError("torchrun was started for bad input")

@@ -30,7 +30,7 @@ def _jsonl(root: Path, name: str, n: int, word: str) -> str:
 @pytest.mark.timeout(300)
 def test_swapped_copied_and_edited_cache_entries_are_named_and_rebuilt(tmp_path, monkeypatch, capsys):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     monkeypatch.setattr(commands, "run_process_group", lambda *a, **k: 0)
     root = tmp_path / "cache"

@@ -77,7 +77,7 @@ def test_launcher_and_ranks_pass_over_a_cut_metadata_and_a_misnamed_folder_alike
 
 def test_resume_never_refuses_a_folder_holding_only_a_misnamed_checkpoint(finished, tmp_path, capsys):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     commands_started = []
     run = tmp_path / "run"

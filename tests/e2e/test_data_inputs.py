@@ -48,7 +48,7 @@ def _cases(root: Path) -> list[tuple[list[str], str]]:
 @pytest.mark.timeout(300)
 def test_bad_data_one_line_exit_2(tmp_path, monkeypatch, capsys):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     def no_torchrun(*a, **k):
         raise AssertionError("torchrun was started for bad input")
@@ -68,7 +68,7 @@ def test_corrupt_cache_is_named_and_rebuilt_before_launch(tmp_path, monkeypatch,
     """The launcher builds data.cache_dir; a damaged cache is named in one line and rebuilt to the
     bytes a fresh build writes, before the ranks (not started here) would map it."""
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     launched = []
     monkeypatch.setattr(commands, "run_process_group", lambda *a, **k: launched.append(a) or 0)

@@ -31,7 +31,7 @@ def test_a_binary_prompt_is_named_as_such(tmp_path):
 
 def test_tensorboard_folder_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     pytest.importorskip("tensorboard")
     monkeypatch.setattr(commands, "run_process_group",

@@ -106,7 +106,7 @@ def test_train_help_lists_every_flag_with_its_help():
 
 def test_flags_reach_the_same_keys_from_typer_argparse_and_torchrun():
     from shardtune.train.__main__ import parse_args
-    from shardtune.train.commands import flag_overrides, torchrun_command
+    from shardtune.train.launcher.supervise import flag_overrides, torchrun_command
 
     given = {"strategy": "zero2", "precision": "fp32", "max_steps": 5, "seed": 3, "output_dir": "/tmp/x",
              "checkpoint_every": 2, "keep": 1, "resume": "never", "lora_rank": 4}

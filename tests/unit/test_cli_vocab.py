@@ -10,7 +10,7 @@ import pytest
 from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS, get_interconnect
 from shardtune.cli import main
 from shardtune.config.flags import TRAIN_FLAGS
-from shardtune.launch.commands import resolve_interconnect
+from shardtune.launch.checks import resolve_interconnect
 from shardtune.launch.network import env_dict, preset
 from shardtune.strategies import PRECISIONS, STRATEGIES
 from shardtune.train.__main__ import parse_args
@@ -92,7 +92,7 @@ def test_train_flags_show_their_choices_and_metavars(capsys):
     (["launch", "k8s"], "Usage: shardtune launch k8s [OPTIONS] RECIPE [KEY=VALUE]..."),
     (["export"], "Usage: shardtune export [OPTIONS] CHECKPOINT_DIR OUT_DIR"),
     (["generate"], "Usage: shardtune generate [OPTIONS] TARGET"),
-    (["plan"], "Usage: shardtune plan [OPTIONS] [MODEL]"),
+    (["plan"], "Usage: shardtune plan [OPTIONS] [MODEL] [OVERRIDES]..."),
 ])
 def test_arguments_read_as_a_posix_usage(capsys, argv, usage):
     assert main([*argv, "-h"]) == 0

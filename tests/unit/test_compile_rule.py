@@ -67,7 +67,7 @@ def test_refused_exactly_where_inductor_finds_no_compiler(tmp_path, monkeypatch)
 @pytest.mark.timeout(120)
 def test_train_compile_without_compiler_is_one_line_exit_2_before_anything(tmp_path, monkeypatch, capsys):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     def no_torchrun(*a, **k):
         raise AssertionError("torchrun was started for bad input")

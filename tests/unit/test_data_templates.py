@@ -81,7 +81,7 @@ def test_a_conversation_the_template_refuses_is_one_line(byte_folder):
 
 def test_unknown_name_is_one_line_exit_2_before_any_process(monkeypatch, capsys, tmp_path):
     from shardtune import cli
-    from shardtune.train import commands
+    from shardtune.train.launcher import supervise as commands
 
     def no_torchrun(*a, **k):
         raise AssertionError("torchrun was started for bad input")

@@ -92,7 +92,7 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     import shlex
 
     from shardtune.config import load_recipe
-    from shardtune.train.commands import resolve_config
+    from shardtune.train.launcher.supervise import resolve_config
 
     assert main(["plan", *argv, "--fit", "--json"]) in (0, None)
     out = json.loads(capsys.readouterr().out)

@@ -238,3 +238,76 @@ def test_trainer_and_planner_do_not_import_each_other():
              if inside(m, src) and (src == "plan" or not _is_glue(p))
              for line, t in sorted(set(_imports(p, modules))) if inside(t, dst)]
     assert not edges, "trainer <-> planner imports (move the shared rule to rules/):\n  " + "\n  ".join(edges)
+
+
+# Command modules (cli.py, */commands.py, *_commands.py) hold commands and their registration only
+# (issue 38 item 4):
+# a top-level function is a command (decorated with `.command(...)` / `.callback(...)`, or handed to
+# one), `register`, or listed here with why it stays; a top-level assignment declares options
+# (typer.Option / Argument / Typer), `__all__`, or is listed here. Logic goes to the area's modules.
+COMMAND_MODULE_ALLOWED: dict[str, set[str]] = {
+    # the CLI's own entry points and typer's presentation fix (cli.py is the glue itself)
+    # the recipe and the options validated together, called by every launcher (its checks: launch/checks.py)
+    "launch.commands": {"_build"},
+    # the generated `shardtune plan` (options from config/plan_keys.py) and the glue it needs
+    "plan.commands": {"_D", "_RENAMED", "_OWN_OPTIONS", "plan_cmd", "_build_plan_cmd", "_planner_option", "_param",
+                      "_is_recipe", "recipe_inputs", "_given_on_command_line", "plan_input_values", "kept_fields",
+                      "_plan", "_fit", "_print_catalogue"},
+    # `shardtune train`'s options come from config/flags.py: the command and its parameters
+    "train.commands": {"_train", "_param"},
+    "cli": {"app", "COMMAND_MODULES", "_print_version", "_conventional_arguments", "_register_commands", "main",
+            "console", "PATH_ERRNOS"},
+}
+# Logic still in command modules of areas this change did not own (issue 38 item 4 stops at plan,
+# train and launch): to move to their areas' modules. The test refuses anything added beyond this.
+COMMAND_MODULE_DEBT: dict[str, set[str]] = {
+    "netbench.commands": {"MAX_NPROC", "_fmt_size", "print_table", "check_output_file"},
+    "plan.fit_commands": {"RECIPES", "FALLBACK_RECIPE", "_FIT_FIELDS", "_RECIPE_KEY", "_FLAG", "_KEYS", "_shown",
+                          "_base_recipe", "_model_name", "train_line"},  # the layout work moves it (issue 38 item 2)
+    "recipes.commands": {"list_recipes", "copy_recipe", "_dangling"},
+    "report.commands": {"_read_json", "_strategy_memory", "_run_config", "load_run", "_read_metrics", "NUMERIC_KEYS",
+                        "_number", "report"},
+    "train.export_commands": {"check_out_dir"},
+}
+
+
+def _registered(tree: ast.Module) -> set[str]:
+    """Names decorated with `.command(...)` / `.callback(...)` or passed to a `.command(...)(name)` call."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            for d in node.decorator_list:
+                f = d.func if isinstance(d, ast.Call) else d
+                if isinstance(f, ast.Attribute) and f.attr in ("command", "callback"):
+                    out.add(node.name)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Call):
+            f = node.func.func
+            if isinstance(f, ast.Attribute) and f.attr == "command":
+                out |= {a.id for a in node.args if isinstance(a, ast.Name)}
+    return out
+
+
+def _declares_options(value: ast.expr) -> bool:
+    calls = [value] if isinstance(value, ast.Call) else []
+    return bool(calls) and all(isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
+                               and c.func.value.id == "typer" for c in calls)
+
+
+def test_command_modules_define_only_commands():
+    offenders = []
+    for name, path in _modules().items():
+        if not _is_glue(path) or path.name == "__main__.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        allowed = (_registered(tree) | {"register"} | COMMAND_MODULE_ALLOWED.get(name, set())
+                   | COMMAND_MODULE_DEBT.get(name, set()))
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name not in allowed:
+                    offenders.append(f"{name}:{node.lineno} {node.name}")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                if not (_declares_options(node.value) or set(names) <= allowed | {"__all__"}):
+                    offenders.append(f"{name}:{node.lineno} {', '.join(names)}")
+    assert not offenders, f"command modules define more than commands: {offenders}"

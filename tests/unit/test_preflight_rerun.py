@@ -120,7 +120,7 @@ def test_checkpoint_of_another_model_refused_before_launch(tmp_path):
 def test_signal_stop_is_read_from_stopped_json_of_this_launch_only(tmp_path, capsys):
     import time
 
-    from shardtune.train.commands import stopped_by_signal
+    from shardtune.train.launcher.supervise import stopped_by_signal
 
     assert stopped_by_signal(tmp_path, 0.0) is None
     (tmp_path / "stopped.json").write_text(json.dumps({"step": 7, "signal": "SIGTERM", "checkpoint": "c/step_7"}))
