@@ -37,6 +37,35 @@ MODELS: dict[str, dict] = {
             "initializer_range": 0.02,
         },
     },
+    # A tiny Mixtral for the MoE tests (train/core/moe.py): tiny-llama's attention and vocabulary,
+    # each MLP 4 experts of intermediate 128, top-2, Mixtral's aux coefficient 0.02. About 1.1 M parameters.
+    "tiny-mixtral": {
+        "source": "shardtune (defined here for tests)",
+        "config": {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "vocab_size": 264,
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.02,
+            "router_jitter_noise": 0.0,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "bos_token_id": 256,
+            "eos_token_id": 257,
+            "pad_token_id": 258,
+            "initializer_range": 0.02,
+        },
+    },
 }
 
 

@@ -26,6 +26,7 @@ from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
+from shardtune.train.core.moe import EXPERTS_IMPLEMENTATION, num_experts, prepare_moe
 from shardtune.train.core.qlora import fill_nf4, is_nf4, quantize_base
 
 if TYPE_CHECKING:
@@ -50,10 +51,13 @@ def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
     fp32 masters); `parallel.build` casts to what `parallel.precision` says, weights are cast per
     tensor while loading."""
     config = build_hf_config(model_cfg)
+    # MoE: experts as one grouped GEMM per layer, router in fp32 (train/core/moe.py)
+    experts = {"experts_implementation": EXPERTS_IMPLEMENTATION} if num_experts(config) else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation="sdpa", trust_remote_code=model_cfg.trust_remote_code)
+            config, attn_implementation="sdpa", trust_remote_code=model_cfg.trust_remote_code, **experts)
     model.to(torch.float32)  # free on meta
+    prepare_moe(model)
     model.config.use_cache = False
     return model
 
@@ -85,7 +89,8 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
     """(name, make) per parameter: `make(rows=None)` returns the fp32 CPU tensor (its dim-0 `rows`)
-    of HF's init scheme (Linear/Embedding weights ~ N(0, initializer_range), biases 0, norms 1)."""
+    of HF's init scheme (Linear/Embedding weights and MoE routers' and experts' 2-D / 3-D weights
+    ~ N(0, initializer_range), biases 0, norms 1)."""
     std = float(getattr(model.config, "initializer_range", 0.02))
     owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in model.named_modules()
               for pn, _ in m.named_parameters(recurse=False)}
@@ -98,7 +103,7 @@ def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Call
         def make(rows: slice | None = None, name=name, shape=tuple(p.shape), owner=owner) -> torch.Tensor:
             if name.endswith("bias"):
                 full = torch.zeros(shape)
-            elif not isinstance(owner, (nn.Linear, nn.Embedding)):
+            elif len(shape) < 2 and not isinstance(owner, (nn.Linear, nn.Embedding)):
                 full = torch.ones(shape)  # RMSNorm / LayerNorm scales
             else:  # the full tensor, whatever the slice: the values must not depend on the layout
                 gen = torch.Generator().manual_seed(_tensor_seed(seed, name))

@@ -31,6 +31,7 @@ from shardtune.parallel.apply import autocast_dtype
 from shardtune.parallel.tp import loss_context
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
+from shardtune.train.core.moe import MoeTerms
 from shardtune.train.core.offload import HostOffload
 
 if TYPE_CHECKING:
@@ -100,16 +101,17 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     denom = num_tokens.clamp(min=1).to(torch.float32)
     loss_sum = torch.zeros((), device=device)
     offload = HostOffload() if opts.activation_offload else None
+    moe = MoeTerms(model, len(micro_batches), dp_group)  # MoE: the load-balancing loss (moe.py)
     for i, mb in enumerate(micro_batches):
         with accumulation(model, last=i == len(micro_batches) - 1), loss_context(model):  # TP: loss_parallel
-            with _saved_tensors(activations, offload):
+            with _saved_tensors(activations, offload), moe.routing() as seen:
                 # full logits (1 chunk) or chunked cross-entropy (train.loss_chunks, docs/loss.md)
                 token_loss_sum = lm_token_loss_sum(model, mb, opts.loss_chunks, opts.autocast_dtype)
-            (token_loss_sum * dp_size / denom).backward()
+            (moe.add_objective(token_loss_sum * dp_size / denom, seen, dp_size)).backward()
         loss_sum += token_loss_sum.detach()
     norm, lr, skipped = clip_and_step(model, optimizer, scheduler, loss_sum, opts)
     return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
-                      num_tokens=num_tokens, skipped=skipped)
+                      num_tokens=num_tokens, skipped=skipped, parts=moe.parts(dp_size))
 
 
 def _saved_tensors(activations, offload):
