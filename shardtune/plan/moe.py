@@ -28,21 +28,15 @@ shard degree.
 """
 from __future__ import annotations
 
-from shardtune.errors import UserError
+from collections.abc import Callable
 
 MOE_TYPES = ("qwen3_moe", "gpt_oss", "deepseek_v3")  # Mixtral: params.py
 
 
-def _pos(cfg: dict, key: str, default=None) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise UserError(f"config.json: {key!r} must be a positive integer, got {v!r}; fix the model config")
-    return v
-
-
-def moe_fields(cfg: dict) -> dict:
+def moe_fields(cfg: dict, _pos: Callable[..., int]) -> dict:
     """The MoE fields of an Architecture for a Qwen3-MoE, GPT-OSS or DeepSeek-V3 config.json
-    (`intermediate_size` becomes the routed expert's, as the activation and FLOP formulas read it)."""
+    (`intermediate_size` becomes the routed expert's, as the activation and FLOP formulas read it);
+    `_pos(cfg, key, default=None)` reads a positive integer (params.py's, a UserError otherwise)."""
     mt = cfg["model_type"]
     if mt == "qwen3_moe":
         return {"num_experts": _pos(cfg, "num_experts"), "experts_per_token": _pos(cfg, "num_experts_per_tok"),

@@ -103,7 +103,7 @@ def architecture_from_config(cfg: dict) -> Architecture:
         return MoeArchitecture(
             model_type=mt, hidden_size=h, num_layers=_int(cfg, "num_hidden_layers"), num_heads=n, num_kv_heads=kv,
             head_dim=_int({"head_dim": head_dim}, "head_dim"), vocab_size=_int(cfg, "vocab_size"),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), **moe.moe_fields(cfg))
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), **moe.moe_fields(cfg, _int))
     return Architecture(
         model_type=mt, hidden_size=h, intermediate_size=_int(cfg, "intermediate_size"),
         num_layers=_int(cfg, "num_hidden_layers"), num_heads=n, num_kv_heads=kv,
