@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardtune.catalog.models import resolve_model_config, safetensors_files
 from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
+from shardtune.parallel.ep import ep_rows
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
 from shardtune.train.core.moe import EXPERTS_IMPLEMENTATION, num_experts, prepare_moe
@@ -100,7 +101,10 @@ def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Call
         owner = owners[model_name]
         name = base_name(model_name)  # a LoRA-wrapped weight gets the same values as the plain one
 
-        def make(rows: slice | None = None, name=name, shape=tuple(p.shape), owner=owner) -> torch.Tensor:
+        ep = ep_rows(model, model_name)  # expert parallelism: the full tensor holds every rank's experts
+        shape = (ep[1], *p.shape[1:]) if ep else tuple(p.shape)
+
+        def make(rows: slice | None = None, name=name, shape=shape, owner=owner) -> torch.Tensor:
             if name.endswith("bias"):
                 full = torch.zeros(shape)
             elif len(shape) < 2 and not isinstance(owner, (nn.Linear, nn.Embedding)):
@@ -182,10 +186,12 @@ def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> N
             fill_nf4(param, make())
             continue
         rows = _local_rows(param)
+        if (ep := ep_rows(model, name)) is not None:  # expert parallelism: this rank's experts, rows of the full tensor
+            rows = slice(ep[0] + (rows.start if rows else 0), ep[0] + (rows.stop if rows else param.shape[0]))
         if rows is None:
             _copy_full_into(param, make())
             continue
-        local = param.to_local()
+        local = param.to_local() if isinstance(param, DTensor) else param
         part = make(rows)
         if tuple(part.shape) != tuple(local.shape):
             raise UserError(f"tensor {name!r}: rows {tuple(part.shape)} do not match the model's shard "

@@ -1,0 +1,108 @@
+"""One rank of the expert-parallel test (tests/dist/test_ep.py): tiny-mixtral with its experts split
+over the ranks (parallel/ep.py `apply_ep`, ep = world) against the whole model in one process (the
+same rank, the whole global batch, transformers' own loss with its aux loss), fp32, AdamW, a few steps.
+
+Each rank takes its rows of the global batch; its loss part is its token-loss sum / the global
+tokens plus the trainer's aux-loss part (train/core/moe.py `MoeTerms`, counts summed over the
+ranks); the replicated (non-expert) gradients are summed over the ranks, the experts' are whole
+already (their rows came from every rank). `forced`: every router sends every token to expert 0
+(weight ~1; expert 1 the second slot, weight ~e^-50), so rank 1 receives no token at all.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardtune.config import ModelConfig
+from shardtune.parallel.ep import apply_ep, expert_modules
+from shardtune.train.core.model import build_meta_model, init_model_weights
+from shardtune.train.core.moe import MoeTerms, routers
+
+
+def _model(forced: bool):
+    model = build_meta_model(ModelConfig(name="tiny-mixtral"))
+    model.to_empty(device="cpu")
+    init_model_weights(model, ModelConfig(name="tiny-mixtral"), seed=0)
+    if forced:  # logits + (100, 50, 0, 0): every token's top-2 are experts 0 and 1 (rank 0's), weight ~1 on 0
+        for r in routers(model):
+            r.forward = lambda hidden, r=r: _forced(r, hidden)
+    return model
+
+
+def _forced(router, hidden):
+    """The router's forward (train/core/moe.py's fp32 one) with a fixed bias on the logits, so that
+    transformers' aux loss (top-k of the logits) sees the routing the experts get."""
+    logits = F.linear(hidden.reshape(-1, router.hidden_dim).float(), router.weight.float())
+    logits = logits + torch.tensor([100.0, 50.0, 0.0, 0.0])
+    top, index = torch.topk(torch.softmax(logits, dim=-1), router.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True), index
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+
+
+def _meta_fill_diff() -> float:
+    """The trainer's order (meta build → apply_ep → to_empty → init_model_weights): each rank's
+    experts are its rows of the full seeded tensors, every other weight the full model's."""
+    meta = build_meta_model(ModelConfig(name="tiny-mixtral"))
+    apply_ep(meta, dist.group.WORLD)
+    meta.to_empty(device="cpu")
+    init_model_weights(meta, ModelConfig(name="tiny-mixtral"), seed=0)
+    full, experts = dict(_model(False).named_parameters()), expert_modules(meta)[0]
+    mine = slice(experts.ep_offset, experts.ep_offset + experts.num_experts)
+    return max(float((p.detach() - full[n].detach()[mine if ".experts." in n else slice(None)]).abs().max())
+               for n, p in meta.named_parameters())
+
+
+def run_case(case: dict, rank: int, world: int) -> dict:
+    if case.get("meta_fill"):
+        return {"meta_fill_diff": _meta_fill_diff()}
+    torch.manual_seed(0)
+    rows, seq, steps = case["rows"], case["seq_len"], case["steps"]
+    ref, ep = _model(case["forced"]), _model(case["forced"])
+    apply_ep(ep, dist.group.WORLD)
+    ref_opt, ep_opt = _adamw(ref), _adamw(ep)
+    expert_names = {n for n, _ in ep.named_parameters() if ".experts." in n}
+    gen = torch.Generator().manual_seed(1)
+    out = {"ref_loss": [], "ep_loss": [], "ref_aux": [], "ep_aux": [], "received": []}
+    for _ in range(steps):
+        ids = torch.randint(0, 256, (rows, seq), generator=gen)
+        res = ref(input_ids=ids, labels=ids, output_router_logits=True)  # mean CE + coef x aux (transformers)
+        res.loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["ref_loss"].append(float(res.loss))
+        out["ref_aux"].append(float(res.aux_loss))
+
+        mine = ids.chunk(world)[rank]
+        terms = MoeTerms(ep, num_micro_batches=1, group=dist.group.WORLD)
+        with terms.routing() as seen:
+            logits = ep(input_ids=mine).logits
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), mine[:, 1:].flatten(), reduction="sum")
+        part = terms.add_objective(ce / (rows * (seq - 1)), seen, dp_size=1)
+        part.backward()
+        for name, p in ep.named_parameters():
+            if name not in expert_names:
+                dist.all_reduce(p.grad)  # the replicated weights: the sum of the ranks' parts
+        ep_opt.step()
+        ep_opt.zero_grad()
+        total = part.detach().clone()
+        dist.all_reduce(total)
+        out["ep_loss"].append(float(total))
+        aux = terms.aux.clone()
+        dist.all_reduce(aux)  # the ranks' parts: the global batch's aux loss
+        out["ep_aux"].append(float(aux))
+        first = expert_modules(ep)[0]
+        mine = slice(first.ep_offset, first.ep_offset + first.num_experts)
+        out["received"].append(int(terms.counts[:, mine].sum()))  # rows this rank's experts got, all layers
+    full = dict(ref.named_parameters())
+    out["local_experts"] = int(first.num_experts)
+    out["expert_weight_diff"] = max(
+        float((p.detach() - full[name].detach()[mine]).abs().max()) for name, p in ep.named_parameters()
+        if name in expert_names)
+    out["other_weight_diff"] = max(
+        float((p.detach() - full[name].detach()).abs().max()) for name, p in ep.named_parameters()
+        if name not in expert_names)
+    return out
