@@ -120,3 +120,33 @@ def ep_rows(model: nn.Module, param_name: str) -> tuple[int, int] | None:
     if module is None or not hasattr(module, "ep_offset"):
         return None
     return int(module.ep_offset), int(module.num_experts * module.ep_degree)
+
+
+def ep_clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor | None:
+    """clip_grad_norm_ for a model under `apply_ep` (None for any other model: the caller clips as
+    before). The experts' gradients are FSDP DTensors on the expert-FSDP mesh and hold only this
+    rank's experts, the others' on the data-parallel mesh: one norm per mesh (torch's DTensor norm
+    refuses to mix meshes), the experts' squared norm summed over the ep group, then one clip
+    coefficient for all (torchtitan's EP-aware clip does the same)."""
+    found = [m for m in expert_modules(model) if hasattr(m, "ep_group")]
+    if not found:
+        return None
+    expert_ids = {id(p) for m in found for p in m.parameters()}
+    params = [p for p in model.parameters() if p.grad is not None]
+
+    def norm(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=params[0].grad.device)
+        total = torch.nn.utils.get_total_norm(grads)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
+
+    experts_sq = norm([p.grad for p in params if id(p) in expert_ids]) ** 2
+    dist.all_reduce(experts_sq, group=found[0].ep_group)  # each ep rank holds other experts
+    total = (norm([p.grad for p in params if id(p) not in expert_ids]) ** 2 + experts_sq).sqrt()
+    # torch's clip_grads_with_norm_ rule (max_norm / (norm + 1e-6), at most 1) as one host scalar: its
+    # foreach multiply also refuses DTensors of two meshes
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return total

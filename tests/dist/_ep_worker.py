@@ -56,9 +56,69 @@ def _meta_fill_diff() -> float:
                for n, p in meta.named_parameters())
 
 
+def _fsdp_ep_model(world: int):
+    """zero3 with ep = world, as docs/moe.md's wiring says: apply_ep on meta, each layer's experts
+    `fully_shard` on their own expert-FSDP mesh (here 1 rank: dp_shard / ep) with the gradient
+    divided by the whole dp degree, then the layer and the root on the dp mesh; to_empty, fill."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardtune.parallel.apply import decoder_layers
+
+    model = build_meta_model(ModelConfig(name="tiny-mixtral"))
+    apply_ep(model, dist.group.WORLD)
+    dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    expert_mesh = DeviceMesh("cpu", [[r] for r in range(world)], mesh_dim_names=("ep", "efsdp"))["efsdp"]
+    for layer in decoder_layers(model):
+        fully_shard(layer.mlp.experts, mesh=expert_mesh)
+        layer.mlp.experts.set_gradient_divide_factor(float(world))
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    model.to_empty(device="cpu")
+    init_model_weights(model, ModelConfig(name="tiny-mixtral"), seed=0)
+    return model
+
+
+def _fsdp_case(case: dict, rank: int, world: int) -> dict:
+    """The trainer's own `train_step` (train/core/step.py: token loss + aux part, loss x dp_size,
+    FSDP's average undone, clip 1.0 through parallel/ep.py's per-mesh norm) on the ep x zero3
+    model, against the whole model in one process (clip_grad_norm_ 1.0)."""
+    from shardtune.train.core.step import StepOptions, global_loss, train_step
+
+    rows, seq = case["rows"], case["seq_len"]
+    ref, model = _model(False), _fsdp_ep_model(world)
+    ref_opt, opt = _adamw(ref), _adamw(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    opts = StepOptions(loss_chunks=1, grad_clip=1.0)
+    gen = torch.Generator().manual_seed(1)
+    out = {"ref_loss": [], "ep_loss": [], "ref_aux": [], "ep_aux": [], "ref_norm": [], "ep_norm": []}
+    for _ in range(case["steps"]):
+        ids = torch.randint(0, 256, (rows, seq), generator=gen)
+        res = ref(input_ids=ids, labels=ids, output_router_logits=True)
+        res.loss.backward()
+        out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = ids.chunk(world)[rank]
+        labels = torch.cat([mine[:, 1:], torch.full((mine.shape[0], 1), -100)], dim=1)
+        mb = {"input_ids": mine, "position_ids": torch.arange(seq).expand(mine.shape[0], -1), "labels": labels}
+        r = train_step(model, opt, sched, [mb], opts, dp_group=dist.group.WORLD, dp_size=world)
+        aux = r.parts["aux_loss"].clone()
+        dist.all_reduce(aux)
+        coef = ref.config.router_aux_loss_coef
+        out["ref_loss"].append(float(res.loss))
+        out["ref_aux"].append(float(res.aux_loss))
+        out["ep_loss"].append(global_loss(r) + coef * float(aux))  # the trainer logs them apart
+        out["ep_aux"].append(float(aux))
+        out["ep_norm"].append(float(r.grad_norm))
+    return out
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
     if case.get("meta_fill"):
         return {"meta_fill_diff": _meta_fill_diff()}
+    if case.get("fsdp"):
+        return _fsdp_case(case, rank, world)
     torch.manual_seed(0)
     rows, seq, steps = case["rows"], case["seq_len"], case["steps"]
     ref, ep = _model(case["forced"]), _model(case["forced"])

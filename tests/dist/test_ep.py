@@ -13,7 +13,8 @@ import pytest
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_ep_worker.py"
 CASES = [{"name": n, "forced": n == "forced", "rows": 4, "seq_len": 32, "steps": 4} for n in ("routed", "forced")]
-CASES.append({"name": "meta_fill", "meta_fill": True})
+CASES += [{"name": "meta_fill", "meta_fill": True},
+          {"name": "fsdp", "fsdp": True, "rows": 4, "seq_len": 32, "steps": 4}]
 DIST_LAUNCHES = {2: lambda d: (CASES, 240)}  # one shared launch per world (tests/dist/conftest.py)
 
 
@@ -44,3 +45,15 @@ def test_the_trainer_fill_gives_each_rank_its_experts_rows(world2):
     """meta build → apply_ep → to_empty → init_model_weights (train/core/model.py reads each rank's
     expert rows of the full seeded tensors): every weight equals the whole model's, exactly."""
     assert [w["meta_fill"]["meta_fill_diff"] for w in world2] == [0.0, 0.0]
+
+
+@pytest.mark.timeout(400, func_only=True)
+def test_ep2_under_zero3_through_the_trainer_step_equals_one_process(world2):
+    """ep 2 x zero3 as docs/moe.md's wiring says (experts fully_shard on their own expert-FSDP mesh,
+    gradient divided by the dp degree), stepped by train/core/step.py's train_step with clipping at 1.0
+    (parallel/ep.py's per-mesh norm): one process's losses, aux losses and grad norms within 1e-5."""
+    for r in (w["fsdp"] for w in world2):
+        assert r["ep_loss"] == pytest.approx(r["ref_loss"], abs=1e-5, rel=0)
+        assert r["ep_aux"] == pytest.approx(r["ref_aux"], abs=1e-5, rel=0)
+        assert r["ep_norm"] == pytest.approx(r["ref_norm"], abs=1e-5, rel=1e-5)
+    assert world2[0]["fsdp"]["ref_norm"][0] > 1.0  # the clip acted

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtune.parallel.apply import autocast_dtype
+from shardtune.parallel.ep import ep_clip_grad_norm_
 from shardtune.parallel.tp import loss_context
 from shardtune.plan.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
@@ -136,7 +137,10 @@ def accumulation(model: nn.Module, last: bool):
 def clip_and_step(model: nn.Module, optimizer, scheduler, loss_sum: torch.Tensor, opts: StepOptions
                   ) -> tuple[torch.Tensor, float, bool]:
     """Clip, then step (or skip a non-finite step); (global grad norm, lr used, skipped)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip if opts.grad_clip > 0 else math.inf)
+    max_norm = opts.grad_clip if opts.grad_clip > 0 else math.inf
+    norm = ep_clip_grad_norm_(model, max_norm)  # expert parallelism: one norm per mesh (parallel/ep.py)
+    if norm is None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
     lr = scheduler.get_last_lr()[0]
     # a non-finite loss or grad norm on ANY rank skips the update on every rank, with no collective
