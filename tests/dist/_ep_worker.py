@@ -114,9 +114,27 @@ def _fsdp_case(case: dict, rank: int, world: int) -> dict:
     return out
 
 
+def _refusals() -> list[str]:
+    """apply_ep's one-line refusals: ep 2 on 3 experts a layer, ep on a dense model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.errors import UserError
+
+    three = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, num_local_experts=3)
+    out = []
+    for model in (AutoModelForCausalLM.from_config(three), build_meta_model(ModelConfig(name="tiny-llama"))):
+        try:
+            apply_ep(model, dist.group.WORLD)
+            out.append("")
+        except UserError as e:
+            out.append(str(e))
+    return out
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
     if case.get("meta_fill"):
-        return {"meta_fill_diff": _meta_fill_diff()}
+        return {"meta_fill_diff": _meta_fill_diff(), "refusals": _refusals()}
     if case.get("fsdp"):
         return _fsdp_case(case, rank, world)
     torch.manual_seed(0)

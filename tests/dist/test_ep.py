@@ -57,3 +57,10 @@ def test_ep2_under_zero3_through_the_trainer_step_equals_one_process(world2):
         assert r["ep_aux"] == pytest.approx(r["ref_aux"], abs=1e-5, rel=0)
         assert r["ep_norm"] == pytest.approx(r["ref_norm"], abs=1e-5, rel=1e-5)
     assert world2[0]["fsdp"]["ref_norm"][0] > 1.0  # the clip acted
+
+
+@pytest.mark.timeout(400, func_only=True)
+def test_ep_refuses_what_it_cannot_split(world2):
+    uneven, dense = world2[0]["meta_fill"]["refusals"]
+    assert "parallel.ep 2 does not divide the 3 experts" in uneven and "\n" not in uneven
+    assert "parallel.ep needs a mixture-of-experts model" in dense
