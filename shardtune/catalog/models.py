@@ -37,6 +37,35 @@ MODELS: dict[str, dict] = {
             "initializer_range": 0.02,
         },
     },
+    # A tiny Mixtral for the MoE tests (train/core/moe.py): tiny-llama's attention and vocabulary,
+    # each MLP 4 experts of intermediate 128, top-2, Mixtral's aux coefficient 0.02. About 1.1 M parameters.
+    "tiny-mixtral": {
+        "source": "shardtune (defined here for tests)",
+        "config": {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "vocab_size": 264,
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.02,
+            "router_jitter_noise": 0.0,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "bos_token_id": 256,
+            "eos_token_id": 257,
+            "pad_token_id": 258,
+            "initializer_range": 0.02,
+        },
+    },
 }
 
 
@@ -107,8 +136,69 @@ MODELS.update({
                                      rms_norm_eps=1e-5, sliding_window=131072, use_sliding_window=False,
                                      max_window_layers=80, bos_token_id=151643, eos_token_id=151643)},
 })
+
+# Mixtures of experts (issue 39). Architecture values of each config.json; GPT-OSS's quantization_config
+# (MXFP4 experts on the Hub) is left out: the planner and trainer hold bf16 / fp32 weights.
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+              "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+              "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "num_key_value_heads": 4,
+              "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "router_aux_loss_coef": 0.001, "output_router_logits": False, "tie_word_embeddings": False,
+              "sliding_window": None, "use_sliding_window": False, "vocab_size": 151936,
+              "bos_token_id": 151643, "eos_token_id": 151645}
+_GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_act": "silu",
+            "attention_bias": True, "head_dim": 64, "hidden_size": 2880, "intermediate_size": 2880,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "num_experts_per_tok": 4, "experts_per_token": 4,
+            "max_position_embeddings": 131072, "initial_context_length": 4096, "rms_norm_eps": 1e-5,
+            "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+                                                   "truncate": False},
+            "sliding_window": 128, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.9, "output_router_logits": False,
+            "tie_word_embeddings": False, "vocab_size": 201088, "eos_token_id": 200002, "pad_token_id": 199999}
+MODELS.update({
+    "mixtral-8x22b": {"source": _hf("mistralai/Mixtral-8x22B-v0.1"),
+                      "config": _llama(6144, 16384, 56, 48, 8, 32768, 65536, 1000000.0,
+                                       architectures=["MixtralForCausalLM"], model_type="mixtral",
+                                       num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001,
+                                       sliding_window=None, bos_token_id=1, eos_token_id=2)},
+    # Qwen3-MoE: 128 experts of intermediate 768 (moe_intermediate_size), top-8, no shared expert
+    "qwen3-30b-a3b": {"source": _hf("Qwen/Qwen3-30B-A3B"),
+                      "config": {**_QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144,
+                                 "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+                                 "max_window_layers": 48}},
+    "qwen3-235b-a22b": {"source": _hf("Qwen/Qwen3-235B-A22B"),
+                        "config": {**_QWEN3_MOE, "hidden_size": 4096, "intermediate_size": 12288,
+                                   "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+                                   "num_attention_heads": 64, "max_window_layers": 94}},
+    # GPT-OSS: alternating sliding (128) / full attention layers, attention sinks, biases everywhere
+    "gpt-oss-20b": {"source": _hf("openai/gpt-oss-20b"),
+                    "config": {**_GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32,
+                               "layer_types": ["sliding_attention", "full_attention"] * 12}},
+    "gpt-oss-120b": {"source": _hf("openai/gpt-oss-120b"),
+                     "config": {**_GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128,
+                                "layer_types": ["sliding_attention", "full_attention"] * 18}},
+    # DeepSeek-V3: multi-head latent attention, 3 dense layers then 58 MoE layers of 256 routed experts
+    # (top-8, sigmoid scores, 8 groups, top-4 groups) + 1 shared; the multi-token-prediction module
+    # (num_nextn_predict_layers, 14 B more on the Hub: 685 B) is not part of the transformers model
+    "deepseek-v3": {"source": _hf("deepseek-ai/DeepSeek-V3"),
+                    "config": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                               "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+                               "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                               "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+                               "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+                               "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                               "norm_topk_prob": True, "routed_scaling_factor": 2.5, "q_lora_rank": 1536,
+                               "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                               "v_head_dim": 128, "num_nextn_predict_layers": 1, "vocab_size": 129280,
+                               "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+                               "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                                "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                "original_max_position_embeddings": 4096},
+                               "attention_bias": False, "tie_word_embeddings": False,
+                               "bos_token_id": 0, "eos_token_id": 1}},
+})
 for _cfg in (MODELS["mistral-7b"]["config"], MODELS["mixtral-8x7b"]["config"],
-             MODELS["qwen2.5-7b"]["config"], MODELS["qwen2.5-72b"]["config"]):
+             MODELS["qwen2.5-7b"]["config"], MODELS["qwen2.5-72b"]["config"], MODELS["mixtral-8x22b"]["config"]):
     # These config.json files carry no attention_bias / mlp_bias keys (Llama-only options).
     _cfg.pop("attention_bias"), _cfg.pop("mlp_bias")
 

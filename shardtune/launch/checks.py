@@ -4,9 +4,10 @@ every node count (`check_layout`: the trainer's own Layout). Imports no torch.""
 from __future__ import annotations
 
 from shardtune.catalog.interconnects import ALIASES, INTERCONNECTS, get_interconnect
+from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
-from shardtune.layout import Layout
 from shardtune.launch.spec import normalize_interconnect
+from shardtune.layout import Layout
 
 
 def interconnect_help() -> str:
@@ -55,8 +56,6 @@ def check_layout(cfg, nodes: int, gpus_per_node: int) -> Layout:
     """The trainer's layout on `nodes` nodes (`Layout.of_config`: the degrees and the placement rule,
     a tp group inside one node), and what tp and cp split of the model (heads, vocabulary, sequence)
     as the trainer's preflight checks it (`Layout.check_model`)."""
-    from shardtune.catalog.models import resolve_model_config
-
     layout = Layout.of_config(cfg.parallel, nodes * gpus_per_node, gpus_per_node)
     try:
         hf = resolve_model_config(cfg.model.plan_name())

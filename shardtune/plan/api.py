@@ -101,7 +101,10 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
     result = PlanResult(
         model={"name": m.name, "source": m.source, "params": m.num_params,
                "trainable_params": m.trainable, "active_params": m.active,
-               "architecture": asdict(m.arch) if m.arch else None},
+               "architecture": asdict(m.arch) if m.arch else None,
+               # MoE: total and active (per token) parameters under their issue-39 names; dense plans unchanged
+               **({"params_total": m.num_params, "params_active": m.active}
+                  if m.arch is not None and m.arch.num_experts else {})},
         hardware={"gpu": gpu.name, "gpu_memory_bytes": gpu.memory_bytes, "reserve_bytes": reserve,
                   "usable_bytes": usable, "gpus": inp.gpus, "nodes": inp.nodes,
                   "gpus_per_node": inp.gpus_per_node, "bf16_flops": gpu.bf16_flops, "source": gpu.source},

@@ -1,4 +1,5 @@
-"""Exact parameter counts and per-tensor shapes from an HF config (Llama, Mistral, Qwen2, Mixtral).
+"""Exact parameter counts and per-tensor shapes from an HF config (Llama, Mistral, Qwen2, Mixtral; the
+other MoE types, Qwen3-MoE, GPT-OSS, DeepSeek-V3: plan/moe.py).
 
 The shapes are the ones transformers 5.x builds (`AutoModelForCausalLM.from_config`), in its
 `named_parameters()` order, because the FSDP2 shard sizes depend on each tensor's dim 0
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 from math import prod
 
 from shardtune.errors import UserError
+from shardtune.plan import moe
 from shardtune.strategies import LORA_TARGETS
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "mixtral", *moe.MOE_TYPES)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,20 @@ class Architecture:
     mlp_bias: bool = False
     num_experts: int = 0  # 0: dense MLP
     experts_per_token: int = 0
+
+
+@dataclass(frozen=True)
+class MoeArchitecture(Architecture):
+    """Qwen3-MoE, GPT-OSS and DeepSeek-V3 (plan/moe.py): `intermediate_size` is a routed expert's."""
+
+    qk_norm: bool = False  # Qwen3: RMSNorm on each query and key head
+    expert_bias: bool = False  # GPT-OSS: biases on attention, router and experts
+    attention_sinks: bool = False  # GPT-OSS: one learned sink logit per head
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (DeepSeek's first k, Qwen3's mlp_only_layers)
+    dense_intermediate_size: int = 0
+    sparse_step: int = 1  # Qwen3's decoder_sparse_step
+    num_shared_experts: int = 0  # DeepSeek: always-on experts beside the routed ones
+    mla: tuple[int, ...] | None = None  # DeepSeek: (q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head_dim)
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,11 @@ def architecture_from_config(cfg: dict) -> Architecture:
     if n % kv:
         raise UserError(f"config.json: num_attention_heads {n} is not a multiple of num_key_value_heads {kv}")
     experts = _int(cfg, "num_local_experts") if mt == "mixtral" else 0
+    if mt in moe.MOE_TYPES:
+        return MoeArchitecture(
+            model_type=mt, hidden_size=h, num_layers=_int(cfg, "num_hidden_layers"), num_heads=n, num_kv_heads=kv,
+            head_dim=_int({"head_dim": head_dim}, "head_dim"), vocab_size=_int(cfg, "vocab_size"),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), **moe.moe_fields(cfg, _int))
     return Architecture(
         model_type=mt, hidden_size=h, intermediate_size=_int(cfg, "intermediate_size"),
         num_layers=_int(cfg, "num_hidden_layers"), num_heads=n, num_kv_heads=kv,
@@ -107,6 +128,10 @@ def layer_shapes(arch: Architecture, i: int) -> list[ParamShape]:
     """The parameters of decoder layer i, in transformers' order."""
     h, d, I = arch.hidden_size, arch.head_dim, arch.intermediate_size
     p = f"model.layers.{i}"
+    if isinstance(arch, MoeArchitecture):
+        tensors = moe.attention_tensors(arch, p) + moe.mlp_tensors(arch, p, i)
+        norms = [(f"{p}.input_layernorm.weight", (h,)), (f"{p}.post_attention_layernorm.weight", (h,))]
+        return [ParamShape(name, shape, i) for name, shape in tensors + norms]
     qkv_b = arch.qkv_bias or arch.attention_bias
     s = (_linear(f"{p}.self_attn.q_proj", arch.num_heads * d, h, i, qkv_b)
          + _linear(f"{p}.self_attn.k_proj", arch.num_kv_heads * d, h, i, qkv_b)
@@ -181,5 +206,7 @@ def count_active_params(arch: Architecture) -> int:
     total = count_params(arch)
     if not arch.num_experts:
         return total
+    if isinstance(arch, MoeArchitecture):
+        return total - moe.inactive_numel(param_shapes(arch), arch)
     per_expert = 3 * arch.intermediate_size * arch.hidden_size
     return total - arch.num_layers * (arch.num_experts - arch.experts_per_token) * per_expert

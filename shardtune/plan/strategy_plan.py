@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from shardtune.catalog.gpus import GPU
 from shardtune.errors import UserError
 from shardtune.layout import Layout
-from shardtune.plan import comm, memory
+from shardtune.plan import comm, memory, moe
 from shardtune.plan import cp as cpp
 from shardtune.plan.activations import activation_split
 from shardtune.plan.model import _Model
@@ -37,6 +37,7 @@ class Memory:
     optimizer_step_temp: int
     total: int
     reference: int = 0  # dpo: the frozen reference copy (plan/preference.py), included in total
+    experts: int | None = None  # MoE: the routed experts' share of params + grads + optimizer (plan/moe.py)
 
 
 @dataclass
@@ -69,6 +70,8 @@ class StrategyPlan:
         d["headroom_gib"] = round(self.headroom_gib, 3)
         d["collectives"] = [c.to_dict() for c in self.collectives]
         d.update(d.pop("timing"))  # step_time_s, tokens_per_s, mfu, comm_time_s, compute_time_s, ...
+        if d["memory"]["experts"] is None:  # dense models: the plan as before
+            del d["memory"]["experts"]
         return d
 
 
@@ -180,12 +183,27 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
         host_ram=host,
         state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
-        memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref),
+        memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref,
+                      _expert_bytes(m, strategy, inp, shard)),
         fits=total <= usable and host.get("fits", True), headroom_bytes=usable - total,
         cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
         comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
         collectives=colls,
     )
+
+
+def _expert_bytes(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> int | None:
+    """MoE: the routed experts' states on the largest rank, as `memory` accounts them (None: dense).
+    Without expert parallelism the expert-FSDP degree is the strategy's shard degree (plan/moe.py)."""
+    if m.arch is None or not m.arch.num_experts or m.shapes is None or inp.accounting != "shardtune":
+        return None
+    if inp.offload == "all":  # every state lives in host memory (CPUOffloadPolicy)
+        return 0
+    experts = [p for p in m.local_shapes(inp.tp) if moe.is_routed_expert(p.name)]
+    st = memory.max_rank_states(experts, strategy, inp.gpus // inp.tp, shard, inp.precision, inp.optimizer, _impl(inp))
+    if inp.offload == "optimizer":
+        st = memory.States(st.params, st.grads, 0, 0)
+    return moe.expert_state_bytes(st, ep_degree=1)
 
 
 def _per_rank(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> dict | None:

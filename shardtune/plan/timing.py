@@ -222,7 +222,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     forward_s = tokens_mb * fwd_tok / rate / (tp * cp)
     backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate / (tp * cp)
 
-    owners = shard_degree * tp  # ranks one optimizer state is split over (strategies.Layout, × TP)
+    owners = shard_degree * tp  # ranks one optimizer state is split over (layout.Layout, × TP)
     params_per_rank = trainable_params / owners
     if offload in ("optimizer", "all"):
         optimizer_s = (C.optimizer_step_time_s(params_per_rank, HOST_OPTIMIZER_BYTES_PER_S, optimizer)

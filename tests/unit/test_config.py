@@ -191,7 +191,7 @@ def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path, monkeypatch)
         full_folder()
     cfg = load_recipe(recipe)
     assert isinstance(cfg, RunConfig)
-    world = {"tiny-cpu": (2, 2)}.get(recipe.stem, (8, 8))
+    world = {"tiny-cpu": (2, 2), "tiny-moe-cpu": (2, 2)}.get(recipe.stem, (8, 8))
     # the big recipes name data/train.jsonl, the user's file: the layout and the model are checked
     # here, on the generated data (one global batch of short rows), in a temporary run folder, on gloo;
     # a recipe whose model folder is not here is checked on its architecture (random init; the

@@ -1,4 +1,4 @@
-"""Context parallelism's layout and rules (strategies.Layout with cp, rules.cp.check_cp, the KV-head
+"""Context parallelism's layout and rules (layout.Layout with cp, rules.cp.check_cp, the KV-head
 repeat) and the config refusing what cp was not made to work with: one line each."""
 from __future__ import annotations
 

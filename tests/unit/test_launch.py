@@ -325,7 +325,7 @@ def test_zero3_on_10gbe_is_comm_bound_and_hsdp_named():
 def test_cli_refuses_a_layout_the_trainer_would_refuse(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("parallel:\n  strategy: hsdp\n  hsdp_shard_size: 3\n")
-    # hand: 2 nodes x 8 GPUs = 16 ranks, 16 % 3 != 0; the trainer's own check (strategies.Layout)
+    # hand: 2 nodes x 8 GPUs = 16 ranks, 16 % 3 != 0; the trainer's own check (layout.Layout)
     r = _cli("launch", "torchrun", str(recipe), "--nodes", "2", "--gpus-per-node", "8", "--rdzv-host", "h0")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "hsdp shard size 3 does not divide the world size 16" in r.stderr

@@ -237,7 +237,7 @@ data:
 def _tp_groups_by_node(world: int, per_node: int, tp: int) -> set[frozenset[int]]:
     """The nodes each TP group of the trainer's mesh lands on: init_device_mesh lays ranks out
     row-major over the mesh shape (torch.arange(world).view(shape)); the TP axis is innermost
-    (strategies.Layout), and torchrun gives node n the ranks n*per_node ... (n+1)*per_node - 1."""
+    (layout.Layout), and torchrun gives node n the ranks n*per_node ... (n+1)*per_node - 1."""
     from shardtune.layout import Layout
 
     layout = Layout.build("zero3", world, world, tp=tp)  # the mesh's order does not depend on the nodes
@@ -260,7 +260,7 @@ def test_tp_groups_stay_inside_a_node(tmp_path, capsys):
                             "parallel.tp=4", *ok)
         assert rc == 2 and not out and err.count("\n") == 1, (launcher, err)
         assert "parallel.tp 4 does not divide the 6 GPUs of a node" in err
-    # larger than a node: the trainer's rule (strategies.Layout) refuses unless tp_across_nodes, then whole nodes
+    # larger than a node: the trainer's rule (layout.Layout) refuses unless tp_across_nodes, then whole nodes
     rc, out, err = _run(capsys, "launch", "slurm", recipe, "--nodes", "4", "--gpus-per-node", "8", "parallel.tp=16",
                         *ok)
     assert rc == 2 and "tp_across_nodes" in err and not out, err

@@ -1,4 +1,4 @@
-"""Tensor parallelism's layout and checks (strategies.Layout, check_tp_model, the combination rule)
+"""Tensor parallelism's layout and checks (layout.Layout, check_tp_model, the combination rule)
 and `shardtune train --tp` refusing what cannot run: one line, exit 2, before any process starts."""
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from shardtune.parallel.cp import cp_degree
 from shardtune.parallel.tp import TP_ATTR
+from shardtune.train.core.moe import num_experts
 from shardtune.train.core.qlora import is_nf4
 from shardtune.train.core.step import StepOptions
 
@@ -166,8 +167,16 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
         "simpo_gamma": opts.simpo_gamma,
         "optimizer": optimizer_name(optimizer), **_hyper(optimizer), **_lora(hf),
         "quantize_base": "nf4" if any(is_nf4(p) for p in hf.parameters()) else "none",
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), **_experts(hf),
     }
+
+
+def _experts(hf: nn.Module) -> dict:
+    """MoE only: the experts' implementation as transformers runs them, experts per layer, top-k."""
+    if not num_experts(hf.config):
+        return {}
+    return {"experts_implementation": hf.config._experts_implementation, "num_experts": num_experts(hf.config),
+            "experts_per_token": int(hf.config.num_experts_per_tok)}
 
 
 def describe(eff: dict) -> str:
@@ -177,7 +186,9 @@ def describe(eff: dict) -> str:
         if eff["lora_rank"] else "LoRA off"
     extra = (f"tp {eff['tp']}{' + SP' if eff.get('sequence_parallel') else ''}, " if eff.get("tp", 1) > 1 else "") + (
         f"cp {eff['cp']}, " if eff.get("cp", 1) > 1 else "") + (
-        "activation offload on, " if eff.get("activation_offload") else "")
+        "activation offload on, " if eff.get("activation_offload") else "") + (
+        f"experts {eff['experts_implementation']} ({eff['num_experts']} per layer, top-{eff['experts_per_token']}), "
+        if eff.get("num_experts") else "")
     return (f"{eff['strategy']}, {eff['precision']} (master {eff['master_dtype']}, compute {eff['compute_dtype']}, "
             f"autocast {eff['autocast_dtype'] or 'off'}), AC {ac}, offload {eff['offload']}, {extra}"
             f"compile {'on' if eff['compile'] else 'off'}, loss_chunks {eff['loss_chunks']}, "

@@ -24,8 +24,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardtune.catalog.models import resolve_model_config, safetensors_files
 from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
+from shardtune.parallel.ep import ep_rows
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
+from shardtune.train.core.moe import EXPERTS_IMPLEMENTATION, num_experts, prepare_moe
 from shardtune.train.core.qlora import fill_nf4, is_nf4, quantize_base
 
 if TYPE_CHECKING:
@@ -50,10 +52,13 @@ def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
     fp32 masters); `parallel.build` casts to what `parallel.precision` says, weights are cast per
     tensor while loading."""
     config = build_hf_config(model_cfg)
+    # MoE: experts as one grouped GEMM per layer, router in fp32 (train/core/moe.py)
+    experts = {"experts_implementation": EXPERTS_IMPLEMENTATION} if num_experts(config) else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation="sdpa", trust_remote_code=model_cfg.trust_remote_code)
+            config, attn_implementation="sdpa", trust_remote_code=model_cfg.trust_remote_code, **experts)
     model.to(torch.float32)  # free on meta
+    prepare_moe(model)
     model.config.use_cache = False
     return model
 
@@ -85,7 +90,8 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
     """(name, make) per parameter: `make(rows=None)` returns the fp32 CPU tensor (its dim-0 `rows`)
-    of HF's init scheme (Linear/Embedding weights ~ N(0, initializer_range), biases 0, norms 1)."""
+    of HF's init scheme (Linear/Embedding weights and MoE routers' and experts' 2-D / 3-D weights
+    ~ N(0, initializer_range), biases 0, norms 1)."""
     std = float(getattr(model.config, "initializer_range", 0.02))
     owners = {f"{mn}.{pn}" if mn else pn: m for mn, m in model.named_modules()
               for pn, _ in m.named_parameters(recurse=False)}
@@ -95,10 +101,13 @@ def random_full_tensors(model: nn.Module, seed: int) -> Iterator[tuple[str, Call
         owner = owners[model_name]
         name = base_name(model_name)  # a LoRA-wrapped weight gets the same values as the plain one
 
-        def make(rows: slice | None = None, name=name, shape=tuple(p.shape), owner=owner) -> torch.Tensor:
+        ep = ep_rows(model, model_name)  # expert parallelism: the full tensor holds every rank's experts
+        shape = (ep[1], *p.shape[1:]) if ep else tuple(p.shape)
+
+        def make(rows: slice | None = None, name=name, shape=shape, owner=owner) -> torch.Tensor:
             if name.endswith("bias"):
                 full = torch.zeros(shape)
-            elif not isinstance(owner, (nn.Linear, nn.Embedding)):
+            elif len(shape) < 2 and not isinstance(owner, (nn.Linear, nn.Embedding)):
                 full = torch.ones(shape)  # RMSNorm / LayerNorm scales
             else:  # the full tensor, whatever the slice: the values must not depend on the layout
                 gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
@@ -177,10 +186,12 @@ def init_model_weights(model: nn.Module, model_cfg: ModelConfig, seed: int) -> N
             fill_nf4(param, make())
             continue
         rows = _local_rows(param)
+        if (ep := ep_rows(model, name)) is not None:  # expert parallelism: this rank's experts, rows of the full tensor
+            rows = slice(ep[0] + (rows.start if rows else 0), ep[0] + (rows.stop if rows else param.shape[0]))
         if rows is None:
             _copy_full_into(param, make())
             continue
-        local = param.to_local()
+        local = param.to_local() if isinstance(param, DTensor) else param
         part = make(rows)
         if tuple(part.shape) != tuple(local.shape):
             raise UserError(f"tensor {name!r}: rows {tuple(part.shape)} do not match the model's shard "

@@ -28,9 +28,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from shardtune.parallel.apply import autocast_dtype
+from shardtune.parallel.ep import ep_clip_grad_norm_
 from shardtune.parallel.tp import loss_context
 from shardtune.rules.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
+from shardtune.train.core.moe import MoeTerms
 from shardtune.train.core.offload import HostOffload
 
 if TYPE_CHECKING:
@@ -100,16 +102,17 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     denom = num_tokens.clamp(min=1).to(torch.float32)
     loss_sum = torch.zeros((), device=device)
     offload = HostOffload() if opts.activation_offload else None
+    moe = MoeTerms(model, len(micro_batches), dp_group)  # MoE: the load-balancing loss (moe.py)
     for i, mb in enumerate(micro_batches):
         with accumulation(model, last=i == len(micro_batches) - 1), loss_context(model):  # TP: loss_parallel
-            with _saved_tensors(activations, offload):
+            with _saved_tensors(activations, offload), moe.routing() as seen:
                 # full logits (1 chunk) or chunked cross-entropy (train.loss_chunks, docs/loss.md)
                 token_loss_sum = lm_token_loss_sum(model, mb, opts.loss_chunks, opts.autocast_dtype)
-            (token_loss_sum * dp_size / denom).backward()
+            (moe.add_objective(token_loss_sum * dp_size / denom, seen, dp_size)).backward()
         loss_sum += token_loss_sum.detach()
     norm, lr, skipped = clip_and_step(model, optimizer, scheduler, loss_sum, opts)
     return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
-                      num_tokens=num_tokens, skipped=skipped)
+                      num_tokens=num_tokens, skipped=skipped, parts=moe.parts(dp_size))
 
 
 def _saved_tensors(activations, offload):
@@ -134,7 +137,10 @@ def accumulation(model: nn.Module, last: bool):
 def clip_and_step(model: nn.Module, optimizer, scheduler, loss_sum: torch.Tensor, opts: StepOptions
                   ) -> tuple[torch.Tensor, float, bool]:
     """Clip, then step (or skip a non-finite step); (global grad norm, lr used, skipped)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opts.grad_clip if opts.grad_clip > 0 else math.inf)
+    max_norm = opts.grad_clip if opts.grad_clip > 0 else math.inf
+    norm = ep_clip_grad_norm_(model, max_norm)  # expert parallelism: one norm per mesh (parallel/ep.py)
+    if norm is None:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP
     lr = scheduler.get_last_lr()[0]
     # a non-finite loss or grad norm on ANY rank skips the update on every rank, with no collective

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from shardtune.config import load_recipe
+from shardtune.config.flags import flag_argv, flag_overrides
 from shardtune.errors import UserError
 from shardtune.train.core.loggers import check_loop_options
 from shardtune.train.durable.choice import CHOICE_ENV
@@ -20,7 +21,6 @@ from shardtune.train.durable.diskfull import on_full_disk
 from shardtune.train.durable.faults import FAULT_ENV
 from shardtune.train.durable.faults import clear as clear_faults
 from shardtune.train.launcher.agent import LAUNCHER_PID_ENV
-from shardtune.config.flags import flag_argv, flag_overrides
 from shardtune.train.launcher.preflight import validate_for_launch
 from shardtune.train.launcher.rerun import decide
 from shardtune.train.launcher.runlock import RUN_LOCK_ENV, RunLock

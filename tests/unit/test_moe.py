@@ -1,0 +1,96 @@
+"""MoE models as the trainer builds them (train/core/moe.py), on one process, against plain
+transformers: the experts run grouped (grouped_mm), the fp32 router and the step's objective
+(token loss + coefficient x load-balancing loss) give transformers' own loss and gradients
+(eager experts, `output_router_logits=True`), for Mixtral and Qwen3-MoE."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from shardtune.config import ModelConfig
+from shardtune.train.core.model import build_meta_model, init_model_weights
+from shardtune.train.core.moe import MoeTerms, load_cv, routers
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 264,
+             "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+             "num_experts_per_tok": 3, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+             "router_aux_loss_coef": 0.001, "tie_word_embeddings": False, "max_position_embeddings": 256}
+
+
+def _models(name: str):
+    """(the trainer's model: meta build, filled; plain transformers, eager experts, same weights)."""
+    from transformers import AutoModelForCausalLM
+
+    ours = build_meta_model(ModelConfig(name=name))
+    ours.to_empty(device="cpu")
+    init_model_weights(ours, ModelConfig(name=name), seed=3)
+    plain = AutoModelForCausalLM.from_config(copy.deepcopy(ours.config), experts_implementation="eager",
+                                             attn_implementation="sdpa")  # from_config sets it on the config
+    plain.load_state_dict(ours.state_dict())
+    return ours, plain
+
+
+@pytest.fixture(params=["tiny-mixtral", "qwen3-moe"])
+def models(request, tmp_path):
+    name = request.param
+    if name == "qwen3-moe":
+        (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+        name = str(tmp_path / "config.json")
+    return _models(name)
+
+
+def test_the_step_objective_is_transformers_loss_with_its_aux_loss(models):
+    ours, plain = models
+    assert ours.config._experts_implementation == "grouped_mm"
+    assert len(routers(ours)) == ours.config.num_hidden_layers
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 24))
+    pos = torch.arange(24).expand(2, -1)
+    want = plain(input_ids=ids, position_ids=pos, labels=ids, output_router_logits=True)
+    want.loss.backward()
+    # the step's pieces: the token-loss sum / tokens, then MoeTerms adds coef x aux (one micro-batch, one rank)
+    terms = MoeTerms(ours, num_micro_batches=1)
+    with terms.routing() as seen:
+        logits = ours(input_ids=ids, position_ids=pos).logits
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    loss = terms.add_objective(ce / ids[:, 1:].numel(), seen, dp_size=1)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(want.loss), abs=1e-6)
+    parts = terms.parts(dp_size=1)
+    assert float(parts["aux_loss"]) == pytest.approx(float(want.aux_loss), abs=1e-6)
+    assert float(want.aux_loss) > 1.0  # E x sum f P is 1 at perfect balance: a real term, not zero
+    grads = dict(plain.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_router_logits_stay_fp32_under_bf16_autocast():
+    ours, _ = _models("tiny-mixtral")
+    with routers(ours)[0].register_forward_hook(lambda m, a, out: seen.append(out)) as _, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        seen = []
+        ours(input_ids=torch.randint(0, 256, (1, 8)))
+    logits, weights, index = seen[0]
+    assert logits.dtype == torch.float32 and weights.dtype == torch.float32
+    assert torch.allclose(weights.sum(-1), torch.ones(8))  # top-k weights renormalised
+    assert index.shape == (8, 2)
+
+
+def test_load_cv_is_the_std_over_the_mean_of_tokens_per_expert():
+    assert float(load_cv(torch.tensor([[4.0, 4.0, 4.0, 4.0]]))) == 0.0
+    # counts 2, 6 (mean 4, population std 2) in one layer, 4, 4 in the other: std sqrt(2), cv sqrt(2)/4
+    assert float(load_cv(torch.tensor([[2.0, 6.0], [4.0, 4.0]]))) == pytest.approx(2 ** 0.5 / 4)
+
+
+def test_a_dense_model_has_no_moe_terms():
+    model = build_meta_model(ModelConfig(name="tiny-llama"))
+    terms = MoeTerms(model, num_micro_batches=1)
+    with terms.routing() as seen:
+        pass
+    assert seen is None and terms.parts(1) == {}
+    x = torch.ones(())
+    assert terms.add_objective(x, seen, 1) is x

@@ -1,0 +1,73 @@
+"""The planner's MoE math (plan/moe.py, plan/params.py): each tensor of Qwen3-MoE, GPT-OSS,
+DeepSeek-V3 and Mixtral as transformers 5.25 builds it, the catalogue's MoE models against their
+published total and active parameter counts, and `memory.experts` derived by hand."""
+from __future__ import annotations
+
+import pytest
+
+from shardtune.catalog.models import MODELS
+from shardtune.plan import plan
+from shardtune.plan.params import architecture_from_config, count_active_params, count_params, param_shapes
+
+SMALL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 96, "max_position_embeddings": 128}
+TINY = {
+    "qwen3-30b-a3b": {"moe_intermediate_size": 16, "intermediate_size": 48, "num_experts": 8, "head_dim": 16,
+                      "mlp_only_layers": [1]},
+    "gpt-oss-20b": {"intermediate_size": 32, "num_local_experts": 4, "head_dim": 16, "sliding_window": 8,
+                    "pad_token_id": 95,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "deepseek-v3": {"intermediate_size": 96, "moe_intermediate_size": 16, "n_routed_experts": 8, "n_group": 2,
+                    "topk_group": 1, "num_experts_per_tok": 2, "q_lora_rank": 24, "kv_lora_rank": 16,
+                    "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 1,
+                    "num_key_value_heads": 4, "rope_scaling": None},
+    "mixtral-8x7b": {"intermediate_size": 32, "num_local_experts": 4},
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_shapes_are_transformers_own(name):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {**MODELS[name]["config"], **SMALL, **TINY[name]}
+    hf = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    got = {p.name: p.shape for p in param_shapes(architecture_from_config(cfg))}
+    assert got == want
+
+
+# published totals / active per token, in billions (rounded as published): Qwen3 technical report
+# table 1 / model cards; DeepSeek-V3 report abstract; Mistral's Mixtral 8x22B announcement; the gpt-oss
+# model card table 1, whose active counts leave the input embedding out
+PUBLISHED = {"qwen3-30b-a3b": (30.5, 3.3), "qwen3-235b-a22b": (235, 22), "deepseek-v3": (671, 37),
+             "mixtral-8x22b": (141, 39), "gpt-oss-20b": (20.9, 3.6), "gpt-oss-120b": (116.8, 5.1)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_total_and_active_parameters_match_the_published_counts(name):
+    arch = architecture_from_config(MODELS[name]["config"])
+    total, active = count_params(arch), count_active_params(arch)
+    if name.startswith("gpt-oss"):
+        active -= arch.vocab_size * arch.hidden_size  # OpenAI counts the unembedding, not the embedding
+    # the published figures are rounded down (DeepSeek's "37B activated": 37.55 B here; Qwen's 3.3 B: 3.35 B)
+    assert (total / 1e9, active / 1e9) == pytest.approx(PUBLISHED[name], rel=0.02)
+
+
+def test_plan_json_gives_total_active_and_expert_states():
+    d = plan("qwen3-30b-a3b", 8, strategies=["zero3", "ddp"]).to_dict()
+    assert (d["model"]["params_total"], d["model"]["params_active"]) == (30_532_122_624, 3_353_032_704)
+    # 48 layers x 128 experts x (gate_up 2*768*2048 + down 2048*768), zero3 sharded over 8 ranks
+    # (128 % 8 == 0: no padding); bf16-mixed keeps fp32 params and
+    # grads (4 + 4 B) and AdamW's two fp32 moments (8 B) and its 4-byte step counter per tensor
+    routed, counters = 48 * 128 * 3 * 768 * 2048, 4 * 2 * 48
+    by = {s["name"]: s["memory"] for s in d["strategies"]}
+    assert by["zero3"]["experts"] == routed * 16 // 8 + counters
+    assert by["ddp"]["experts"] == routed * 16 + counters
+
+
+def test_a_dense_plan_has_no_moe_fields():
+    d = plan("llama-3-8b", 8, strategies=["zero3"]).to_dict()
+    assert "params_total" not in d["model"] and "experts" not in d["strategies"][0]["memory"]
