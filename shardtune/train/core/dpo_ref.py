@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -175,15 +173,15 @@ def _load(folder: Path, inputs: dict, num_examples: int) -> np.ndarray | None:
 
 def _save(folder: Path, inputs: dict, arr: np.ndarray) -> None:
     """The array and its meta.json (key, inputs, size and sha256: data cache's verify_entry format)."""
-    from shardtune.train.data.cache import _sha  # noqa: PLC0415 pyarrow: optional (shardtune[data])
+    from shardtune.train.data.cache import _sha, place_entry  # noqa: PLC0415 pyarrow: optional (shardtune[data])
 
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / FILE, arr, allow_pickle=False)
-    meta = {"key": folder.name, "inputs": inputs, "files": {FILE: [(tmp / FILE).stat().st_size, _sha(tmp / FILE)]}}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)
+    def fill(tmp: Path) -> None:
+        np.save(tmp / FILE, arr, allow_pickle=False)
+        meta = {"key": folder.name, "inputs": inputs, "files": {FILE: [(tmp / FILE).stat().st_size,
+                                                                        _sha(tmp / FILE)]}}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+
+    place_entry(folder, fill)
 
 
 def set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir: Path, opts) -> DPO:
