@@ -33,3 +33,15 @@ def test_a_folder_that_cannot_be_written_is_one_line_and_no_temporary(tmp_path):
     with pytest.raises(UserError, match="cannot be written"):
         _save(tmp_path / "a-file" / "ref-abc", {"x": 1}, np.zeros(2, dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_stale_reference_cache_is_said_by_one_rank(tmp_path, capsys):
+    """Every rank checks the entry; only rank 0 (say=True) prints the "recomputing" line (it was
+    printed once per rank, interleaved)."""
+    _save(tmp_path / "ref-abc", {"x": 1}, np.zeros(4, dtype=np.float32))
+    capsys.readouterr()
+    assert _load(tmp_path / "ref-abc", {"x": 2}, 4, say=False) is None
+    assert capsys.readouterr().err == ""
+    assert _load(tmp_path / "ref-abc", {"x": 2}, 4, say=True) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "recomputing it" in err

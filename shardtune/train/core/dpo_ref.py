@@ -154,8 +154,9 @@ def ref_cache_entry(cfg, tokenizer, run_dir: Path) -> tuple[Path, dict]:
     return (Path(root) if root else run_dir / "ref_logps") / f"ref-{key_of(inputs)}", inputs
 
 
-def _load(folder: Path, inputs: dict, num_examples: int) -> np.ndarray | None:
-    """The cached array, or None when absent or not of these inputs (said in one line, then rebuilt)."""
+def _load(folder: Path, inputs: dict, num_examples: int, say: bool = True) -> np.ndarray | None:
+    """The cached array, or None when absent or not of these inputs (said in one line by the rank
+    that `say`s, rank 0: once a job, not once per rank; then rebuilt)."""
     from shardtune.train.data.cache import verify_entry  # noqa: PLC0415 pyarrow: optional (shardtune[data])
 
     if not folder.is_dir():
@@ -166,8 +167,9 @@ def _load(folder: Path, inputs: dict, num_examples: int) -> np.ndarray | None:
         if arr.shape == (num_examples,):
             return arr
         problem = f"it holds {arr.shape} log-probs, not {num_examples}"
-    print(f"shardtune: reference cache {str(folder)!r} is not this run's ({problem}); recomputing it",
-          file=sys.stderr, flush=True)
+    if say:
+        print(f"shardtune: reference cache {str(folder)!r} is not this run's ({problem}); recomputing it",
+              file=sys.stderr, flush=True)
     return None
 
 
@@ -207,7 +209,7 @@ def set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir: Path, o
     if cfg.train.reference == "precompute":
         folder, inputs = ref_cache_entry(cfg, tokenizer, run_dir)
         num_examples = len(loader.data.offsets) - 1
-        arr = _load(folder, inputs, num_examples)
+        arr = _load(folder, inputs, num_examples, say=ctx.rank == 0)
         have = torch.tensor([arr is not None], dtype=torch.int32, device=ctx.device)
         dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank loads, or every rank computes
         if not int(have):
