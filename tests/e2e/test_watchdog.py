@@ -55,6 +55,7 @@ def test_a_rank_stopped_in_a_collective_ends_the_job_named_long_before_the_timeo
     assert took - startup < 75, (took, startup)
     time.sleep(1.5)
     assert watchers_of(tmp_path) == []
+    assert list((tmp_path / "tmp").glob("shardtune-beat-*")) == []  # issue 42: one was left after a hang
 
 
 @pytest.mark.timeout(200)

@@ -324,6 +324,8 @@ def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float
                     verdict = judge.hung(time.monotonic(), [v.decode() for v in store.multi_get(keys)])
                     if verdict is not None:
                         _end(*verdict, own_pid=pid)
+                        with contextlib.suppress(OSError):  # its rank is killed: nobody else removes it
+                            os.unlink(beat_file)
                         return 1
             except Exception:  # the store goes with the job at its end
                 if not proc_alive(pid):
