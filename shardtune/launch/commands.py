@@ -262,7 +262,7 @@ def k8s_cmd(
                                            "+ 8 GiB per process + /dev/shm."),
     rdma_resource: str | None = typer.Option(None, "--rdma-resource", metavar="NAME",
                                              help="With ib/roce: the RDMA device plugin's resource "
-                                                  "(default rdma/rdma_shared_device_a), or none."),
+                                                  "(e.g. rdma/rdma_shared_device_a; adds IPC_LOCK); none by default."),
     strict: bool = _STRICT,
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""

@@ -7,7 +7,12 @@ The recipe travels inside the manifest (a ConfigMap, mounted read-only) with the
 applied, so the image needs shardtune but not the recipe file. Checkpoints go to a shared
 ReadWriteMany PersistentVolumeClaim so that a restarted pod, on any node, resumes from them.
 /dev/shm is a memory-backed emptyDir: the container runtime's 64 MiB default is too small for
-NCCL's shared-memory transport and DataLoader workers.
+NCCL's shared-memory transport and DataLoader workers; its size (launch/resources.py) counts
+against the pod's memory, so the memory request, and the limit beside it, include it. The RDMA
+device resource and the IPC_LOCK capability it needs (verbs pin their buffers) are added only for
+--rdma-resource NAME: IPC_LOCK is outside the Pod Security Standards' baseline, and a resource the
+cluster has no plugin for leaves pods Pending. Without it the pod passes the baseline
+(tests/unit/test_launch_cluster.py checks it).
 
 Everything is built as Python dicts and written by a yaml.SafeDumper (the embedded recipe as a
 literal block): no string-built YAML.
@@ -32,9 +37,6 @@ from shardtune.launch.torchrun import TRAIN_MODULE
 
 RECIPE_DIR = "/etc/shardtune"
 RECIPE_FILE = "recipe.yaml"
-# The NVIDIA Network Operator's RDMA shared device plugin resource (its documented default
-# config); clusters name their own, hence --rdma-resource.
-DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 DEFAULT_PVC = "shardtune-checkpoints"  # one claim for every job: each writes under its own name there
 
 
@@ -46,18 +48,19 @@ def unique_name(base: str) -> str:
 
 
 def rdma_resource(spec: LaunchSpec) -> str | None:
-    """The RDMA device resource a pod asks for (ib/roce), or None."""
-    if spec.interconnect not in ("ib", "roce") or spec.rdma_resource == "none":
+    """The RDMA device resource a pod asks for (ib/roce, --rdma-resource NAME), or None."""
+    if spec.interconnect not in ("ib", "roce") or spec.rdma_resource in (None, "none"):
         return None
-    return spec.rdma_resource or DEFAULT_RDMA_RESOURCE
+    return spec.rdma_resource
 
 
 def rdma_note(spec: LaunchSpec) -> str | None:
     """The loud line when an IB/RoCE job asks for no RDMA device."""
     if spec.interconnect in ("ib", "roce") and rdma_resource(spec) is None:
-        return (f"warning: --interconnect {spec.interconnect} without an RDMA device (--rdma-resource none): "
-                "unless the pods get /dev/infiniband another way, NCCL falls back to TCP sockets without a word "
-                "(NCCL_DEBUG=INFO shows 'NET/Socket')")
+        return (f"warning: --interconnect {spec.interconnect} without an RDMA device: unless the pods get "
+                "/dev/infiniband another way, NCCL falls back to TCP sockets without a word (NCCL_DEBUG=INFO shows "
+                "'NET/Socket'); name your cluster's RDMA device plugin resource with --rdma-resource NAME (e.g. "
+                "rdma/rdma_shared_device_a; it adds IPC_LOCK, outside the PodSecurity baseline)")
     return None
 
 
@@ -97,13 +100,14 @@ def _pod_template(spec: LaunchSpec, config_map: str, pvc: str, res: NodeResource
     env = [{"name": k, "value": v} for k, v in env_dict(preset(spec.interconnect, spec.ifname, spec.ib_hca)).items()]
     # SIGTERM on pod deletion/preemption: give the trainer time to checkpoint (default grace is 30 s).
     env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(int(spec.checkpoint_grace_s))})
+    requests = _requests(spec, res)  # memory limit = request: the pod is never killed below what it asked
     container = {
         "name": "pytorch",  # the operator finds the training container by this name
         "image": spec.image,
         "command": ["torchrun"],
         "args": ["--nproc-per-node", str(spec.gpus_per_node), "-m", TRAIN_MODULE, f"{RECIPE_DIR}/{RECIPE_FILE}"],
         "env": env,
-        "resources": {"requests": _requests(spec, res), "limits": _limits(spec)},
+        "resources": {"requests": requests, "limits": {**_limits(spec), "memory": requests["memory"]}},
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "checkpoints", "mountPath": spec.checkpoint_mount},
