@@ -210,21 +210,24 @@ def slurm_cmd(
     rdzv_port: int = typer.Option(29500, "--rdzv-port", metavar="PORT", help="Rendezvous TCP port on the first node."),
     venv: str | None = typer.Option(None, "--venv", metavar="DIR",
                                     help="Virtual environment to activate on each node."),
+    container_image: str | None = typer.Option(None, "--container-image", metavar="IMAGE",
+                                               help="Run each node's torchrun in this image (pyxis/enroot)."),
 ) -> None:
     """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
-    from shardtune.launch.slurm import render_slurm
+    from shardtune.launch.slurm import environment_notes, render_slurm
 
     cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
                              cpus_per_task=cpus_per_task, log=log, rdzv_port=rdzv_port, venv=venv, mem=mem,
-                             exclusive=exclusive)
+                             exclusive=exclusive, container_image=container_image)
     from shardtune.launch.paths import check_node_paths
 
     notes = check_node_paths(cfg, strict)
     res, res_notes = _node_resources(cfg, spec)
-    _emit(render_slurm(spec, res), output, cfg, spec, link, executable=False, notes=notes + res_notes)
+    _emit(render_slurm(spec, res), output, cfg, spec, link, executable=False,
+          notes=notes + res_notes + environment_notes(spec))
 
 
 def _parse_elastic(value: str | None) -> tuple[int, int] | None:

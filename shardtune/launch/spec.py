@@ -56,6 +56,7 @@ class LaunchSpec:
     rdzv_port: int = 29500
     run_id: str | None = None
     venv: str | None = None  # activated on each node before torchrun
+    container_image: str | None = None  # SLURM: srun --container-image (pyxis) instead of a venv
     cpus_per_task: int | None = None
     log: str | None = None  # sbatch --output pattern (stdout+stderr of the job)
     checkpoint_grace_s: int = 300  # SLURM: signal this long before the time limit

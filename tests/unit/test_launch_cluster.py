@@ -107,8 +107,11 @@ def test_paths_the_nodes_will_not_see_are_one_line_each_and_strict_refuses(tmp_p
         assert "(--strict; 2 more path problem(s))" in err and "model.name" in err
     # absolute paths that exist here: nothing to say, --strict passes
     ok = ["model.name=llama-3-8b", f"data.path={data}", f"output_dir={tmp_path}/runs/ft"]
-    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--strict", *ok)
-    assert rc == 0 and "warning" not in err and "note" not in err, err
+    rc, out, err = _run(capsys, "launch", "slurm", recipe, "--strict", "--venv", "/opt/v", *ok)
+    # what stays: the recipe's own path, which the nodes must share (issue 42)
+    assert rc == 0 and [line for line in err.splitlines() if "warning" in line or "note" in line] == [
+        f"warning: every node reads the recipe at {recipe} (and the run folder and data the recipe names): they "
+        "must be on a filesystem the nodes share"], err
 
 
 def test_k8s_moves_inputs_onto_the_claim_and_says_what_to_copy(tmp_path, capsys):
@@ -360,3 +363,21 @@ def test_the_default_manifest_passes_the_podsecurity_baseline_and_rdma_is_asked_
     rc, out, _ = _run(capsys, *base, "--rdma-resource", "rdma/rdma_shared_device_a")
     assert baseline_violations(list(yaml.safe_load_all(out))[1]) == [
         "Master/pytorch: capabilities ['IPC_LOCK']", "Worker/pytorch: capabilities ['IPC_LOCK']"]
+
+
+def test_slurm_names_its_environment_and_the_paths_the_nodes_must_see(tmp_path, capsys):
+    """issue 42: --container-image runs each node's torchrun in the image (pyxis), --venv activates
+    it; neither: a warning; the recipe's submit-host path is a warning; the default --mem is
+    explained in the script (8 processes x 8 GiB + the planner's host bytes: 64G here)."""
+    import subprocess
+
+    base = ["launch", "slurm", _recipe(tmp_path), "--nodes", "2"]
+    rc, out, err = _run(capsys, *base, "--container-image", "nvcr.io/acme/shardtune:1")
+    assert rc == 0 and "--container-image=nvcr.io/acme/shardtune:1" in out and "no --venv" not in err
+    assert f"every node reads the recipe at {tmp_path}" in err
+    assert "#SBATCH --mem=64G" in out and "# --mem=64G per node = the planner's host-resident bytes" in out
+    assert subprocess.run(["bash", "-n"], input=out, text=True, timeout=30).returncode == 0
+    rc, out, err = _run(capsys, *base, "--venv", "/opt/venvs/st")
+    assert rc == 0 and "source /opt/venvs/st/bin/activate" in out and "no --venv" not in err
+    rc, out, err = _run(capsys, *base)
+    assert rc == 0 and "warning: no --venv or --container-image" in err
