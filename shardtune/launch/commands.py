@@ -266,6 +266,10 @@ def k8s_cmd(
     rdma_resource: str | None = typer.Option(None, "--rdma-resource", metavar="NAME",
                                              help="With ib/roce: the RDMA device plugin's resource "
                                                   "(e.g. rdma/rdma_shared_device_a; adds IPC_LOCK); none by default."),
+    toleration: list[str] | None = typer.Option(None, "--toleration", metavar="KEY[=VALUE][:EFFECT]",
+                                                help="Tolerate a node taint (repeatable)."),
+    node_selector: list[str] | None = typer.Option(None, "--node-selector", metavar="KEY=VALUE",
+                                                   help="Run only on nodes with this label (repeatable)."),
     strict: bool = _STRICT,
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
@@ -278,7 +282,8 @@ def k8s_cmd(
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,
                              checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic),
-                             efa_devices=efa_devices, cpus=cpus, memory=memory, rdma_resource=rdma_resource)
+                             efa_devices=efa_devices, cpus=cpus, memory=memory, rdma_resource=rdma_resource,
+                             tolerations=tuple(toleration or ()), node_selector=tuple(node_selector or ()))
     from shardtune.launch.k8s import DEFAULT_PVC, rdma_note
     from shardtune.launch.paths import claim_notes
 

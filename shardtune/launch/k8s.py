@@ -64,6 +64,55 @@ def rdma_note(spec: LaunchSpec) -> str | None:
     return None
 
 
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _label_key(flag: str, text: str, key: str) -> str:
+    prefix, _, name = key.rpartition("/")
+    if not _LABEL_NAME.fullmatch(name) or (prefix and (len(prefix) > 253 or not _LABEL_PREFIX.fullmatch(prefix))):
+        raise UserError(f"{flag} {text!r}: {key!r} is not a Kubernetes label key (e.g. nvidia.com/gpu.product)")
+    return key
+
+
+def _label_value(flag: str, text: str, value: str) -> str:
+    if value and not _LABEL_NAME.fullmatch(value):
+        raise UserError(f"{flag} {text!r}: {value!r} is not a Kubernetes label value (63 characters: letters, "
+                        "digits, - _ .)")
+    return value
+
+
+def node_selector(items: tuple[str, ...]) -> dict:
+    """--node-selector KEY=VALUE, each → the pod's nodeSelector."""
+    out = {}
+    for text in items:
+        key, eq, value = text.partition("=")
+        if not eq:
+            raise UserError(f"--node-selector {text!r}: give KEY=VALUE (e.g. "
+                            "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3)")
+        out[_label_key("--node-selector", text, key)] = _label_value("--node-selector", text, value)
+    return out
+
+
+def tolerations(items: tuple[str, ...]) -> list[dict]:
+    """--toleration KEY[=VALUE][:EFFECT], kubectl taint's syntax, each → a toleration (no value:
+    operator Exists; no effect: every effect)."""
+    out = []
+    for text in items:
+        rest, colon, effect = text.rpartition(":") if ":" in text else (text, "", "")
+        if colon and effect not in EFFECTS:
+            raise UserError(f"--toleration {text!r}: the effect must be one of {', '.join(EFFECTS)}")
+        key, eq, value = rest.partition("=")
+        t = {"key": _label_key("--toleration", text, key), "operator": "Equal" if eq else "Exists"}
+        if eq:
+            t["value"] = _label_value("--toleration", text, value)
+        if effect:
+            t["effect"] = effect
+        out.append(t)
+    return out
+
+
 def _limits(spec: LaunchSpec) -> dict:
     limits: dict = {"nvidia.com/gpu": spec.gpus_per_node}
     rdma = rdma_resource(spec)
@@ -116,9 +165,14 @@ def _pod_template(spec: LaunchSpec, config_map: str, pvc: str, res: NodeResource
     }
     if rdma_resource(spec):  # verbs pin (mlock) their buffers: the container's memlock limit needs IPC_LOCK
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    pod: dict = {"terminationGracePeriodSeconds": int(spec.checkpoint_grace_s) + 30}
+    if spec.node_selector:
+        pod["nodeSelector"] = node_selector(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = tolerations(spec.tolerations)
     return {
         "spec": {
-            "terminationGracePeriodSeconds": int(spec.checkpoint_grace_s) + 30,
+            **pod,
             "containers": [container],
             "volumes": [
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{res.shm_gib}Gi"}},

@@ -69,6 +69,8 @@ class LaunchSpec:
     cpus: int | None = None  # k8s: cpu request per pod (default: launch/resources.py)
     memory: str | None = None  # k8s: memory request per pod, a Kubernetes quantity
     rdma_resource: str | None = None  # k8s + ib/roce: extended resource of the RDMA device plugin; "none": omit
+    tolerations: tuple[str, ...] = ()  # k8s: --toleration KEY[=VALUE][:EFFECT]
+    node_selector: tuple[str, ...] = ()  # k8s: --node-selector KEY=VALUE
     strict: bool = False  # refuse (not warn about) recipe paths the nodes will not see
 
 

@@ -381,3 +381,21 @@ def test_slurm_names_its_environment_and_the_paths_the_nodes_must_see(tmp_path, 
     assert rc == 0 and "source /opt/venvs/st/bin/activate" in out and "no --venv" not in err
     rc, out, err = _run(capsys, *base)
     assert rc == 0 and "warning: no --venv or --container-image" in err
+
+
+def test_tolerations_and_node_selector_reach_every_pod_and_bad_ones_are_one_line(tmp_path, capsys):
+    base = ["launch", "k8s", _recipe(tmp_path), "--image", "img", "--nodes", "2"]
+    rc, out, _ = _run(capsys, *base, "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration",
+                      "dedicated=ml:NoExecute", "--node-selector", "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3")
+    job = list(yaml.safe_load_all(out))[1]
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
+    assert baseline_violations(job) == []
+    for bad in (["--toleration", "a:Sometimes"], ["--toleration", "bad key"], ["--node-selector", "novalue"],
+                ["--node-selector", "k=bad value"]):
+        rc, out, err = _run(capsys, *base, *bad)
+        assert rc == 2 and err.count("\n") == 1 and not out, (bad, err)

@@ -95,6 +95,8 @@ def _docs(tmp_path, **kw):
     {"interconnect": "efa", "efa_devices": 32, "cpus": 96, "memory": "1500Gi", "pvc": "fsx-claim"},
     {"interconnect": "eth", "nodes": 4, "elastic": (2, 4), "max_restarts": 3},
     {"rdma_resource": "none", "nodes": 1},
+    {"tolerations": ("nvidia.com/gpu:NoSchedule", "dedicated=ml:NoExecute"),
+     "node_selector": ("nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",)},
     {"rdma_resource": "nvidia.com/hostdev", "checkpoint_mount": "/mnt/ckpt"},
 ])
 def test_manifests_pass_the_crd_schema_and_the_operator_webhook(tmp_path, kw):
