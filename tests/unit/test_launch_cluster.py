@@ -158,6 +158,7 @@ def test_pytorchjob_requests_rdma_names_and_shm(tmp_path, capsys):
     assert c["resources"]["limits"] == {"nvidia.com/gpu": 8, "rdma/rdma_shared_device_a": 1, "memory": "80Gi"}
     assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
     assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert "# /dev/shm: a memory-backed emptyDir of 16Gi" in out and "limit (80Gi) include it" in out
     # a second render of the same recipe never collides; --name sets it
     rc, out2, _ = _run(capsys, *base)
     assert list(yaml.safe_load_all(out2))[1]["metadata"]["name"] != name
