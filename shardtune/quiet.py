@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 
 # (message regex from its start, category, module regex): warnings.filterwarnings' fields
@@ -25,6 +26,21 @@ WARNINGS = (
 # bitsandbytes "Failed to load CPU gemm_4bit_forward from kernels-community" (an optional kernel;
 # its fallback is used); `kernels`, on that lookup offline: "Skipping publisher trust check ... offline mode"
 LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes", "kernels")
+# (logger, message regex from its start): one message of a logger whose other warnings stay.
+# DTensor, on every rank of every tp run, at the gradient norm (clip_grad_norm_ over the (dp_shard,
+# tp) mesh): "While redistributing from (_NormPartial(2.0), _NormPartial(2.0)) to (Replicate(),
+# Replicate()), 2 sequential all_reduce operations will be performed ..." - two all-reduces of one
+# scalar per step, in the same order on every rank
+MESSAGES = (("torch.distributed.tensor._redistribute", r"While redistributing from \(_NormPartial"),)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
 
 
 def quiet_third_party() -> None:
@@ -35,3 +51,7 @@ def quiet_third_party() -> None:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name in LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for name, pattern in MESSAGES:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_Drop(pattern))

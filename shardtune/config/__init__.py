@@ -43,7 +43,7 @@ class RunConfig(_Section):
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
     optim: OptimConfig = OptimConfig()
-    train: TrainConfig = TrainConfig()
+    train: TrainConfig = Field(default_factory=TrainConfig)  # built at load: it reads SHARDTUNE_WATCHDOG_S
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
     _recipe_paths: dict = PrivateAttr(default_factory=dict)  # config/paths.py: {key: (written, resolved)}

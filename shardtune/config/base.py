@@ -35,7 +35,8 @@ class _Section(BaseModel):
         if isinstance(data, dict):
             for key, value in data.items():
                 field = cls.model_fields.get(key)
-                if isinstance(value, bool) and field is not None and field.annotation is not bool:
+                off = value is False and (field and field.json_schema_extra or {}).get("false_is_off")
+                if isinstance(value, bool) and field is not None and field.annotation is not bool and not off:
                     raise ValueError(f"{key} = {str(value).lower()} is a boolean; give a number or a name "
                                      "(booleans are not counts)")
                 # floats stay lax: PyYAML reads 3e-4 (no dot) as the string '3e-4'

@@ -10,6 +10,21 @@ from shardtune.config.base import _Section
 from shardtune.errors import UserError
 
 MAX_TIMEOUT_S = 365 * 86400  # timedelta and the c10d store take far more; no collective waits a year
+OFF = {"false_is_off": True}  # YAML reads `off` as false: config/base.py lets these keys take it
+WATCHDOG_ENV = "SHARDTUNE_WATCHDOG_S"  # wins over train.watchdog_s (train/durable/watchdog.py)
+
+
+def seconds_or_off(value, name: str) -> float:
+    """A number of seconds ≥ 0 (0 or `off`: off); anything else is a ValueError naming `name`."""
+    if value is False or isinstance(value, str) and value.strip().lower() == "off":  # YAML reads off as false
+        return 0.0
+    try:
+        s = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        s = float("nan")
+    if not 0 <= s <= MAX_TIMEOUT_S:  # nan fails both
+        raise ValueError(f"{name} = {value!r} is not a number of seconds; give e.g. 300 (0 or off: no watchdog)")
+    return s
 
 
 class TrainConfig(_Section):
@@ -55,8 +70,26 @@ class TrainConfig(_Section):
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: γ, the target reward margin (Meng et al. 2024 eq. 6).")
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo: ε, the share of pairs assumed flipped "
                                                                       "(conservative DPO; 0: plain DPO).")
+    watchdog_s: float = Field(120.0, validate_default=True, json_schema_extra=OFF, description=(
+        f"The hung-rank watchdog's floor: a rank whose heartbeat, or a job whose step count, stands still for "
+        f"max(this, 10 × the longest step so far) seconds is ended, named (0 or off: no watchdog; the variable "
+        f"{WATCHDOG_ENV}, when set, wins; docs/checkpoints.md)."))
+    watchdog_first_step_s: float = Field(900.0, json_schema_extra=OFF, description=(
+        "The watchdog's limit until every rank has finished its first step (compilation, warm-up of the "
+        "collectives), in seconds (0 or off: none before the first step)."))
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite "
                                                     "loss or gradient norm (each is skipped: no optimizer step).")
+
+    @field_validator("watchdog_s", mode="before")
+    @classmethod
+    def _watchdog_s(cls, v):
+        env = os.environ.get(WATCHDOG_ENV, "").strip()
+        return seconds_or_off(env, WATCHDOG_ENV) if env else seconds_or_off(v, "train.watchdog_s")
+
+    @field_validator("watchdog_first_step_s", mode="before")
+    @classmethod
+    def _watchdog_first_step_s(cls, v):
+        return seconds_or_off(v, "train.watchdog_first_step_s")
 
     @field_validator("gpu")
     @classmethod

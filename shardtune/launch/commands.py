@@ -117,21 +117,24 @@ def slurm_cmd(
     rdzv_port: int = typer.Option(29500, "--rdzv-port", metavar="PORT", help="Rendezvous TCP port on the first node."),
     venv: str | None = typer.Option(None, "--venv", metavar="DIR",
                                     help="Virtual environment to activate on each node."),
+    container_image: str | None = typer.Option(None, "--container-image", metavar="IMAGE",
+                                               help="Run each node's torchrun in this image (pyxis/enroot)."),
 ) -> None:
     """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
-    from shardtune.launch.slurm import render_slurm
+    from shardtune.launch.slurm import environment_notes, render_slurm
 
     cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
                              cpus_per_task=cpus_per_task, log=log, rdzv_port=rdzv_port, venv=venv, mem=mem,
-                             exclusive=exclusive)
+                             exclusive=exclusive, container_image=container_image)
     from shardtune.launch.paths import check_node_paths
 
     notes = check_node_paths(cfg, strict)
     res, res_notes = _node_resources(cfg, spec)
-    _emit(render_slurm(spec, res), output, cfg, spec, link, executable=False, notes=notes + res_notes)
+    _emit(render_slurm(spec, res), output, cfg, spec, link, executable=False,
+          notes=notes + res_notes + environment_notes(spec))
 
 
 @launch_app.command("k8s")
@@ -160,7 +163,11 @@ def k8s_cmd(
                                            "+ 8 GiB per process + /dev/shm."),
     rdma_resource: str | None = typer.Option(None, "--rdma-resource", metavar="NAME",
                                              help="With ib/roce: the RDMA device plugin's resource "
-                                                  "(default rdma/rdma_shared_device_a), or none."),
+                                                  "(e.g. rdma/rdma_shared_device_a; adds IPC_LOCK); none by default."),
+    toleration: list[str] | None = typer.Option(None, "--toleration", metavar="KEY[=VALUE][:EFFECT]",
+                                                help="Tolerate a node taint (repeatable)."),
+    node_selector: list[str] | None = typer.Option(None, "--node-selector", metavar="KEY=VALUE",
+                                                   help="Run only on nodes with this label (repeatable)."),
     strict: bool = _STRICT,
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
@@ -173,7 +180,8 @@ def k8s_cmd(
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,
                              checkpoint_mount=checkpoint_mount, elastic=_parse_elastic(elastic),
-                             efa_devices=efa_devices, cpus=cpus, memory=memory, rdma_resource=rdma_resource)
+                             efa_devices=efa_devices, cpus=cpus, memory=memory, rdma_resource=rdma_resource,
+                             tolerations=tuple(toleration or ()), node_selector=tuple(node_selector or ()))
     from shardtune.launch.k8s import DEFAULT_PVC, rdma_note
     from shardtune.launch.paths import claim_notes
 

@@ -7,7 +7,12 @@ The recipe travels inside the manifest (a ConfigMap, mounted read-only) with the
 applied, so the image needs shardtune but not the recipe file. Checkpoints go to a shared
 ReadWriteMany PersistentVolumeClaim so that a restarted pod, on any node, resumes from them.
 /dev/shm is a memory-backed emptyDir: the container runtime's 64 MiB default is too small for
-NCCL's shared-memory transport and DataLoader workers.
+NCCL's shared-memory transport and DataLoader workers; its size (launch/resources.py) counts
+against the pod's memory, so the memory request, and the limit beside it, include it. The RDMA
+device resource and the IPC_LOCK capability it needs (verbs pin their buffers) are added only for
+--rdma-resource NAME: IPC_LOCK is outside the Pod Security Standards' baseline, and a resource the
+cluster has no plugin for leaves pods Pending. Without it the pod passes the baseline
+(tests/unit/test_launch_cluster.py checks it).
 
 Everything is built as Python dicts and written by a yaml.SafeDumper (the embedded recipe as a
 literal block): no string-built YAML.
@@ -32,9 +37,6 @@ from shardtune.launch.torchrun import TRAIN_MODULE
 
 RECIPE_DIR = "/etc/shardtune"
 RECIPE_FILE = "recipe.yaml"
-# The NVIDIA Network Operator's RDMA shared device plugin resource (its documented default
-# config); clusters name their own, hence --rdma-resource.
-DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 DEFAULT_PVC = "shardtune-checkpoints"  # one claim for every job: each writes under its own name there
 
 
@@ -46,19 +48,69 @@ def unique_name(base: str) -> str:
 
 
 def rdma_resource(spec: LaunchSpec) -> str | None:
-    """The RDMA device resource a pod asks for (ib/roce), or None."""
-    if spec.interconnect not in ("ib", "roce") or spec.rdma_resource == "none":
+    """The RDMA device resource a pod asks for (ib/roce, --rdma-resource NAME), or None."""
+    if spec.interconnect not in ("ib", "roce") or spec.rdma_resource in (None, "none"):
         return None
-    return spec.rdma_resource or DEFAULT_RDMA_RESOURCE
+    return spec.rdma_resource
 
 
 def rdma_note(spec: LaunchSpec) -> str | None:
     """The loud line when an IB/RoCE job asks for no RDMA device."""
     if spec.interconnect in ("ib", "roce") and rdma_resource(spec) is None:
-        return (f"warning: --interconnect {spec.interconnect} without an RDMA device (--rdma-resource none): "
-                "unless the pods get /dev/infiniband another way, NCCL falls back to TCP sockets without a word "
-                "(NCCL_DEBUG=INFO shows 'NET/Socket')")
+        return (f"warning: --interconnect {spec.interconnect} without an RDMA device: unless the pods get "
+                "/dev/infiniband another way, NCCL falls back to TCP sockets without a word (NCCL_DEBUG=INFO shows "
+                "'NET/Socket'); name your cluster's RDMA device plugin resource with --rdma-resource NAME (e.g. "
+                "rdma/rdma_shared_device_a; it adds IPC_LOCK, outside the PodSecurity baseline)")
     return None
+
+
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _label_key(flag: str, text: str, key: str) -> str:
+    prefix, _, name = key.rpartition("/")
+    if not _LABEL_NAME.fullmatch(name) or (prefix and (len(prefix) > 253 or not _LABEL_PREFIX.fullmatch(prefix))):
+        raise UserError(f"{flag} {text!r}: {key!r} is not a Kubernetes label key (e.g. nvidia.com/gpu.product)")
+    return key
+
+
+def _label_value(flag: str, text: str, value: str) -> str:
+    if value and not _LABEL_NAME.fullmatch(value):
+        raise UserError(f"{flag} {text!r}: {value!r} is not a Kubernetes label value (63 characters: letters, "
+                        "digits, - _ .)")
+    return value
+
+
+def node_selector(items: tuple[str, ...]) -> dict:
+    """--node-selector KEY=VALUE, each → the pod's nodeSelector."""
+    out = {}
+    for text in items:
+        key, eq, value = text.partition("=")
+        if not eq:
+            raise UserError(f"--node-selector {text!r}: give KEY=VALUE (e.g. "
+                            "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3)")
+        out[_label_key("--node-selector", text, key)] = _label_value("--node-selector", text, value)
+    return out
+
+
+def tolerations(items: tuple[str, ...]) -> list[dict]:
+    """--toleration KEY[=VALUE][:EFFECT], kubectl taint's syntax, each → a toleration (no value:
+    operator Exists; no effect: every effect)."""
+    out = []
+    for text in items:
+        rest, colon, effect = text.rpartition(":") if ":" in text else (text, "", "")
+        if colon and effect not in EFFECTS:
+            raise UserError(f"--toleration {text!r}: the effect must be one of {', '.join(EFFECTS)}")
+        key, eq, value = rest.partition("=")
+        t = {"key": _label_key("--toleration", text, key), "operator": "Equal" if eq else "Exists"}
+        if eq:
+            t["value"] = _label_value("--toleration", text, value)
+        if effect:
+            t["effect"] = effect
+        out.append(t)
+    return out
 
 
 def _limits(spec: LaunchSpec) -> dict:
@@ -97,13 +149,14 @@ def _pod_template(spec: LaunchSpec, config_map: str, pvc: str, res: NodeResource
     env = [{"name": k, "value": v} for k, v in env_dict(preset(spec.interconnect, spec.ifname, spec.ib_hca)).items()]
     # SIGTERM on pod deletion/preemption: give the trainer time to checkpoint (default grace is 30 s).
     env.append({"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(int(spec.checkpoint_grace_s))})
+    requests = _requests(spec, res)  # memory limit = request: the pod is never killed below what it asked
     container = {
         "name": "pytorch",  # the operator finds the training container by this name
         "image": spec.image,
         "command": ["torchrun"],
         "args": ["--nproc-per-node", str(spec.gpus_per_node), "-m", TRAIN_MODULE, f"{RECIPE_DIR}/{RECIPE_FILE}"],
         "env": env,
-        "resources": {"requests": _requests(spec, res), "limits": _limits(spec)},
+        "resources": {"requests": requests, "limits": {**_limits(spec), "memory": requests["memory"]}},
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "checkpoints", "mountPath": spec.checkpoint_mount},
@@ -112,9 +165,14 @@ def _pod_template(spec: LaunchSpec, config_map: str, pvc: str, res: NodeResource
     }
     if rdma_resource(spec):  # verbs pin (mlock) their buffers: the container's memlock limit needs IPC_LOCK
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    pod: dict = {"terminationGracePeriodSeconds": int(spec.checkpoint_grace_s) + 30}
+    if spec.node_selector:
+        pod["nodeSelector"] = node_selector(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = tolerations(spec.tolerations)
     return {
         "spec": {
-            "terminationGracePeriodSeconds": int(spec.checkpoint_grace_s) + 30,
+            **pod,
             "containers": [container],
             "volumes": [
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{res.shm_gib}Gi"}},
@@ -163,6 +221,12 @@ def build_manifests(spec: LaunchSpec, cfg: RunConfig, res: NodeResources | None 
 
 def render_k8s(spec: LaunchSpec, cfg: RunConfig, res: NodeResources | None = None) -> str:
     docs = build_manifests(spec, cfg, res)
+    pod = next(iter(docs[1]["spec"]["pytorchReplicaSpecs"].values()))["template"]["spec"]
+    shm = next(v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if v["name"] == "dshm")
+    memory = pod["containers"][0]["resources"]["requests"]["memory"]
     header = ("# Generated by `shardtune launch k8s`. Apply with: kubectl apply -f THIS_FILE\n"
-              "# Needs the Kubeflow training operator and a ReadWriteMany PersistentVolumeClaim for checkpoints.\n")
+              "# Needs the Kubeflow training operator and a ReadWriteMany PersistentVolumeClaim for checkpoints.\n"
+              f"# /dev/shm: a memory-backed emptyDir of {shm} (2 GiB per process: NCCL's shared-memory transport "
+              "and DataLoader batches;\n# the container runtime's 64 MiB default is too small). It counts against "
+              f"the pod's memory: the request and limit ({memory}) include it.\n")
     return header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False)

@@ -56,6 +56,7 @@ class LaunchSpec:
     rdzv_port: int = 29500
     run_id: str | None = None
     venv: str | None = None  # activated on each node before torchrun
+    container_image: str | None = None  # SLURM: srun --container-image (pyxis) instead of a venv
     cpus_per_task: int | None = None
     log: str | None = None  # sbatch --output pattern (stdout+stderr of the job)
     checkpoint_grace_s: int = 300  # SLURM: signal this long before the time limit
@@ -68,6 +69,8 @@ class LaunchSpec:
     cpus: int | None = None  # k8s: cpu request per pod (default: launch/resources.py)
     memory: str | None = None  # k8s: memory request per pod, a Kubernetes quantity
     rdma_resource: str | None = None  # k8s + ib/roce: extended resource of the RDMA device plugin; "none": omit
+    tolerations: tuple[str, ...] = ()  # k8s: --toleration KEY[=VALUE][:EFFECT]
+    node_selector: tuple[str, ...] = ()  # k8s: --node-selector KEY=VALUE
     strict: bool = False  # refuse (not warn about) recipe paths the nodes will not see
 
 

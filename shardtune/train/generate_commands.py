@@ -20,10 +20,12 @@ def register(app: typer.Typer) -> None:
         system: str | None = typer.Option(None, "--system", metavar="TEXT", help="A system message before "
                                           "the prompt."),
         seed: int = typer.Option(0, "--seed", metavar="N", help="Sampling seed."),
+        trust_unverified: bool = typer.Option(False, "--trust-unverified", help="Load an export's weights "
+                                              "even when their SHA-256 cannot be checked or differs."),
     ) -> int:
         """Print what a trained model answers to a prompt (chat template applied)."""
         from shardtune.train.generation import generate_answer  # lazy: torch-free CLI start-up
 
         print(generate_answer(target, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, system=system, seed=seed))
+                              top_p=top_p, system=system, seed=seed, trust_unverified=trust_unverified))
         return 0

@@ -142,7 +142,7 @@ def _load_hf_folder(folder: Path, device):
     return model.to(device)
 
 
-def load_for_generation(kind: str, folder: Path):
+def load_for_generation(kind: str, folder: Path, trust_unverified: bool = False):
     """(model in eval mode, tokenizer, stop ids) for a resolved TARGET."""
     hf_logging.disable_progress_bar()  # stderr stays for errors; stdout holds only the answer
     hf_logging.set_verbosity_error()  # its load report (missing / unexpected tensors) is _check_loaded's one line
@@ -156,7 +156,7 @@ def load_for_generation(kind: str, folder: Path):
     if kind == "checkpoint":
         model = _load_checkpoint_model(folder, device)
     else:
-        verify_weights(folder)  # an export's weights as it wrote them (its manifest's SHA-256)
+        verify_weights(folder, trust_unverified)  # an export's weights as it wrote them (their SHA-256)
         model = _load_hf_folder(folder, device)
     stops = {tok.eos_token_id} - {None}
     if (tok_dir / "generation_config.json").is_file():
@@ -206,12 +206,13 @@ def check_options(max_new_tokens: int, temperature: float, top_p: float, seed: i
 
 
 def generate_answer(target: str, prompt: str, *, max_new_tokens: int = 256, temperature: float = 0.0,
-                    top_p: float = 1.0, system: str | None = None, seed: int = 0) -> str:
+                    top_p: float = 1.0, system: str | None = None, seed: int = 0,
+                    trust_unverified: bool = False) -> str:
     """TARGET's answer to `prompt` (the decoded new tokens, special tokens dropped)."""
     check_options(max_new_tokens, temperature, top_p, seed)
     check_text(prompt, system)
     kind, folder = resolve_target(target)
-    model, tok, stops = load_for_generation(kind, folder)
+    model, tok, stops = load_for_generation(kind, folder, trust_unverified)
     ids = torch.tensor([prompt_ids(tok, prompt, system)], device=model.device)
     # said once the folder loaded and the prompt rendered: a failure is the error's one line alone
     print(f"shardtune: generating with the {'checkpoint' if kind == 'checkpoint' else 'model'} in {folder}",

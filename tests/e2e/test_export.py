@@ -264,6 +264,27 @@ def test_an_export_onto_a_link_fills_its_target_and_generate_refuses_altered_wei
     assert cli.main(["generate", str(tmp_path / "link"), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and len(out.err.strip().splitlines()) == 1 and "SHA-256" in out.err, out
+    assert "delete" not in out.err and "--trust-unverified" in out.err
+
+    def generate(*flags) -> tuple[int, str]:
+        capsys.readouterr()
+        rc = cli.main(["generate", str(tmp_path / "link"), "--prompt", "hi", "--max-new-tokens", "2", *flags])
+        return rc, capsys.readouterr().err
+
+    assert generate("--trust-unverified")[0] == 0
+    manifest = tmp_path / "real" / ".shardtune_export.json"
+    kept = manifest.read_text()
+    manifest.write_text(kept[:40])  # unparseable (issue 42 item 4): not "no manifest"
+    rc, err = generate()
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "cannot be read" in err, err
+    assert generate("--trust-unverified")[0] == 0
+    manifest.unlink()  # gone, the weights still altered: the header's record of the tensor bytes refuses
+    rc, err = generate()
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "the SHA-256 its header records differs" in err, err
+    assert "delete" not in err and generate("--trust-unverified")[0] == 0
+    data[-1] ^= 0x01  # the weights as exported, no manifest: they verify by their header
+    weights.write_bytes(bytes(data))
+    assert generate()[0] == 0
 
 
 @pytest.mark.timeout(120)

@@ -55,6 +55,17 @@ def test_a_rank_stopped_in_a_collective_ends_the_job_named_long_before_the_timeo
     assert took - startup < 75, (took, startup)
     time.sleep(1.5)
     assert watchers_of(tmp_path) == []
+    assert list((tmp_path / "tmp").glob("shardtune-beat-*")) == []  # issue 42: one was left after a hang
+
+
+@pytest.mark.timeout(200)
+def test_a_first_step_longer_than_the_floor_is_not_killed(tmp_path):
+    """Rank 0's step 1 sleeps 12 s (a step that compiles) under a 5 s floor: the first-step limit
+    (train.watchdog_first_step_s, 900 s) holds until it is done, then 10 × 12 s; the run finishes."""
+    rc, out, _ = _train(tmp_path, {"SHARDTUNE_TEST_SLOW": "1:0", "SHARDTUNE_TEST_SLOW_S": "12"},
+                        "train.max_steps=4")
+    assert rc == 0 and "is hung" not in out, out[-3000:]
+    assert '"step": 4' in (tmp_path / "run" / "metrics.jsonl").read_text()
 
 
 @pytest.mark.timeout(200)
@@ -94,8 +105,8 @@ def test_judge_names_a_stale_heartbeat_and_a_deadlock_after_the_limit():
     j = Judge(0, floor_s=5, timeout_s=120)
     assert j.hung(0.0, [_beat(1, 3), _beat(1, 3)]) is None
     assert j.hung(4.0, [_beat(5, 4), _beat(1, 3)]) is None  # rank 1 stale for 4 s < 5 s
-    r, _, why, limit = j.hung(6.0, [_beat(7, 4), _beat(1, 3)])
-    assert r == 1 and "heartbeat has not moved for 6 s" in why and limit == 5
+    r, _, why, limit, first = j.hung(6.0, [_beat(7, 4), _beat(1, 3)])
+    assert r == 1 and "heartbeat has not moved for 6 s" in why and limit == 5 and not first
     j = Judge(0, floor_s=5, timeout_s=120)  # both alive, no step moves: a deadlock
     for t in range(6):
         assert j.hung(float(t), [_beat(t, 7), _beat(t, 6)]) is None
@@ -106,6 +117,30 @@ def test_judge_names_a_stale_heartbeat_and_a_deadlock_after_the_limit():
     j1.hung(0.0, [_beat(1, 3), _beat(1, 3), _beat(1, 3)])
     assert j1.hung(6.0, [_beat(7, 4), _beat(7, 4), _beat(1, 3)]) is None
     assert j1.hung(12.0, [_beat(7, 4), _beat(13, 4), _beat(1, 3)])[0] == 0
+
+
+def test_before_every_rank_has_finished_its_first_step_only_the_first_step_limit_ends_the_job():
+    """Step 1 compiles (torchao's 8-bit AdamW, torch.compile) or warms the collectives: no kill at the
+    floor until the first-step limit (issue 42 item 1), and a rank stopped in step 1 is still named."""
+    assert limit_s(5, 0.0, 120, first_step_s=60) == 60 and limit_s(5, 0.0, 120, first_step_s=0) == float("inf")
+    assert limit_s(5, 0.0, 20, first_step_s=60) == 60  # uncapped: the collective timeout is its own check
+    j = Judge(0, floor_s=5, timeout_s=120, first_step_s=60)
+    for t in range(59):  # both alive in step 1 (rank 1 done with it, rank 0 not): a deadlock only after 60 s
+        assert j.hung(float(t), [_beat(t, 1, longest=0.0), _beat(t, 2, longest=3.0)]) is None
+    r, _, why, limit, first = j.hung(61.0, [_beat(61, 1, longest=0.0), _beat(61, 2, longest=3.0)])
+    assert (r, limit, first) == (0, 60, True) and "no rank has finished a step for 61 s" in why
+    j = Judge(0, floor_s=5, timeout_s=120, first_step_s=0)  # 0: nothing ends step 1
+    assert all(j.hung(float(t), [_beat(1, 1, longest=0.0), _beat(t, 1, longest=0.0)]) is None for t in range(500))
+    w = Watchdog(0, 2, 600, floor_s=5)  # a step ends at the next start, a save or an evaluation
+    w.beat(1)
+    time.sleep(0.05)
+    w.beat(1, "save")
+    assert w.longest_step_s >= 0.05
+    w.beat(2, "step")
+    w.beat(2)
+    time.sleep(0.1)
+    w.beat(2, "eval")
+    assert w.longest_step_s >= 0.1
 
 
 def test_on_by_default_with_a_120_s_floor_and_off_with_zero(monkeypatch):

@@ -262,7 +262,7 @@ def test_pytorchjob_efa_devices(tmp_path):
         build_manifests(_spec("r.yaml", interconnect="efa", image="img"), load_recipe(None))
     _, job = build_manifests(_spec("r.yaml", interconnect="efa", image="img", efa_devices=32), load_recipe(None))
     (c,) = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": 4, "vpc.amazonaws.com/efa": 32}
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 4, "vpc.amazonaws.com/efa": 32, "memory": "40Gi"}
 
 
 @pytest.mark.parametrize("name", ["My_Job", "a" * 64, "job\nx", "-job"])

@@ -89,11 +89,14 @@ def _docs(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("kw", [
-    {},  # the default: --interconnect ib, RDMA resource + IPC_LOCK
+    {"rdma_resource": "rdma/rdma_shared_device_a"},  # --interconnect ib with the RDMA resource + IPC_LOCK
+    {},  # the default: --interconnect ib, no RDMA resource unless asked
     {"interconnect": "roce", "ib_hca": "mlx5_0,mlx5_1", "ifname": "eth0", "job_name": "ft-8b"},
     {"interconnect": "efa", "efa_devices": 32, "cpus": 96, "memory": "1500Gi", "pvc": "fsx-claim"},
     {"interconnect": "eth", "nodes": 4, "elastic": (2, 4), "max_restarts": 3},
     {"rdma_resource": "none", "nodes": 1},
+    {"tolerations": ("nvidia.com/gpu:NoSchedule", "dedicated=ml:NoExecute"),
+     "node_selector": ("nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3",)},
     {"rdma_resource": "nvidia.com/hostdev", "checkpoint_mount": "/mnt/ckpt"},
 ])
 def test_manifests_pass_the_crd_schema_and_the_operator_webhook(tmp_path, kw):
@@ -106,7 +109,7 @@ def test_manifests_pass_the_crd_schema_and_the_operator_webhook(tmp_path, kw):
 
 def test_the_strict_schema_catches_what_the_api_server_would_prune_or_refuse(tmp_path):
     """The validator is not vacuous: a misspelt field, a bad quantity, a wrong type all fail."""
-    _, job = _docs(tmp_path)
+    _, job = _docs(tmp_path, rdma_resource="rdma/rdma_shared_device_a")
     c = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     c["resources"]["request"] = c["resources"].pop("requests")  # typo: pruned silently by the server
     c["securityContext"]["capabilities"]["add"] = "IPC_LOCK"  # a string, not a list

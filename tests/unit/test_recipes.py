@@ -59,7 +59,18 @@ def test_cp_copies_byte_for_byte_and_never_overwrites(tmp_path, capsys):
 def test_cp_notes_relative_paths_the_copy_loses(tmp_path, capsys):
     (RECIPES.parent / "data" / "smollm2-dates" / "train.jsonl").stat()  # the shipped recipe's data is here
     rc, out, _ = _run(["recipes", "cp", "smollm2-dates", str(tmp_path / "d.yaml")], capsys)
-    assert rc == 0 and "note: data.path '../data/smollm2-dates/train.jsonl'" in out
+    assert rc == 0 and "data.path: '../data/smollm2-dates/train.jsonl' rewritten to" in out
+    shipped, copy = load_recipe(RECIPES / "smollm2-dates.yaml"), load_recipe(tmp_path / "d.yaml")
+    assert copy.data.path == shipped.data.path and Path(copy.data.path).is_file()  # the same file, found
+    assert copy.model_dump(exclude={"data"}) == shipped.model_dump(exclude={"data"})
+
+
+def test_cp_refuses_a_dangling_symlink_as_cp_does(tmp_path, capsys):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link.yaml").symlink_to(tmp_path / "elsewhere" / "target.yaml")
+    rc, _, err = _run(["recipes", "cp", "tiny-cpu", str(tmp_path / "link.yaml")], capsys)
+    assert rc == 2 and "dangling symlink" in err and err.count("\n") == 1
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 def test_relative_paths_read_against_the_recipes_folder(tmp_path, monkeypatch):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -156,8 +154,9 @@ def ref_cache_entry(cfg, tokenizer, run_dir: Path) -> tuple[Path, dict]:
     return (Path(root) if root else run_dir / "ref_logps") / f"ref-{key_of(inputs)}", inputs
 
 
-def _load(folder: Path, inputs: dict, num_examples: int) -> np.ndarray | None:
-    """The cached array, or None when absent or not of these inputs (said in one line, then rebuilt)."""
+def _load(folder: Path, inputs: dict, num_examples: int, say: bool = True) -> np.ndarray | None:
+    """The cached array, or None when absent or not of these inputs (said in one line by the rank
+    that `say`s, rank 0: once a job, not once per rank; then rebuilt)."""
     from shardtune.train.data.cache import verify_entry  # noqa: PLC0415 pyarrow: optional (shardtune[data])
 
     if not folder.is_dir():
@@ -168,22 +167,23 @@ def _load(folder: Path, inputs: dict, num_examples: int) -> np.ndarray | None:
         if arr.shape == (num_examples,):
             return arr
         problem = f"it holds {arr.shape} log-probs, not {num_examples}"
-    print(f"shardtune: reference cache {str(folder)!r} is not this run's ({problem}); recomputing it",
-          file=sys.stderr, flush=True)
+    if say:
+        print(f"shardtune: reference cache {str(folder)!r} is not this run's ({problem}); recomputing it",
+              file=sys.stderr, flush=True)
     return None
 
 
 def _save(folder: Path, inputs: dict, arr: np.ndarray) -> None:
     """The array and its meta.json (key, inputs, size and sha256: data cache's verify_entry format)."""
-    from shardtune.train.data.cache import _sha  # noqa: PLC0415 pyarrow: optional (shardtune[data])
+    from shardtune.train.data.cache import _sha, place_entry  # noqa: PLC0415 pyarrow: optional (shardtune[data])
 
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / FILE, arr, allow_pickle=False)
-    meta = {"key": folder.name, "inputs": inputs, "files": {FILE: [(tmp / FILE).stat().st_size, _sha(tmp / FILE)]}}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)
+    def fill(tmp: Path) -> None:
+        np.save(tmp / FILE, arr, allow_pickle=False)
+        meta = {"key": folder.name, "inputs": inputs, "files": {FILE: [(tmp / FILE).stat().st_size,
+                                                                        _sha(tmp / FILE)]}}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+
+    place_entry(folder, fill)
 
 
 def set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir: Path, opts) -> DPO:
@@ -209,7 +209,7 @@ def set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir: Path, o
     if cfg.train.reference == "precompute":
         folder, inputs = ref_cache_entry(cfg, tokenizer, run_dir)
         num_examples = len(loader.data.offsets) - 1
-        arr = _load(folder, inputs, num_examples)
+        arr = _load(folder, inputs, num_examples, say=ctx.rank == 0)
         have = torch.tensor([arr is not None], dtype=torch.int32, device=ctx.device)
         dist.all_reduce(have, op=dist.ReduceOp.MIN)  # every rank loads, or every rank computes
         if not int(have):

@@ -157,6 +157,34 @@ def _fmt_mib(n: int | None) -> str:
     return "—" if n is None else f"{n / 2**20:,.2f} MiB"
 
 
+COLLAPSE_MARGIN = 1.0  # a reward margin (nats of β-scaled log-ratio) this wide should sort held-out pairs
+
+
+def dpo_lines(records: list[dict]) -> list[str]:
+    """DPO/SimPO's summary: the reward margin first → last, the training reward accuracy, the
+    held-out preference accuracy (val_pref_acc: the policy's own log-probs prefer the chosen side),
+    and a warning when the margin grew past COLLAPSE_MARGIN while the held-out accuracy is at or below
+    chance: the policy pulls the sides apart without learning which is preferred (e.g. every answer
+    the same). [] for SFT."""
+    steps = [r for r in records if r.get("reward_margin") is not None]
+    if not steps:
+        return []
+    first, last = steps[0], steps[-1]
+    line = (f"dpo: reward margin {first['reward_margin']:.3f} (step {first['step']}) → {last['reward_margin']:.3f} "
+            f"(step {last['step']}), reward accuracy {last['reward_acc']:.1%}")
+    held = [r for r in records if r.get("val_pref_acc") is not None]
+    if not held:
+        return [line + "; no held-out pairs (data.val_path) for a preference accuracy"]
+    acc = held[-1]["val_pref_acc"]
+    lines = [line + f"; held-out preference accuracy {acc:.1%} (step {held[-1]['step']})"]
+    grew = last["reward_margin"] - first["reward_margin"]
+    if grew > COLLAPSE_MARGIN and acc <= 0.5:
+        lines.append(f"shardtune: warning: the reward margin grew by {grew:.2f} "
+                     f"but held-out pairs are preferred at chance or worse ({acc:.1%}): the policy may have "
+                     "collapsed (identical answers); lower optim.lr or raise train.dpo_beta, and read samples.jsonl")
+    return lines
+
+
 def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, strategy: str) -> None:
     """One screen at the end: loss first → last, throughput, and measured vs planned memory per
     component (measured: the largest rank; MiB = 2^20 bytes)."""
@@ -169,6 +197,8 @@ def print_summary(run_dir: Path, per_rank: list[dict], planned: dict | None, str
         console.print(f"loss {first['loss']:.4f} (step {first['step']}) → {last['loss']:.4f} "
                       f"(step {last['step']}), {tps:,.0f} tokens/s mean, "
                       f"{last['tflops']:.4f} TFLOP/s per rank")
+    for line in dpo_lines(records):
+        console.print(line, markup=False, highlight=False)
     for line in eval_lines(run_dir):  # val_loss and the last sample answers (eval_lines.py)
         console.print(line, markup=False, highlight=False)
     plan_mem = {}

@@ -19,6 +19,7 @@ never trained on.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -101,12 +102,36 @@ def _write_table(path: Path, table: pa.Table) -> None:
         w.write_table(table)
 
 
-def write_cache(folder: Path, data, inputs: dict | None = None) -> None:
-    """PackedData → the cache folder (via a temporary folder renamed into place); meta.json records
-    the key (the folder's name) and `inputs`, the vocabulary bound checked at load."""
-    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+def place_entry(folder: Path, fill) -> None:
+    """A cache entry built by `fill(tmp)` in a temporary folder beside it, then renamed into place.
+    An entry that is a link is followed: its target is replaced, the link stays (a rename onto the
+    link raised NotADirectoryError and left the temporary). No temporary is left on failure; a
+    folder that cannot be written is one line."""
+    dest = Path(os.path.realpath(folder)) if folder.is_symlink() else folder
+    tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.rename(tmp, dest)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise
+        from shardtune.errors import UserError
+
+        raise UserError(f"cache entry {str(folder)!r} cannot be written ({e.strerror or e}); give data.cache_dir "
+                        "a writable folder (or null)") from None
+
+
+def write_cache(folder: Path, data, inputs: dict | None = None) -> None:
+    """PackedData → the cache folder (place_entry); meta.json records the key (the folder's name)
+    and `inputs`, the vocabulary bound checked at load."""
+    place_entry(folder, lambda tmp: _fill_cache(tmp, folder.name, data, inputs))
+
+
+def _fill_cache(tmp: Path, key: str, data, inputs: dict | None) -> None:
     row_start = np.cumsum([0] + [len(r) for r in data.rows], dtype=np.int64)
     row_examples = np.fromiter((k for r in data.rows for k in r), dtype=np.int32, count=int(row_start[-1]))
     _write_table(tmp / "tokens.arrow", pa.table({"tokens": pa.array(np.asarray(data.tokens, dtype=np.int32)),
@@ -114,12 +139,10 @@ def write_cache(folder: Path, data, inputs: dict | None = None) -> None:
     _write_table(tmp / "examples.arrow", pa.table({"offsets": pa.array(np.asarray(data.offsets, dtype=np.int64))}))
     _write_table(tmp / "rows.arrow", pa.table({"row_examples": pa.array(row_examples)}))
     _write_table(tmp / "row_start.arrow", pa.table({"row_start": pa.array(row_start)}))
-    meta = {"version": VERSION, "key": folder.name, "inputs": inputs, "seq_len": data.seq_len,
+    meta = {"version": VERSION, "key": key, "inputs": inputs, "seq_len": data.seq_len,
             "num_truncated": data.num_truncated, "num_dropped": data.num_dropped,
             "files": {f: [(tmp / f).stat().st_size, _sha(tmp / f)] for f in FILES}}
     (tmp / "meta.json").write_text(json.dumps(meta))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.rename(tmp, folder)
 
 
 def verify_entry(folder: Path, key: str, inputs: dict | None) -> str | None:

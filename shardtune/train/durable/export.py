@@ -11,6 +11,7 @@ when one exists (export at the end of training runs on rank 0 alone).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ from shardtune.train.durable import integrity
 from shardtune.train.durable.checkpoint import SafeFileSystemReader, safe_dcp_load
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info, why_not_checkpoint
 from shardtune.train.durable.diskfull import check_room, is_disk_full, on_full_disk
-from shardtune.train.durable.export_files import MANIFEST, TMP, place, target_of
+from shardtune.train.durable.export_files import DATA_SHA256, MANIFEST, TMP, place, target_of
 from shardtune.train.durable.shards import damage
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 bytes)
@@ -234,6 +235,21 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     return out_dir
 
 
+def _sort_metadata(path: Path, metadata: dict) -> None:
+    """safetensors writes its metadata in a hash map's order, which changes between processes: the
+    same keys in sorted order, of the same length, in place, so an export is byte for byte the same."""
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = f.read(size)
+        want = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
+        for order in (metadata, dict(reversed(metadata.items()))):
+            got = json.dumps(order, separators=(",", ":")).encode()
+            if got in header:
+                f.seek(8)
+                f.write(header.replace(got, want, 1))
+                return
+
+
 def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only) -> None:
     """The export's files into `tmp` (export_checkpoint's body once the plan is made)."""
     reader = SafeFileSystemReader(ckpt)
@@ -258,7 +274,12 @@ def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora
                                                  lora_mod.scaling(lora))
         tensors = {meta[k][0]: (want[k].to(out_dtype) if out_dtype else want[k]).contiguous() for k in keys}
         del want
-        safetensors.torch.save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        data = hashlib.sha256()  # the tensors' bytes, name by name: checked by generate without a manifest
+        for name in sorted(tensors):
+            data.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
+        metadata = {"format": "pt", DATA_SHA256: data.hexdigest()}
+        safetensors.torch.save_file(tensors, str(tmp / fname), metadata=metadata)
+        _sort_metadata(tmp / fname, metadata)
         for name, t in tensors.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()

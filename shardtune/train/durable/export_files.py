@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,8 @@ from shardtune.errors import UserError
 MANIFEST = ".shardtune_export.json"
 TMP = ".shardtune-export.tmp"  # the new files, inside the target until they are placed
 FORMAT = 2
+DATA_SHA256 = "shardtune_data_sha256"  # a safetensors header's record of its tensors' bytes (export.py)
+TRUST = "pass --trust-unverified to load it as it is"
 
 
 def sha256_file(path: Path) -> str:
@@ -125,12 +128,48 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def verify_weights(folder: Path) -> None:
-    """An export's weights files against its manifest's SHA-256 (nothing to check in a folder
-    without one, such as a Hub download); one line (UserError) for an altered, missing or
-    half-placed export. Other files (config, tokenizer) may be edited by the user."""
+def data_sha256(path: Path) -> tuple[str, str] | None:
+    """(recorded, actual) SHA-256 of a safetensors file's tensor bytes, name by name, when its header
+    records one (DATA_SHA256: an export of ours), else None. Torch-free: the header's offsets."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+            recorded = (header.pop("__metadata__", None) or {}).get(DATA_SHA256)
+            if not isinstance(recorded, str):
+                return None
+            h = hashlib.sha256()
+            for name in sorted(header):
+                begin, end = header[name]["data_offsets"]
+                f.seek(8 + size + begin)
+                while begin < end:
+                    chunk = f.read(min(end - begin, 1 << 24))
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    begin += len(chunk)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return recorded, h.hexdigest()
+
+
+def verify_weights(folder: Path, trust_unverified: bool = False) -> None:
+    """An export's weights files against its manifest's SHA-256, or without a manifest against the
+    SHA-256 each safetensors header records (nothing to check in a folder with neither, such as a
+    Hub download); one line (UserError) for an altered, missing or half-placed export, or an
+    unreadable manifest, unless `trust_unverified`. Config and tokenizer files may be edited."""
+    if trust_unverified:
+        return
     manifest = read_manifest(folder)
+    if not manifest and (folder / MANIFEST).exists():
+        raise UserError(f"{folder / MANIFEST} cannot be read as an export manifest, so the weights in {folder} "
+                        f"cannot be checked; export it again, or {TRUST}")
     if not manifest:
+        for path in sorted(folder.glob("*.safetensors")):
+            sums = data_sha256(path)
+            if sums is not None and sums[0] != sums[1]:
+                raise UserError(f"{path} is not the file the export wrote (the SHA-256 its header records differs) "
+                                f"and {folder} has no {MANIFEST}; export it again, or {TRUST}")
         return
     if not manifest["complete"]:
         raise UserError(f"the export in {folder} was interrupted while its files were placed; export it again")
@@ -142,4 +181,4 @@ def verify_weights(folder: Path) -> None:
             raise UserError(f"the export in {folder} lacks {name}, which its {MANIFEST} lists; export it again")
         if sha256_file(path) not in sums:
             raise UserError(f"{path} is not the file the export wrote (its SHA-256 differs from {MANIFEST}); "
-                            "export it again, or delete the manifest to use the altered file as it is")
+                            f"export it again, or {TRUST}")

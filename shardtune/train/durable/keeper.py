@@ -49,7 +49,8 @@ class RunKeeper:
         self.last_saved_step = -1
         self.preempted = False
         self.run_id = ""  # this run's id (kept across resumes): prune touches its checkpoints only
-        self.watchdog = Watchdog(ctx.rank, ctx.world_size, cfg.train.timeout_s)
+        self.watchdog = Watchdog(ctx.rank, ctx.world_size, cfg.train.timeout_s, cfg.train.watchdog_s,
+                                 cfg.train.watchdog_first_step_s)
 
     # ------------------------------------------------------------ start
     def resume(self) -> int | None:

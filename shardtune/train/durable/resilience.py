@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -158,6 +159,8 @@ class DebugHooks:
     SHARDTUNE_TEST_SIGTERM=STEP:RANK — that rank gets SIGTERM before the step
     SHARDTUNE_TEST_SIGINT=STEP:RANK — that rank gets SIGINT before the step
     SHARDTUNE_TEST_STOP=STEP:RANK — that rank SIGSTOPs itself before the step (a hung rank)
+    SHARDTUNE_TEST_SLOW=STEP:RANK — that rank sleeps SHARDTUNE_TEST_SLOW_S seconds in the step (a
+                                    step that compiles: slow, healthy)
     """
     nan_steps: set[int] = field(default_factory=set)
     raise_at: tuple[int, int] | None = None
@@ -166,6 +169,8 @@ class DebugHooks:
     sigterm_at: tuple[int, int] | None = None
     sigint_at: tuple[int, int] | None = None
     stop_at: tuple[int, int] | None = None
+    slow_at: tuple[int, int] | None = None
+    slow_s: float = 0.0
     step: int = 0  # the step being run (the NaN hook reads it)
 
     @classmethod
@@ -175,12 +180,13 @@ class DebugHooks:
         at = lambda var: _step_rank(env.get(var), attempt)  # noqa: E731
         return cls(nan_steps=nan, raise_at=at("SHARDTUNE_TEST_RAISE"), kill_at=at("SHARDTUNE_TEST_KILL"),
                    kill_in_save=at("SHARDTUNE_TEST_KILL_IN_SAVE"), sigterm_at=at("SHARDTUNE_TEST_SIGTERM"),
-                   sigint_at=at("SHARDTUNE_TEST_SIGINT"), stop_at=at("SHARDTUNE_TEST_STOP"))
+                   sigint_at=at("SHARDTUNE_TEST_SIGINT"), stop_at=at("SHARDTUNE_TEST_STOP"),
+                   slow_at=at("SHARDTUNE_TEST_SLOW"), slow_s=float(env.get("SHARDTUNE_TEST_SLOW_S", "0")))
 
     @property
     def active(self) -> bool:
         return bool(self.nan_steps or self.raise_at or self.kill_at or self.kill_in_save or self.sigterm_at
-                    or self.sigint_at or self.stop_at)
+                    or self.sigint_at or self.stop_at or self.slow_at)
 
     def install_nan(self, model: nn.Module, rank: int) -> None:
         """A forward hook that turns rank 0's logits into NaN at the chosen steps."""
@@ -206,6 +212,8 @@ class DebugHooks:
             os.kill(os.getpid(), signal.SIGINT)
         if self.stop_at == (step, rank):
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self.slow_at == (step, rank):
+            time.sleep(self.slow_s)
 
     def in_save(self, step: int, rank: int) -> None:
         if self.kill_in_save == (step, rank):

@@ -17,7 +17,10 @@ resumes from the last checkpoint). Rank 0's watcher acts; rank 1's only when ran
 limit_s = max(floor, 10 × the longest step seen so far), capped at 0.9 × timeout_s (a step that
 slow already makes the others' collective wait near the timeout, which would end the job anyway:
 the watchdog then only names it; a lower cap ended slow but healthy steps); the floor is
-120 s, or `SHARDTUNE_WATCHDOG_S` (0: off; tests/e2e/test_watchdog.py measures it with 5). On by
+train.watchdog_s, 120 s, or `SHARDTUNE_WATCHDOG_S` (0 or off: no watchdog; tests/e2e/test_watchdog.py
+measures it with 5). Until every rank has finished its first step (torch.compile, torchao's 8-bit
+AdamW compiling inside step 1, the collectives' warm-up) the limit is train.watchdog_first_step_s
+instead, 900 s (0: none), uncapped, as torchtitan gives its first step its own init timeout. On by
 default for every run of more than one rank. Validation and sample prompts beat phase "eval": like a
 save, no deadlock is judged while it lasts (the heartbeat still must move).
 
@@ -26,7 +29,10 @@ pipe until `start` sends its arguments: it shares the rank's imports instead of 
 again (1.4 CPU-s and ~300 MB of memory a rank). Where the rank has threads already (a second run in
 one process), `start` runs a fresh interpreter instead:
 
-    python -m shardtune.train.durable.watchdog BEAT_FILE RANK WORLD PID TIMEOUT_S FLOOR_S  # the watcher
+    python -m shardtune.train.durable.watchdog BEAT_FILE RANK WORLD PID TIMEOUT_S FLOOR_S FIRST_S  # the watcher
+
+The watcher imports no torch of its own: the store client is torch's, imported by the forked
+watcher's rank already, and by a fresh interpreter only when it starts watching.
 """
 from __future__ import annotations
 
@@ -42,11 +48,10 @@ import sys
 import tempfile
 import time
 
-from torch.distributed import TCPStore
-
 from shardtune.train.durable import faults
 
 FLOOR_S = 120.0  # the default floor (issue 32: a hung rank ends the job within max(120 s, k × step time))
+FIRST_STEP_S = 900.0  # the default limit before every rank's first step is done (config/train.py)
 STEP_FACTOR = 10.0
 CAP = 0.9  # of train.timeout_s
 WATCHERS = (0, 1)
@@ -55,8 +60,11 @@ _BEAT = struct.Struct("<qbd")  # step, phase (0 step, 1 save, 2 stopped), longes
 _PHASES = ("step", "save", "stop", "eval")
 
 
-def limit_s(floor_s: float, longest_step_s: float, timeout_s: float) -> float:
-    """How long a heartbeat or the step count may stand still before the job is ended."""
+def limit_s(floor_s: float, longest_step_s: float, timeout_s: float, first_step_s: float = FIRST_STEP_S) -> float:
+    """How long a heartbeat or the step count may stand still before the job is ended; before a
+    first step is done (longest 0), the first-step limit (0: none)."""
+    if longest_step_s <= 0:
+        return first_step_s or float("inf")
     return min(max(floor_s, STEP_FACTOR * longest_step_s), CAP * timeout_s)
 
 
@@ -65,9 +73,14 @@ class Watchdog:
 
     _current: Watchdog | None = None  # one per process: a new run's start stops an earlier one
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, floor_s: float | None = None) -> None:
-        env = os.environ.get("SHARDTUNE_WATCHDOG_S")
-        self.floor_s = float(env) if env else (FLOOR_S if floor_s is None else floor_s)  # 0: off
+    def __init__(self, rank: int, world_size: int, timeout_s: float, floor_s: float | None = None,
+                 first_step_s: float = FIRST_STEP_S) -> None:
+        """`floor_s` None: `SHARDTUNE_WATCHDOG_S`, else 120 s (the run passes train.watchdog_s, which
+        the variable already overrides: config/train.py validates both before any process starts)."""
+        if floor_s is None:
+            env = os.environ.get("SHARDTUNE_WATCHDOG_S", "").strip()
+            floor_s = (0.0 if env.lower() == "off" else float(env)) if env else FLOOR_S
+        self.floor_s, self.first_step_s = floor_s, first_step_s  # 0: off
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.enabled = world_size > 1 and self.floor_s > 0
         self.step, self.phase, self.longest_step_s = 0, "step", 0.0
@@ -86,7 +99,7 @@ class Watchdog:
         self._fd, self._path = tempfile.mkstemp(prefix=f"shardtune-beat-{self.rank}-")
         self._write()
         args = [self._path, str(self.rank), str(self.world_size), str(os.getpid()), str(self.timeout_s),
-                str(self.floor_s)]
+                str(self.floor_s), str(self.first_step_s)]
         self._thread = _Spare.take(args) or subprocess.Popen(
             [sys.executable, "-m", "shardtune.train.durable.watchdog", *args],
             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -97,10 +110,12 @@ class Watchdog:
             os.pwrite(self._fd, _BEAT.pack(self.step, _PHASES.index(self.phase), self.longest_step_s), 0)
 
     def beat(self, step: int, phase: str = "step") -> None:
-        """The main thread at each step start (and around a save): what the heartbeat says."""
+        """The main thread at each step start (and around a save or an evaluation): what the
+        heartbeat says. A step ends at the next step's start, or at the save or evaluation after it."""
         now = time.monotonic()
-        if phase == "step" and self.phase == "step" and self._step_t0 is not None and step > self.step:
+        if self.phase == "step" and self._step_t0 is not None and (step > self.step or phase != "step"):
             self.longest_step_s = max(self.longest_step_s, now - self._step_t0)
+            self._step_t0 = None
         if phase == "step":
             self._step_t0 = now
         self.step, self.phase = step, phase
@@ -207,8 +222,8 @@ def _serve(r: int) -> int:
         if not data:
             return 0
         a = data.decode().split("\0")
-        os.environ.update(MASTER_ADDR=a[6], MASTER_PORT=a[7])
-        return watch(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5]))
+        os.environ.update(MASTER_ADDR=a[7], MASTER_PORT=a[8])
+        return watch(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5]), float(a[6]))
     except BaseException:  # noqa: BLE001 a forked child never returns into the rank's code
         return 1
 
@@ -227,15 +242,18 @@ def proc_alive(pid: int) -> bool:
 class Judge:
     """Decides from every rank's heartbeat whether one is hung (pure: fed `(now, beats)`)."""
 
-    def __init__(self, rank: int, floor_s: float, timeout_s: float) -> None:
-        self.rank, self.floor_s, self.timeout_s = rank, floor_s, timeout_s
+    def __init__(self, rank: int, floor_s: float, timeout_s: float, first_step_s: float = FIRST_STEP_S) -> None:
+        self.rank, self.floor_s, self.timeout_s, self.first_step_s = rank, floor_s, timeout_s, first_step_s
         self._seen: dict[int, tuple[str, float]] = {}  # rank → (counter, when it last moved)
         self._progress: tuple[tuple, float] | None = None  # (all ranks' steps, when they last moved)
 
     def hung(self, now: float, beats: list[str]) -> tuple[int, list[str], str, float] | None:
-        """(rank, its fields, why, limit) when this watcher must end the job, else None."""
+        """(rank, its fields, why, limit, first) when this watcher must end the job, else None; first:
+        the limit is the first step's (a rank has not finished its first step)."""
         fields = [b.split("|") for b in beats]
-        limit = limit_s(self.floor_s, max(float(f[3]) for f in fields), self.timeout_s)
+        longest = [float(f[3]) for f in fields]  # 0 on a rank whose first step is not done
+        first = min(longest) <= 0
+        limit = limit_s(self.floor_s, 0.0 if first else max(longest), self.timeout_s, self.first_step_s)
         stale = []
         for r, f in enumerate(fields):
             if r not in self._seen or self._seen[r][0] != f[0]:
@@ -248,18 +266,20 @@ class Judge:
         if stale and (self.rank == 0 or 0 in stale):  # rank 1 acts only for a hung rank 0
             r = stale[0]
             return r, fields[r], (f"its heartbeat has not moved for {now - self._seen[r][1]:.0f} s (stopped, "
-                                  "swapped out or gone)"), limit
+                                  "swapped out or gone)"), limit, first
         if not stale and self.rank == 0 and now - self._progress[1] > limit:
             r = min(range(len(steps)), key=lambda i: steps[i])
-            return r, fields[r], f"no rank has finished a step for {now - self._progress[1]:.0f} s", limit
+            return r, fields[r], f"no rank has finished a step for {now - self._progress[1]:.0f} s", limit, first
         return None
 
 
-def _end(r: int, f: list[str], why: str, limit: float, own_pid: int) -> None:
+def _end(r: int, f: list[str], why: str, limit: float, first: bool, own_pid: int) -> None:
     step, phase, host, pid = int(f[1]), f[2], f[4], int(f[5])
     where = f"in its save of step {step}" if phase == "save" else f"last step {max(step - 1, 0)}, in step {step}"
+    key = "train.watchdog_first_step_s" if first else "train.watchdog_s (or SHARDTUNE_WATCHDOG_S)"
     print(f"shardtune: rank {r} (pid {pid} on {host}) is hung: {why}; {where}; the other ranks have been waiting "
-          f"for it; ending the job (watchdog limit {limit:.0f} s, docs/checkpoints.md)", file=sys.stderr, flush=True)
+          f"for it; ending the job (watchdog limit {limit:.0f} s; a slow but healthy step: raise {key}, 0 or off "
+          "turns it off; docs/checkpoints.md)", file=sys.stderr, flush=True)
 
     faults.record(r, f"hung, {why}; {where} (watchdog limit {limit:.0f} s)")
     if host == socket.gethostname():
@@ -275,12 +295,15 @@ def _end(r: int, f: list[str], why: str, limit: float, own_pid: int) -> None:
         pass
 
 
-def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float, floor_s: float) -> int:
+def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float, floor_s: float,
+          first_step_s: float) -> int:
     """The watcher's loop; returns when its rank stops the watchdog or is gone."""
+    from torch.distributed import TCPStore  # noqa: PLC0415 lazy: the forked watcher's rank has it already
+
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=30))
     keys = [f"shardtune/watchdog/beat/{r}" for r in range(world_size)]
-    judge, counter, host = Judge(rank, floor_s, timeout_s), 0, socket.gethostname()
+    judge, counter, host = Judge(rank, floor_s, timeout_s, first_step_s), 0, socket.gethostname()
     with open(beat_file, "rb") as f:
         while True:
             time.sleep(1.0)
@@ -301,6 +324,8 @@ def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float
                     verdict = judge.hung(time.monotonic(), [v.decode() for v in store.multi_get(keys)])
                     if verdict is not None:
                         _end(*verdict, own_pid=pid)
+                        with contextlib.suppress(OSError):  # its rank is killed: nobody else removes it
+                            os.unlink(beat_file)
                         return 1
             except Exception:  # the store goes with the job at its end
                 if not proc_alive(pid):
@@ -309,4 +334,4 @@ def watch(beat_file: str, rank: int, world_size: int, pid: int, timeout_s: float
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    sys.exit(watch(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5])))
+    sys.exit(watch(a[0], int(a[1]), int(a[2]), int(a[3]), float(a[4]), float(a[5]), float(a[6])))
