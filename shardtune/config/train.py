@@ -27,6 +27,10 @@ def seconds_or_off(value, name: str) -> float:
     return s
 
 
+# the objectives each preference setting acts under (train.objective); set under another, it does nothing
+ACTS_UNDER = {"reference": ("dpo",), "dpo_beta": ("dpo", "simpo"), "simpo_gamma": ("simpo",),
+              "dpo_label_smoothing": ("dpo",)}
+
 class TrainConfig(_Section):
     micro_batch: int = Field(4, ge=1, description="Sequences per rank per forward/backward.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step. Global batch = micro_batch "
@@ -100,6 +104,15 @@ class TrainConfig(_Section):
             return resolve_gpu(v).name
         except UserError as e:
             raise ValueError(str(e)) from None
+
+    def unused_settings(self) -> list[str]:
+        """One line for each key the recipe or an override set that this objective ignores
+        (`train.reference=precompute` under sft or simpo): a setting that does nothing is said, not
+        silently accepted (issue 42)."""
+        return [f"train.{key} is set but does nothing under train.objective {self.objective} (it acts under "
+                f"{' and '.join(acts)}); remove it, or set train.objective"
+                for key, acts in ACTS_UNDER.items()
+                if key in self.model_fields_set and self.objective not in acts]
 
     def threads_per_rank(self, local_world_size: int) -> int:
         """`threads`, else the cores this process may run on / the ranks on its node (at least 1)."""

@@ -104,6 +104,8 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
     cfg = resolve_config(recipe, overrides, **flags)
     check_loop_options(cfg)
     validate_for_launch(cfg, nproc, nproc, planner=planner)
+    for line in cfg.train.unused_settings():  # once, by the launcher (the ranks validate again)
+        print(f"shardtune: warning: {line}", file=sys.stderr)
     with RunLock(cfg.run_dir) as lock:
         decision = decide(cfg, move_aside, nproc)
         if decision.done:
