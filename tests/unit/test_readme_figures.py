@@ -124,3 +124,14 @@ def test_levers_figures_are_what_plan_prints(capsys):
     peaks = [next(x for x in _plan_json(capsys, *args, *extra)["strategies"] if x["name"] == "zero3")["memory"]["total"]
              for extra in (["--loss-chunks", "1"], [])]
     assert [f"{b / GIB:.1f}" for b in peaks] == [chunks.group(1), chunks.group(3)]
+
+
+def test_moe_plan_figures(capsys):
+    """The MoE paragraph's `shardtune plan qwen3-30b-a3b --gpus 8`: total and active parameters, zero3's peak."""
+    out = _run(capsys, "plan", "qwen3-30b-a3b", "--gpus", "8")
+    line = out.splitlines()[0]
+    assert line.startswith("model qwen3-30b-a3b: ") and line.split(": ", 1)[1] in README, line
+    zero3 = next(r for r in out.splitlines() if r.split()[:1] == ["zero3"]).split()
+    peak = zero3[-4]  # ... peak GiB, peak GB, free GiB, fits
+    assert f"zero3 fits at\n{peak} GiB" in README, zero3
+    assert zero3[-1] == "yes"
