@@ -58,6 +58,7 @@ _BATCH = "the batch shape: compared with plan.json's inputs (PLAN_ROWS) and the 
 _SCHED = "the lr per step: metrics.jsonl's lr (tests/unit/test_optim.py checks the schedule)"
 
 # config key → (effective key, expected value from the recipe) or a string: why it has no effective row
+_WATCHDOG = "the hang watchdog, not the step (tests/unit/test_watchdog_settings.py, tests/e2e/test_watchdog.py)"
 TABLE: dict[str, tuple | str] = {
     "name": _BOOK, "output_dir": _BOOK,
     "model": "section",
@@ -99,6 +100,7 @@ TABLE: dict[str, tuple | str] = {
     "train.max_steps": "how many steps: metrics.jsonl's steps", "train.epochs": "how many steps (max_steps unset)",
     "train.seed": "init and data order (tests/dist/test_train_parity.py)",
     "train.log_every": _BOOK, "train.backend": _BOOK, "train.timeout_s": _BOOK,
+    "train.watchdog_s": _WATCHDOG, "train.watchdog_first_step_s": _WATCHDOG,
     "train.gpu": "the MFU denominator and the plan, not the device", "train.eval_every": _BOOK,
     "train.loggers": _BOOK, "train.sample_prompts": "generation at evaluations (tests/e2e/test_sample_prompts.py)",
     "train.sample_max_new_tokens": "generation at evaluations (tests/e2e/test_sample_prompts.py)",
