@@ -34,6 +34,14 @@ class ParallelConfig(_Section):
                                          "cp ranks; data-parallel degree = world / (tp x cp).")
     activation_offload: bool = Field(False, description="Keep saved activations (with AC full: the block inputs) in "
                                                         "pinned CPU memory until the backward (docs/long-context.md).")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (docs/parallelism.md): the decoder layers split "
+                                         "into pp stages, the outermost mesh dimension; data-parallel degree = "
+                                         "world / (pp x tp x cp).")
+    pp_schedule: str = Field("1f1b", description="pp > 1: 1f1b | gpipe | interleaved-1f1b (with pp_virtual_stages); "
+                                                 "micro-batches per step = train.grad_accum.")
+    pp_virtual_stages: int = Field(1, ge=1, description="interleaved-1f1b: stages per pipeline rank.")
+    pp_layers: list[int] | None = Field(None, description="Decoder layers per stage (sums to the model's layers); "
+                                                          "None: an even split.")
 
     _norm = field_validator("strategy")(lambda v: normalize_strategy(v))
     _prec = field_validator("precision")(lambda v: normalize_precision(v))
@@ -43,6 +51,8 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _check(self):
         # which combinations run is rules.combination.check_combination's (RunConfig calls it; plan too)
+        if self.pp > 1:  # until the pipeline lands in train and plan (issue 40)
+            raise ValueError(f"parallel.pp {self.pp}: pipeline parallelism is not in this build yet; set pp: 1")
         if self.ac_every != 2 and self.activation_checkpointing != "layer":
             raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=layer only "
                              f"and would be ignored with {self.activation_checkpointing!r}; drop it or set "

@@ -59,6 +59,7 @@ _SCHED = "the lr per step: metrics.jsonl's lr (tests/unit/test_optim.py checks t
 
 # config key → (effective key, expected value from the recipe) or a string: why it has no effective row
 _WATCHDOG = "the hang watchdog, not the step (tests/unit/test_watchdog_settings.py, tests/e2e/test_watchdog.py)"
+_PP = "refused above 1 until the pipeline lands (config/parallel.py)"
 TABLE: dict[str, tuple | str] = {
     "name": _BOOK, "output_dir": _BOOK,
     "model": "section",
@@ -100,6 +101,7 @@ TABLE: dict[str, tuple | str] = {
     "train.max_steps": "how many steps: metrics.jsonl's steps", "train.epochs": "how many steps (max_steps unset)",
     "train.seed": "init and data order (tests/dist/test_train_parity.py)",
     "train.log_every": _BOOK, "train.backend": _BOOK, "train.timeout_s": _BOOK,
+    "parallel.pp": _PP, "parallel.pp_schedule": _PP, "parallel.pp_virtual_stages": _PP, "parallel.pp_layers": _PP,
     "train.watchdog_s": _WATCHDOG, "train.watchdog_first_step_s": _WATCHDOG,
     "train.gpu": "the MFU denominator and the plan, not the device", "train.eval_every": _BOOK,
     "train.loggers": _BOOK, "train.sample_prompts": "generation at evaluations (tests/e2e/test_sample_prompts.py)",
