@@ -15,6 +15,20 @@ class UserError(ValueError):
     """Bad input the user can fix. The message names the problem and the fix, on one line."""
 
 
+def positive_int(value, what: str, key: str) -> int:
+    """`value` if it is a positive int (not a bool), else UserError(f"{what} {value!r} is not ... ({key})")."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{what} {value!r} is not a positive integer ({key})")
+    return value
+
+
+def refuse_first(prefix: str, refused) -> None:
+    """UserError(f"{prefix} {what}") for the first (bad, what) pair of `refused` whose `bad` holds."""
+    what = next((what for bad, what in refused if bad), None)
+    if what is not None:
+        raise UserError(f"{prefix} {what}")
+
+
 def suggest(name: str, choices) -> str:
     """' (did you mean X?)' for the closest of `choices`, or '' when none is close."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_cp_strategy
 from shardtune.rules.cp import check_cp
+from shardtune.rules.ep import check_ep_model
 from shardtune.rules.tp import check_tp_model
 from shardtune.strategies import FSDP_STRATEGIES, Strategy, strategy
 
@@ -110,6 +111,11 @@ class Layout:
         return self.dp_replicate
 
     @property
+    def expert_fsdp_degree(self) -> int:
+        """Ranks one expert's states are FSDP-sharded over: dp_shard × cp / ep (torchtitan's dp2ep)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
     def fsdp_shard_degree(self) -> int:
         """Ranks FSDP splits one state over: dp_shard × cp (FSDP shards over both, as torchtitan)."""
         return self.dp_shard * self.cp
@@ -148,6 +154,7 @@ class Layout:
         sequence (rules.cp.check_cp). launch and the trainer's preflight call it after `build`."""
         check_tp_model(self.tp, hf, seq_len, self.sequence_parallel)
         check_cp(self.cp, tp=self.tp, seq_len=seq_len, sequence_parallel=self.sequence_parallel, hf=hf)
+        check_ep_model(self.ep, hf)
 
     @classmethod
     def of_config(cls, par, world_size: int, gpus_per_node: int | None = None, strategy_name: str | None = None,
@@ -156,7 +163,7 @@ class Layout:
         module imports no config): the one call of the trainer, its preflight and the launcher."""
         return cls.build(strategy_name or par.strategy, world_size, gpus_per_node,
                          hsdp_shard_size or par.hsdp_shard_size, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                         tp_across_nodes=par.tp_across_nodes, cp=par.cp)
+                         tp_across_nodes=par.tp_across_nodes, cp=par.cp, ep=par.ep)
 
     @classmethod
     def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,
@@ -199,8 +206,9 @@ class Layout:
         else:
             shard = dp if s.shards_params else 1
         if ep > 1 and (ep % cp or (shard * cp) % ep):
-            raise UserError(f"ep {ep} must divide dp_shard x cp = {shard * cp} and be a multiple of cp {cp} "
-                            "(expert parallelism borrows the data-parallel ranks)")
+            raise UserError(f"parallel.ep {ep} must divide dp_shard x cp = {shard * cp} ({s.name} on {world_size} "
+                            f"ranks) and be a multiple of cp {cp}: expert parallelism borrows the data-parallel "
+                            "ranks (parallel.ep / --ep)")
         return cls(s, world_size, per_node, dp // shard, shard, cp, tp, sp, bool(tp_across_nodes), ep, pp)
 
 

@@ -27,6 +27,7 @@ from shardtune.config.plan_keys import PLAN_KEYS, read_key
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_combination
+from shardtune.rules.ep import check_ep_checkpoints
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -73,7 +74,10 @@ class RunConfig(_Section):
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
                           activation_offload=par.activation_offload, seq_len=self.train.seq_len,
-                          sequence_parallel=par.sequence_parallel, objective=self.train.objective)
+                          sequence_parallel=par.sequence_parallel, objective=self.train.objective, ep=par.ep)
+        ck = self.checkpoint
+        check_ep_checkpoints(par.ep, every=ck.every, save_final=ck.save_final, export_hf=ck.export_hf,
+                             resume=ck.resume)
         return self  # once, here; the heads and the world are the layout's (preflight, Layout.check_model)
 
     @property

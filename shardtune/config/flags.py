@@ -47,6 +47,8 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
     Flag("tp", "parallel.tp", int, "Tensor-parallel degree (parallel.tp): data-parallel degree = --nproc / tp.", "T"),
     Flag("cp", "parallel.cp", int, "Context-parallel degree (parallel.cp): each sequence split over C ranks; "
          "data-parallel degree = --nproc / (tp x cp).", "C"),
+    Flag("ep", "parallel.ep", int, "Expert-parallel degree (parallel.ep; MoE models): each layer's experts split "
+         "over E data-parallel ranks, which must divide them and dp_shard x cp.", "E"),
     Flag("lora_rank", "lora.rank", int,
          "LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`.", "R"),
 )

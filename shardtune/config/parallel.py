@@ -32,6 +32,9 @@ class ParallelConfig(_Section):
     tp_across_nodes: bool = Field(False, description="Allow a tp larger than one node's processes (slow links).")
     cp: int = Field(1, ge=1, description="Context-parallel degree (docs/long-context.md): each sequence split over "
                                          "cp ranks; data-parallel degree = world / (tp x cp).")
+    ep: int = Field(1, ge=1, description="Expert-parallel degree (docs/moe.md; MoE models): each layer's experts split "
+                                         "over ep data-parallel ranks (E/ep each), tokens sent by all-to-all; "
+                                         "ep divides dp_shard x cp; experts FSDP-sharded over the rest.")
     activation_offload: bool = Field(False, description="Keep saved activations (with AC full: the block inputs) in "
                                                         "pinned CPU memory until the backward (docs/long-context.md).")
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree (docs/parallelism.md): the decoder layers split "

@@ -41,19 +41,25 @@ def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: 
     collective). Needs an initialised default process group."""
     layout = build_layout(parallel_cfg, world_size, local_world_size)
     mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
-    _sub_meshes(mesh)
+    table = _sub_meshes(mesh)
+    if layout.ep > 1:  # torchtitan's dp2ep: the data ranks as (dp_replicate, efsdp, ep), ep innermost (one node's)
+        ep_mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.expert_fsdp_degree, layout.ep),
+                                   mesh_dim_names=("dp_replicate", "efsdp", "ep"))
+        table |= {"ep": ep_mesh["ep"],
+                  "efsdp": ep_mesh["dp_replicate", "efsdp"] if layout.strategy.hybrid else ep_mesh["efsdp"]}
     return mesh
 
 
 _SUB = "_shardtune_sub_meshes"  # on a mesh: its sub-meshes by name, made once (`_sub_meshes`)
-SUB_MESHES = ("dp", "fsdp", "hsdp", "tp", "cp")
+SUB_MESHES = ("dp", "fsdp", "hsdp", "tp", "cp", "ep", "efsdp")
 
 
 def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
     """The one place that reads the mesh's dimension names: "dp" (the data-parallel ranks, 1-D: ranks
     of one tp and cp group read the same rows), "fsdp" (what zero2/zero3 shard over: the data ranks
     without cp, dp_shard x cp flattened with it, as torchtitan's "dp_shard_cp"), "hsdp" (FSDP2's 2-D
-    replicate x shard mesh), "tp" and "cp" (1-D, None at degree 1)."""
+    replicate x shard mesh), "tp" and "cp" (1-D, None at degree 1); "ep" and "efsdp" (the experts' FSDP
+    mesh, hsdp's 2-D) are `build_mesh`'s, None without expert parallelism."""
     if (table := getattr(mesh, _SUB, None)) is not None:
         return table
     names = mesh.mesh_dim_names or ()
@@ -70,7 +76,7 @@ def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
         else:
             table = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"), "fsdp": mesh["dp_shard"],
                      "hsdp": mesh["dp_replicate", "dp_shard"]}
-    table |= {n: mesh[n] if size(n) > 1 else None for n in ("tp", "cp")}
+    table |= {n: mesh[n] if size(n) > 1 else None for n in ("tp", "cp")} | {"ep": None, "efsdp": None}
     setattr(mesh, _SUB, table)
     return table
 
@@ -194,8 +200,10 @@ def apply_precision(model: nn.Module, parallel_cfg: ParallelConfig) -> None:
 
 def apply_fsdp(model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh) -> None:
     """FSDP2 `fully_shard` on every decoder layer, then on the root (it owns the embeddings, final
-    norm and head; the seed's transformer_auto_wrap_policy)."""
+    norm and head; the seed's transformer_auto_wrap_policy); split experts first (`_shard_experts`)."""
     s = STRATEGY[parallel_cfg.strategy]
+    experts_mesh = sub_mesh(mesh, "efsdp")
+    grad_divide = dp_mesh(mesh).size() * (cp_mesh(mesh).size() if cp_mesh(mesh) is not None else 1)
     mesh = fsdp_mesh(mesh, s.hybrid)
     if len(s.mesh_axes) != mesh.ndim:
         raise ValueError(f"strategy {s.name} needs a {len(s.mesh_axes)}-D mesh {s.mesh_axes}, got {mesh.ndim}-D")
@@ -206,8 +214,24 @@ def apply_fsdp(model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh)
                if parallel_cfg.offload == "all" else OffloadPolicy())
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=s.reshard_after_forward)
     for layer in decoder_layers(model):
+        if experts_mesh is not None:
+            _shard_experts(layer, experts_mesh, kwargs, grad_divide)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def _shard_experts(layer: nn.Module, experts_mesh: DeviceMesh, kwargs: dict, grad_divide: int) -> None:
+    """Expert parallelism (docs/moe.md): the layer's split experts `fully_shard` on the expert-FSDP
+    mesh first (the layer's own `fully_shard` then leaves them alone). Each expert's gradient already
+    sums every data rank's tokens (the dispatch's backward), so it is divided by the whole
+    data-parallel degree, as the other gradients are. Over 2+ expert-FSDP ranks, with a plain sum on
+    the wire (FSDP2 would use NCCL's PREMUL_SUM, which gloo lacks) and the division after; over one,
+    not (torch 2.13's one-rank path divides by the factor itself, and forced sums would divide twice)."""
+    shard = experts_mesh.size(experts_mesh.ndim - 1)
+    for experts in (m for m in layer.modules() if hasattr(m, "ep_group")):  # parallel/ep.py apply_ep
+        fully_shard(experts, **(kwargs | {"mesh": experts_mesh}))
+        experts.set_gradient_divide_factor(float(grad_divide))
+        experts.set_force_sum_reduction_for_comms(shard > 1)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:

@@ -21,9 +21,11 @@ from shardtune.parallel.apply import (
     apply_precision,
     cp_mesh,
     decoder_layers,
+    sub_mesh,
     tp_mesh,
 )
 from shardtune.parallel.cp import apply_cp
+from shardtune.parallel.ep import apply_ep
 from shardtune.parallel.tp import apply_tp
 from shardtune.strategies import STRATEGY
 
@@ -54,6 +56,8 @@ def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, me
         apply_tp(meta_model, tp_mesh(mesh), parallel_cfg.sequence_parallel)
     if cp_mesh(mesh) is not None:  # context parallelism: the all-to-all attention (parallel/cp.py)
         apply_cp(meta_model, cp_mesh(mesh), parallel_cfg.tp, parallel_cfg.sequence_parallel)
+    if (ep := sub_mesh(mesh, "ep")) is not None:  # expert parallelism: E/ep experts a rank (parallel/ep.py)
+        apply_ep(meta_model, ep.get_group())
     if quantize is not None:  # QLoRA (helper D, train/core/qlora.py): NF4 base after precision, before shard
         quantize(meta_model)
     apply_activation_checkpointing(meta_model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)

@@ -3,8 +3,9 @@ once), `plan` and `plan --fit`, and the strategy's part of tp and cp (FSDP2 only
 """
 from __future__ import annotations
 
-from shardtune.errors import UserError
+from shardtune.errors import UserError, positive_int, refuse_first
 from shardtune.rules.cp import check_activation_offload, check_cp
+from shardtune.rules.ep import check_ep
 from shardtune.strategies import (
     FSDP_STRATEGIES,
     STRATEGY,
@@ -38,7 +39,7 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                       quantize_base: str = "none", compile: bool = False,
                       loss_chunks: int | None = None, tp: int = 1, cp: int = 1,
                       activation_offload: bool = False, seq_len: int | None = None,
-                      sequence_parallel: bool = True, objective: str = "sft") -> None:
+                      sequence_parallel: bool = True, objective: str = "sft", ep: int = 1) -> None:
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
@@ -101,13 +102,12 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     check_cp(cp, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel,
              quantize_base=quantize_base)  # rules/cp.py: heads and world are the layout's (preflight)
     check_activation_offload(activation_offload, compile=compile, objective=objective, offload=offload)
+    check_ep(s, ep, tp=tp, cp=cp, lora_rank=lora_rank)  # rules/ep.py; the model's part: Layout.check_model
 
 
 def _check_tp_combination(s: Strategy, tp: int, *, quantize_base: str, loss_chunks: int | None) -> None:
     """What tensor parallelism (parallel.tp > 1) does not compose with yet, one line each."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise UserError(f"tensor-parallel degree {tp!r} is not a positive integer (parallel.tp / --tp)")
-    if tp == 1:
+    if positive_int(tp, "tensor-parallel degree", "parallel.tp / --tp") == 1:
         return
     refused = (
         (not s.fsdp, f"strategy {s.name!r} (DDP/ZeroRedundancyOptimizer take no DTensor params); use "
@@ -118,6 +118,4 @@ def _check_tp_combination(s: Strategy, tp: int, *, quantize_base: str, loss_chun
          f"train.loss_chunks {loss_chunks} (under tp the loss is vocabulary-parallel, loss_parallel: the full "
          "logits never exist on one rank): leave train.loss_chunks unset or 1"),
     )
-    for bad, what in refused:
-        if bad:
-            raise UserError(f"parallel.tp {tp} does not compose with {what}")
+    refuse_first(f"parallel.tp {tp} does not compose with", refused)

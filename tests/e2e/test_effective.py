@@ -86,6 +86,7 @@ TABLE: dict[str, tuple | str] = {
                                    else None),
     "parallel.tp_across_nodes": "a launch permission (tp over more than one node), not the computation",
     "parallel.cp": ("cp", lambda c: c.parallel.cp),
+    "parallel.ep": ("ep", lambda c: c.parallel.ep),  # > 1 on MoE models only: tests/e2e/test_moe_cli.py
     "parallel.activation_offload": ("activation_offload", lambda c: c.parallel.activation_offload),
     "optim": "section",
     "optim.name": ("optimizer", _optimizer),

@@ -1,8 +1,8 @@
 """`shardtune train recipes/tiny-moe-cpu.yaml` as a user runs it: a tiny Mixtral (4 experts, top-2,
-grouped-GEMM experts, fp32 router) under zero3, zero2 with AC full, and hsdp on 2 processes, each
-giving one process's losses over 4 fp32 steps (same 8-row global batch), its load-balancing
-loss (`aux_loss`) and its expert load (`expert_load_cv`) included. The runs are made once for the
-module."""
+grouped-GEMM experts, fp32 router) under zero3, zero2 with AC full, hsdp, and zero3 with expert
+parallelism (`--ep 2`: 2 experts a rank, tokens sent by all-to-all) on 2 processes, each giving one
+process's losses over 4 fp32 steps (same 8-row global batch), its load-balancing loss (`aux_loss`)
+and its expert load (`expert_load_cv`) included. The runs are made once for the module."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,6 +17,7 @@ RUNS = {
     "zero3": ["--nproc", "2"],
     "zero2_ac": ["--nproc", "2", "--strategy", "zero2", "parallel.activation_checkpointing=full"],
     "hsdp": ["--nproc", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=1"],
+    "ep2": ["--nproc", "2", "--ep", "2"],
 }
 
 
@@ -32,7 +33,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["zero3", "zero2_ac", "hsdp"])
+@pytest.mark.parametrize("layout", ["zero3", "zero2_ac", "hsdp", "ep2"])
 def test_two_processes_give_one_process_losses_aux_loss_and_load(runs, layout):
     one, _ = runs["one"]
     got, _ = runs[layout]
@@ -49,3 +50,17 @@ def test_the_moe_run_learns_and_logs_its_terms(runs):
     assert all(1.0 <= r["aux_loss"] <= 4.0 for r in one)
     assert all(r["expert_load_cv"] > 0 for r in one)  # top-2 of 4 random routers is never exactly even
     assert "experts grouped_mm" in log
+
+
+@pytest.mark.timeout(900)
+def test_ep_says_what_it_ran(runs, tmp_path_factory):
+    """memory.json's `effective` and the start-up line: ep 2, each expert's states on one rank (expert
+    FSDP degree 2 ranks / ep 2); without --ep, ep 1 and the experts sharded over both ranks."""
+    import json
+
+    _, log = runs["ep2"]
+    assert "experts grouped_mm (4 per layer, top-2, ep 2, expert_fsdp 1)" in log
+    base = tmp_path_factory.getbasetemp()
+    eff = {n: json.loads(next(base.glob(f"moe*/{n}/memory.json")).read_text())["effective"] for n in ("ep2", "zero3")}
+    assert (eff["ep2"]["ep"], eff["ep2"]["expert_fsdp"]) == (2, 1)
+    assert (eff["zero3"]["ep"], eff["zero3"]["expert_fsdp"]) == (1, 2)

@@ -172,10 +172,20 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
 
 
 def _experts(hf: nn.Module) -> dict:
-    """MoE only: the experts' implementation as transformers runs them, experts per layer, top-k."""
+    """The expert-parallel degree (1 without it; parallel/ep.py marks the split experts); MoE only: the
+    experts' implementation as transformers runs them, experts per layer, top-k, and the ranks one
+    expert's states are sharded over (expert_fsdp: the experts' own FSDP mesh, else the layer's)."""
+    split = next((m for m in hf.modules() if hasattr(m, "ep_degree")), None)
+    ep = int(split.ep_degree) if split is not None else 1
     if not num_experts(hf.config):
-        return {}
-    return {"experts_implementation": hf.config._experts_implementation, "num_experts": num_experts(hf.config),
+        return {"ep": ep}
+    weight = split.gate_up_proj if split is not None else next(
+        (p for n, p in hf.named_parameters() if n.endswith("experts.gate_up_proj")), None)
+    mesh = getattr(weight, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    shard = [mesh.size(i) for i, n in enumerate(names) if n not in ("replicate", "dp_replicate", "tp")]
+    return {"ep": ep, "expert_fsdp": shard[0] if shard else 1,
+            "experts_implementation": hf.config._experts_implementation, "num_experts": num_experts(hf.config),
             "experts_per_token": int(hf.config.num_experts_per_tok)}
 
 
@@ -187,7 +197,8 @@ def describe(eff: dict) -> str:
     extra = (f"tp {eff['tp']}{' + SP' if eff.get('sequence_parallel') else ''}, " if eff.get("tp", 1) > 1 else "") + (
         f"cp {eff['cp']}, " if eff.get("cp", 1) > 1 else "") + (
         "activation offload on, " if eff.get("activation_offload") else "") + (
-        f"experts {eff['experts_implementation']} ({eff['num_experts']} per layer, top-{eff['experts_per_token']}), "
+        f"experts {eff['experts_implementation']} ({eff['num_experts']} per layer, top-{eff['experts_per_token']}"
+        f"{', ep ' + str(eff['ep']) if eff.get('ep', 1) > 1 else ''}, expert_fsdp {eff.get('expert_fsdp', 1)}), "
         if eff.get("num_experts") else "")
     return (f"{eff['strategy']}, {eff['precision']} (master {eff['master_dtype']}, compute {eff['compute_dtype']}, "
             f"autocast {eff['autocast_dtype'] or 'off'}), AC {ac}, offload {eff['offload']}, {extra}"

@@ -1,0 +1,53 @@
+"""`shardtune train ... --ep N` refuses what expert parallelism cannot run in one line, exit 2, before
+any process starts (rules/ep.py, Layout.build, Layout.check_model, preflight's resume); what it runs
+is tests/e2e/test_moe_cli.py's."""
+from __future__ import annotations
+
+import pytest
+from _cli import REPO, refused_before_any_process
+
+MOE = REPO / "recipes" / "tiny-moe-cpu.yaml"  # tiny-mixtral: 4 experts a layer, save_final false
+DENSE = REPO / "recipes" / "tiny-cpu.yaml"
+NO_CKPT = ["checkpoint.save_final=false", "checkpoint.export_hf=false"]
+
+BAD = [
+    (DENSE, ["--nproc", "2", "--ep", "2", *NO_CKPT], "needs a mixture-of-experts model"),
+    (MOE, ["--nproc", "3", "--ep", "3"], "does not divide the 4 experts per layer"),
+    (MOE, ["--nproc", "2", "--ep", "4"], "must divide dp_shard x cp = 2"),
+    (MOE, ["--nproc", "4", "--ep", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=1"],
+     "must divide dp_shard x cp = 1"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--strategy", "ddp"], "does not compose with strategy 'ddp'"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--strategy", "zero1"], "does not compose with strategy 'zero1'"),
+    (MOE, ["--nproc", "4", "--ep", "2", "--tp", "2"], "does not compose with parallel.tp 2"),
+    (MOE, ["--nproc", "4", "--ep", "2", "--cp", "2"], "does not compose with parallel.cp 2"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4"], "does not compose with LoRA"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.quantize_base=nf4"], "does not compose with LoRA"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--checkpoint-every", "2"], "unset checkpoint.every"),
+    (MOE, ["--nproc", "2", "--ep", "2", "checkpoint.save_final=true"], "unset checkpoint.save_final"),
+    (MOE, ["--nproc", "2", "--ep", "2", "checkpoint.export_hf=true"], "unset checkpoint.export_hf"),
+    (MOE, ["--nproc", "2", "--ep", "0"], "parallel.ep"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("recipe, args, needle", BAD, ids=[b[2] for b in BAD])
+def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, recipe, args, needle):
+    err = refused_before_any_process(monkeypatch, capsys, ["train", recipe, "--output-dir", tmp_path / "run", *args])
+    assert needle in err
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_under_ep_is_refused(monkeypatch, capsys, tmp_path):
+    """A checkpoint in the run folder (auto) or named (--resume PATH): refused, not loaded wrong."""
+    from shardtune.train.durable import ckpt_files
+
+    step = tmp_path / "run" / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    info = ckpt_files.CheckpointInfo(path=step, step=2, world_size=2, strategy="zero3", config_hash="x")
+    monkeypatch.setattr(ckpt_files, "complete_checkpoints", lambda run_dir: [info])
+    err = refused_before_any_process(monkeypatch, capsys, ["train", MOE, "--output-dir", tmp_path / "run",
+                                                           "--nproc", "2", "--ep", "2"])
+    assert "cannot resume the checkpoint" in err and "step_2" in err
+    err = refused_before_any_process(monkeypatch, capsys, ["train", MOE, "--output-dir", tmp_path / "other",
+                                                           "--nproc", "2", "--ep", "2", "--resume", step])
+    assert "unset checkpoint.resume" in err
