@@ -37,13 +37,14 @@ PLAN_KEYS: dict[str, str] = {
     "tp_across_nodes": "parallel.tp_across_nodes",
     "cp": "parallel.cp",
     "activation_offload": "parallel.activation_offload",
+    "ep": "parallel.ep",
 }
 
 # PlanInputs fields no recipe key holds: the cluster (a run takes it from torchrun), the planner's
 # own options (links, MFU, accounting), and the strategies to compare (a recipe names one)
 PLANNER_ONLY = frozenset({
     "gpus", "nodes", "gpus_per_node", "accounting", "params", "reserve_gib", "strategies", "interconnect",
-    "intra_node", "nics_per_node", "network_profile", "mfu", "tokens", "host_ram_gib",
+    "intra_node", "nics_per_node", "network_profile", "mfu", "tokens", "host_ram_gib", "moe_imbalance",
 })
 
 
@@ -109,6 +110,10 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     _O("activation_offload", "--activation-offload",
        "Saved activations (with --ac full: the layer inputs) in pinned host RAM (parallel.activation_offload); "
        "host RAM per node and PCIe time are reported."),
+    _O("ep", "--ep", "Expert-parallel degree (parallel.ep; MoE models): each layer's experts split over N "
+       "data-parallel ranks (all-to-all dispatch); experts FSDP-sharded over the shard group / N.", "N"),
+    _O("moe_imbalance", "--moe-imbalance", "With --ep: the busiest rank's expert tokens over the balanced count "
+       "(1.0: balanced; scales its all-to-all and expert compute).", "FACTOR"),
     _O("host_ram_gib", "--host-ram", "Host RAM per node for --activation-offload (default 256 GiB per GPU).",
        "GIB"),
     _O("params", "--params", "A bare parameter count (e.g. 7.5e9) instead of MODEL: model states only.", "COUNT"),

@@ -25,6 +25,7 @@ from shardtune.plan.timing import add_timing
 from shardtune.plan.tp import check_tp_arch
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.plan.verdict import comm_bound, suggest, verdict
+from shardtune.rules.ep import check_ep_model
 from shardtune.strategies import STRATEGIES
 
 
@@ -88,6 +89,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
         check_tp_arch(m.arch, m.config, inp.tp)
     if inp.accounting != "paper":
         cpp.check_cp_arch(m.arch, m.config, inp.cp, inp.tp)
+    check_ep_model(inp.ep, m.config)  # a MoE model whose experts per layer ep divides (rules/ep.py)
     names, omitted = _applicable(inp)
     plans = [plan_strategy(m, s, inp, usable) for s in names]
     ddp_bytes = comm.bytes_per_step(comm.collectives(

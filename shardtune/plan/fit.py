@@ -46,6 +46,7 @@ class Candidate:
     cp: int = 1  # context-parallel degree (plan/cp.py)
     activation_offload: bool = False
     grad_accum: int = 1  # follows cp, keeping the global batch
+    ep: int = 1  # expert-parallel degree (MoE models; plan/ep.py)
 
     def changes(self, base: dict) -> dict:
         """What this candidate changes against the plan's own inputs (`FitResult.base`), in words."""
@@ -63,6 +64,7 @@ class Candidate:
         shard = f" shard {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else ""
         shard += f" × cp {self.cp}" if self.cp > 1 else ""
         shard += f" × tp {self.tp}" if self.tp > 1 else ""
+        shard += f" × ep {self.ep}" if self.ep > 1 else ""
         act = " + activation offload" if self.activation_offload else ""
         accum = f" × grad-accum {self.grad_accum}" if self.cp > 1 else ""
         return (f"{self.strategy}{shard}, AC {self.ac}{act}, offload {self.offload}, micro-batch "
@@ -72,6 +74,7 @@ class Candidate:
         f = (f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} "
              f"--micro-batch {self.micro_batch} --precision {self.precision}")
         f += f" --tp {self.tp}" if self.tp > 1 else ""
+        f += f" --ep {self.ep}" if self.ep > 1 else ""
         f += f" --cp {self.cp} --grad-accum {self.grad_accum}" if self.cp > 1 else ""
         f += " --activation-offload" if self.activation_offload else ""
         return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else "")
@@ -124,10 +127,12 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     the PlanInputs fields the user gave (`plan --fit` passes its options and overrides), each held
     at its value and not searched."""
     from shardtune.catalog.gpus import resolve_gpu
+    from shardtune.plan.ep import ep_degrees
     from shardtune.plan.model import _load_model
     from shardtune.plan.strategy_plan import combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
     from shardtune.plan.timing import time_strategy, timing_context
     from shardtune.plan.validate import resolve_inputs
+    from shardtune.rules.ep import check_ep_model
     from shardtune.strategies import STRATEGIES
 
     base = resolve_inputs(inputs, gpus, fields)
@@ -135,6 +140,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     reserve = default_reserve_bytes(gpu) if base.reserve_gib is None else round(base.reserve_gib * GIB)
     usable = gpu.memory_bytes - reserve
     m = _load_model(base.model, base.params, base.lora_rank)
+    check_ep_model(base.ep, m.config)
     info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
     ctx = timing_context(base, gpu, **base.timing_options())
     strategies = base.strategies or list(STRATEGIES)
@@ -149,6 +155,9 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     # tensor parallelism: a --tp given is kept, else every degree of plan/tp.py that can run here
     tps = [base.tp] if base.tp > 1 or "tp" in keep or m.arch is None else [t for t in TP_DEGREES if with_tp(base, t, m)]
     long = m.arch is not None and (base.seq_len >= LONG_SEQ or base.cp > 1 or base.activation_offload)
+    # expert parallelism (MoE): a --ep given is kept, else every power of two dividing the experts and the
+    # data-parallel ranks (combination_error drops those a strategy's shard group cannot take)
+    eps = [base.ep] if base.ep > 1 or "ep" in keep else ep_degrees(m.arch, [base.gpus // base.tp])
     act_offloads = ((base.activation_offload,) if base.activation_offload or not long or
                     "activation_offload" in keep else (False, True))
     for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, long, keep)):
@@ -166,14 +175,14 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
         mbs = micro_batches if fit_batch else _same_batch(base, tp)
         if "micro_batch" in keep:  # given: held, so only the degrees that keep it with the global batch run
             mbs = tuple(mb for mb in mbs if mb == base.micro_batch)
-        for shard, act_off in ((g, a) for g in shards for a in act_offloads):
+        for shard, act_off, ep in ((g, a, e) for g in shards for a in act_offloads for e in eps):
             for precision in precisions:
                 for ac in acs:
                     impl = base.optimizer_impl if "optimizer_impl" in keep else _impl_for(base, precision)
                     for offload in offloads:
                         inp = replace(at_tp, strategies=[strategy], hsdp_shard_size=shard or at_tp.hsdp_shard_size,
                                       precision=precision, ac=ac, offload=offload, optimizer_impl=impl,
-                                      grad_accum=accum, activation_offload=act_off)
+                                      grad_accum=accum, activation_offload=act_off, ep=ep)
                         err = combination_error(inp, strategy)
                         if err:  # strategies.check_combination: nothing runs it
                             refused.setdefault(strategy, err)
@@ -185,7 +194,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
                                           optimizer_impl=impl, tp=tp, global_batch=mb * accum * dp, cp=cp,
-                                          activation_offload=act_off, grad_accum=accum)
+                                          activation_offload=act_off, grad_accum=accum, ep=ep)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)
                             out.append(c)
@@ -208,7 +217,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
              + "; --fit-batch also searches the micro-batch (the global batch then changes)",
              f"compute at {ctx['mfu']:.0%} MFU ({ctx['network']['mfu_source']})"]
     searched_fields = {"strategies", "tp", "cp", "ac", "offload", "precision", "hsdp_shard_size", "micro_batch",
-                       "grad_accum", "activation_offload", "optimizer_impl"}
+                       "grad_accum", "activation_offload", "optimizer_impl", "ep"}
     if keep & searched_fields:
         kept = sorted(keep & searched_fields)
         notes.insert(0, "kept as given: " + ", ".join(f"{k} {getattr(base, k)}" for k in kept))
@@ -277,7 +286,7 @@ def _why_loses(c: Candidate, best: Candidate) -> str:
         "optimizer step": per_token(c, "optimizer_time_s") - per_token(best, "optimizer_time_s"),
     }
     worst = max(diffs, key=diffs.get)
-    keys = ("strategy", "tp", "cp", "hsdp_shard_size", "ac", "activation_offload", "offload", "micro_batch",
+    keys = ("strategy", "tp", "cp", "ep", "hsdp_shard_size", "ac", "activation_offload", "offload", "micro_batch",
             "precision")
     no_shard = None in (best.hsdp_shard_size, c.hsdp_shard_size)
     changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in keys

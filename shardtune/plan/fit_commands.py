@@ -26,7 +26,7 @@ FALLBACK_RECIPE = "llama-3-8b-8xh100.yaml"  # a GPU recipe (nccl, bf16-mixed) fo
 # table's (config/plan_keys.py), the flag the trainer's own for that key (config/flags.py)
 _FIT_FIELDS = ("strategy", "precision", "lora_rank", "model", "gpu", "seq_len", "micro_batch", "grad_accum",
                "optimizer", "optimizer_impl", "ac", "ac_every", "offload", "hsdp_shard_size", "tp", "cp",
-               "activation_offload")
+               "activation_offload", "ep")
 _RECIPE_KEY = {**PLAN_KEYS, "strategy": "parallel.strategy"}  # a recipe runs one strategy; plan compares several
 _FLAG = {f.key: f.option for f in TRAIN_FLAGS}
 _KEYS = {field: (_FLAG.get(_RECIPE_KEY[field]), _RECIPE_KEY[field]) for field in _FIT_FIELDS}
@@ -72,7 +72,7 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
                 optimizer_impl=best.optimizer_impl, ac=best.ac, ac_every=base.ac_every, offload=best.offload,
                 hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None,
                 lora_rank=base.lora_rank, strategy=best.strategy, tp=best.tp, cp=best.cp,
-                activation_offload=best.activation_offload)
+                activation_offload=best.activation_offload, ep=best.ep)
     cfg = load_recipe(recipe)
     have = cfg.plan_inputs()
     have["strategy"] = cfg.parallel.strategy
@@ -93,4 +93,8 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
             overrides.append(f"{recipe_key}={value}")
             if key == "model":  # the recipe's folder facts are not the new model's
                 overrides += [f"model.{k}=null" for k in ("architecture", "download") if getattr(cfg.model, k)]
+    if best.ep > 1:  # no expert checkpoints yet (rules/ep.py check_ep_checkpoints): the run saves none
+        ck = cfg.checkpoint
+        overrides += [o for o, on in (("checkpoint.every=0", ck.every > 0), ("checkpoint.save_final=false",
+                                      ck.save_final), ("checkpoint.export_hf=false", ck.export_hf)) if on]
     return shlex.join(argv + flags + overrides)

@@ -125,7 +125,8 @@ class Group:
     groups_per_node: int
 
 
-def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1, cp: int = 1) -> dict[str, Group]:
+def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1, cp: int = 1,
+                ep: int = 1) -> dict[str, Group]:
     """The groups a strategy talks in: the data-parallel world, HSDP's shard and replica groups,
     and the tensor-parallel group.
 
@@ -152,6 +153,11 @@ def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1, cp
     # node when cp·tp ≤ gpus per node; its all-to-alls share the NICs with the node's other CP groups
     in_node = min(cp, g)
     dp["cp"] = Group(cp, in_node, max(1, cluster.gpus_per_node // in_node))
+    # ep (plan/ep.py): ep consecutive data ranks of a shard group, one node's while ep <= g; the experts'
+    # FSDP group ("efsdp"): the shard group's ranks ep apart, shard / ep of them
+    dp["ep"] = Group(ep, min(ep, g), max(1, g // min(ep, g)) * shared)
+    e, in_shard = max(1, s // ep), min(s, g)
+    dp["efsdp"] = Group(e, max(1, min(e, in_shard // ep)), max(1, g // max(1, in_shard // ep)) * shared)
     # a TP group larger than a node (--tp-across-nodes) spans tp / gpus_per_node whole nodes
     return dict(dp, tp=Group(tp, min(tp, cluster.gpus_per_node), max(1, cluster.gpus_per_node // tp)))
 

@@ -12,6 +12,7 @@ from shardtune.errors import UserError
 from shardtune.layout import Layout
 from shardtune.plan import comm, memory, moe
 from shardtune.plan import cp as cpp
+from shardtune.plan import ep as epp
 from shardtune.plan.activations import activation_split
 from shardtune.plan.model import _Model
 from shardtune.plan.preference import reference_bytes
@@ -60,6 +61,7 @@ class StrategyPlan:
     simulated: dict | None = None  # plan.simulate (--simulate): traced bytes with the `memory` keys, or a fallback note
     layout: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "cp", "tp", "sequence_parallel"}
     host_ram: dict = field(default_factory=dict)  # --activation-offload: host RAM per node, PCIe (plan/cp.py)
+    comm: dict = field(default_factory=dict)  # MoE with --ep: the all-to-all per layer and step (plan/ep.py)
 
     @property
     def headroom_gib(self) -> float:
@@ -72,6 +74,8 @@ class StrategyPlan:
         d.update(d.pop("timing"))  # step_time_s, tokens_per_s, mfu, comm_time_s, compute_time_s, ...
         if d["memory"]["experts"] is None:  # dense models: the plan as before
             del d["memory"]["experts"]
+        if not d["comm"]:
+            del d["comm"]
         return d
 
 
@@ -82,6 +86,9 @@ def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> mem
     if m.shapes is None:
         return memory.flat_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision,
                                   inp.optimizer, _impl(inp))
+    if inp.ep > 1:  # experts (E/ep rows) over shard / ep ranks, the rest over all (plan/ep.py)
+        return epp.ep_states(m.local_shapes(inp.tp), strategy, inp.gpus // inp.tp, shard_degree, inp.ep,
+                             inp.precision, inp.optimizer, _impl(inp))[0]
     return memory.max_rank_states(m.local_shapes(inp.tp), strategy, inp.gpus // inp.tp, shard_degree,
                                   inp.precision, inp.optimizer, _impl(inp))
 
@@ -95,9 +102,9 @@ def _buffers(m: _Model, strategy: str, inp: PlanInputs) -> int:
     if inp.accounting == "paper" or m.shapes is None:
         return 0
     chunks = resolve_loss_chunks(inp.loss_chunks, m.arch.vocab_size) if m.arch else 1
-    key = (strategy, inp.precision, chunks, inp.tp)  # independent of the world size: computed once per plan
-    if key not in m.buffer_cache:
-        shapes = m.local_shapes(inp.tp)  # TP: the gathered layers are this rank's TP shards
+    key = (strategy, inp.precision, chunks, inp.tp, inp.ep)  # independent of the world size: once per plan
+    if key not in m.buffer_cache:  # TP: the gathered layers are this rank's TP shards; ep: its E/ep experts
+        shapes = epp.ep_local_shapes(m.local_shapes(inp.tp), inp.ep)
         if STRATEGY[strategy].fsdp:
             m.buffer_cache[key] = memory.fsdp_buffer_bytes(shapes, strategy, inp.precision)
         else:
@@ -166,7 +173,8 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced) + ref
     colls = comm.collectives(strategy, num_params=-(-m.num_params // tp),
                              trainable_params=-(-m.trainable // tp), world_size=dp, shard_degree=shard,
-                             precision=inp.precision, shapes=shapes, accounting=inp.accounting)
+                             precision=inp.precision, shapes=shapes, accounting=inp.accounting) if inp.ep == 1 else \
+        epp.ep_fsdp_collectives(strategy, shapes, dp, shard, inp.ep, inp.precision)
     if m.arch is not None and inp.accounting == "shardtune":
         colls += [comm.Collective(op, "tp", size, tp, "micro_batch", phase, what, calls)
                   for op, size, phase, calls, what in tp_collectives(
@@ -176,12 +184,19 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                   for op, size, phase, calls, what in cpp.ulysses_collectives(
                       m.arch, inp.micro_batch * inp.seq_len, inp.cp, tp, memory.dtypes(inp.precision).compute,
                       inp.ac, inp.ac_every)]
+        colls += [comm.Collective(op, "ep", size, inp.ep, "micro_batch", phase, what, calls)
+                  for op, size, phase, calls, what in epp.ep_collectives(
+                      m.arch, inp.micro_batch * inp.seq_len // inp.cp, inp.ep, memory.dtypes(inp.precision).compute,
+                      inp.ac, inp.ac_every, inp.moe_imbalance)]
     host = cpp.host_ram(inp, host_act, cpu_per_rank) if inp.activation_offload else {}
     return StrategyPlan(
         layout={"dp_replicate": layout.replicate_degree if fsdp else dp, "dp_shard": layout.shard_degree,
-                "cp": cp, "tp": tp, "sequence_parallel": inp.sequence_parallel},
-        host_ram=host,
-        state_bytes_per_rank=_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none" else None,
+                "cp": cp, "tp": tp, "sequence_parallel": inp.sequence_parallel,
+                **({"ep": inp.ep, "expert_fsdp": shard // inp.ep} if m.arch is not None and m.arch.num_experts
+                   else {})},
+        host_ram=host, comm=_ep_comm(m, inp),
+        state_bytes_per_rank=(_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none"
+                              and inp.ep == 1 else None),
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref,
                       _expert_bytes(m, strategy, inp, shard)),
@@ -200,10 +215,25 @@ def _expert_bytes(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> int 
     if inp.offload == "all":  # every state lives in host memory (CPUOffloadPolicy)
         return 0
     experts = [p for p in m.local_shapes(inp.tp) if moe.is_routed_expert(p.name)]
-    st = memory.max_rank_states(experts, strategy, inp.gpus // inp.tp, shard, inp.precision, inp.optimizer, _impl(inp))
+    world = inp.gpus // inp.tp
+    st = (epp.ep_states(experts, strategy, world, shard, inp.ep, inp.precision, inp.optimizer, _impl(inp))[1]
+          if inp.ep > 1 else
+          memory.max_rank_states(experts, strategy, world, shard, inp.precision, inp.optimizer, _impl(inp)))
     if inp.offload == "optimizer":
         st = memory.States(st.params, st.grads, 0, 0)
     return moe.expert_state_bytes(st, ep_degree=1)
+
+
+def _ep_comm(m: _Model, inp: PlanInputs) -> dict:
+    """MoE with ep > 1: the all-to-all bytes one rank sends per MoE layer and per step (plan/ep.py)."""
+    if m.arch is None or not m.arch.num_experts or inp.ep == 1 or inp.accounting != "shardtune":
+        return {}
+    layer = epp.all_to_all_bytes_per_layer(m.arch, inp.micro_batch * inp.seq_len // inp.cp, inp.ep,
+                                           memory.dtypes(inp.precision).compute, inp.moe_imbalance)
+    return {"all_to_all": {"group": "ep", "group_size": inp.ep, "moe_layers": len(epp.moe_layers(m.arch)),
+                           "moe_imbalance": epp.effective_imbalance(inp.moe_imbalance, inp.ep),
+                           "bytes_per_rank_per_layer": round(layer),
+                           "bytes_per_rank_per_micro_batch": round(layer * len(epp.moe_layers(m.arch)))}}
 
 
 def _per_rank(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> dict | None:
@@ -229,7 +259,10 @@ def combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           loss_chunks=inp.loss_chunks, quantize_base=inp.quantize_base,
                           # the ZeRO paper's accounting plans Megatron's model parallelism beside any
                           # ZeRO stage (its Table 2), not this trainer's TP
-                          tp=1 if inp.accounting == "paper" else inp.tp, cp=inp.cp)
+                          tp=1 if inp.accounting == "paper" else inp.tp, cp=inp.cp, ep=inp.ep)
+        if inp.ep > 1:  # ep divides this strategy's dp_shard x cp (the trainer's Layout rule)
+            Layout.build(strategy, inp.gpus, inp.gpus_per_node, inp.hsdp_shard_size if STRATEGY[strategy].hybrid
+                         else None, tp=inp.tp, cp=inp.cp, ep=inp.ep, tp_across_nodes=inp.tp_across_nodes)
     except UserError as e:
         return e
     try:  # activation offload's rule on the objective (rules/cp.py, the trainer's)

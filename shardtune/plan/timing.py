@@ -12,6 +12,7 @@ from shardtune.catalog.interconnects import default_intra_node, get_interconnect
 from shardtune.errors import UserError
 from shardtune.plan import compute as C
 from shardtune.plan.compute import achievable_mfu
+from shardtune.plan.ep import effective_imbalance, routed_params_per_token
 from shardtune.plan.preference import reference_forward as has_reference_forward
 from shardtune.plan.ring import (
     Cluster,
@@ -23,7 +24,7 @@ from shardtune.plan.ring import (
     op_time_s,
     profile_link,
 )
-from shardtune.strategies import STRATEGY
+from shardtune.strategies import STRATEGY, checkpointed_layers
 
 
 def exposed_time_s(comm_s: float, compute_s: float, num_layers: int) -> float:
@@ -67,10 +68,11 @@ def step_time(ops: list, cluster: Cluster, groups: dict[str, Group], forward_s: 
     `copy_bytes_per_s` (memory bandwidth) prices FSDP2's copy-in/copy-out, which run on the
     collective's stream, so they count with its link (None: not counted). Tensor parallelism's
     collectives (group "tp") sit between a layer's matmuls, which wait for them: all exposed; so
-    do context parallelism's all-to-alls (group "cp") around attention.
+    do context parallelism's all-to-alls (group "cp") around attention and expert parallelism's (group
+    "ep") around the experts.
     """
-    tp_ops = [op for op in ops if op.group in ("tp", "cp")]
-    ops = [op for op in ops if op.group not in ("tp", "cp")]
+    tp_ops = [op for op in ops if op.group in ("tp", "cp", "ep")]
+    ops = [op for op in ops if op.group not in ("tp", "cp", "ep")]
     tp_fw, tp_bw = (sum(op_time_s(op, groups, cluster, num_layers) for op in tp_ops if op.phase == ph)
                     for ph in ("forward", "backward"))
     def phase_comm(phase: str, every: str) -> dict[bool, float]:
@@ -187,7 +189,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                      offload: str, optimizer: str, peak_flops_per_s: float, mfu: float,
                      mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True,
                      tp: int = 1, reference_forward: bool = False, cp: int = 1,
-                     offload_copy_s: float = 0.0) -> dict:
+                     offload_copy_s: float = 0.0, ep: int = 1, moe_imbalance: float = 1.0) -> dict:
     """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
 
     `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
@@ -197,6 +199,8 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     FLOPs (heads and MLP width split) and updates 1/tp of the parameters. `cp`: each of the cp
     ranks computes 1/cp of a row's tokens (attention: H/cp heads over the whole row, the same
     FLOPs). `offload_copy_s`: activation offload's host copies per step, exposed (plan/cp.py).
+    `ep`, `moe_imbalance`: the busiest expert-parallel rank computes f × its balanced routed-expert
+    FLOPs (plan/ep.py), and the step waits for it.
     """
 
     if arch is not None:
@@ -221,6 +225,10 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     rate = peak_flops_per_s * mfu
     forward_s = tokens_mb * fwd_tok / rate / (tp * cp)
     backward_s = tokens_mb * (model_tok - fwd_tok + recompute_tok) / rate / (tp * cp)
+    if arch is not None and (extra := effective_imbalance(moe_imbalance, ep) - 1.0) > 0:
+        routed = 2.0 * routed_params_per_token(arch) * extra * tokens_mb / rate  # one forward's extra seconds
+        recomputed = len(checkpointed_layers(L, ac, ac_every)) / L  # AC re-runs the experts' forward too
+        forward_s, backward_s = forward_s + routed, backward_s + routed * (2 + recomputed)
 
     owners = shard_degree * tp  # ranks one optimizer state is split over (layout.Layout, × TP)
     params_per_rank = trainable_params / owners
@@ -229,7 +237,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                        + C.offload_transfer_time_s(params_per_rank, PCIE_BYTES_PER_S))
     else:
         optimizer_s = C.optimizer_step_time_s(params_per_rank, mem_bw_bytes_per_s, optimizer)
-    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None, tp, cp)
+    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None, tp, cp, ep)
     st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap,
                    copy_bytes_per_s=mem_bw_bytes_per_s)
     if offload_copy_s:
@@ -280,7 +288,8 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
         peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], mem_bw_bytes_per_s=gpu.hbm_bytes_per_s,
         tokens=ctx["tokens"], tp=getattr(inp, "tp", 1),
         reference_forward=has_reference_forward(inp.objective, inp.reference), cp=getattr(inp, "cp", 1),
-        offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0))
+        offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0), ep=getattr(inp, "ep", 1),
+        moe_imbalance=getattr(inp, "moe_imbalance", 1.0))
 
 
 def add_timing(result, arch, inp, gpu, **options) -> None:

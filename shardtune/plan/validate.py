@@ -62,6 +62,8 @@ class PlanInputs:
     tp_across_nodes: bool = False  # parallel.tp_across_nodes: a TP group over several nodes' links
     cp: int = 1  # parallel.cp: context-parallel degree (the sequence split over cp ranks)
     activation_offload: bool = False  # parallel.activation_offload: saved activations in pinned host RAM
+    ep: int = 1  # parallel.ep: expert-parallel degree (MoE; plan/ep.py), borrows data-parallel ranks
+    moe_imbalance: float = 1.0  # the busiest ep rank's expert tokens / the balanced count (plan/ep.py)
     host_ram_gib: float | None = None  # host RAM per node for offload (default plan/cp.py: 256 GiB a GPU)
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
@@ -135,6 +137,17 @@ def validate_inputs(**kw) -> PlanInputs:
         inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
     inp.tp = _int_in("tp", inp.tp, 1, MAX_GPUS)
     inp.cp = _int_in("cp", inp.cp, 1, MAX_GPUS)
+    inp.ep = _int_in("ep", inp.ep, 1, MAX_GPUS)
+    if isinstance(inp.moe_imbalance, bool) or not isinstance(inp.moe_imbalance, (int, float)) or not (
+            1.0 <= inp.moe_imbalance <= 1000.0):
+        raise UserError(f"--moe-imbalance {inp.moe_imbalance!r} must be a number from 1.0 (balanced routing) up; "
+                        "the busiest expert-parallel rank's tokens over the balanced count")
+    inp.moe_imbalance = float(inp.moe_imbalance)
+    if inp.ep > 1 and inp.params is not None:
+        raise UserError("--ep needs a mixture-of-experts architecture; give a MODEL instead of --params")
+    if (inp.gpus // inp.tp) % inp.ep:  # per strategy: ep divides its dp_shard x cp (strategy_plan, layout.py)
+        raise UserError(f"--ep {inp.ep} does not divide the {inp.gpus // inp.tp} data-parallel ranks (gpus / tp): "
+                        "expert parallelism borrows them; give an ep that divides them")
     if not isinstance(inp.activation_offload, bool):
         raise UserError(f"--activation-offload must be true or false, got {inp.activation_offload!r}")
     if inp.host_ram_gib is not None and not (isinstance(inp.host_ram_gib, (int, float)) and 0 < inp.host_ram_gib < 1e9):

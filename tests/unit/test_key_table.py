@@ -45,6 +45,7 @@ SETTINGS = (  # every table key off its default, over three recipes (the rules r
      "parallel.activation_offload": True},
     {"optim.name": "adamw-8bit", "train.objective": "dpo", "train.reference": "precompute", "lora.rank": 4,
      "lora.quantize_base": "nf4"},
+    {"parallel.ep": 2, "checkpoint.save_final": False},  # ep saves no checkpoint yet (rules/ep.py)
 )
 
 
