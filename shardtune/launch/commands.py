@@ -41,16 +41,22 @@ _STRICT = typer.Option(False, "--strict",
 _OUT = typer.Option(None, "-o", "--output", metavar="FILE", help="Write here instead of printing to stdout.")
 _RESTARTS = typer.Option(0, "--max-restarts", metavar="N",
                          help="torchrun restarts of the worker group after a failure.")
+_EP = typer.Option(None, "--ep", metavar="N",
+                   help="Expert-parallel degree (parallel.ep; MoE models): passed to the trainer as parallel.ep=N "
+                        "and checked as it checks it (ep divides the experts and dp_shard x cp).")
 _GRACE = typer.Option(300, "--checkpoint-grace-s", metavar="SECONDS",
                       help="Seconds between SIGTERM and SIGKILL (SLURM: signal this "
                            "long before --time).")
 
 
-def _build(recipe: str, overrides: list[str] | None, **kw):
-    """Validate the recipe (as the trainer will see it) and the launch options."""
+def _build(recipe: str, overrides: list[str] | None, ep: int | None = None, **kw):
+    """Validate the recipe (as the trainer will see it) and the launch options; `ep` (--ep) is the
+    override parallel.ep=N, which the nodes' trainers get too."""
     from shardtune.config import load_recipe
     from shardtune.launch.spec import LaunchSpec, validate
 
+    if ep is not None:
+        overrides = [*(overrides or ()), f"parallel.ep={ep}"]
     cfg = load_recipe(recipe, tuple(overrides or ()))
     kw["interconnect"], link = resolve_interconnect(kw["interconnect"], kw.pop("link", None))
     # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
@@ -69,7 +75,7 @@ def torchrun_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, strict: bool = _STRICT,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, strict: bool = _STRICT, ep: int | None = _EP,
     rdzv_host: str | None = typer.Option(None, "--rdzv-host", metavar="HOST",
                                          help="Address of the node hosting the c10d rendezvous "
                                               "(needed for >1 node)."),
@@ -83,7 +89,7 @@ def torchrun_cmd(
     """A script to run unchanged on every node: one torchrun agent, c10d rendezvous."""
     from shardtune.launch.torchrun import render_torchrun
 
-    cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, ep, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
@@ -99,7 +105,7 @@ def slurm_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP,
     partition: str | None = typer.Option(None, "--partition", metavar="NAME", help="SLURM partition."),
     account: str | None = typer.Option(None, "--account", metavar="NAME", help="SLURM account."),
     time: str | None = typer.Option(None, "--time", metavar="LIMIT", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
@@ -123,7 +129,7 @@ def slurm_cmd(
     """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
     from shardtune.launch.slurm import environment_notes, render_slurm
 
-    cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, ep, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
@@ -142,7 +148,7 @@ def k8s_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP,
     image: str | None = typer.Option(None, "--image", metavar="IMAGE",
                                      help="Container image with shardtune installed."),
     pvc: str | None = typer.Option(None, "--pvc", metavar="CLAIM",
@@ -175,7 +181,7 @@ def k8s_cmd(
 
     if not checkpoint_mount.startswith("/") or "\n" in checkpoint_mount:
         raise UserError(f"--checkpoint-mount {checkpoint_mount!r} must be an absolute path")
-    cfg, spec, link = _build(recipe, overrides, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, ep, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,

@@ -51,3 +51,25 @@ def test_a_resume_under_ep_is_refused(monkeypatch, capsys, tmp_path):
     err = refused_before_any_process(monkeypatch, capsys, ["train", MOE, "--output-dir", tmp_path / "other",
                                                            "--nproc", "2", "--ep", "2", "--resume", step])
     assert "unset checkpoint.resume" in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, needle", [
+    (["slurm", MOE, "--nodes", "1", "--gpus-per-node", "3", "--ep", "3"], "does not divide the 4 experts per layer"),
+    (["torchrun", MOE, "--nodes", "2", "--gpus-per-node", "2", "--ep", "8"], "must divide dp_shard x cp = 4"),
+    (["k8s", DENSE, "--nodes", "2", "--gpus-per-node", "2", "--ep", "2", "--image", "x/y:1", *NO_CKPT],
+     "needs a mixture-of-experts model"),
+])
+def test_launch_checks_ep_as_the_trainer_does(monkeypatch, capsys, args, needle):
+    assert needle in refused_before_any_process(monkeypatch, capsys, ["launch", *args])
+
+
+def test_launch_passes_ep_to_every_node(capsys, tmp_path):
+    """--ep N reaches the nodes' trainers as parallel.ep=N (the script's command line; k8s: its recipe)."""
+    from shardtune import cli
+
+    assert cli.main(["launch", "slurm", str(MOE), "--nodes", "2", "--gpus-per-node", "2", "--ep", "4"]) == 0
+    assert "tiny-moe-cpu.yaml parallel.ep=4" in capsys.readouterr().out
+    assert cli.main(["launch", "k8s", str(MOE), "--nodes", "2", "--gpus-per-node", "2", "--ep", "2",
+                     "--image", "x/y:1"]) == 0
+    assert "\n      ep: 2\n" in capsys.readouterr().out
