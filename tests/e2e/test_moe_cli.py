@@ -1,6 +1,7 @@
 """`shardtune train recipes/tiny-moe-cpu.yaml` as a user runs it: a tiny Mixtral (4 experts, top-2,
 grouped-GEMM experts, fp32 router) under zero3, zero2 with AC full, hsdp, and zero3 with expert
-parallelism (`--ep 2`: 2 experts a rank, tokens sent by all-to-all) on 2 processes, each giving one
+parallelism (`--ep 2`: 2 experts a rank, tokens sent by all-to-all) on 2 processes, and ep 2 x
+expert-FSDP 2 on 4 processes (2 rows each, the same global batch), each giving one
 process's losses over 4 fp32 steps (same 8-row global batch), its load-balancing loss (`aux_loss`)
 and its expert load (`expert_load_cv`) included. The runs are made once for the module."""
 from __future__ import annotations
@@ -18,6 +19,8 @@ RUNS = {
     "zero2_ac": ["--nproc", "2", "--strategy", "zero2", "parallel.activation_checkpointing=full"],
     "hsdp": ["--nproc", "2", "--strategy", "hsdp", "parallel.hsdp_shard_size=1"],
     "ep2": ["--nproc", "2", "--ep", "2"],
+    # ep 2 x expert-FSDP 2: each expert's states on 2 ranks, its gradient summed on the wire then divided
+    "ep2_efsdp2": ["--nproc", "4", "--ep", "2", "train.micro_batch=2"],
 }
 
 
@@ -33,7 +36,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["zero3", "zero2_ac", "hsdp", "ep2"])
+@pytest.mark.parametrize("layout", ["zero3", "zero2_ac", "hsdp", "ep2", "ep2_efsdp2"])
 def test_two_processes_give_one_process_losses_aux_loss_and_load(runs, layout):
     one, _ = runs["one"]
     got, _ = runs[layout]
@@ -61,6 +64,8 @@ def test_ep_says_what_it_ran(runs, tmp_path_factory):
     _, log = runs["ep2"]
     assert "experts grouped_mm (4 per layer, top-2, ep 2, expert_fsdp 1)" in log
     base = tmp_path_factory.getbasetemp()
-    eff = {n: json.loads(next(base.glob(f"moe*/{n}/memory.json")).read_text())["effective"] for n in ("ep2", "zero3")}
+    eff = {n: json.loads(next(base.glob(f"moe*/{n}/memory.json")).read_text())["effective"]
+           for n in ("ep2", "zero3", "ep2_efsdp2")}
     assert (eff["ep2"]["ep"], eff["ep2"]["expert_fsdp"]) == (2, 1)
+    assert (eff["ep2_efsdp2"]["ep"], eff["ep2_efsdp2"]["expert_fsdp"]) == (2, 2)
     assert (eff["zero3"]["ep"], eff["zero3"]["expert_fsdp"]) == (1, 2)
