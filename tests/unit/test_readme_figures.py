@@ -134,3 +134,16 @@ def test_moe_plan_figures(capsys):
     zero3 = next(x for x in _plan_json(capsys, "qwen3-30b-a3b", "--gpus", "8")["strategies"] if x["name"] == "zero3")
     assert f"zero3 fits at {zero3['memory']['total'] / GIB:.1f} GiB" in " ".join(README.split()), zero3["memory"]
     assert zero3["fits"]
+
+
+def test_moe_ep_plan_figures(capsys):
+    """The MoE paragraph's `shardtune plan qwen3-30b-a3b --gpus 8 --ep 8`: zero3's peak and tokens/s with
+    and without ep, the all-to-all bytes a rank sends per step."""
+    text = " ".join(README.split())
+    ep, no_ep = (next(x for x in _plan_json(capsys, "qwen3-30b-a3b", "--gpus", "8", *extra)["strategies"]
+                      if x["name"] == "zero3") for extra in (["--ep", "8"], []))
+    assert f"--ep 8`: zero3 fits at {ep['memory']['total'] / GIB:.1f} GiB" in text, ep["memory"]
+    assert f"predicts {ep['tokens_per_s']:,.0f} tokens/s per GPU against {no_ep['tokens_per_s']:,.0f} without ep" \
+        in text
+    a2a = ep["comm"]["all_to_all"]["bytes_per_rank_per_micro_batch"]  # grad_accum 1: one micro-batch a step
+    assert f"all-to-all of {a2a / 1e9:.1f} GB a rank per step" in text, a2a
