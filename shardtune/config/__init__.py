@@ -27,6 +27,7 @@ from shardtune.config.plan_keys import PLAN_KEYS, read_key
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_combination
+from shardtune.rules.pipeline import check_pipeline
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -74,6 +75,7 @@ class RunConfig(_Section):
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
                           activation_offload=par.activation_offload, seq_len=self.train.seq_len,
                           sequence_parallel=par.sequence_parallel, objective=self.train.objective)
+        check_pipeline(self)  # parallel.pp > 1: what the pipeline runs with (rules/pipeline.py)
         return self  # once, here; the heads and the world are the layout's (preflight, Layout.check_model)
 
     @property

@@ -47,6 +47,8 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
     Flag("tp", "parallel.tp", int, "Tensor-parallel degree (parallel.tp): data-parallel degree = --nproc / tp.", "T"),
     Flag("cp", "parallel.cp", int, "Context-parallel degree (parallel.cp): each sequence split over C ranks; "
          "data-parallel degree = --nproc / (tp x cp).", "C"),
+    Flag("pp", "parallel.pp", int, "Pipeline-parallel degree (parallel.pp): the decoder layers split into P stages; "
+         "data-parallel degree = --nproc / (pp x tp x cp).", "P"),
     Flag("lora_rank", "lora.rank", int,
          "LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`.", "R"),
 )

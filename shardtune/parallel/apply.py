@@ -46,14 +46,14 @@ def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: 
 
 
 _SUB = "_shardtune_sub_meshes"  # on a mesh: its sub-meshes by name, made once (`_sub_meshes`)
-SUB_MESHES = ("dp", "fsdp", "hsdp", "tp", "cp")
+SUB_MESHES = ("dp", "fsdp", "hsdp", "tp", "cp", "pp")
 
 
 def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
     """The one place that reads the mesh's dimension names: "dp" (the data-parallel ranks, 1-D: ranks
     of one tp and cp group read the same rows), "fsdp" (what zero2/zero3 shard over: the data ranks
     without cp, dp_shard x cp flattened with it, as torchtitan's "dp_shard_cp"), "hsdp" (FSDP2's 2-D
-    replicate x shard mesh), "tp" and "cp" (1-D, None at degree 1)."""
+    replicate x shard mesh), "tp", "cp" and "pp" (1-D, None at degree 1)."""
     if (table := getattr(mesh, _SUB, None)) is not None:
         return table
     names = mesh.mesh_dim_names or ()
@@ -70,7 +70,7 @@ def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
         else:
             table = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"), "fsdp": mesh["dp_shard"],
                      "hsdp": mesh["dp_replicate", "dp_shard"]}
-    table |= {n: mesh[n] if size(n) > 1 else None for n in ("tp", "cp")}
+    table |= {n: mesh[n] if size(n) > 1 else None for n in ("tp", "cp", "pp")}
     setattr(mesh, _SUB, table)
     return table
 

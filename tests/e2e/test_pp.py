@@ -1,0 +1,58 @@
+"""Pipeline parallelism through `shardtune train` (issue 40): `--pp 2` on 2 processes (1F1B, and GPipe
+with an uneven `parallel.pp_layers` split) and pp 2 x dp 2 (zero3) on 4 processes give the losses and
+gradient norms of one process on the same global batch, 4 fp32 steps, within 1e-5; memory.json's
+effective settings and the start-up line say what ran. One launch per configuration (shared runs)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_effective import RECIPE, _check_effective
+
+pytestmark = [pytest.mark.e2e]
+
+COMMON = ["train.max_steps=4", "checkpoint.save_final=false", "checkpoint.export_hf=false", "train.grad_accum=2"]
+ONE = [*COMMON, "train.micro_batch=4"]  # one process: 4 rows x 2 micro-batches a step
+RUNS = {  # name → (processes, overrides); every run reads the same 8 rows a step
+    "pp2-1f1b": (2, [*ONE, "parallel.pp=2"]),
+    "pp2-gpipe-1+3": (2, [*ONE, "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_layers=[1,3]"]),
+    "pp2-dp2-1f1b": (4, [*COMMON, "train.micro_batch=2", "parallel.pp=2"]),
+}
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(shared_run):
+    out, proc = shared_run(RECIPE.read_text(), *ONE, nproc=1)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return _records(out), _params(proc.stdout)
+
+
+def _params(log: str) -> str:
+    """The start-up line's parameter count ("792,576 params")."""
+    words = next(x for x in log.splitlines() if " params, global batch" in x).split(" params,")[0].split()
+    return words[-1]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_pipeline_equals_one_process(shared_run, reference, name):
+    reference, params = reference
+    nproc, overrides = RUNS[name]
+    out, proc = shared_run(RECIPE.read_text(), *overrides, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    got = _records(out)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["target_tokens"] for r in got] == [r["target_tokens"] for r in reference]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in reference], rel=1e-5, abs=1e-5), key
+    eff = _check_effective(out, overrides, nproc)  # every TABLE row, parallel.pp* among them
+    assert eff["pp"] == 2 and eff["strategy"] == "zero3"
+    schedule = "gpipe" if "gpipe" in name else "1f1b"
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("shardtune: effective:"))
+    assert f"pp 2 ({schedule}, layers {eff['pp_layers']})" in line, line
+    assert f"as pp 2 ({schedule}) x dp {nproc // 2}" in proc.stdout, proc.stdout[:2000]
+    assert _params(proc.stdout) == params  # the whole model's (every stage's), as one process counts them
