@@ -55,6 +55,7 @@ def check_pipeline(cfg) -> None:
         (ck.every > 0, "checkpoint.every", f"{ck.every} (set 0)"),
         (ck.save_final, "checkpoint.save_final", "true (set false)"),
         (ck.export_hf, "checkpoint.export_hf", "true (set false)"),
+        (ck.resume not in ("auto", "never"), "checkpoint.resume", f"{ck.resume!r} (set never)"),
     )
     for bad, key, value in refused:
         if bad:
