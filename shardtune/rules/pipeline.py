@@ -33,7 +33,7 @@ def check_pipeline(cfg) -> None:
     if par.pp_schedule == "1f1b" and train.grad_accum < par.pp:
         raise UserError(f"parallel.pp_schedule 1f1b needs at least pp = {par.pp} micro-batches a step, got "
                         f"train.grad_accum {train.grad_accum}: raise train.grad_accum (the micro-batches)")
-    ck, lora, data = cfg.checkpoint, cfg.lora, cfg.data
+    lora, data = cfg.lora, cfg.data
     refused = (
         (par.strategy not in PP_STRATEGIES, "parallel.strategy",
          f"{par.strategy!r} (each stage is FSDP2-sharded: use {' or '.join(PP_STRATEGIES)})"),
@@ -52,15 +52,11 @@ def check_pipeline(cfg) -> None:
         (cfg.optim.name != "adamw", "optim.name", f"{cfg.optim.name!r} (set adamw)"),
         (bool(train.sample_prompts), "train.sample_prompts", "(drop them)"),
         (data.has_val, "data.val_path / data.val_split", "(validation: drop them)"),
-        (ck.every > 0, "checkpoint.every", f"{ck.every} (set 0)"),
-        (ck.save_final, "checkpoint.save_final", "true (set false)"),
-        (ck.export_hf, "checkpoint.export_hf", "true (set false)"),
-        (ck.resume not in ("auto", "never"), "checkpoint.resume", f"{ck.resume!r} (set never)"),
     )
     for bad, key, value in refused:
         if bad:
             raise UserError(f"parallel.pp {par.pp} does not run with {key} {value} yet: the pipeline is verified "
-                            "for full fine-tuning in fp32 without checkpoints (docs/parallelism.md)")
+                            "for full fine-tuning in fp32 (docs/parallelism.md)")
 
 
 def stage_layer_counts(num_layers: int, pp: int, pp_layers: list[int] | None) -> list[int]:

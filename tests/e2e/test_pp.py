@@ -11,13 +11,14 @@ from test_effective import RECIPE, _check_effective
 
 pytestmark = [pytest.mark.e2e]
 
-COMMON = ["train.max_steps=4", "checkpoint.save_final=false", "checkpoint.export_hf=false", "train.grad_accum=2"]
-ONE = [*COMMON, "train.micro_batch=4"]  # one process: 4 rows x 2 micro-batches a step
+COMMON = ["train.max_steps=4", "train.grad_accum=2"]
+NO_SAVE = ["checkpoint.save_final=false", "checkpoint.export_hf=false"]
+ONE = [*COMMON, "train.micro_batch=4"]  # one process: 4 rows x 2 micro-batches a step (saved, exported)
 RUNS = {  # name → (processes, overrides); every run reads the same 8 rows a step
-    "pp2-1f1b": (2, [*ONE, "parallel.pp=2"]),
-    "pp2-gpipe-1+3-zero2": (2, [*ONE, "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_layers=[1,3]",
-                                "parallel.strategy=zero2"]),
-    "pp2-dp2-1f1b": (4, [*COMMON, "train.micro_batch=2", "parallel.pp=2"]),
+    "pp2-1f1b-saved": (2, [*ONE, "parallel.pp=2", "checkpoint.every=2"]),  # step_2, step_4, hf_export
+    "pp2-gpipe-1+3-zero2": (2, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.pp_schedule=gpipe",
+                                "parallel.pp_layers=[1,3]", "parallel.strategy=zero2"]),
+    "pp2-dp2-1f1b": (4, [*COMMON, *NO_SAVE, "train.micro_batch=2", "parallel.pp=2"]),
 }
 
 
@@ -29,7 +30,7 @@ def _records(out) -> list[dict]:
 def reference(shared_run):
     out, proc = shared_run(RECIPE.read_text(), *ONE, nproc=1)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    return _records(out), _params(proc.stdout)
+    return _records(out), _params(proc.stdout), out
 
 
 def _params(log: str) -> str:
@@ -41,7 +42,7 @@ def _params(log: str) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_pipeline_equals_one_process(shared_run, reference, name):
-    reference, params = reference
+    reference, params, _ = reference
     nproc, overrides = RUNS[name]
     out, proc = shared_run(RECIPE.read_text(), *overrides, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -57,3 +58,32 @@ def test_pipeline_equals_one_process(shared_run, reference, name):
     assert f"pp 2 ({schedule}, layers {eff['pp_layers']})" in line, line
     assert f"as pp 2 ({schedule}) x dp {nproc // 2}" in proc.stdout, proc.stdout[:2000]
     assert _params(proc.stdout) == params  # the whole model's (every stage's), as one process counts them
+
+
+@pytest.mark.timeout(600)
+def test_pp_checkpoint_resumes_on_one_process_and_exports(shared_run, reference, tmp_path):
+    """The pp 2 run's step-2 checkpoint (DCP, each stage its own keys) resumed by one process gives the
+    one-process run's steps 3 and 4; its export (from the step-4 checkpoint) holds the one-process
+    run's trained weights and loads in transformers with its logits."""
+    import torch
+    from _cli import shardtune_cli
+    from transformers import AutoModelForCausalLM
+
+    reference, _, ref_out = reference
+    nproc, overrides = RUNS["pp2-1f1b-saved"]
+    out, proc = shared_run(RECIPE.read_text(), *overrides, nproc=nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    resumed = shardtune_cli("train", RECIPE, "--nproc", "1", "--output-dir", tmp_path / "run", *ONE, *NO_SAVE,
+                            f"checkpoint.resume={out / 'checkpoints' / 'step_2'}", timeout_s=300)
+    assert resumed.returncode == 0 and "parallel.pp 2 → 1" in resumed.stdout, resumed.stdout[-3000:]
+    got = _records(tmp_path / "run")
+    assert [r["step"] for r in got] == [3, 4]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in reference[2:]], rel=1e-5, abs=1e-5), key
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name, folder in (("pp", out / "hf_export"), ("one", ref_out / "hf_export")):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with torch.no_grad():
+            logits[name] = model(input_ids=ids).logits
+    assert torch.allclose(logits["pp"], logits["one"], atol=1e-5), (logits["pp"] - logits["one"]).abs().max()

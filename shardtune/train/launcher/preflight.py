@@ -381,8 +381,5 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int, 
         if cfg.data.has_val:
             _check_val(cfg)
     _check_writable(cfg.run_dir)
-    resumed = resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
-    if par.pp > 1 and resumed is not None:
-        raise UserError(f"parallel.pp {par.pp} does not resume checkpoints yet, and {cfg.run_dir} holds one "
-                        f"(step {resumed.step}): set checkpoint.resume=never or another --output-dir")
+    resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
     return layout
