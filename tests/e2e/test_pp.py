@@ -1,7 +1,8 @@
-"""Pipeline parallelism through `shardtune train` (issue 40): `--pp 2` on 2 processes (1F1B, and GPipe
-with an uneven `parallel.pp_layers` split under zero2) and pp 2 x dp 2 (zero3) on 4 processes give the losses and
-gradient norms of one process on the same global batch, 4 fp32 steps, within 1e-5; memory.json's
-effective settings and the start-up line say what ran. One launch per configuration (shared runs)."""
+"""Pipeline parallelism through `shardtune train` (issue 40): `--pp 2` on 2 processes (1F1B; GPipe with
+an uneven `parallel.pp_layers` split, zero2, the chunked loss and bf16-mixed) and pp 2 x dp 2 (zero3) on
+4 processes give the losses and gradient norms of one process on the same global batch and precision,
+4 steps, within 1e-5; memory.json's effective settings and the start-up line say what ran; the pp
+checkpoint resumes on one process and exports. One launch per configuration (shared runs)."""
 from __future__ import annotations
 
 import json
@@ -13,11 +14,14 @@ pytestmark = [pytest.mark.e2e]
 
 COMMON = ["train.max_steps=4", "train.grad_accum=2"]
 NO_SAVE = ["checkpoint.save_final=false", "checkpoint.export_hf=false"]
+BF16 = "parallel.precision=bf16-mixed"  # 4e-4 from fp32's losses: compared with one process in bf16-mixed
 ONE = [*COMMON, "train.micro_batch=4"]  # one process: 4 rows x 2 micro-batches a step (saved, exported)
+SAME_MATH = ("parallel.precision=", "train.loss_chunks=")  # levers the one-process reference runs with too
 RUNS = {  # name → (processes, overrides); every run reads the same 8 rows a step
     "pp2-1f1b-saved": (2, [*ONE, "parallel.pp=2", "checkpoint.every=2"]),  # step_2, step_4, hf_export
-    "pp2-gpipe-1+3-zero2": (2, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.pp_schedule=gpipe",
-                                "parallel.pp_layers=[1,3]", "parallel.strategy=zero2"]),
+    "pp2-gpipe-1+3-zero2-chunks3-bf16": (2, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.pp_schedule=gpipe",
+                                             "parallel.pp_layers=[1,3]", "parallel.strategy=zero2",
+                                             "train.loss_chunks=3", BF16]),
     "pp2-dp2-1f1b": (4, [*COMMON, *NO_SAVE, "train.micro_batch=2", "parallel.pp=2"]),
 }
 
@@ -28,9 +32,13 @@ def _records(out) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(shared_run):
-    out, proc = shared_run(RECIPE.read_text(), *ONE, nproc=1)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return _records(out), _params(proc.stdout), out
+    """`reference(levers) -> (records, the start-up line's parameter count, run folder)`: one process
+    with `levers` (those of a run that change the arithmetic: precision, loss chunks)."""
+    def get(levers: tuple = ()):
+        out, proc = shared_run(RECIPE.read_text(), *ONE, *([*levers, *NO_SAVE] if levers else []), nproc=1)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        return _records(out), _params(proc.stdout), out
+    return get
 
 
 def _params(log: str) -> str:
@@ -42,8 +50,8 @@ def _params(log: str) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_pipeline_equals_one_process(shared_run, reference, name):
-    reference, params, _ = reference
     nproc, overrides = RUNS[name]
+    reference, params, _ = reference(tuple(o for o in overrides if o.startswith(SAME_MATH)))
     out, proc = shared_run(RECIPE.read_text(), *overrides, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:]
     got = _records(out)
@@ -69,7 +77,7 @@ def test_pp_checkpoint_resumes_on_one_process_and_exports(shared_run, reference,
     from _cli import shardtune_cli
     from transformers import AutoModelForCausalLM
 
-    reference, _, ref_out = reference
+    reference, _, ref_out = reference()
     nproc, overrides = RUNS["pp2-1f1b-saved"]
     out, proc = shared_run(RECIPE.read_text(), *overrides, nproc=nproc)
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -37,8 +37,10 @@ def attach_pipeline(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: 
     def loss_sum(lm: nn.Module, batch: dict) -> torch.Tensor:
         return lm_token_loss_sum(lm, batch, opts.loss_chunks, opts.autocast_dtype)
 
+    # what travels between stages: the compute dtype (FSDP2 casts to bf16 inside fully_shard)
+    hidden_dtype = torch.float32 if cfg.parallel.precision == "fp32" else torch.bfloat16
     build_pipeline(model, pp_mesh, device, cfg.parallel.pp_schedule, cfg.train.grad_accum,
-                   (cfg.train.micro_batch, cfg.train.seq_len), torch.float32, loss_sum)
+                   (cfg.train.micro_batch, cfg.train.seq_len), hidden_dtype, loss_sum)
 
 
 def pp_train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict], opts: StepOptions, *,
