@@ -24,6 +24,7 @@ from shardtune.strategies import FSDP_STRATEGIES, Strategy, strategy
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 TP_MESH_AXES = ("dp_replicate", "dp_shard", "tp")
 CP_MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+PP_MESH_AXES = ("pp", *TP_MESH_AXES)  # pp > 1 (tp 1 there until the two are verified together)
 # degrees whose groups may span nodes without being asked (tp, ep: only with *_across_nodes)
 SPANS_NODES = ("pp", "dp_replicate", "dp_shard", "cp")
 
@@ -139,6 +140,8 @@ class Layout:
         """The device mesh's dimension names: the strategy's (("dp",), hsdp's ("replicate", "shard"));
         with tp > 1 ("dp_replicate", "dp_shard", "tp"), with cp > 1 ("dp_replicate", "dp_shard", "cp",
         "tp") (tp may be 1 there). parallel/apply.py looks sub-meshes up by these names."""
+        if self.pp > 1:
+            return PP_MESH_AXES
         if self.cp > 1:
             return CP_MESH_AXES
         return self.strategy.mesh_axes if self.tp == 1 else TP_MESH_AXES
@@ -163,7 +166,7 @@ class Layout:
         module imports no config): the one call of the trainer, its preflight and the launcher."""
         return cls.build(strategy_name or par.strategy, world_size, gpus_per_node,
                          hsdp_shard_size or par.hsdp_shard_size, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                         tp_across_nodes=par.tp_across_nodes, cp=par.cp, ep=par.ep)
+                         tp_across_nodes=par.tp_across_nodes, cp=par.cp, ep=par.ep, pp=par.pp)
 
     @classmethod
     def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,

@@ -28,6 +28,7 @@ from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_combination
 from shardtune.rules.ep import check_ep_checkpoints
+from shardtune.rules.pipeline import check_pipeline
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
@@ -78,6 +79,7 @@ class RunConfig(_Section):
         ck = self.checkpoint
         check_ep_checkpoints(par.ep, every=ck.every, save_final=ck.save_final, export_hf=ck.export_hf,
                              resume=ck.resume)
+        check_pipeline(self)  # parallel.pp > 1: what the pipeline runs with (rules/pipeline.py)
         return self  # once, here; the heads and the world are the layout's (preflight, Layout.check_model)
 
     @property

@@ -49,6 +49,8 @@ TRAIN_FLAGS: tuple[Flag, ...] = (
          "data-parallel degree = --nproc / (tp x cp).", "C"),
     Flag("ep", "parallel.ep", int, "Expert-parallel degree (parallel.ep; MoE models): each layer's experts split "
          "over E data-parallel ranks, which must divide them and dp_shard x cp.", "E"),
+    Flag("pp", "parallel.pp", int, "Pipeline-parallel degree (parallel.pp): the decoder layers split into P stages; "
+         "data-parallel degree = --nproc / (pp x tp x cp).", "P"),
     Flag("lora_rank", "lora.rank", int,
          "LoRA rank on q/k/v/o/gate/up/down (lora.rank; 0: full fine-tune), as `shardtune plan --lora-rank`.", "R"),
 )

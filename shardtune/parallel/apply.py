@@ -51,15 +51,15 @@ def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: 
 
 
 _SUB = "_shardtune_sub_meshes"  # on a mesh: its sub-meshes by name, made once (`_sub_meshes`)
-SUB_MESHES = ("dp", "fsdp", "hsdp", "tp", "cp", "ep", "efsdp")
+SUB_MESHES = ("dp", "fsdp", "hsdp", "tp", "cp", "pp", "ep", "efsdp")
 
 
 def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
     """The one place that reads the mesh's dimension names: "dp" (the data-parallel ranks, 1-D: ranks
     of one tp and cp group read the same rows), "fsdp" (what zero2/zero3 shard over: the data ranks
     without cp, dp_shard x cp flattened with it, as torchtitan's "dp_shard_cp"), "hsdp" (FSDP2's 2-D
-    replicate x shard mesh), "tp" and "cp" (1-D, None at degree 1); "ep" and "efsdp" (the experts' FSDP
-    mesh, hsdp's 2-D) are `build_mesh`'s, None without expert parallelism."""
+    replicate x shard mesh), "tp", "cp" and "pp" (1-D, None at degree 1); "ep" and "efsdp" (the experts'
+    FSDP mesh, hsdp's 2-D) are `build_mesh`'s, None without expert parallelism."""
     if (table := getattr(mesh, _SUB, None)) is not None:
         return table
     names = mesh.mesh_dim_names or ()
@@ -76,7 +76,7 @@ def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
         else:
             table = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"), "fsdp": mesh["dp_shard"],
                      "hsdp": mesh["dp_replicate", "dp_shard"]}
-    table |= {n: mesh[n] if size(n) > 1 else None for n in ("tp", "cp")} | {"ep": None, "efsdp": None}
+    table |= {n: mesh[n] if size(n) > 1 else None for n in ("tp", "cp", "pp")} | {"ep": None, "efsdp": None}
     setattr(mesh, _SUB, table)
     return table
 

@@ -26,6 +26,7 @@ from shardtune.parallel.apply import (
 )
 from shardtune.parallel.cp import apply_cp
 from shardtune.parallel.ep import apply_ep
+from shardtune.parallel.pp import apply_pp
 from shardtune.parallel.tp import apply_tp
 from shardtune.strategies import STRATEGY
 
@@ -51,6 +52,8 @@ def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, me
     # on the CPU under offload all, where CPUOffloadPolicy keeps the shards, as torchtitan does)
     # and fill. ddp/zero1 (`materialise_before_wrap`): DDP broadcasts rank 0's parameters when
     # built, so materialise and fill first and wrap last.
+    if sub_mesh(mesh, "pp") is not None:  # pipeline: this rank's stage only, before anything is applied
+        apply_pp(meta_model, sub_mesh(mesh, "pp"), parallel_cfg.pp_layers)
     apply_precision(meta_model, parallel_cfg)
     if tp_mesh(mesh) is not None:  # TP first (torchtitan's order TP → AC → compile → FSDP): FSDP shards DTensors
         apply_tp(meta_model, tp_mesh(mesh), parallel_cfg.sequence_parallel)

@@ -59,7 +59,8 @@ _SCHED = "the lr per step: metrics.jsonl's lr (tests/unit/test_optim.py checks t
 
 # config key → (effective key, expected value from the recipe) or a string: why it has no effective row
 _WATCHDOG = "the hang watchdog, not the step (tests/unit/test_watchdog_settings.py, tests/e2e/test_watchdog.py)"
-_PP = "refused above 1 until the pipeline lands (config/parallel.py)"
+_PP_VIRTUAL = ("stages per rank of interleaved-1f1b, which the trainer refuses (rules/pipeline.py; "
+               "tests/unit/test_pp_refusals.py)")
 TABLE: dict[str, tuple | str] = {
     "name": _BOOK, "output_dir": _BOOK,
     "model": "section",
@@ -102,7 +103,11 @@ TABLE: dict[str, tuple | str] = {
     "train.max_steps": "how many steps: metrics.jsonl's steps", "train.epochs": "how many steps (max_steps unset)",
     "train.seed": "init and data order (tests/dist/test_train_parity.py)",
     "train.log_every": _BOOK, "train.backend": _BOOK, "train.timeout_s": _BOOK,
-    "parallel.pp": _PP, "parallel.pp_schedule": _PP, "parallel.pp_virtual_stages": _PP, "parallel.pp_layers": _PP,
+    "parallel.pp": ("pp", lambda c: c.parallel.pp),  # the pp runs: tests/e2e/test_pp.py
+    "parallel.pp_schedule": ("pp_schedule", lambda c: c.parallel.pp_schedule if c.parallel.pp > 1 else None),
+    "parallel.pp_layers": ("pp_layers", lambda c: (c.parallel.pp_layers or [LAYERS // c.parallel.pp] * c.parallel.pp)
+                           if c.parallel.pp > 1 else None),
+    "parallel.pp_virtual_stages": _PP_VIRTUAL,
     "train.watchdog_s": _WATCHDOG, "train.watchdog_first_step_s": _WATCHDOG,
     "train.gpu": "the MFU denominator and the plan, not the device", "train.eval_every": _BOOK,
     "train.loggers": _BOOK, "train.sample_prompts": "generation at evaluations (tests/e2e/test_sample_prompts.py)",
@@ -166,11 +171,11 @@ def _train(out: Path, overrides: list[str], timeout_s: float = 420) -> str:
     return proc.stdout
 
 
-def _check_effective(out: Path, overrides: list[str]) -> dict:
+def _check_effective(out: Path, overrides: list[str], nproc: int = 2) -> dict:
     cfg = load_recipe(RECIPE, overrides)
     memory = json.loads((out / "memory.json").read_text())
     eff = memory["effective"]
-    assert [r["effective"] for r in memory["per_rank"]] == [eff, eff]  # both ranks ran the same
+    assert [r["effective"] for r in memory["per_rank"]] == [eff] * nproc  # every rank ran the same
     wrong = {}
     for key, row in TABLE.items():
         if isinstance(row, tuple):

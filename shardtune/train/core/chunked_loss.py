@@ -130,17 +130,19 @@ def lm_token_loss_sum(model: nn.Module, batch: dict, loss_chunks: int | None,
     # tensor parallel: vocabulary-sharded logits and loss_parallel (the caller's loss_context), one chunk
     k = resolve_loss_chunks(loss_chunks, lm.config.vocab_size, tp_degree(lm))
     batch = shard_batch(lm, batch)  # context parallel: this rank's rows (labels shifted before the split)
-    ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
-    amp = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    pos, labels = batch["position_ids"], batch["labels"]
+    # a pipeline's later stage (parallel/pp.py) feeds the previous stage's hidden states, not ids
+    inputs = {k: batch[k] for k in ("input_ids", "inputs_embeds") if k in batch}
+    amp = torch.autocast(labels.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     if k == 1:
         with amp:
-            logits = model(input_ids=ids, position_ids=pos).logits
+            logits = model(**inputs, position_ids=pos).logits
         # the logits die with this frame: nothing in backward needs them (the loss saved its own
         # fp32 log-softmax), e·T·V bytes freed before backward (docs/calibration.md)
         loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                                            ignore_index=IGNORE_INDEX, reduction="sum")
         return loss.full_tensor() if isinstance(loss, DTensor) else loss  # TP: replicated, no comm
-    no_position = torch.empty(0, dtype=torch.long, device=ids.device)
+    no_position = torch.empty(0, dtype=torch.long, device=labels.device)
     with amp, _loss_in_root_forward(lm, labels, k):
-        out = model(input_ids=ids, position_ids=pos, logits_to_keep=no_position)
+        out = model(**inputs, position_ids=pos, logits_to_keep=no_position)
     return out.loss

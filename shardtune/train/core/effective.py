@@ -13,6 +13,7 @@ from torch.distributed._composable.contract import _get_registry
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from shardtune.parallel.cp import cp_degree
+from shardtune.parallel.pp import pipeline_of, schedule_name
 from shardtune.parallel.tp import TP_ATTR
 from shardtune.train.core.moe import num_experts
 from shardtune.train.core.qlora import is_nf4
@@ -167,8 +168,16 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
         "simpo_gamma": opts.simpo_gamma,
         "optimizer": optimizer_name(optimizer), **_hyper(optimizer), **_lora(hf),
         "quantize_base": "nf4" if any(is_nf4(p) for p in hf.parameters()) else "none",
-        "threads": torch.get_num_threads(), **_experts(hf),
+        "threads": torch.get_num_threads(), **_experts(hf), **_pipeline(hf),
     }
+
+
+def _pipeline(hf: nn.Module) -> dict:
+    """Pipeline parallelism as built (parallel/pp.py): stages, the schedule's class, layers per stage."""
+    pipe = pipeline_of(hf)
+    if pipe is None:
+        return {"pp": 1, "pp_schedule": None, "pp_layers": None}
+    return {"pp": pipe.span.num_stages, "pp_schedule": schedule_name(pipe), "pp_layers": list(pipe.span.layers)}
 
 
 def _experts(hf: nn.Module) -> dict:
@@ -194,7 +203,8 @@ def describe(eff: dict) -> str:
     ac = eff["activation_checkpointing"] + (f" (layers {eff['ac_layers']})" if eff["ac_layers"] else "")
     lora = f"LoRA rank {eff['lora_rank']}" + (" on an nf4 base" if eff["quantize_base"] == "nf4" else "") \
         if eff["lora_rank"] else "LoRA off"
-    extra = (f"tp {eff['tp']}{' + SP' if eff.get('sequence_parallel') else ''}, " if eff.get("tp", 1) > 1 else "") + (
+    extra = (f"pp {eff['pp']} ({eff['pp_schedule']}, layers {eff['pp_layers']}), " if eff.get("pp", 1) > 1 else "") + (
+        f"tp {eff['tp']}{' + SP' if eff.get('sequence_parallel') else ''}, " if eff.get("tp", 1) > 1 else "") + (
         f"cp {eff['cp']}, " if eff.get("cp", 1) > 1 else "") + (
         "activation offload on, " if eff.get("activation_offload") else "") + (
         f"experts {eff['experts_implementation']} ({eff['num_experts']} per layer, top-{eff['experts_per_token']}"

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from shardtune.parallel.apply import autocast_dtype
 from shardtune.parallel.ep import ep_clip_grad_norm_
+from shardtune.parallel.pp import pp_clip_grad_norm_
 from shardtune.parallel.tp import loss_context
 from shardtune.rules.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
@@ -95,11 +96,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     `opts` says. `activations` (metrics.SavedActivations) counts the bytes saved for backward, if given."""
     optimizer.zero_grad(set_to_none=True)  # here, not after the step: grads stay measurable at rest
     device = micro_batches[0]["input_ids"].device
-    # already shifted: labels[t] follows input[t] (train/data/dataset.py)
-    targets = [mb["labels"] for mb in micro_batches]
-    num_tokens = torch.stack([(t != IGNORE_INDEX).sum() for t in targets]).sum()
-    dist.all_reduce(num_tokens, group=dp_group)  # ONE all-reduce per step
-    denom = num_tokens.clamp(min=1).to(torch.float32)
+    num_tokens, denom = step_tokens(micro_batches, dp_group)
     loss_sum = torch.zeros((), device=device)
     offload = HostOffload() if opts.activation_offload else None
     moe = MoeTerms(model, len(micro_batches), dp_group)  # MoE: the load-balancing loss (moe.py)
@@ -113,6 +110,15 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[dict]
     norm, lr, skipped = clip_and_step(model, optimizer, scheduler, loss_sum, opts)
     return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr),
                       num_tokens=num_tokens, skipped=skipped, parts=moe.parts(dp_size))
+
+
+def step_tokens(micro_batches: list[dict], dp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target tokens of the step over all micro-batches and data-parallel ranks, that count as the
+    fp32 divisor, at least 1): the step's ONE all-reduce."""
+    # already shifted: labels[t] follows input[t] (train/data/dataset.py)
+    num_tokens = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+    dist.all_reduce(num_tokens, group=dp_group)
+    return num_tokens, num_tokens.clamp(min=1).to(torch.float32)
 
 
 def _saved_tensors(activations, offload):
@@ -139,6 +145,8 @@ def clip_and_step(model: nn.Module, optimizer, scheduler, loss_sum: torch.Tensor
     """Clip, then step (or skip a non-finite step); (global grad norm, lr used, skipped)."""
     max_norm = opts.grad_clip if opts.grad_clip > 0 else math.inf
     norm = ep_clip_grad_norm_(model, max_norm)  # expert parallelism: one norm per mesh (parallel/ep.py)
+    if norm is None:  # pipeline parallelism: the stages' norms summed over the pp group (parallel/pp.py)
+        norm = pp_clip_grad_norm_(model, max_norm)
     if norm is None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # DTensor on FSDP

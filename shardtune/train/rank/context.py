@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardtune.parallel.apply import cp_mesh, dp_group, dp_rank_size, tp_mesh
+from shardtune.parallel.apply import cp_mesh, dp_group, dp_rank_size, sub_mesh, tp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -37,6 +37,11 @@ class DistContext:
     def cp(self) -> int:
         """The context-parallel degree (1 without cp)."""
         return cp_mesh(self.mesh).size() if cp_mesh(self.mesh) is not None else 1
+
+    @property
+    def pp(self) -> int:
+        """The pipeline-parallel degree (1 without pp)."""
+        return sub_mesh(self.mesh, "pp").size() if sub_mesh(self.mesh, "pp") is not None else 1
 
     @property
     def dp_rank(self) -> int:

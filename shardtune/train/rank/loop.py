@@ -30,6 +30,7 @@ from rich.progress import (
 )
 
 from shardtune.errors import UserError
+from shardtune.parallel.pp import pipeline_of, pipeline_params
 from shardtune.train.core.dpo import DPO, add_reference_bytes
 from shardtune.train.core.dpo_ref import set_up_dpo
 from shardtune.train.core.effective import describe, effective_settings
@@ -48,6 +49,7 @@ from shardtune.train.core.metrics import (
 )
 from shardtune.train.core.model import build_model, describe_weights, unwrap
 from shardtune.train.core.optim import build_optimizer, build_scheduler
+from shardtune.train.core.pp_step import attach_pipeline, pp_train_step
 from shardtune.train.core.samples import Sampler
 from shardtune.train.core.step import StepOptions, StepResult, TrainState, train_step
 from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
@@ -128,6 +130,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
         raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
                         f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer=auto)")
     opts = StepOptions.from_config(cfg, hf_config.vocab_size)
+    attach_pipeline(model, cfg, ctx.mesh, ctx.device, opts)  # parallel.pp > 1: its schedule (core/pp_step.py)
     objective = set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir, opts) if dpo else None
     if dpo:
         marks.append(("dpo reference", time.perf_counter()))
@@ -137,7 +140,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     keeper = RunKeeper(cfg, ctx, run_dir, model, optimizer, scheduler, state, tokenizer)
     keeper.resume()  # newest complete checkpoint (checkpoint.resume), resharded to this layout
     marks.append(("optimizer and resume", time.perf_counter()))
-    num_params = sum(p.numel() for p in unwrap(model).parameters())
+    num_params = pipeline_params(model, sum(p.numel() for p in unwrap(model).parameters()))  # pp: every stage's
     on_cpu = ctx.device.type == "cpu"
     run = Run(cfg=cfg, ctx=ctx, run_dir=run_dir, planned=planned, loader=loader, model=model, optimizer=optimizer,
               scheduler=scheduler, state=state, keeper=keeper, total_steps=total_steps, rows_per_step=rows_per_step,
@@ -154,10 +157,11 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     if ctx.rank == 0:
         if cfg.train.loggers:
             run.loggers = Loggers(cfg.train.loggers, run_dir, cfg.name, cfg.model_dump(mode="json"))
-        tp = "" if ctx.tp * ctx.cp == 1 else (
-            f" as dp {ctx.dp_size}{f' x cp {ctx.cp}' if ctx.cp > 1 else ''}{f' x tp {ctx.tp}' if ctx.tp > 1 else ''}"
+        tp = "" if ctx.tp * ctx.cp * ctx.pp == 1 else (
+            f" as {f'pp {ctx.pp} ({cfg.parallel.pp_schedule}) x ' if ctx.pp > 1 else ''}dp {ctx.dp_size}"
+            f"{f' x cp {ctx.cp}' if ctx.cp > 1 else ''}{f' x tp {ctx.tp}' if ctx.tp > 1 else ''}"
             f"{' (sequence parallel)' if ctx.tp > 1 and cfg.parallel.sequence_parallel else ''}")
-        ranks = f"ranks {ctx.world_size}" if ctx.tp * ctx.cp == 1 else f"dp ranks {ctx.dp_size}"
+        ranks = f"ranks {ctx.world_size}" if ctx.tp * ctx.cp * ctx.pp == 1 else f"dp ranks {ctx.dp_size}"
         print(f"shardtune: {cfg.parallel.strategy} on {ctx.world_size} rank(s){tp} ({ctx.device.type}, "
               f"{threads} thread{'s' if threads > 1 else ''} per rank), "
               f"{num_params:,} params, global batch {rows_per_step} x {cfg.train.seq_len} tokens "
@@ -216,17 +220,18 @@ def _trained_dtypes(run: Run) -> str:
 def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]:
     """One train_step; the tracked CPU step also returns the tracker's bytes."""
     cfg, ctx = run.cfg, run.ctx
+    pipelined = pipeline_of(run.model) is not None  # parallel.pp > 1: the schedule's step, untracked
 
     def step_fn() -> StepResult:
-        step = run.objective.step if run.objective else train_step
+        step = run.objective.step if run.objective else pp_train_step if pipelined else train_step
         # the ranks of a cp group share the batch, so its (full) target tokens are counted over dp;
         # FSDP averages the grads over dp x cp ranks (dp_shard x cp, and replicate): undone in full
         return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.dp_group,
                     dp_size=ctx.grad_divide_factor, activations=run.activations)
 
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
-    if len(micro_batches) == 1 and track_this_step(ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank,
-                                                   cfg.train.compile) and not (
+    if len(micro_batches) == 1 and not pipelined and track_this_step(
+            ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank, cfg.train.compile) and not (
             run.objective and run.objective.blocks_memory_tracker()):
         result, tracked = tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
         # dpo: + the frozen reference copy, as plan's memory.reference and total (the trackers never see it)
