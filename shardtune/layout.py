@@ -25,8 +25,9 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 TP_MESH_AXES = ("dp_replicate", "dp_shard", "tp")
 CP_MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 PP_MESH_AXES = ("pp", *TP_MESH_AXES)  # pp > 1 (tp 1 there until the two are verified together)
-# degrees whose groups may span nodes without being asked (tp, ep: only with *_across_nodes)
-SPANS_NODES = ("pp", "dp_replicate", "dp_shard", "cp")
+# degrees whose groups may span nodes without being asked (tp: only with tp_across_nodes); an ep group
+# is ep consecutive data ranks, inside a node while ep <= its ranks, else across (plan prices it on the NICs)
+SPANS_NODES = ("pp", "dp_replicate", "dp_shard", "cp", "ep")
 
 
 def _positive(value, what: str, key: str) -> None:
@@ -127,7 +128,7 @@ class Layout:
 
     def may_span_nodes(self, dim: str) -> bool:
         """Whether `dim`'s groups may cross a node boundary: the data, context and pipeline dims
-        always; tp (and ep, when wired) only with their *_across_nodes permission."""
+        and expert ones always; tp only with its tp_across_nodes permission."""
         return dim in SPANS_NODES or (dim == "tp" and self.tp_across_nodes)
 
     @property

@@ -139,6 +139,12 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
         notes.append("offload optimizer is a planner-only mode (DeepSpeed ZeRO-Offload); "
                      "the trainer offers offload all (FSDP2 CPUOffloadPolicy)")
     notes += omitted
+    if inp.ep > 1:
+        e = m.arch.num_experts
+        notes.append(f"ep {inp.ep}: each rank keeps {e // inp.ep} of the {e} experts a layer, FSDP-sharded "
+                     "over shard / ep ranks (layout.expert_fsdp); tokens reach them by all-to-all "
+                     f"(comm.all_to_all), priced exposed; busiest rank at {inp.moe_imbalance:g}x its share "
+                     "(--moe-imbalance)")
     if inp.lora_rank:
         notes.append(f"LoRA rank {inp.lora_rank}: only the adapters carry grads and optimizer states")
     if inp.objective == "dpo":

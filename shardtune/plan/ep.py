@@ -27,8 +27,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardtune.plan import memory, moe
+from shardtune.plan.comm import collectives
 from shardtune.plan.params import ParamShape
-from shardtune.strategies import checkpointed_layers
+from shardtune.strategies import STRATEGY, checkpointed_layers
 
 
 def moe_layers(arch) -> list[int]:
@@ -122,9 +123,6 @@ def ep_fsdp_collectives(strategy: str, shapes: list[ParamShape], dp: int, shard:
                         precision: str) -> list:
     """FSDP's collectives under ep: the dense tensors over the shard group as today, the experts'
     E/ep rows over their expert-FSDP group ("efsdp", shard / ep ranks; hsdp: + the replica all-reduce)."""
-    from shardtune.plan.comm import collectives  # comm imports memory, as this module does; kept local
-    from shardtune.strategies import STRATEGY
-
     local = ep_local_shapes(shapes, ep)
     dense = [p for p in local if not moe.is_routed_expert(p.name)]
     experts = [p for p in local if moe.is_routed_expert(p.name)]

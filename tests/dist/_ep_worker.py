@@ -132,7 +132,31 @@ def _refusals() -> list[str]:
     return out
 
 
+def _a2a_bytes(case: dict, rank: int, world: int) -> dict:
+    """Bytes each rank hands to the dispatch and combine all-to-alls (parallel/ep.py `_all_to_all`:
+    its send buffers, forward and backward) in one step on `rows` x `seq_len` tokens of its own."""
+    import shardtune.parallel.ep as ep_mod
+
+    model, sent = _model(False), []
+    apply_ep(model, dist.group.WORLD)
+    inner = ep_mod._all_to_all
+
+    def counting(x, out_splits, in_splits, group):
+        sent.append(x.numel() * x.element_size())
+        return inner(x, out_splits, in_splits, group)
+
+    ep_mod._all_to_all = counting
+    try:
+        ids = torch.randint(0, 256, (case["rows"], case["seq_len"]), generator=torch.Generator().manual_seed(rank))
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        ep_mod._all_to_all = inner
+    return {"a2a_bytes": sum(sent), "a2a_calls": len(sent)}
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
+    if case.get("a2a"):
+        return _a2a_bytes(case, rank, world)
     if case.get("meta_fill"):
         return {"meta_fill_diff": _meta_fill_diff(), "refusals": _refusals()}
     if case.get("fsdp"):

@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_ep_worker.py"
 CASES = [{"name": n, "forced": n == "forced", "rows": 4, "seq_len": 32, "steps": 4} for n in ("routed", "forced")]
 CASES += [{"name": "meta_fill", "meta_fill": True},
-          {"name": "fsdp", "fsdp": True, "rows": 4, "seq_len": 32, "steps": 4}]
+          {"name": "fsdp", "fsdp": True, "rows": 4, "seq_len": 32, "steps": 4},
+          {"name": "a2a", "a2a": True, "rows": 2, "seq_len": 32}]
 DIST_LAUNCHES = {2: lambda d: (CASES, 240)}  # one shared launch per world (tests/dist/conftest.py)
 
 
@@ -64,3 +65,20 @@ def test_ep_refuses_what_it_cannot_split(world2):
     uneven, dense = world2[0]["meta_fill"]["refusals"]
     assert "parallel.ep 2 does not divide the 3 experts" in uneven and "\n" not in uneven
     assert "parallel.ep needs a mixture-of-experts model" in dense
+
+
+@pytest.mark.timeout(400, func_only=True)
+def test_all_to_all_bytes_equal_the_planners(world2):
+    """The send buffers of every dispatch and combine, forward and backward, summed over the ranks (a
+    rank's combine and backward buffers hold the rows it received: uneven, but they sum to the rows
+    sent) equal the planner's all-to-all payload (plan/ep.py, 4 x t x k x h x bytes per MoE layer a rank)
+    times the ranks: fp32, t = 2 x 32 tokens a rank."""
+    from shardtune.plan.ep import ep_collectives
+    from shardtune.plan.model import _load_model
+
+    arch = _load_model("tiny-mixtral", None, 0).arch
+    planned = sum(op[1] for op in ep_collectives(arch, 2 * 32, 2, 4, "none"))
+    calls = sum(op[3] for op in ep_collectives(arch, 2 * 32, 2, 4, "none"))
+    got = [w["a2a"] for w in world2]
+    assert sum(r["a2a_bytes"] for r in got) == 2 * planned, (got, planned)
+    assert all(r["a2a_calls"] == calls for r in got)  # 4 a MoE layer: dispatch, combine, and their backwards

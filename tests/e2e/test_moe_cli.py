@@ -69,3 +69,18 @@ def test_ep_says_what_it_ran(runs, tmp_path_factory):
     assert (eff["ep2"]["ep"], eff["ep2"]["expert_fsdp"]) == (2, 1)
     assert (eff["ep2_efsdp2"]["ep"], eff["ep2_efsdp2"]["expert_fsdp"]) == (2, 2)
     assert (eff["zero3"]["ep"], eff["zero3"]["expert_fsdp"]) == (1, 2)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["ep2", "ep2_efsdp2"])
+def test_ep_states_per_rank_equal_the_planners(runs, tmp_path_factory, name):
+    """Each rank's parameter, gradient and optimizer bytes (the trainer's storage count, memory.json)
+    equal plan.json's (plan/ep.py: experts E/ep rows over expert-FSDP ranks, the rest over all)."""
+    import json
+
+    run = next(tmp_path_factory.getbasetemp().glob(f"moe*/{name}"))
+    planned = json.loads((run / "plan.json").read_text())["strategies"][0]
+    assert planned["layout"]["ep"] == 2
+    for rank in json.loads((run / "memory.json").read_text())["per_rank"]:
+        for key in ("params", "grads", "optimizer"):
+            assert rank[f"{key}_bytes"] == planned["memory"][key], key
