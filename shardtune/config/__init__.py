@@ -24,12 +24,14 @@ from shardtune.config.optim import OptimConfig
 from shardtune.config.parallel import ParallelConfig
 from shardtune.config.paths import resolve_recipe_paths
 from shardtune.config.plan_keys import PLAN_KEYS, read_key
+from shardtune.config.rl import RLConfig
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_combination
+from shardtune.rules.rl import check_grpo
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-           "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
+           "RLConfig", "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
 
 
 def _has_control(text: str) -> bool:
@@ -46,6 +48,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)  # built at load: it reads SHARDTUNE_WATCHDOG_S
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    rl: RLConfig = RLConfig()
     _recipe_paths: dict = PrivateAttr(default_factory=dict)  # config/paths.py: {key: (written, resolved)}
 
     @field_validator("name")
@@ -74,6 +77,17 @@ class RunConfig(_Section):
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
                           activation_offload=par.activation_offload, seq_len=self.train.seq_len,
                           sequence_parallel=par.sequence_parallel, objective=self.train.objective)
+        if self.train.objective == "grpo":
+            check_grpo(par.strategy, tp=par.tp, cp=par.cp, pp=par.pp, lora_rank=self.lora.rank,
+                       activation_offload=par.activation_offload, compile=self.train.compile, offload=par.offload,
+                       activation_checkpointing=par.activation_checkpointing)
+            if not self.rl.reward:
+                raise UserError("train.objective grpo needs rewards: rl.reward, e.g. [{name: regex, pattern: "
+                                "'\\d+'}] (docs/rl.md)")
+        elif self.rl.model_fields_set:
+            raise UserError(f"rl.{sorted(self.rl.model_fields_set)[0]} is set but the rl section acts under "
+                            f"train.objective grpo only (this run: {self.train.objective}); remove it, or set "
+                            "train.objective grpo")
         return self  # once, here; the heads and the world are the layout's (preflight, Layout.check_model)
 
     @property
