@@ -84,8 +84,9 @@ class RunConfig(_Section):
             if not self.rl.reward:
                 raise UserError("train.objective grpo needs rewards: rl.reward, e.g. [{name: regex, pattern: "
                                 "'\\d+'}] (docs/rl.md)")
-        elif self.rl.model_fields_set:
-            raise UserError(f"rl.{sorted(self.rl.model_fields_set)[0]} is set but the rl section acts under "
+        elif changed := sorted(k for k in self.rl.model_fields_set  # a run folder's config.yaml holds the defaults
+                               if getattr(self.rl, k) != getattr(RLConfig(), k)):
+            raise UserError(f"rl.{changed[0]} is set but the rl section acts under "
                             f"train.objective grpo only (this run: {self.train.objective}); remove it, or set "
                             "train.objective grpo")
         return self  # once, here; the heads and the world are the layout's (preflight, Layout.check_model)

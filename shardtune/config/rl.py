@@ -25,6 +25,8 @@ class RewardConfig(_Section):
     pattern: str | None = Field(None, description="regex: the pattern (Python re).")
     full: bool = Field(False, description="regex: the whole stripped completion must match.")
     target: int | None = Field(None, ge=0, description="length: the completion length (tokens) scored 1.")
+    label: str | None = Field(None, pattern=r"^[A-Za-z_][\w-]*$", description="Its name in metrics.jsonl "
+                              "(reward/<label>; default: the built-in's or the function's name).")
 
     @model_validator(mode="after")
     def _fields(self):
@@ -46,8 +48,10 @@ class RewardConfig(_Section):
         return self
 
     @property
-    def label(self) -> str:
+    def key(self) -> str:
         """Its name in metrics.jsonl: reward/<label>."""
+        if self.label:
+            return self.label
         return self.name.rpartition(":")[2] if ":" in self.name else self.name
 
 
@@ -80,9 +84,9 @@ class RLConfig(_Section):
     @field_validator("reward")
     @classmethod
     def _labels(cls, v: list[RewardConfig]) -> list[RewardConfig]:
-        labels = [r.label for r in v]
+        labels = [r.key for r in v]
         if len(set(labels)) != len(labels):
-            raise ValueError(f"rewards {labels} repeat a name; metrics name each reward once")
+            raise ValueError(f"rewards {labels} repeat a name; metrics name each reward once: give each a label")
         return v
 
     @property

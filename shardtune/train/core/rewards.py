@@ -87,7 +87,7 @@ class Rewards:
     """The run's reward functions: `score(...)` gives [per function] lists, `total` their weighted sum."""
 
     def __init__(self, rl_cfg):
-        self.labels = [r.label for r in rl_cfg.reward]
+        self.labels = [r.key for r in rl_cfg.reward]
         self.weights = [r.weight for r in rl_cfg.reward]
         self.fns = []
         for r in rl_cfg.reward:
