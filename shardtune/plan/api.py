@@ -149,6 +149,6 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
         notes.append("grpo: generation holds the gathered model (memory.generation_weights) and one prompt's KV "
                      f"cache for {inp.num_generations} completions of up to seq_len + {inp.max_new_tokens} tokens "
                      "(memory.kv_cache); total is the larger of that peak and training's; generation's time is not "
-                     f"in the step time{'; memory.reference: the frozen reference (rl.beta > 0)' if inp.rl_beta else ''}"
-                     " (docs/rl.md)")
+                     "in the step time" + ("; memory.reference: the frozen reference (rl.beta > 0)" if inp.rl_beta
+                                           else "") + " (docs/rl.md)")
     return notes
