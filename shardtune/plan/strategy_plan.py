@@ -15,7 +15,7 @@ from shardtune.plan import cp as cpp
 from shardtune.plan.activations import activation_split
 from shardtune.plan.model import _Model
 from shardtune.plan.preference import reference_bytes
-from shardtune.plan.rl import generation_weights_bytes, kv_cache_bytes
+from shardtune.plan.rl import generation_weights_bytes, kv_cache_bytes, training_rows
 from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.rules.combination import check_combination
@@ -143,7 +143,8 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
     elif inp.offload == "all":
         cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
         st = memory.States(0, 0, 0, 0)
-    (act, host_act), buf = _activations(m, inp, strategy), _buffers(m, strategy, inp)
+    rows = training_rows(inp)  # grpo: G completions a prompt, prompt + max_new_tokens long (plan/rl.py)
+    (act, host_act), buf = _activations(m, rows, strategy), _buffers(m, strategy, rows)
     grads_in_forward = not (fsdp and inp.grad_accum == 1
                             and inp.accounting == "shardtune")
     reduce = 0

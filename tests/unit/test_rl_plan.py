@@ -44,3 +44,11 @@ def test_plan_json_has_kv_cache():
                           "grpo", "--json"], capture_output=True, text=True, timeout=120, check=True).stdout
     mem = json.loads(out)["strategies"][0]["memory"]
     assert mem["kv_cache"] == 8 * 1 * (2048 + 64) * 32 * 2 * 8 * 128 * 2  # the defaults: G 8, seq 2048, 64 new
+
+
+def test_training_rows_are_the_groups_completions():
+    """A grpo micro-batch of 2 prompts trains on 2 × G rows of prompt + max_new_tokens: SFT's activations there."""
+    grpo = _plan(objective="grpo", micro_batch=2, num_generations=4, seq_len=512, max_new_tokens=512,
+                 ac="full")["zero3"].memory
+    sft = _plan(micro_batch=8, seq_len=1024, ac="full")["zero3"].memory
+    assert grpo.activations == sft.activations and grpo.buffers == sft.buffers
