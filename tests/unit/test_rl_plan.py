@@ -52,3 +52,17 @@ def test_training_rows_are_the_groups_completions():
                  ac="full")["zero3"].memory
     sft = _plan(micro_batch=8, seq_len=1024, ac="full")["zero3"].memory
     assert grpo.activations == sft.activations and grpo.buffers == sft.buffers
+
+
+def test_the_8b_grpo_recipe_fits_with_generation_its_peak():
+    from pathlib import Path
+
+    from shardtune.config import load_recipe
+
+    cfg = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "llama-3-8b-grpo-8xh100.yaml")
+    inputs = {**cfg.plan_inputs(), "model": "llama-3-8b"}
+    z3 = {s.name: s for s in plan(PlanInputs(gpus=8, **inputs)).strategies}["zero3"]
+    m = z3.memory
+    gen_peak = m.params + m.optimizer + m.reference + m.generation_weights + m.kv_cache
+    assert z3.fits and m.total == gen_peak and m.reference > 0  # β 0.04: the reference is held
+    assert m.kv_cache == 8 * (512 + 1024) * 32 * 2 * 8 * 128 * 2  # G × (prompt + new) × L × 2 × kv × d × bf16

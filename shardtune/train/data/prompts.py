@@ -57,7 +57,8 @@ class PromptData:
         if part == "val" and data_cfg.val_path:
             data_cfg = data_cfg.model_copy(update={"path": data_cfg.val_path})
             part = "train"  # all of val_path's rows
-        self.records = read_records(data_cfg, part, normalize_prompt)
+        self.records = [r if "columns" in r else normalize_prompt(r, f"generated example {i + 1}")  # generated: as is
+                        for i, r in enumerate(read_records(data_cfg, part, normalize_prompt))]
         self.ids = [prompt_ids(r["prompt"], tokenizer, data_cfg) for r in self.records]
         if max_prompt_tokens is not None:
             for i, ids in enumerate(self.ids):
