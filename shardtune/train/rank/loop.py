@@ -267,7 +267,9 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
     # the ranks of one TP group (consecutive: TP is innermost) hold the same loss part: count it once
     loss = float(per_rank[::run.ctx.tp, 0].sum())
     peak_all, signum = int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
-    tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
+    # grpo: the completion tokens trained on (its rows are prompts; generation's time is in dt)
+    grpo = run.cfg.train.objective == "grpo"
+    tokens_per_s = (float(r.num_tokens) if grpo else run.rows_per_step * run.cfg.train.seq_len) / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
     record = {"step": run.state.step, "loss": loss, "lr": r.lr, "grad_norm": float(r.grad_norm),
               "tokens_per_s": tokens_per_s, "tflops": tflops,
