@@ -24,14 +24,16 @@ from shardtune.config.optim import OptimConfig
 from shardtune.config.parallel import ParallelConfig
 from shardtune.config.paths import resolve_recipe_paths
 from shardtune.config.plan_keys import PLAN_KEYS, read_key
+from shardtune.config.rl import RLConfig
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_combination
 from shardtune.rules.ep import check_ep_checkpoints
 from shardtune.rules.pipeline import check_pipeline
+from shardtune.rules.rl import check_grpo
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-           "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
+           "RLConfig", "RunConfig", "TrainConfig", "apply_override", "build_config", "dump_config", "load_recipe"]
 
 
 def _has_control(text: str) -> bool:
@@ -48,6 +50,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)  # built at load: it reads SHARDTUNE_WATCHDOG_S
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoraConfig = LoraConfig()
+    rl: RLConfig = RLConfig()
     _recipe_paths: dict = PrivateAttr(default_factory=dict)  # config/paths.py: {key: (written, resolved)}
 
     @field_validator("name")
@@ -80,6 +83,18 @@ class RunConfig(_Section):
         check_ep_checkpoints(par.ep, every=ck.every, save_final=ck.save_final, export_hf=ck.export_hf,
                              resume=ck.resume)
         check_pipeline(self)  # parallel.pp > 1: what the pipeline runs with (rules/pipeline.py)
+        if self.train.objective == "grpo":
+            check_grpo(par.strategy, tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, lora_rank=self.lora.rank,
+                       activation_offload=par.activation_offload, compile=self.train.compile, offload=par.offload,
+                       activation_checkpointing=par.activation_checkpointing)
+            if not self.rl.reward:
+                raise UserError("train.objective grpo needs rewards: rl.reward, e.g. [{name: regex, pattern: "
+                                "'\\d+'}] (docs/rl.md)")
+        elif changed := sorted(k for k in self.rl.model_fields_set  # a run folder's config.yaml holds the defaults
+                               if getattr(self.rl, k) != getattr(RLConfig(), k)):
+            raise UserError(f"rl.{changed[0]} is set but the rl section acts under "
+                            f"train.objective grpo only (this run: {self.train.objective}); remove it, or set "
+                            "train.objective grpo")
         return self  # once, here; the heads and the world are the layout's (preflight, Layout.check_model)
 
     @property

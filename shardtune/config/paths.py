@@ -56,6 +56,14 @@ def resolve_recipe_paths(data: dict, folder: Path) -> dict[str, tuple[str, str]]
             src["path"], resolved = _resolve(written, "name", folder)
             if resolved:
                 seen[f"data.sources[{i}].path"] = (written, resolved)
+    rewards = (data.get("rl") or {}).get("reward") if isinstance(data.get("rl"), dict) else None
+    for i, r in enumerate(rewards if isinstance(rewards, list) else []):  # 'file.py:function': the file
+        name = r.get("name") if isinstance(r, dict) else None
+        if isinstance(name, str) and ":" in name and not name.startswith(("/", "~")):
+            written, fn = name.rsplit(":", 1)
+            resolved = os.path.normpath(folder / written)
+            r["name"] = f"{resolved}:{fn}"
+            seen[f"rl.reward[{i}].name"] = (written, resolved)
     return seen
 
 

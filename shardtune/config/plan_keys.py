@@ -32,6 +32,9 @@ PLAN_KEYS: dict[str, str] = {
     "loss_chunks": "train.loss_chunks",
     "objective": "train.objective",
     "reference": "train.reference",
+    "num_generations": "rl.num_generations",
+    "max_new_tokens": "rl.max_new_tokens",
+    "rl_beta": "rl.beta",
     "tp": "parallel.tp",
     "sequence_parallel": "parallel.sequence_parallel",
     "tp_across_nodes": "parallel.tp_across_nodes",
@@ -94,9 +97,13 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
     _O("loss_chunks", "--loss-chunks",
        "Cross-entropy over K token chunks (train.loss_chunks; default 8 above a 32k vocabulary, else 1).", "K"),
     _O("objective", "--objective", "dpo: preference tuning; adds the reference model (memory.reference) and "
-       "its forward (train.objective).", "[sft|dpo]"),
+       "its forward; grpo: online RL, adds generation's KV cache and gathered weights (memory.kv_cache, "
+       "memory.generation_weights) and, with --rl-beta > 0, the reference (train.objective).", "[sft|dpo|grpo]"),
     _O("reference", "--reference", "dpo's reference log-probs: live (a sharded frozen copy; LoRA: the base) or "
        "precompute (computed once, no copy held).", "[live|precompute]"),
+    _O("num_generations", "--num-generations", "grpo: completions per prompt (rl.num_generations).", "G"),
+    _O("max_new_tokens", "--max-new-tokens", "grpo: the longest completion (rl.max_new_tokens).", "TOKENS"),
+    _O("rl_beta", "--rl-beta", "grpo: the KL weight (rl.beta); > 0 holds a frozen reference.", "BETA"),
     _O("accounting", "--accounting", "shardtune (what the trainer holds) | paper (ZeRO §5).", "[shardtune|paper]"),
     _O("hsdp_shard_size", "--hsdp-shard-size", "hsdp: ranks per shard group (default data-parallel ranks "
        "per node: gpus per node / tp).", "N"),

@@ -62,9 +62,10 @@ class TrainConfig(_Section):
                                                             "(None: 8 above a 32k vocabulary, else 1; 1: the full "
                                                             "computation; docs/loss.md).")
     compile: bool = Field(False, description="torch.compile each decoder layer before sharding.")
-    objective: Literal["sft", "dpo", "simpo"] = Field(
+    objective: Literal["sft", "dpo", "simpo", "grpo"] = Field(
         "sft", description="sft: next-token loss on responses; dpo: Direct Preference Optimisation on "
-                           "prompt/chosen/rejected pairs; simpo: SimPO on the same pairs, no reference (docs/dpo.md).")
+                           "prompt/chosen/rejected pairs; simpo: SimPO on the same pairs, no reference (docs/dpo.md); "
+                           "grpo: online RL on prompts with rewards, the `rl:` section (docs/rl.md).")
     reference: Literal["live", "precompute"] = Field(
         "live", description="dpo: the reference log-probs computed each step (live: LoRA's base with adapters off, "
                             "else a frozen copy sharded like the policy) or once before training and cached beside "

@@ -153,4 +153,10 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
         if disk := reference_disk(inp.objective, inp.reference):
             notes.append(f"dpo precompute: the reference log-prob cache takes {disk['reference_cache_bytes']} bytes "
                          f"on disk: {disk['reference_cache_bytes_per_1k_pairs'] / 1024:.1f} KiB per 1k pairs")
+    if inp.objective == "grpo":
+        notes.append("grpo: generation holds the gathered model (memory.generation_weights) and one prompt's KV "
+                     f"cache for {inp.num_generations} completions of up to seq_len + {inp.max_new_tokens} tokens "
+                     "(memory.kv_cache); total is the larger of that peak and training's; generation's time is not "
+                     "in the step time" + ("; memory.reference: the frozen reference (rl.beta > 0)" if inp.rl_beta
+                                           else "") + " (docs/rl.md)")
     return notes

@@ -25,9 +25,9 @@ from shardtune.rules.preference import (  # noqa: F401  (the planner's callers r
 
 
 def reference_bytes(shapes, num_params: int, strategy: str, world_size: int, shard_degree: int, precision: str,
-                    objective: str, reference: str, lora_rank: int) -> int:
+                    objective: str, reference: str, lora_rank: int, rl_beta: float = 0.0) -> int:
     """Bytes per GPU of the frozen reference copy (rank 0's padded FSDP2 shard; 0 when none is held)."""
-    if not holds_reference(objective, reference, lora_rank):
+    if not holds_reference(objective, reference, lora_rank, rl_beta):
         return 0
     per = dtypes(precision).compute
     if shapes is None:  # a bare --params count

@@ -16,11 +16,13 @@ from shardtune.plan import ep as epp
 from shardtune.plan.activations import activation_split
 from shardtune.plan.model import _Model
 from shardtune.plan.preference import reference_bytes
+from shardtune.plan.rl import generation_weights_bytes, kv_cache_bytes, training_rows
 from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.rules.combination import check_combination
 from shardtune.rules.cp import check_activation_offload
 from shardtune.rules.loss import resolve_loss_chunks
+from shardtune.rules.rl import check_grpo
 from shardtune.strategies import STRATEGY, autocasts, resolve_optimizer_impl
 
 GIB = 2**30
@@ -38,6 +40,8 @@ class Memory:
     optimizer_step_temp: int
     total: int
     reference: int = 0  # dpo: the frozen reference copy (plan/preference.py), included in total
+    kv_cache: int = 0  # grpo: one generation batch's keys and values (plan/rl.py)
+    generation_weights: int = 0  # grpo: the gathered model generation decodes with (plan/rl.py)
     experts: int | None = None  # MoE: the routed experts' share of params + grads + optimizer (plan/moe.py)
 
 
@@ -146,7 +150,8 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
     elif inp.offload == "all":
         cpu_per_rank = st.params + st.grads + st.optimizer + st.optimizer_step_temp
         st = memory.States(0, 0, 0, 0)
-    (act, host_act), buf = _activations(m, inp, strategy), _buffers(m, strategy, inp)
+    rows = training_rows(inp)  # grpo: G completions a prompt, prompt + max_new_tokens long (plan/rl.py)
+    (act, host_act), buf = _activations(m, rows, strategy), _buffers(m, strategy, rows)
     grads_in_forward = not (fsdp and inp.grad_accum == 1
                             and inp.accounting == "shardtune")
     reduce = 0
@@ -167,10 +172,16 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
             tied += tied_tp_embedding_grad_bytes(m.arch, memory.dtypes(inp.precision).compute)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
     ref = reference_bytes(shapes, -(-m.num_params // tp), strategy, dp, shard, inp.precision, inp.objective,
-                          inp.reference, inp.lora_rank)
+                          inp.reference, inp.lora_rank, inp.rl_beta)
     if inp.offload == "all":  # the copy is sharded with the same CPUOffloadPolicy (train/core/dpo_ref.py)
         cpu_per_rank, ref = cpu_per_rank + ref, 0
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced) + ref
+    kv = gen_w = 0
+    if inp.objective == "grpo" and m.arch is not None:  # generation's peak: plan/rl.py
+        per = memory.dtypes(inp.precision).compute
+        kv = kv_cache_bytes(m.arch, inp.num_generations, inp.seq_len, inp.max_new_tokens, tp, per)
+        gen_w = generation_weights_bytes(m.num_params, tp, per)
+        total = max(total, st.params + st.optimizer + ref + gen_w + kv)
     colls = comm.collectives(strategy, num_params=-(-m.num_params // tp),
                              trainable_params=-(-m.trainable // tp), world_size=dp, shard_degree=shard,
                              precision=inp.precision, shapes=shapes, accounting=inp.accounting) if inp.ep == 1 else \
@@ -199,7 +210,7 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                               and inp.ep == 1 else None),
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref,
-                      _expert_bytes(m, strategy, inp, shard)),
+                      kv, gen_w, _expert_bytes(m, strategy, inp, shard)),
         fits=total <= usable and host.get("fits", True), headroom_bytes=usable - total,
         cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
         comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
@@ -265,8 +276,11 @@ def combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                          else None, tp=inp.tp, cp=inp.cp, ep=inp.ep, tp_across_nodes=inp.tp_across_nodes)
     except UserError as e:
         return e
-    try:  # activation offload's rule on the objective (rules/cp.py, the trainer's)
+    try:  # activation offload's rule on the objective (rules/cp.py, the trainer's); grpo's (rules/rl.py)
         check_activation_offload(inp.activation_offload, objective=inp.objective, offload=inp.offload)
+        if inp.objective == "grpo":
+            check_grpo(strategy, tp=inp.tp, cp=inp.cp, lora_rank=inp.lora_rank, offload=inp.offload,
+                       activation_offload=inp.activation_offload, activation_checkpointing=inp.ac)
     except UserError as e:
         return e
     return None

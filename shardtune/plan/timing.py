@@ -287,7 +287,8 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
         lora=bool(inp.lora_rank), offload=inp.offload, optimizer=inp.optimizer,
         peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], mem_bw_bytes_per_s=gpu.hbm_bytes_per_s,
         tokens=ctx["tokens"], tp=getattr(inp, "tp", 1),
-        reference_forward=has_reference_forward(inp.objective, inp.reference), cp=getattr(inp, "cp", 1),
+        reference_forward=has_reference_forward(inp.objective, inp.reference, getattr(inp, "rl_beta", 0.0)),
+        cp=getattr(inp, "cp", 1),
         offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0), ep=getattr(inp, "ep", 1),
         moe_imbalance=getattr(inp, "moe_imbalance", 1.0))
 

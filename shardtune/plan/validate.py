@@ -55,6 +55,9 @@ class PlanInputs:
     loss_chunks: int | None = None  # train.loss_chunks; default: rules/loss.py (8 above a 32k vocabulary)
     objective: str = "sft"  # train.objective: dpo holds a reference model (plan/preference.py)
     reference: str = "live"  # train.reference: live | precompute
+    num_generations: int = 8  # rl.num_generations: grpo's completions per prompt (plan/rl.py: memory.kv_cache)
+    max_new_tokens: int = 64  # rl.max_new_tokens: grpo's longest completion
+    rl_beta: float = 0.0  # rl.beta: grpo holds a reference when > 0
     accounting: str = "shardtune"
     hsdp_shard_size: int | None = None  # default: data-parallel ranks per node (gpus_per_node / tp)
     tp: int = 1  # parallel.tp: tensor-parallel degree, inside a node (plan/tp.py)
@@ -136,6 +139,10 @@ def validate_inputs(**kw) -> PlanInputs:
     if inp.loss_chunks is not None:
         inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
     inp.tp = _int_in("tp", inp.tp, 1, MAX_GPUS)
+    inp.num_generations = _int_in("num-generations", inp.num_generations, 2, 4096)
+    inp.max_new_tokens = _int_in("max-new-tokens", inp.max_new_tokens, 1, 1_000_000)
+    if isinstance(inp.rl_beta, bool) or not isinstance(inp.rl_beta, (int, float)) or not 0 <= inp.rl_beta < 1e6:
+        raise UserError(f"--rl-beta {inp.rl_beta!r} must be a number >= 0")
     inp.cp = _int_in("cp", inp.cp, 1, MAX_GPUS)
     inp.ep = _int_in("ep", inp.ep, 1, MAX_GPUS)
     if isinstance(inp.moe_imbalance, bool) or not isinstance(inp.moe_imbalance, (int, float)) or not (

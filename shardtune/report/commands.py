@@ -136,7 +136,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
                                    memory_title(sources, run["strategy"], run["measured_method"])))
     for p in (plot_loss(run["records"], plots / "loss.png", run["name"]),
               plot_throughput(run["records"], plots / "throughput.png", run["name"], run["world_size"]),
-              plot_rewards(run["records"], plots / "rewards.png", run["name"])):  # dpo runs only
+              plot_rewards(run["records"], plots / "rewards.png", run["name"])):  # dpo and grpo runs
         if p:
             written.append(p)
     rows = []

@@ -146,7 +146,7 @@ def draw_rewards(records: list[dict], run_name: str):
     and the reward accuracy per step, with the held-out pairs' (val_*) where evaluated; None otherwise."""
     rows = [r for r in records if r.get("reward_margin") is not None and "step" in r]
     if not rows:
-        return None
+        return draw_rl_rewards(records, run_name)
     fig, (ax, acc) = plt.subplots(1, 2, figsize=(11, 4))
     steps = [r["step"] for r in rows]
     for key, color in (("reward_chosen", "#55a868"), ("reward_rejected", "#c44e52"), ("reward_margin", "#4c72b0")):
@@ -163,6 +163,28 @@ def draw_rewards(records: list[dict], run_name: str):
     _per_step_axes(ax, "β · (log π − log π_ref), pair mean", f"{run_name}: DPO rewards")
     _per_step_axes(acc, "share of pairs", f"{run_name}: DPO accuracy")
     acc.set_ylim(-0.02, 1.02)
+    fig.tight_layout()
+    return fig
+
+
+def draw_rl_rewards(records: list[dict], run_name: str):
+    """grpo runs (docs/rl.md): the mean reward per step with each reward function's, the held-out
+    reward (val_reward) where evaluated, and the completion length; None without them."""
+    rows = [r for r in records if r.get("reward") is not None and r.get("completion_len") is not None]
+    if not rows:
+        return None
+    fig, (ax, length) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["reward"] for r in rows], lw=2, color="#4c72b0", label="reward (mean)")
+    for key in sorted({k for r in rows for k in r if k.startswith("reward/")}):
+        ax.plot(steps, [r.get(key) for r in rows], lw=1, label=key)
+    val = [r for r in records if r.get("val_reward") is not None]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_reward"] for r in val], "o", color="#dd8452",
+                label="held-out reward (greedy)")
+    length.plot(steps, [r["completion_len"] for r in rows], lw=1.5, color="#55a868", label="completion length")
+    _per_step_axes(ax, "reward", f"{run_name}: GRPO rewards")
+    _per_step_axes(length, "tokens", f"{run_name}: completion length")
     fig.tight_layout()
     return fig
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardtune.errors import UserError
 
-OBJECTIVES = ("sft", "dpo", "simpo")  # simpo: no reference
+OBJECTIVES = ("sft", "dpo", "simpo", "grpo")  # simpo: no reference; grpo: one when rl.beta > 0
 REFERENCES = ("live", "precompute")
 
 
@@ -17,11 +17,11 @@ def check_objective(objective: str, reference: str) -> None:
         raise UserError(f"unknown reference {reference!r}; choose one of {', '.join(REFERENCES)}")
 
 
-def holds_reference(objective: str, reference: str, lora_rank: int) -> bool:
-    """A frozen reference copy lives on the GPUs during training."""
-    return objective == "dpo" and reference == "live" and not lora_rank
+def holds_reference(objective: str, reference: str, lora_rank: int, rl_beta: float = 0.0) -> bool:
+    """A frozen reference copy lives on the GPUs during training (grpo: when rl.beta > 0)."""
+    return (objective == "dpo" and reference == "live" and not lora_rank) or (objective == "grpo" and rl_beta > 0)
 
 
-def reference_forward(objective: str, reference: str) -> bool:
+def reference_forward(objective: str, reference: str, rl_beta: float = 0.0) -> bool:
     """Every micro-batch runs a reference forward (a copy's, or LoRA's base with adapters off)."""
-    return objective == "dpo" and reference == "live"
+    return (objective == "dpo" and reference == "live") or (objective == "grpo" and rl_beta > 0)

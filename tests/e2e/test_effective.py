@@ -61,6 +61,8 @@ _SCHED = "the lr per step: metrics.jsonl's lr (tests/unit/test_optim.py checks t
 _WATCHDOG = "the hang watchdog, not the step (tests/unit/test_watchdog_settings.py, tests/e2e/test_watchdog.py)"
 _PP_VIRTUAL = ("stages per rank of interleaved-1f1b, which the trainer refuses (rules/pipeline.py; "
                "tests/unit/test_pp_refusals.py)")
+_RL = ("grpo's generation, rewards and loss: completions.jsonl and metrics.jsonl (tests/e2e/test_grpo_cli.py, "
+       "tests/unit/test_rl_loss.py)")
 TABLE: dict[str, tuple | str] = {
     "name": _BOOK, "output_dir": _BOOK,
     "model": "section",
@@ -121,6 +123,9 @@ TABLE: dict[str, tuple | str] = {
     "train.dpo_label_smoothing": ("dpo_label_smoothing", lambda c: c.train.dpo_label_smoothing),
     "train.simpo_gamma": ("simpo_gamma", lambda c: c.train.simpo_gamma),
     "train.max_bad_steps": "when a run of skipped steps stops it (tests/e2e/test_faults.py)",
+    "rl": "section", **{k: _RL for k in (
+        "rl.num_generations", "rl.max_new_tokens", "rl.temperature", "rl.top_p", "rl.reward", "rl.beta",
+        "rl.epsilon", "rl.epsilon_high", "rl.loss", "rl.scale_rewards", "rl.iterations")},
     "checkpoint": "section", **{k: _CKPT for k in (
         "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.export_hf", "checkpoint.save_final")},
     "lora": "section",

@@ -371,7 +371,15 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int, 
     check_recipe_paths(cfg)
     if cfg.lora.rank > 0:
         _check_lora_targets(cfg)
-    if cfg.train.objective != "sft":  # pairs: read, tokenised and packed as the ranks will (train/data/preference.py)
+    if cfg.train.objective == "grpo":  # prompts read and rendered as the ranks will; the reward files
+        from shardtune.train.core.rewards import check_reward_file
+        from shardtune.train.data.prompts import check_prompt_data
+
+        for r in cfg.rl.reward:
+            if ":" in r.name:
+                check_reward_file(r.name, cfg.model.name, cfg.data.path)
+        check_prompt_data(cfg, layout.dp)
+    elif cfg.train.objective != "sft":  # pairs: read, tokenised and packed as the ranks will (train/data/preference.py)
         from shardtune.train.data.preference import check_preference_data
 
         check_preference_data(cfg, world_size)

@@ -35,6 +35,7 @@ from shardtune.train.core.dpo import DPO, add_reference_bytes
 from shardtune.train.core.dpo_ref import set_up_dpo
 from shardtune.train.core.effective import describe, effective_settings
 from shardtune.train.core.evaluate import evaluate
+from shardtune.train.core.grpo import GRPO, set_up_grpo
 from shardtune.train.core.loggers import Loggers, check_loop_options
 from shardtune.train.core.metrics import (
     MetricsWriter,
@@ -89,7 +90,7 @@ class Run:
     sampler: Sampler | None = None  # train.sample_prompts
     last_record: dict | None = None  # iterate(): the last logged record
     rank_bytes: dict | None = None  # iterate(): this rank's bytes of its last logged (or stopping) step
-    objective: DPO | None = None  # train.objective dpo (train/core/dpo.py); None: sft
+    objective: DPO | GRPO | None = None  # train.objective dpo, simpo (core/dpo.py), grpo (core/grpo.py); None: sft
     effective: dict | None = None  # what this rank runs, read from the built objects (core/effective.py)
 
 
@@ -115,10 +116,14 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
-    dpo = cfg.train.objective != "sft"  # the one branch on the objective: its loader, step and validation
-    loader = (build_pair_loader if dpo else build_dataloader)(cfg.data, cfg.train, tokenizer, ctx.dp_rank,
-                                                              ctx.dp_size, cfg.train.seed)
-    val_batches = _val_batches(cfg, tokenizer, ctx)
+    dpo = cfg.train.objective in ("dpo", "simpo")  # the branch on the objective: its loader, step and validation
+    grpo = cfg.train.objective == "grpo"  # online RL: prompts, generation, rewards (train/core/grpo.py)
+    if grpo:
+        loader, val_batches, objective = set_up_grpo(cfg, ctx, tokenizer, run_dir)
+    else:
+        loader = (build_pair_loader if dpo else build_dataloader)(cfg.data, cfg.train, tokenizer, ctx.dp_rank,
+                                                                  ctx.dp_size, cfg.train.seed)
+        val_batches = _val_batches(cfg, tokenizer, ctx)
     marks.append(("tokenizer and data", time.perf_counter()))
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.dp_size  # a TP group reads one share
     total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
@@ -131,7 +136,10 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
                         f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer=auto)")
     opts = StepOptions.from_config(cfg, hf_config.vocab_size)
     attach_pipeline(model, cfg, ctx.mesh, ctx.device, opts)  # parallel.pp > 1: its schedule (core/pp_step.py)
-    objective = set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir, opts) if dpo else None
+    if grpo:
+        objective.start(model, ctx, marks)  # the held-out reward before training; the reference was built
+    else:
+        objective = set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir, opts) if dpo else None
     if dpo:
         marks.append(("dpo reference", time.perf_counter()))
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel, ctx.dp_group)
@@ -264,7 +272,9 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
     # the ranks of one TP group (consecutive: TP is innermost) hold the same loss part: count it once
     loss = float(per_rank[::run.ctx.tp, 0].sum())
     peak_all, signum = int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
-    tokens_per_s = run.rows_per_step * run.cfg.train.seq_len / dt
+    # grpo: the completion tokens trained on (its rows are prompts; generation's time is in dt)
+    grpo = run.cfg.train.objective == "grpo"
+    tokens_per_s = (float(r.num_tokens) if grpo else run.rows_per_step * run.cfg.train.seq_len) / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
     record = {"step": run.state.step, "loss": loss, "lr": r.lr, "grad_norm": float(r.grad_norm),
               "tokens_per_s": tokens_per_s, "tflops": tflops,
