@@ -156,7 +156,7 @@ class Layout:
         module imports no config): the one call of the trainer, its preflight and the launcher."""
         return cls.build(strategy_name or par.strategy, world_size, gpus_per_node,
                          hsdp_shard_size or par.hsdp_shard_size, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                         tp_across_nodes=par.tp_across_nodes, cp=par.cp)
+                         tp_across_nodes=par.tp_across_nodes, cp=par.cp, pp=par.pp)
 
     @classmethod
     def build(cls, strategy_name: str | Strategy, world_size: int, gpus_per_node: int | None = None,

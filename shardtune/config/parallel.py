@@ -51,8 +51,6 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _check(self):
         # which combinations run is rules.combination.check_combination's (RunConfig calls it; plan too)
-        if self.pp > 1:  # until the pipeline lands in train and plan (issue 40)
-            raise ValueError(f"parallel.pp {self.pp}: pipeline parallelism is not in this build yet; set pp: 1")
         if self.ac_every != 2 and self.activation_checkpointing != "layer":
             raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=layer only "
                              f"and would be ignored with {self.activation_checkpointing!r}; drop it or set "

@@ -14,6 +14,7 @@ from shardtune.plan import comm, memory, moe
 from shardtune.plan import cp as cpp
 from shardtune.plan.activations import activation_split
 from shardtune.plan.model import _Model
+from shardtune.plan.pipeline import plan_pipeline
 from shardtune.plan.preference import reference_bytes
 from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
 from shardtune.plan.validate import PlanInputs, resolve_inputs
@@ -60,13 +61,24 @@ class StrategyPlan:
     simulated: dict | None = None  # plan.simulate (--simulate): traced bytes with the `memory` keys, or a fallback note
     layout: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "cp", "tp", "sequence_parallel"}
     host_ram: dict = field(default_factory=dict)  # --activation-offload: host RAM per node, PCIe (plan/cp.py)
+    pipeline: dict | None = None  # --pp: schedule, micro-batches, bubble, P2P bytes (plan/pipeline.py)
+    stages: list | None = None  # --pp: each pipeline rank's layers and memory; `memory` is the worst's
+    stage_ctx: object = None  # --pp: the stages' models, inputs and plans for timing (not in plan.json)
 
     @property
     def headroom_gib(self) -> float:
         return self.headroom_bytes / GIB
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        ctx, self.stage_ctx = self.stage_ctx, None
+        try:
+            d = asdict(self)
+        finally:
+            self.stage_ctx = ctx
+        del d["stage_ctx"]
+        for key in ("pipeline", "stages"):  # plans without pp: as before
+            if d[key] is None:
+                del d[key]
         d["headroom_gib"] = round(self.headroom_gib, 3)
         d["collectives"] = [c.to_dict() for c in self.collectives]
         d.update(d.pop("timing"))  # step_time_s, tokens_per_s, mfu, comm_time_s, compute_time_s, ...
@@ -113,10 +125,12 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> tuple[int, int]:
     # trainer's rule). Under LoRA the base (embedding and norms included) is stored in bf16, so
     # the residual stream is bf16 and only the adapters' weights are cast: bf16 activations.
     autocast = autocasts(strategy, inp.precision) and not inp.lora_rank
+    stage = m.stage or {}  # a pipeline stage: its micro-batches in flight (plan/pipeline.py)
     return activation_split(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast,
                             loss_chunks=_loss_chunks(m, inp), tp=inp.tp, sp=inp.sequence_parallel,
-                            cp=inp.cp, offload=inp.activation_offload)
+                            cp=inp.cp, offload=inp.activation_offload, in_flight=stage.get("in_flight", 1.0),
+                            head_in_flight=stage.get("head_in_flight", 1) if stage.get("last", True) else 0)
 
 
 def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
@@ -125,6 +139,8 @@ def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
 
 
 def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
+    if inp.pp > 1:  # each pipeline rank's stage planned as a model of its own (plan/pipeline.py)
+        return plan_pipeline(m, strategy, inp, usable, plan_strategy)
     # the FSDP part of the mesh: gpus / tp ranks, TP innermost (plan/tp.py); of them dp_replicate ×
     # dp_shard data-parallel and cp context-parallel ranks, FSDP sharding over dp_shard × cp
     dp, tp, cp = inp.gpus // inp.tp, inp.tp, inp.cp
@@ -152,7 +168,7 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
         net_of = shard if fsdp and not grads_in_forward and inp.offload != "all" else 0
         if fsdp:
             reduce = memory.fsdp_root_reduce_bytes(shapes, inp.precision, net_of)
-            if m.arch is not None:
+            if m.arch is not None and (m.stage or {}).get("first", True):
                 reduce += tp_embedding_grad_bytes(m.arch, tp, memory.dtypes(inp.precision).compute)
         chunks = _loss_chunks(m, inp) if m.arch else 1
         tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)

@@ -62,6 +62,10 @@ class PlanInputs:
     tp_across_nodes: bool = False  # parallel.tp_across_nodes: a TP group over several nodes' links
     cp: int = 1  # parallel.cp: context-parallel degree (the sequence split over cp ranks)
     activation_offload: bool = False  # parallel.activation_offload: saved activations in pinned host RAM
+    pp: int = 1  # parallel.pp: pipeline stages, outermost (plan/pipeline.py)
+    pp_schedule: str = "1f1b"  # parallel.pp_schedule: 1f1b | gpipe | interleaved-1f1b
+    pp_virtual_stages: int = 1  # parallel.pp_virtual_stages: stages per pipeline rank (interleaved-1f1b)
+    pp_layers: list[int] | None = None  # parallel.pp_layers: decoder layers per stage (None: even)
     host_ram_gib: float | None = None  # host RAM per node for offload (default plan/cp.py: 256 GiB a GPU)
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
@@ -140,6 +144,7 @@ def validate_inputs(**kw) -> PlanInputs:
     if inp.host_ram_gib is not None and not (isinstance(inp.host_ram_gib, (int, float)) and 0 < inp.host_ram_gib < 1e9):
         raise UserError(f"--host-ram {inp.host_ram_gib!r} must be a positive number of GiB per node")
     _layout(inp)
+    _pipeline(inp)
     inp.precision = normalize_precision(inp.precision)
     inp.optimizer = normalize_optimizer(inp.optimizer)
     inp.optimizer_impl = normalize_optimizer_impl(inp.optimizer_impl)
@@ -184,8 +189,41 @@ def _layout(inp: PlanInputs) -> None:
     # gpus / (tp × cp) data-parallel ranks, one node's by default), planned for every strategy
     if inp.hsdp_shard_size is not None:
         inp.hsdp_shard_size = _int_in("hsdp_shard_size", inp.hsdp_shard_size, 1, MAX_GPUS)
+    inp.pp = _int_in("pp", inp.pp, 1, MAX_GPUS)
     inp.hsdp_shard_size = Layout.build("hsdp", n, inp.gpus_per_node, inp.hsdp_shard_size, tp=inp.tp, cp=inp.cp,
-                                       tp_across_nodes=inp.tp_across_nodes).shard_degree
+                                       tp_across_nodes=inp.tp_across_nodes, pp=inp.pp).shard_degree
+
+
+def _pipeline(inp: PlanInputs) -> None:
+    """The pipeline's own rules (plan/pipeline.py; the layer split is checked against the model):
+    a known schedule, virtual stages with interleaved-1f1b only, at least pp micro-batches
+    (grad_accum) for the 1F1B schedules (torch's Schedule1F1B refuses fewer), a stage of whole
+    nodes or a whole share of one, and a model architecture to split."""
+    from shardtune.plan.pipeline import SCHEDULES
+
+    inp.pp_virtual_stages = _int_in("pp_virtual_stages", inp.pp_virtual_stages, 1, 1024)
+    inp.pp_schedule = str(inp.pp_schedule).lower()
+    if inp.pp_schedule not in SCHEDULES:
+        raise UserError(f"--pp-schedule {inp.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
+    inp.pp_layers = list(inp.pp_layers) if inp.pp_layers else None  # the CLI's unrepeated option: []
+    if inp.pp_layers is not None:
+        inp.pp_layers = [_int_in("pp_layers", v, 1, 1_000_000) for v in inp.pp_layers]
+    if inp.pp == 1:
+        return
+    interleaved = inp.pp_schedule == "interleaved-1f1b"
+    if interleaved != (inp.pp_virtual_stages > 1):
+        raise UserError(f"--pp-schedule {inp.pp_schedule} with --pp-virtual-stages {inp.pp_virtual_stages}: "
+                        "interleaved-1f1b takes 2 or more virtual stages per rank, the others exactly 1")
+    if inp.pp_schedule != "gpipe" and inp.grad_accum < inp.pp:
+        raise UserError(f"--grad-accum {inp.grad_accum} micro-batches < --pp {inp.pp}: {inp.pp_schedule} needs at "
+                        f"least one micro-batch per stage (torch's Schedule1F1B refuses fewer); give --grad-accum "
+                        f">= {inp.pp}")
+    stage, per_node = inp.gpus // inp.pp, inp.gpus_per_node
+    if stage % per_node and per_node % stage:
+        raise UserError(f"--pp {inp.pp}: a stage of {stage} GPUs would hold part of a node of {per_node} and part of "
+                        "another; give a pp whose stages are whole nodes or divide one")
+    if inp.params is not None:
+        raise UserError("--pp needs a model architecture (the layers it splits); give a MODEL instead of --params")
 
 
 def _tp_layout(inp: PlanInputs) -> None:

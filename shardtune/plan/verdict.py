@@ -152,7 +152,7 @@ def suggest(m, sp, inp, usable: int) -> str:
     activations dominate, context parallelism before tensor parallelism; else `fallback`."""
     def more_gpus(base, label: str):
         if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
-            g, dp = base.hsdp_shard_size * 2, base.gpus // (base.tp * base.cp)  # the shard group is of dp ranks
+            g, dp = base.hsdp_shard_size * 2, base.gpus // (base.tp * base.cp * base.pp)  # the shard group: dp ranks
             while g <= dp and dp % g == 0:
                 yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
                 g *= 2
