@@ -99,14 +99,18 @@ def p2p_time_s(nbytes: int, cluster: Cluster, pp: int) -> float:
 def stage_model(m: _Model, layers: list[int], first: bool, last: bool, stage: dict) -> _Model:
     """The part of `m` a pipeline rank holds, as a model of its own (layer groups, the first
     stage's embedding, the last one's norm and head; a tied head is a copy of the embedding)."""
+    key = ("stage", tuple(layers), first, last)  # its shapes and their caches, computed once per model
+    if key in m.buffer_cache:
+        return replace(m.buffer_cache[key], stage=dict(stage, first=first, last=last, layers=len(layers)))
     keep = set(layers)
     tied = not any(p.name == "lm_head.weight" for p in m.shapes)
     root = (ROOT_FIRST if first else ()) + (ROOT_LAST if last else ()) + (ROOT_FIRST if last and tied else ())
     shapes = [p for p in m.shapes if p.group in keep or (p.group == "root" and p.name in root)]
     total, trainable = sum(p.numel for p in shapes), sum(p.numel for p in shapes if p.trainable)
     arch = replace(m.arch, num_layers=len(layers))
-    return _Model(m.name, m.source, total, trainable, shapes, arch, total, config=m.config,
-                  stage=dict(stage, first=first, last=last, layers=len(layers)))
+    m.buffer_cache[key] = _Model(m.name, m.source, total, trainable, shapes, arch, total, config=m.config,
+                                 stage=dict(stage, first=first, last=last, layers=len(layers)))
+    return m.buffer_cache[key]
 
 
 def matmul_params(stage: _Model) -> tuple[int, int]:
@@ -209,3 +213,17 @@ def time_pipeline(sp, inp, predict, cluster: Cluster, tokens: float | None) -> d
         wall = tokens / (out["tokens_per_s"] * cluster.world_size)
         out.update(train_time_s=wall, gpu_hours=wall * cluster.world_size / 3600.0)
     return {k: float(f"{val:.4g}") for k, val in out.items()}
+
+
+def balanced_split(num_layers: int, stages: int) -> list[int] | None:
+    """An uneven split for `plan --fit` when the stages do not divide the layers: the remainder
+    goes to the middle stages, so the first (embedding) and last (head) stages hold fewer; None
+    when they divide (the even split needs no --pp-layers)."""
+    if num_layers % stages == 0 or num_layers < stages:
+        return None
+    base, extra = divmod(num_layers, stages)
+    sizes = [base] * stages
+    middle = list(range(1, stages - 1)) or list(range(stages))
+    for i in range(extra):
+        sizes[middle[i % len(middle)]] += 1
+    return sizes
