@@ -53,6 +53,8 @@ class PlanResult:
             "hardware": self.hardware, "inputs": self.inputs,
             "strategies": [s.to_dict() for s in self.strategies],
             "verdict": self.verdict, "notes": self.notes, **({"disk": self.disk} if self.disk else {}),
+            **({"pipeline": {k: v for k, v in self.strategies[0].pipeline.items() if k != "worst_stage"}}
+               if self.strategies and self.strategies[0].pipeline else {}),
         }
 
 

@@ -24,7 +24,6 @@ from shardtune.errors import UserError
 from shardtune.plan.model import _Model
 from shardtune.plan.ring import Cluster
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 ROOT_FIRST = ("model.embed_tokens.weight",)
 ROOT_LAST = ("model.norm.weight", "lm_head.weight")
 

@@ -132,7 +132,8 @@ def _memory_table(result: PlanResult, mark: str | None = None):
     if pp > 1:
         table.title += "; pipeline: the worst stage"
     ref = _has_reference(result)
-    for col in ("strategy", ("pp×" if pp > 1 else "") + ("dp×tp" if tp > 1 else "shard"), "params", "grads", "optim", "activ", "buffers",
+    degrees = ("pp×" if pp > 1 else "") + ("dp×tp" if tp > 1 else "shard")
+    for col in ("strategy", degrees, "params", "grads", "optim", "activ", "buffers",
                 *(("ref",) if ref else ()), "opt tmp", "peak GiB", "peak GB", "free GiB", "fits"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for s in result.strategies:

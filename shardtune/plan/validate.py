@@ -12,6 +12,7 @@ from shardtune.errors import UserError
 from shardtune.layout import Layout, check_placement
 from shardtune.plan.preference import check_objective
 from shardtune.rules.cp import check_cp
+from shardtune.rules.pipeline import check_pp_schedule
 from shardtune.strategies import (
     normalize_ac,
     normalize_offload,
@@ -195,34 +196,16 @@ def _layout(inp: PlanInputs) -> None:
 
 
 def _pipeline(inp: PlanInputs) -> None:
-    """The pipeline's own rules (plan/pipeline.py; the layer split is checked against the model):
-    a known schedule, virtual stages with interleaved-1f1b only, at least pp micro-batches
-    (grad_accum) for the 1F1B schedules (torch's Schedule1F1B refuses fewer), a stage of whole
-    nodes or a whole share of one, and a model architecture to split."""
-    from shardtune.plan.pipeline import SCHEDULES
-
+    """The pipeline's schedule rules (rules/pipeline.py, the launcher's too) and a model
+    architecture to split; the layer split is checked against the model (plan/pipeline.py), the
+    stages' placement by layout.check_pp_placement (via Layout.build)."""
     inp.pp_virtual_stages = _int_in("pp_virtual_stages", inp.pp_virtual_stages, 1, 1024)
     inp.pp_schedule = str(inp.pp_schedule).lower()
-    if inp.pp_schedule not in SCHEDULES:
-        raise UserError(f"--pp-schedule {inp.pp_schedule!r} is not one of {', '.join(SCHEDULES)}")
     inp.pp_layers = list(inp.pp_layers) if inp.pp_layers else None  # the CLI's unrepeated option: []
     if inp.pp_layers is not None:
         inp.pp_layers = [_int_in("pp_layers", v, 1, 1_000_000) for v in inp.pp_layers]
-    if inp.pp == 1:
-        return
-    interleaved = inp.pp_schedule == "interleaved-1f1b"
-    if interleaved != (inp.pp_virtual_stages > 1):
-        raise UserError(f"--pp-schedule {inp.pp_schedule} with --pp-virtual-stages {inp.pp_virtual_stages}: "
-                        "interleaved-1f1b takes 2 or more virtual stages per rank, the others exactly 1")
-    if inp.pp_schedule != "gpipe" and inp.grad_accum < inp.pp:
-        raise UserError(f"--grad-accum {inp.grad_accum} micro-batches < --pp {inp.pp}: {inp.pp_schedule} needs at "
-                        f"least one micro-batch per stage (torch's Schedule1F1B refuses fewer); give --grad-accum "
-                        f">= {inp.pp}")
-    stage, per_node = inp.gpus // inp.pp, inp.gpus_per_node
-    if stage % per_node and per_node % stage:
-        raise UserError(f"--pp {inp.pp}: a stage of {stage} GPUs would hold part of a node of {per_node} and part of "
-                        "another; give a pp whose stages are whole nodes or divide one")
-    if inp.params is not None:
+    check_pp_schedule(inp.pp, inp.pp_schedule, inp.pp_virtual_stages, inp.grad_accum)
+    if inp.pp > 1 and inp.params is not None:
         raise UserError("--pp needs a model architecture (the layers it splits); give a MODEL instead of --params")
 
 
