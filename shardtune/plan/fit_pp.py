@@ -21,14 +21,15 @@ def pp_degrees(base, m, keep: frozenset[str]) -> list[int]:
     return out
 
 
-def pp_batches(mbs: tuple[int, ...], accum: int, pp: int) -> list[tuple[int, int]]:
+def pp_batches(mbs: tuple[int, ...], accum: int, pp: int, split: bool = True) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) holding micro_batch × grad_accum × pp rows for each micro-batch
-    of `mbs` (the global batch kept with pp times fewer data-parallel ranks), split into
+    of `mbs` (the global batch kept with pp times fewer data-parallel ranks), `split` into
     micro-batches of one row: the planner's compute runs at one MFU whatever the micro-batch, and
-    the smallest has the smallest bubble and in-flight activations, so larger ones never win."""
+    the smallest has the smallest bubble and in-flight activations, so larger ones never win.
+    Not `split` (--fit-batch, which searches the micro-batch): each micro-batch, pp × the micro-batches."""
     if pp == 1:
         return [(mb, accum) for mb in mbs]
-    return [(1, mb * accum * pp) for mb in mbs]
+    return [(1, mb * accum * pp) for mb in mbs] if split else [(mb, accum * pp) for mb in mbs]
 
 
 def pipeline_gain(fitting: list) -> dict | None:

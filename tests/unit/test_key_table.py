@@ -45,6 +45,8 @@ SETTINGS = (  # every table key off its default, over three recipes (the rules r
      "parallel.activation_offload": True},
     {"optim.name": "adamw-8bit", "train.objective": "dpo", "train.reference": "precompute", "lora.rank": 4,
      "lora.quantize_base": "nf4"},
+    {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2,
+     "parallel.pp_layers": [8, 8, 8, 8]},
 )
 
 
