@@ -193,7 +193,8 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                         if err:  # strategies.check_combination: nothing runs it
                             refused.setdefault(strategy, err)
                             continue
-                        pairs = pp_batches(mbs, accum, pp // base.pp, split=not fit_batch)
+                        pairs = pp_batches(mbs, accum, pp // base.pp, split=not fit_batch,
+                                           keep_accum="grad_accum" in keep)
                         for mb, ga in pairs:
                             inp = replace(inp, micro_batch=mb, grad_accum=ga)
                             sp = plan_strategy(m, strategy, inp, usable)

@@ -21,14 +21,18 @@ def pp_degrees(base, m, keep: frozenset[str]) -> list[int]:
     return out
 
 
-def pp_batches(mbs: tuple[int, ...], accum: int, pp: int, split: bool = True) -> list[tuple[int, int]]:
+def pp_batches(mbs: tuple[int, ...], accum: int, pp: int, split: bool = True,
+               keep_accum: bool = False) -> list[tuple[int, int]]:
     """(micro_batch, grad_accum) holding micro_batch × grad_accum × pp rows for each micro-batch
     of `mbs` (the global batch kept with pp times fewer data-parallel ranks), `split` into
     micro-batches of one row: the planner's compute runs at one MFU whatever the micro-batch, and
     the smallest has the smallest bubble and in-flight activations, so larger ones never win.
-    Not `split` (--fit-batch, which searches the micro-batch): each micro-batch, pp × the micro-batches."""
+    Not `split` (--fit-batch, which searches the micro-batch): each micro-batch, pp × the micro-batches.
+    `keep_accum` (--grad-accum given): pp × the micro-batch instead, where grad_accum ≥ pp."""
     if pp == 1:
         return [(mb, accum) for mb in mbs]
+    if keep_accum:
+        return [(mb * pp, accum) for mb in mbs] if accum >= pp else []
     return [(1, mb * accum * pp) for mb in mbs] if split else [(mb, accum * pp) for mb in mbs]
 
 
