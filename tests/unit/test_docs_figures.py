@@ -121,8 +121,8 @@ def test_scaling_md_fit_and_lora_paragraphs_are_what_plan_prints():
     assert pipe.best.pp == 2 and g["pipeline"] == pipe.best.label()
     assert (f"picks zero3 × pp 2, AC full, micro-batch {pipe.best.micro_batch} × {pipe.best.grad_accum} micro-batches, "
             f"pure bf16 → {g['pipeline_tokens_per_s']:.0f} tokens/s per GPU, {g['speedup']:.2f}× the fastest layout "
-            f"without a pipeline at that batch (hsdp shard 8 with offload all: {g['without_tokens_per_s']:.0f} tokens/s "
-            f"per GPU); its step is {t['step_time_s']:.1f} s: {t['compute_time_s']:.1f} s of compute, "
+            f"without a pipeline at that batch (hsdp shard 8 with offload all: {g['without_tokens_per_s']:.0f} "
+            f"tokens/s per GPU); its step is {t['step_time_s']:.1f} s: {t['compute_time_s']:.1f} s of compute, "
             f"{t['bubble_time_s']:.1f} s of bubble, {t['p2p_time_s']:.1f} s of P2P") in text
     assert g["without"].startswith("hsdp shard 8, AC full, offload all") and pipe.best.strategy == "zero3"
     lora = plan("llama-3-70b", strategies=["zero3", "hsdp"], ac="full", lora_rank=16, tokens=1e9,
