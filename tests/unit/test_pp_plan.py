@@ -146,3 +146,16 @@ def test_bad_pipeline_is_one_line_exit_2(argv, fragment, capsys):
 def test_uneven_split_given_plans_each_stage_its_layers():
     d = plan("llama-3-70b", 24, pp=3, grad_accum=3, pp_layers=[26, 28, 26], strategies=["zero3"]).to_dict()
     assert [s["layers"] for s in d["strategies"][0]["stages"]] == [26, 28, 26]
+
+
+@pytest.mark.parametrize("launcher,extra", [("torchrun", ["--rdzv-host", "h0"]), ("slurm", []),
+                                            ("k8s", ["--image", "img:1"])])
+def test_launch_passes_pp_to_the_nodes(launcher, extra, tmp_path, capsys):
+    """`launch ... --pp 2` reaches the trainer on every node: the override in the torchrun and sbatch
+    scripts, the resolved recipe in the PyTorchJob's ConfigMap; stages of 2 ranks inside nodes of 4."""
+    out = tmp_path / "out"
+    argv = ["launch", launcher, "recipes/tiny-cpu.yaml", "--nodes", "2", "--gpus-per-node", "4", "--pp", "2",
+            "train.grad_accum=2", *extra, "-o", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    text = out.read_text()
+    assert ("parallel.pp=2" in text) if launcher != "k8s" else ("pp: 2" in text)
