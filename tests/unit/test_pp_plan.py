@@ -5,6 +5,7 @@ against a count of Llama-3-8B's tensors from its config, the P2P bytes by hand, 
 through the CLI (one line, exit 2)."""
 from __future__ import annotations
 
+import re
 from unittest import mock
 
 import pytest
@@ -167,3 +168,16 @@ def test_comm_bound_fsdp_across_ethernet_names_the_pipeline():
     r = plan("llama-3.1-405b", 64, nodes=8, tp=8, interconnect="eth-100g", precision="bf16", ac="full",
              strategies=["zero3"])
     assert "zero3 is communication-bound" in r.verdict and "(try --pp 8 --grad-accum 8 --pp-layers 15" in r.verdict
+
+
+def test_launch_on_ethernet_advises_the_pipeline_and_its_advice_launches(tmp_path, capsys):
+    """launch's communication-bound warning names the pipeline with the overrides to add; launched with
+    them, the warning is gone (the planner prices the pipeline's step below its compute + P2P)."""
+    base = ["launch", "slurm", "recipes/llama-3-70b-tp8-2x8xh100.yaml", "--nodes", "2", "--interconnect", "eth",
+            "-o", str(tmp_path / "job")]
+    assert main(base) == 0
+    err = capsys.readouterr().err
+    advice = re.search(r"Better: a pipeline across the nodes .*?: add --pp 2 (train\.grad_accum=\d+)\.", err)
+    assert advice, err
+    assert main([*base, "--pp", "2", advice.group(1)]) == 0
+    assert "communication-bound" not in capsys.readouterr().err
