@@ -234,7 +234,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
         notes.insert(1, f"offload {base.offload} kept (--offload)" if len(offloads) == 1 else
                      f"offload {base.offload} is planner-only: the trainer's none and all searched")
     if len(pps) > 1:
-        notes.append("pp searched over " + ", ".join(map(str, pps)) + " (stages of whole nodes, tp inside): "
+        notes.append("pp searched over " + ", ".join(map(str, pps)) + " (stages of one or two nodes, tp inside): "
                      "grad_accum follows pp, the rows of a step split into more micro-batches")
     return FitResult(best, fitting[:top], _distinct(rejected, top), len(out), ctx["network"], notes,
                      {"precision": base.precision, "global_batch": g0, "seq_len": base.seq_len},

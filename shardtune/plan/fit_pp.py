@@ -7,18 +7,15 @@ GIB = 2**30
 
 
 def pp_degrees(base, m, keep: frozenset[str]) -> list[int]:
-    """1 and every power of two up to the node count whose stages are whole nodes, unless --pp
-    was given (kept); a single node or a --params count: 1."""
+    """1, one stage a node (pp = nodes) and two nodes a stage (nodes / 2), unless --pp was given
+    (kept); a single node, a MoE model or a --params count: 1. Fewer, larger stages save nothing per
+    GPU: the states are Ψ / world either way, and 1F1B's first stage keeps P micro-batches of L/P
+    layers, one micro-batch of the whole model, whatever P."""
     if base.pp > 1 or "pp" in keep:
         return [base.pp]
     if m.arch is None or m.arch.num_experts or base.nodes < 2 or base.accounting != "shardtune":
         return [1]
-    out, p = [1], 2
-    while p <= base.nodes:
-        if base.nodes % p == 0:
-            out.append(p)
-        p *= 2
-    return out
+    return [1, *sorted({p for p in (base.nodes // 2, base.nodes) if p >= 2 and base.nodes % p == 0})]
 
 
 def pp_batches(mbs: tuple[int, ...], accum: int, pp: int, split: bool = True,

@@ -98,13 +98,16 @@ def p2p_time_s(nbytes: int, cluster: Cluster, pp: int) -> float:
 def stage_model(m: _Model, layers: list[int], first: bool, last: bool, stage: dict) -> _Model:
     """The part of `m` a pipeline rank holds, as a model of its own (layer groups, the first
     stage's embedding, the last one's norm and head; a tied head is a copy of the embedding)."""
-    key = ("stage", tuple(layers), first, last)  # its shapes and their caches, computed once per model
+    # a decoder layer's tensors do not depend on its index (dense models; MoE is refused), so stages of as
+    # many layers share one model and its caches (shapes, TP shards, buffers, states), their groups renumbered
+    key = ("stage", len(layers), first, last)
     if key in m.buffer_cache:
         return replace(m.buffer_cache[key], stage=dict(stage, first=first, last=last, layers=len(layers)))
-    keep = set(layers)
+    local = {g: i for i, g in enumerate(layers)}
     tied = not any(p.name == "lm_head.weight" for p in m.shapes)
     root = (ROOT_FIRST if first else ()) + (ROOT_LAST if last else ()) + (ROOT_FIRST if last and tied else ())
-    shapes = [p for p in m.shapes if p.group in keep or (p.group == "root" and p.name in root)]
+    shapes = [replace(p, group=local[p.group]) if p.group in local else p for p in m.shapes
+              if p.group in local or (p.group == "root" and p.name in root)]
     total, trainable = sum(p.numel for p in shapes), sum(p.numel for p in shapes if p.trainable)
     arch = replace(m.arch, num_layers=len(layers))
     m.buffer_cache[key] = _Model(m.name, m.source, total, trainable, shapes, arch, total, config=m.config,
@@ -115,6 +118,12 @@ def stage_model(m: _Model, layers: list[int], first: bool, last: bool, stage: di
 def matmul_params(stage: _Model) -> tuple[int, int]:
     """(matmul parameters a token passes through on this stage, those of its decoder layers):
     every tensor of 2 or more dims but the embedding's lookup; the head's (V, h) on the last."""
+    if "matmul" not in stage.buffer_cache:
+        stage.buffer_cache["matmul"] = _matmul_params(stage)
+    return stage.buffer_cache["matmul"]
+
+
+def _matmul_params(stage: _Model) -> tuple[int, int]:
     head = ("lm_head.weight", "model.embed_tokens.weight") if stage.stage["last"] else ("lm_head.weight",)
     layers = sum(p.numel for p in stage.shapes if p.group != "root" and len(p.shape) >= 2)
     heads = {p.name: p.numel for p in stage.shapes if p.group == "root" and p.name in head}

@@ -88,6 +88,13 @@ class StrategyPlan:
 
 
 def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
+    key = ("states", strategy, inp.accounting, inp.tp, inp.gpus, shard_degree, inp.precision, inp.optimizer, _impl(inp))
+    if key not in m.buffer_cache:  # the same for every micro-batch, AC mode and pipeline stage of as many layers
+        m.buffer_cache[key] = _model_states(m, strategy, inp, shard_degree)
+    return m.buffer_cache[key]
+
+
+def _model_states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
     if inp.accounting == "paper":  # model parallelism (the ZeRO paper's MP) splits all states by tp
         return memory.paper_states(-(-m.num_params // inp.tp), -(-m.trainable // inp.tp), strategy,
                                    shard_degree, inp.precision, inp.optimizer)
@@ -171,7 +178,10 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
             if m.arch is not None and (m.stage or {}).get("first", True):
                 reduce += tp_embedding_grad_bytes(m.arch, tp, memory.dtypes(inp.precision).compute)
         chunks = _loss_chunks(m, inp) if m.arch else 1
-        tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
+        key = ("tied", strategy, tp, inp.precision, chunks, net_of)
+        if key not in m.buffer_cache:
+            m.buffer_cache[key] = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
+        tied = m.buffer_cache[key]
         if tied and tp > 1 and m.arch is not None:  # + the embedding's whole-vocabulary gradient (e·V·h)
             tied += tied_tp_embedding_grad_bytes(m.arch, memory.dtypes(inp.precision).compute)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
@@ -180,9 +190,13 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
     if inp.offload == "all":  # the copy is sharded with the same CPUOffloadPolicy (train/core/dpo_ref.py)
         cpu_per_rank, ref = cpu_per_rank + ref, 0
     total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced) + ref
-    colls = comm.collectives(strategy, num_params=-(-m.num_params // tp),
-                             trainable_params=-(-m.trainable // tp), world_size=dp, shard_degree=shard,
-                             precision=inp.precision, shapes=shapes, accounting=inp.accounting)
+    key = ("collectives", strategy, tp, dp, shard, inp.precision, inp.accounting)
+    if key not in m.buffer_cache:  # the same for every micro-batch and AC mode
+        m.buffer_cache[key] = comm.collectives(strategy, num_params=-(-m.num_params // tp),
+                                               trainable_params=-(-m.trainable // tp), world_size=dp,
+                                               shard_degree=shard, precision=inp.precision, shapes=shapes,
+                                               accounting=inp.accounting)
+    colls = list(m.buffer_cache[key])
     if m.arch is not None and inp.accounting == "shardtune":
         colls += [comm.Collective(op, "tp", size, tp, "micro_batch", phase, what, calls)
                   for op, size, phase, calls, what in tp_collectives(
