@@ -109,7 +109,8 @@ def test_p2p_bytes_by_hand():
     boundary = 2 * 4096 // 2 * 4096 * 2
     assert d["pipeline"]["boundary_bytes"] == boundary
     assert d["pipeline"]["p2p_bytes_per_step"] == 2 * 8 * boundary
-    assert d["strategies"][0]["layout"]["pp"] == 4
+    assert d["strategies"][0]["layout"]["pp"] == 4 and d["layout"] == {"pp": 4, "dp": 8, "cp": 1, "tp": 2}
+    assert d["stages_of"] == "zero3" and d["stages"] == d["strategies"][0]["stages"]
     assert d["pipeline"]["bubble"] == pytest.approx(3 / 11)
 
 
