@@ -88,6 +88,7 @@ def _parse_as_cli(argv: list[str]) -> dict:
     ["recipes/tiny-cpu.yaml", "--gpus", "2", "--gpu", "a100-40gb"],  # the recipe planned is the one run
     ["llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g", "--strategy", "hsdp"],
     ["llama-3-8b", "--gpus", "8", "--seq-len", "131072", "--ac", "full"],  # long: cp, grad_accum follows it
+    ["llama-3.1-405b", "--gpus", "64", "--nodes", "8", "--interconnect", "eth-100g"],  # pp 8, an uneven split
 ])
 def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     import shlex
@@ -120,6 +121,9 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     assert got["seq_len"] == (128 if "tiny" in argv[0] else 131072 if "--seq-len" in argv else 2048)
     assert (got["cp"], got["activation_offload"], got["grad_accum"]) == (
         best["cp"], best["activation_offload"], best["grad_accum"]), line
+    assert (got["pp"], got["pp_layers"], got["tp"]) == (best["pp"], best["pp_layers"], best["tp"]), line
+    if "eth-100g" in argv:
+        assert best["pp"] == 8 and sum(best["pp_layers"]) == 126
     if "--lora-rank" in argv:
         assert got["lora_rank"] == 16
     if "--gpu" in argv:
