@@ -182,3 +182,15 @@ def test_launch_on_ethernet_advises_the_pipeline_and_its_advice_launches(tmp_pat
     assert advice, err
     assert main([*base, "--pp", "2", advice.group(1)]) == 0
     assert "communication-bound" not in capsys.readouterr().err
+
+
+def test_step_time_is_compute_over_one_minus_the_bubble():
+    """Narayanan et al. 2021 §2.2: a pipelined step is the ideal compute stretched by the bubble,
+    compute / (1 − (P − 1)/(m + P − 1)); inside one node on NVLink the rest is the exposed FSDP and P2P
+    communication and the optimizer step, a few per cent."""
+    s = plan("llama-3-8b", 8, pp=8, grad_accum=16, strategies=["zero3"]).strategies[0]
+    t, bubble = s.timing, s.pipeline["bubble"]
+    assert bubble == pytest.approx(7 / 23)
+    ideal = t["compute_time_s"] / (1 - bubble)
+    assert t["step_time_s"] == pytest.approx(ideal + t["exposed_comm_s"] + t["optimizer_time_s"], rel=0.01)
+    assert t["bubble_time_s"] == pytest.approx(ideal - t["compute_time_s"], rel=0.02)
