@@ -56,6 +56,16 @@ def check_placement(tp: int, per_node: int, across_nodes: bool = False) -> None:
                         "nodes per group")
 
 
+def check_pp_placement(pp: int, world_size: int, per_node: int) -> None:
+    """Pipeline stages across nodes, tp inside: pp is the outermost mesh dim, so stage s is ranks
+    [s·w/pp, (s+1)·w/pp); a stage is whole nodes or a whole share of one, never part of two (its
+    FSDP and TP groups would straddle a node boundary while the P2P stays inside one)."""
+    stage = world_size // pp
+    if pp > 1 and stage % per_node and per_node % stage:
+        raise UserError(f"pp {pp}: a stage of {stage} ranks would hold part of a node of {per_node} processes and "
+                        "part of another; give a pp whose stages are whole nodes or divide one (parallel.pp / --pp)")
+
+
 @dataclass(frozen=True)
 class Layout:
     """A strategy on `world_size` ranks, `gpus_per_node` per node; the mesh degrees multiply to
@@ -198,6 +208,7 @@ class Layout:
         if (world_size // (tp * cp)) % pp:
             raise UserError(f"pp {pp} does not divide world / (tp x cp) = {world_size // (tp * cp)} "
                             "(world = pp x dp x cp x tp)")
+        check_pp_placement(pp, world_size, per_node)
         dp = world_size // (pp * tp * cp)
         sp = bool(sequence_parallel) and tp > 1
         if s.hybrid:

@@ -41,6 +41,10 @@ PLAN_KEYS: dict[str, str] = {
     "cp": "parallel.cp",
     "activation_offload": "parallel.activation_offload",
     "ep": "parallel.ep",
+    "pp": "parallel.pp",
+    "pp_schedule": "parallel.pp_schedule",
+    "pp_virtual_stages": "parallel.pp_virtual_stages",
+    "pp_layers": "parallel.pp_layers",
 }
 
 # PlanInputs fields no recipe key holds: the cluster (a run takes it from torchrun), the planner's
@@ -121,6 +125,14 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
        "data-parallel ranks (all-to-all dispatch); experts FSDP-sharded over the shard group / N.", "N"),
     _O("moe_imbalance", "--moe-imbalance", "With --ep: the busiest rank's expert tokens over the balanced count "
        "(1.0: balanced; scales its all-to-all and expert compute).", "FACTOR"),
+    _O("pp", "--pp", "Pipeline-parallel degree (parallel.pp): the decoder layers split into N stages, outermost "
+       "(across nodes); micro-batches = --grad-accum; the table shows the worst stage (docs/parallelism.md).", "N"),
+    _O("pp_schedule", "--pp-schedule", "Pipeline schedule with --pp (parallel.pp_schedule).",
+       "[1f1b|gpipe|interleaved-1f1b]"),
+    _O("pp_virtual_stages", "--pp-virtual-stages",
+       "interleaved-1f1b: stages per pipeline rank (parallel.pp_virtual_stages).", "V"),
+    _O("pp_layers", "--pp-layers", "Decoder layers of each stage, repeated once per stage (parallel.pp_layers; "
+       "default an even split).", "N"),
     _O("host_ram_gib", "--host-ram", "Host RAM per node for --activation-offload (default 256 GiB per GPU).",
        "GIB"),
     _O("params", "--params", "A bare parameter count (e.g. 7.5e9) instead of MODEL: model states only.", "COUNT"),

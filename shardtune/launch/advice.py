@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardtune.catalog.models import resolve_model_config
 from shardtune.config import RunConfig
 from shardtune.errors import UserError
 from shardtune.layout import Layout
 from shardtune.plan.api import plan
+from shardtune.plan.pipeline import balanced_split
 
 # The catalogue link a network preset stands for, unless the user names one (--link).
 DEFAULT_LINK = {"ib": "ib-ndr-400", "roce": "roce-400", "efa": "efa", "eth": "eth-10g"}
@@ -37,9 +39,10 @@ class Estimate:
 
 
 def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, link: str | None = None,
-             strategy: str | None = None, shard_size: int | None = None) -> Estimate:
+             strategy: str | None = None, shard_size: int | None = None, **inputs) -> Estimate:
     """The planner's predicted step (`shardtune.plan.plan`) for the recipe, or for `strategy`,
-    on nodes × gpus_per_node GPUs joined by `link` (default: the preset's catalogue link)."""
+    on nodes × gpus_per_node GPUs joined by `link` (default: the preset's catalogue link);
+    `inputs`: planner inputs that replace the recipe's (a pipeline's pp, grad_accum, pp_layers)."""
     strategy, par = strategy or cfg.parallel.strategy, cfg.parallel
     # hsdp's shard group: the one rule (layout.Layout), one node's data-parallel ranks unless the recipe says
     layout = Layout.of_config(par, nodes * gpus_per_node, gpus_per_node, strategy, shard_size)
@@ -47,7 +50,7 @@ def estimate(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, 
     # the recipe's own planner inputs (RunConfig.plan_inputs: cp, LoRA, optimizer, objective … included)
     p = plan(**{**cfg.plan_inputs(), "gpus": nodes * gpus_per_node, "nodes": nodes, "gpus_per_node": gpus_per_node,
                 "hsdp_shard_size": shard_size, "strategies": [strategy],
-                "interconnect": link or DEFAULT_LINK[interconnect]})
+                "interconnect": link or DEFAULT_LINK[interconnect], **inputs})
     t = p.strategy(strategy).timing
     return Estimate(strategy, shard_size, t["step_time_s"], t["compute_time_s"],
                     t["comm_time_s"])
@@ -69,6 +72,7 @@ def comm_bound_warning(cfg: RunConfig, nodes: int, gpus_per_node: int, interconn
     msg = (f"warning: {cur.strategy} across {where} is communication-bound: ~{cur.comm_s:.3g} s of collectives "
            f"per step vs ~{cur.compute_s:.3g} s of compute (predicted step {cur.step_s:.3g} s; `shardtune plan` "
            "gives the details).")
+    msg += _pipeline_advice(cfg, nodes, gpus_per_node, interconnect, link, cur)
     in_node = gpus_per_node // cfg.parallel.tp  # a node's data-parallel ranks (TP takes the rest)
     if in_node > 1 and cur.shard_size != in_node:  # shard_size: None unless hybrid
         alt = estimate(cfg, nodes, gpus_per_node, interconnect, link, strategy="hsdp", shard_size=in_node)
@@ -82,3 +86,27 @@ def comm_bound_warning(cfg: RunConfig, nodes: int, gpus_per_node: int, interconn
             return msg
     msg += " A faster interconnect (--link), fewer nodes, or more tokens per micro-batch would help."
     return msg
+
+
+def _pipeline_advice(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnect: str, link: str | None,
+                     cur: Estimate) -> str:
+    """" Better: a pipeline across the nodes …" when one stage a node (pp = nodes, the global batch
+    kept by nodes × the micro-batches, plan/pipeline.py) is faster than the recipe's step; else ""."""
+    if cfg.parallel.pp > 1:
+        return ""
+    ga = cfg.train.grad_accum * nodes
+    try:
+        split = balanced_split(_num_layers(cfg), nodes)
+        alt = estimate(cfg, nodes, gpus_per_node, interconnect, link, pp=nodes, grad_accum=ga, pp_layers=split)
+    except (UserError, KeyError, ValueError):  # a model outside the planner's families, a split it refuses
+        return ""
+    if alt.step_s >= cur.step_s:
+        return ""
+    given = f" 'parallel.pp_layers=[{','.join(map(str, split))}]'" if split else ""
+    return (f" Better: a pipeline across the nodes (one stage a node, only activations on the link), ~{alt.step_s:.3g} "
+            f"s per step ({cur.step_s / alt.step_s:.1f}x faster, the global batch kept): add --pp {nodes} "
+            f"train.grad_accum={ga}{given}.")
+
+
+def _num_layers(cfg: RunConfig) -> int:
+    return int(resolve_model_config(cfg.model.plan_name())["num_hidden_layers"])

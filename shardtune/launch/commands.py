@@ -23,6 +23,9 @@ _NODES = typer.Option(1, "--nodes", metavar="N", help="Number of nodes.")
 _GPUS = typer.Option(8, "--gpus-per-node", metavar="N", help="GPUs (trainer processes) per node.")
 
 
+_PP = typer.Option(None, "--pp", metavar="N",
+                   help="Pipeline-parallel degree (parallel.pp=N): stages across nodes, tp inside a node; "
+                        "micro-batches = train.grad_accum (docs/parallelism.md).")
 _IC = typer.Option("ib", "--interconnect", metavar="NAME", help=interconnect_help())
 _IFNAME = typer.Option(None, "--ifname", metavar="IFACE",
                        help="Interface of the training network on every node (eth0, ens5): pins "
@@ -49,14 +52,16 @@ _GRACE = typer.Option(300, "--checkpoint-grace-s", metavar="SECONDS",
                            "long before --time).")
 
 
-def _build(recipe: str, overrides: list[str] | None, ep: int | None = None, **kw):
-    """Validate the recipe (as the trainer will see it) and the launch options; `ep` (--ep) is the
-    override parallel.ep=N, which the nodes' trainers get too."""
+def _build(recipe: str, overrides: list[str] | None, ep: int | None = None, pp: int | None = None, **kw):
+    """Validate the recipe (as the trainer will see it) and the launch options; `ep` (--ep) and `pp`
+    (--pp) are the overrides parallel.ep=N and parallel.pp=N, which the nodes' trainers get too."""
     from shardtune.config import load_recipe
     from shardtune.launch.spec import LaunchSpec, validate
 
     if ep is not None:
         overrides = [*(overrides or ()), f"parallel.ep={ep}"]
+    if pp is not None:
+        overrides = [*(overrides or ()), f"parallel.pp={pp}"]
     cfg = load_recipe(recipe, tuple(overrides or ()))
     kw["interconnect"], link = resolve_interconnect(kw["interconnect"], kw.pop("link", None))
     # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
@@ -76,6 +81,7 @@ def torchrun_cmd(
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
     max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, strict: bool = _STRICT, ep: int | None = _EP,
+    pp: int | None = _PP,
     rdzv_host: str | None = typer.Option(None, "--rdzv-host", metavar="HOST",
                                          help="Address of the node hosting the c10d rendezvous "
                                               "(needed for >1 node)."),
@@ -89,7 +95,7 @@ def torchrun_cmd(
     """A script to run unchanged on every node: one torchrun agent, c10d rendezvous."""
     from shardtune.launch.torchrun import render_torchrun
 
-    cfg, spec, link = _build(recipe, overrides, ep, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, ep, pp, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
@@ -105,7 +111,7 @@ def slurm_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP, pp: int | None = _PP,
     partition: str | None = typer.Option(None, "--partition", metavar="NAME", help="SLURM partition."),
     account: str | None = typer.Option(None, "--account", metavar="NAME", help="SLURM account."),
     time: str | None = typer.Option(None, "--time", metavar="LIMIT", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
@@ -129,7 +135,7 @@ def slurm_cmd(
     """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
     from shardtune.launch.slurm import environment_notes, render_slurm
 
-    cfg, spec, link = _build(recipe, overrides, ep, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, ep, pp, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
@@ -148,7 +154,7 @@ def k8s_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP, pp: int | None = _PP,
     image: str | None = typer.Option(None, "--image", metavar="IMAGE",
                                      help="Container image with shardtune installed."),
     pvc: str | None = typer.Option(None, "--pvc", metavar="CLAIM",
@@ -181,7 +187,7 @@ def k8s_cmd(
 
     if not checkpoint_mount.startswith("/") or "\n" in checkpoint_mount:
         raise UserError(f"--checkpoint-mount {checkpoint_mount!r} must be an absolute path")
-    cfg, spec, link = _build(recipe, overrides, ep, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, ep, pp, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,

@@ -133,12 +133,15 @@ def activation_bytes(arch: Architecture, micro_batch: int, seq_len: int, elem_by
 def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_bytes: int = 2,
                      ac: str = "none", ac_every: int = 2, calibrated: bool = False,
                      autocast: bool = False, loss_chunks: int = 1, tp: int = 1, sp: bool = False,
-                     cp: int = 1, offload: bool = False) -> tuple[int, int]:
+                     cp: int = 1, offload: bool = False, in_flight: float = 1.0,
+                     head_in_flight: int = 1) -> tuple[int, int]:
     """(device bytes, host bytes) of `activation_bytes`; `offload` (train/core/offload.py's hooks
     around the micro-batch's forward): everything it saves for backward goes to host RAM — the
     layers' (with AC full their inputs), the head's, RoPE's tables; on the device one layer's
     of it at a time (the one brought back) beside the recompute, and the head and RoPE tables
-    while their backward runs (counted as if kept: an upper bound by those few)."""
+    while their backward runs (counted as if kept: an upper bound by those few). A pipeline stage
+    (plan/pipeline.py) keeps `in_flight` micro-batches of its layers' (and RoPE's) saved tensors
+    and `head_in_flight` of the head's (0: not the last stage)."""
     tokens = micro_batch * seq_len // cp
     if cp > 1:
         layer = cp_layer_bytes(arch, tokens, elem_bytes, autocast, tp, sp)
@@ -155,7 +158,9 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
         body += L * kept
         recompute = layer - shared
     rope = 2 * stream * tokens * arch.head_dim  # cos, sin
-    head = head_activation_bytes(arch, tokens, elem_bytes, autocast, loss_chunks, tp, sp)
+    head = head_activation_bytes(arch, tokens, elem_bytes, autocast, loss_chunks, tp, sp) * head_in_flight
+    if in_flight != 1:
+        body, rope = round(body * in_flight), round(rope * in_flight)
     host = 0
     if offload and L:
         host, body = body + head + rope, body // L

@@ -54,7 +54,21 @@ class PlanResult:
             "hardware": self.hardware, "inputs": self.inputs,
             "strategies": [s.to_dict() for s in self.strategies],
             "verdict": self.verdict, "notes": self.notes, **({"disk": self.disk} if self.disk else {}),
+            **self._pipeline(),
         }
+
+    def _pipeline(self) -> dict:
+        """--pp: the degrees, the schedule and its bubble (every strategy's), and the stages of the first
+        strategy that fits (else the first): each strategy's own are under strategies[i].stages."""
+        piped = [s for s in self.strategies if s.pipeline]
+        if not piped:
+            return {}
+        shown = next((s for s in piped if s.fits), piped[0])
+        inp = self.inputs
+        return {"layout": {"pp": inp["pp"], "dp": inp["gpus"] // (inp["pp"] * inp["tp"] * inp["cp"]),
+                           "cp": inp["cp"], "tp": inp["tp"]},
+                "pipeline": {k: v for k, v in shown.pipeline.items() if k != "worst_stage"},
+                "stages_of": shown.name, "stages": [dict(st) for st in shown.stages]}
 
 
 def _applicable(inp: PlanInputs) -> tuple[list[str], list[str]]:

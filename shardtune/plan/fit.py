@@ -45,8 +45,11 @@ class Candidate:
     global_batch: int = 0  # sequences per optimizer step: micro-batch × grad_accum × data-parallel ranks
     cp: int = 1  # context-parallel degree (plan/cp.py)
     activation_offload: bool = False
-    grad_accum: int = 1  # follows cp, keeping the global batch
+    grad_accum: int = 1  # follows cp and pp, keeping the global batch
     ep: int = 1  # expert-parallel degree (MoE models; plan/ep.py)
+    pp: int = 1  # pipeline-parallel degree (plan/pipeline.py), stages across nodes
+    pp_layers: list[int] | None = None  # the layer split when pp does not divide the layers
+    pp_schedule: str = "1f1b"
 
     def changes(self, base: dict) -> dict:
         """What this candidate changes against the plan's own inputs (`FitResult.base`), in words."""
@@ -62,11 +65,12 @@ class Candidate:
 
     def label(self) -> str:
         shard = f" shard {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else ""
+        shard = (f" × pp {self.pp}" if self.pp > 1 else "") + shard
         shard += f" × cp {self.cp}" if self.cp > 1 else ""
         shard += f" × tp {self.tp}" if self.tp > 1 else ""
         shard += f" × ep {self.ep}" if self.ep > 1 else ""
         act = " + activation offload" if self.activation_offload else ""
-        accum = f" × grad-accum {self.grad_accum}" if self.cp > 1 else ""
+        accum = f" × grad-accum {self.grad_accum}" if self.cp > 1 or self.pp > 1 else ""
         return (f"{self.strategy}{shard}, AC {self.ac}{act}, offload {self.offload}, micro-batch "
                 f"{self.micro_batch}{accum}, {self.precision}")
 
@@ -77,6 +81,8 @@ class Candidate:
         f += f" --ep {self.ep}" if self.ep > 1 else ""
         f += f" --cp {self.cp} --grad-accum {self.grad_accum}" if self.cp > 1 else ""
         f += " --activation-offload" if self.activation_offload else ""
+        f += f" --pp {self.pp}" + ("" if self.cp > 1 else f" --grad-accum {self.grad_accum}") if self.pp > 1 else ""
+        f += "".join(f" --pp-layers {n}" for n in self.pp_layers or ())
         return f + (f" --hsdp-shard-size {self.hsdp_shard_size}" if STRATEGY[self.strategy].hybrid else "")
 
 
@@ -89,13 +95,15 @@ class FitResult:
     network: dict
     notes: list[str] = field(default_factory=list)
     base: dict = field(default_factory=dict)  # the plan's own precision, global batch, seq_len
+    pipeline_gain: dict | None = None  # plan/fit_pp.py: the fastest pipeline against the fastest without
 
     def to_dict(self) -> dict:
         def d(c):
             return dict(asdict(c), tokens_per_s=c.tokens_per_s, flags=c.flags(), changes=c.changes(self.base))
         return {"best": d(self.best) if self.best else None, "ranked": [d(c) for c in self.ranked],
                 "rejected": [d(c) for c in self.rejected], "searched": self.searched,
-                "network": self.network, "notes": self.notes, "base": self.base}
+                "network": self.network, "notes": self.notes, "base": self.base,
+                **({"pipeline_gain": self.pipeline_gain} if self.pipeline_gain else {})}
 
 
 def _impl_for(base, precision: str) -> str:
@@ -128,7 +136,9 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     at its value and not searched."""
     from shardtune.catalog.gpus import resolve_gpu
     from shardtune.plan.ep import ep_degrees
+    from shardtune.plan.fit_pp import pipeline_gain, pp_batches, pp_degrees
     from shardtune.plan.model import _load_model
+    from shardtune.plan.pipeline import balanced_split
     from shardtune.plan.strategy_plan import combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
     from shardtune.plan.timing import time_strategy, timing_context
     from shardtune.plan.validate import resolve_inputs
@@ -160,7 +170,9 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     eps = [base.ep] if base.ep > 1 or "ep" in keep else ep_degrees(m.arch, [base.gpus // base.tp])
     act_offloads = ((base.activation_offload,) if base.activation_offload or not long or
                     "activation_offload" in keep else (False, True))
-    for tp, strategy, cp in ((t, s, c) for t in tps for s in strategies for c in _cps(base, t, m, long, keep)):
+    pps = pp_degrees(base, m, keep)
+    for tp, strategy, cp, pp in ((t, s, c, p) for t in tps for s in strategies for c in _cps(base, t, m, long, keep)
+                                 for p in pps):
         at_tp = with_tp(base, tp, m) if tp != base.tp else base
         at_tp = with_cp(at_tp, cp, m) if cp != at_tp.cp else at_tp
         # the global batch kept: grad_accum follows cp (--fit-batch: the global batch changes anyway)
@@ -168,7 +180,10 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
         if at_tp is None or (not fit_batch and accum * base.cp != base.grad_accum * cp) or (
                 "grad_accum" in keep and accum != base.grad_accum):
             continue
-        dp, dp_per_node = base.gpus // (tp * cp), max(1, base.gpus_per_node // (tp * cp))
+        dp, dp_per_node = base.gpus // (tp * cp * pp), max(1, base.gpus_per_node // (tp * cp))
+        if pp != base.pp and (dp < 1 or base.gpus % (tp * cp * pp)):
+            continue
+        split = base.pp_layers if pp == base.pp else balanced_split(m.arch.num_layers, pp) if pp > 1 else None
         shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
         if STRATEGY[strategy].hybrid and "hsdp_shard_size" in keep and base.hsdp_shard_size:
             shards = [base.hsdp_shard_size]
@@ -182,19 +197,22 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                     for offload in offloads:
                         inp = replace(at_tp, strategies=[strategy], hsdp_shard_size=shard or at_tp.hsdp_shard_size,
                                       precision=precision, ac=ac, offload=offload, optimizer_impl=impl,
-                                      grad_accum=accum, activation_offload=act_off, ep=ep)
+                                      grad_accum=accum, activation_offload=act_off, ep=ep, pp=pp, pp_layers=split)
                         err = combination_error(inp, strategy)
                         if err:  # strategies.check_combination: nothing runs it
                             refused.setdefault(strategy, err)
                             continue
-                        for mb in mbs:
-                            inp = replace(inp, micro_batch=mb)
+                        pairs = pp_batches(mbs, accum, pp // base.pp, split=not fit_batch,
+                                           keep_accum="grad_accum" in keep)
+                        for mb, ga in pairs:
+                            inp = replace(inp, micro_batch=mb, grad_accum=ga)
                             sp = plan_strategy(m, strategy, inp, usable)
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
-                                          optimizer_impl=impl, tp=tp, global_batch=mb * accum * dp, cp=cp,
-                                          activation_offload=act_off, grad_accum=accum, ep=ep)
+                                          optimizer_impl=impl, tp=tp, global_batch=mb * ga * dp, cp=cp,
+                                          activation_offload=act_off, grad_accum=ga, pp=pp, pp_layers=split,
+                                          pp_schedule=base.pp_schedule, ep=ep)
                             if not sp.fits:
                                 c.why = _why_not(sp, usable)
                             out.append(c)
@@ -209,7 +227,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     for c in fitting[1:top]:
         c.why = _why_loses(c, best)
     rejected = sorted((c for c in out if not c.fits), key=lambda c: -c.tokens_per_s)
-    g0 = base.micro_batch * base.grad_accum * (base.gpus // base.tp // base.cp)
+    g0 = base.micro_batch * base.grad_accum * (base.gpus // base.tp // base.cp // base.pp)
     notes = [f"grad_accum {base.grad_accum} and seq {base.seq_len} kept; micro-batch searched over "
              f"{', '.join(map(str, micro_batches))} (the global batch changes with it)" if fit_batch else
              f"global batch {g0} (micro-batch × grad_accum × data-parallel ranks) and seq {base.seq_len} kept: the "
@@ -224,8 +242,12 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     if base.offload != "none":
         notes.insert(1, f"offload {base.offload} kept (--offload)" if len(offloads) == 1 else
                      f"offload {base.offload} is planner-only: the trainer's none and all searched")
+    if len(pps) > 1:
+        notes.append("pp searched over " + ", ".join(map(str, pps)) + " (stages of one or two nodes, tp inside): "
+                     "grad_accum follows pp, the rows of a step split into more micro-batches")
     return FitResult(best, fitting[:top], _distinct(rejected, top), len(out), ctx["network"], notes,
-                     {"precision": base.precision, "global_batch": g0, "seq_len": base.seq_len})
+                     {"precision": base.precision, "global_batch": g0, "seq_len": base.seq_len},
+                     pipeline_gain(fitting))
 
 
 def _cps(base, tp: int, m, long: bool, keep: frozenset[str] = frozenset()) -> list[int]:
@@ -286,7 +308,7 @@ def _why_loses(c: Candidate, best: Candidate) -> str:
         "optimizer step": per_token(c, "optimizer_time_s") - per_token(best, "optimizer_time_s"),
     }
     worst = max(diffs, key=diffs.get)
-    keys = ("strategy", "tp", "cp", "ep", "hsdp_shard_size", "ac", "activation_offload", "offload", "micro_batch",
+    keys = ("strategy", "pp", "tp", "cp", "ep", "hsdp_shard_size", "ac", "activation_offload", "offload", "micro_batch",
             "precision")
     no_shard = None in (best.hsdp_shard_size, c.hsdp_shard_size)
     changed = [f"{k} {getattr(best, k)}→{getattr(c, k)}" for k in keys
@@ -319,6 +341,10 @@ def render_fit(fit: FitResult, console, use: str | None = None) -> None:
             console.print(f"#{i} {c.tokens_per_s:,.0f} tokens/s — {c.why}")
     for c in fit.rejected:
         console.print(f"rejected: {c.label()} (would give {c.tokens_per_s:,.0f} tokens/s): {c.why}")
+    if fit.pipeline_gain:
+        from shardtune.plan.fit_pp import gain_line
+
+        console.print(gain_line(fit.pipeline_gain))
     for n in fit.notes:
         console.print(f"note: {n}")
 

@@ -26,7 +26,7 @@ FALLBACK_RECIPE = "llama-3-8b-8xh100.yaml"  # a GPU recipe (nccl, bf16-mixed) fo
 # table's (config/plan_keys.py), the flag the trainer's own for that key (config/flags.py)
 _FIT_FIELDS = ("strategy", "precision", "lora_rank", "model", "gpu", "seq_len", "micro_batch", "grad_accum",
                "optimizer", "optimizer_impl", "ac", "ac_every", "offload", "hsdp_shard_size", "tp", "cp",
-               "activation_offload", "ep")
+               "activation_offload", "ep", "pp", "pp_layers")
 _RECIPE_KEY = {**PLAN_KEYS, "strategy": "parallel.strategy"}  # a recipe runs one strategy; plan compares several
 _FLAG = {f.key: f.option for f in TRAIN_FLAGS}
 _KEYS = {field: (_FLAG.get(_RECIPE_KEY[field]), _RECIPE_KEY[field]) for field in _FIT_FIELDS}
@@ -72,7 +72,7 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
                 optimizer_impl=best.optimizer_impl, ac=best.ac, ac_every=base.ac_every, offload=best.offload,
                 hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None,
                 lora_rank=base.lora_rank, strategy=best.strategy, tp=best.tp, cp=best.cp,
-                activation_offload=best.activation_offload, ep=best.ep)
+                activation_offload=best.activation_offload, ep=best.ep, pp=best.pp, pp_layers=best.pp_layers)
     cfg = load_recipe(recipe)
     have = cfg.plan_inputs()
     have["strategy"] = cfg.parallel.strategy

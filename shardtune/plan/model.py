@@ -21,6 +21,7 @@ class _Model:
     active: int
     buffer_cache: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)  # the HF config.json values (None: --params)
+    stage: dict | None = None  # a pipeline stage (plan/pipeline.py): in_flight, head_in_flight, first, last
 
     def local_shapes(self, tp: int) -> list[ParamShape] | None:
         """Each tensor's shape on one tensor-parallel rank (plan/tp.py), before FSDP shards it."""

@@ -52,15 +52,19 @@ def render_text(result: PlanResult, console=None, wide: bool = False, mark: str 
         f"AC {inp['ac']}, offload {inp['offload']}"
         + (f", LoRA r={inp['lora_rank']}" if inp["lora_rank"] else "")
         + f"; accounting: {result.accounting}")
-    cp = inp.get("cp", 1)
+    cp, pp = inp.get("cp", 1), inp.get("pp", 1)
+    pipe = (f"pipeline-parallel {pp} (outermost: {_stages_where(hw, pp)}) × ") if pp > 1 else ""
+    if pp > 1 and inp.get("tp", 1) == 1 and cp == 1:
+        console.print(f"layout: {pipe}data-parallel {hw['gpus'] // pp}; FSDP shards each stage over its "
+                      "data-parallel ranks")
     if inp.get("tp", 1) > 1:
         sp = "with" if inp.get("sequence_parallel") else "without"
-        console.print(f"layout: data-parallel {hw['gpus'] // inp['tp'] // cp}"
+        console.print(f"layout: {pipe}data-parallel {hw['gpus'] // inp['tp'] // cp // pp}"
                       + (f" × context-parallel {cp}" if cp > 1 else "")
                       + f" × tensor-parallel {inp['tp']} (inside a node, {sp} sequence parallelism); FSDP shards "
                       f"over the data-parallel{' × context-parallel' if cp > 1 else ''} ranks")
     elif cp > 1:
-        console.print(f"layout: data-parallel {hw['gpus'] // cp} × context-parallel {cp} (each rank "
+        console.print(f"layout: {pipe}data-parallel {hw['gpus'] // cp // pp} × context-parallel {cp} (each rank "
                       f"{inp['seq_len'] // cp} tokens of a row; all-to-all around attention); FSDP shards over "
                       "dp × cp")
     console.print(_memory_table(result, mark) if wide else _compact_memory_table(result, mark))
@@ -82,9 +86,33 @@ def render_text(result: PlanResult, console=None, wide: bool = False, mark: str 
                           f"({'fits' if h['fits'] else 'does NOT fit; give --host-ram'}); "
                           f"{h['pcie_bytes_per_step'] / GB:,.1f} GB over {h['link']} a step ≈ "
                           f"{h['offload_time_s']:.2f} s")
+    for s in result.strategies:
+        if s.pipeline:
+            console.print(_pipeline_line(s))
     console.print(f"verdict: {result.verdict}")
     for note in result.notes:
         console.print(f"note: {note}")
+
+
+def _stages_where(hw: dict, pp: int) -> str:
+    per_stage = hw["gpus"] // pp
+    if per_stage >= hw["gpus_per_node"]:
+        return f"each stage {per_stage // hw['gpus_per_node']} whole node(s), P2P between nodes"
+    return f"{hw['gpus_per_node'] // per_stage} stages per node"
+
+
+def _pipeline_line(s) -> str:
+    """One strategy's pipeline: schedule, bubble, the worst stage, P2P (plan/pipeline.py)."""
+    p, w = s.pipeline, s.stages[s.pipeline["worst_stage"]]
+    v = f" × {p['virtual_stages']} virtual" if p["virtual_stages"] > 1 else ""
+    parts = [f"{w['layers']} layers"] + (["embedding"] if w["embedding"] else []) + (["head"] if w["head"] else [])
+    t = s.timing or {}
+    timed = (f"; bubble {t['bubble_time_s']:.3g} s, P2P {t['p2p_time_s']:.3g} s of the {t['step_time_s']:.3g} s step"
+             if "bubble_time_s" in t else "")
+    return (f"{s.name}: pipeline {p['pp']}{v} stages, {p['schedule']}, {p['microbatches']} micro-batches: bubble "
+            f"{p['bubble']:.1%}; worst stage rank {p['worst_stage']} ({' + '.join(parts)}, "
+            f"{w['in_flight_microbatches']:g} micro-batches in flight) {_gib(w['memory']['total'])} GiB; "
+            f"P2P {p['p2p_bytes_per_step'] / GB:,.2f} GB sent a step{timed}")
 
 
 _SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC", "all_to_all": "A2A"}
@@ -100,14 +128,18 @@ def _memory_table(result: PlanResult, mark: str | None = None):
 
     table = Table(title="Per-GPU memory in GiB (2^30 bytes); peak also in GB (10^9 bytes)",
                   box=box.SIMPLE_HEAD, padding=(0, 1))
-    tp = result.inputs.get("tp", 1)
+    tp, pp = result.inputs.get("tp", 1), result.inputs.get("pp", 1)
+    if pp > 1:
+        table.title += "; pipeline: the worst stage"
     ref = _has_reference(result)
-    for col in ("strategy", "dp×tp" if tp > 1 else "shard", "params", "grads", "optim", "activ", "buffers",
+    degrees = ("pp×" if pp > 1 else "") + ("dp×tp" if tp > 1 else "shard")
+    for col in ("strategy", degrees, "params", "grads", "optim", "activ", "buffers",
                 *(("ref",) if ref else ()), "opt tmp", "peak GiB", "peak GB", "free GiB", "fits"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for s in result.strategies:
         mem = s.memory
         shard = f"{s.shard_degree}×{tp}" if tp > 1 else str(s.shard_degree)  # the FSDP shard group × TP
+        shard = f"{pp}×{shard}" if pp > 1 else shard
         table.add_row(
             _name(s, mark), shard, _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
             _gib(mem.activations), _gib(mem.buffers), *((_gib(mem.reference),) if ref else ()),
@@ -129,6 +161,8 @@ def _compact_memory_table(result: PlanResult, mark: str | None = None):
 
     table = Table(title="Per-GPU memory, GiB (2^30 bytes); --wide: every column, peak in GB",
                   box=box.SIMPLE_HEAD, padding=(0, 1))
+    if result.inputs.get("pp", 1) > 1:
+        table.title += "; pipeline: the worst stage"
     ref = _has_reference(result)
     for col in ("strategy", "states", "activ", "buffers", *(("ref",) if ref else ()), "opt tmp", "peak GiB",
                 "free GiB", "fits"):

@@ -15,6 +15,7 @@ from shardtune.plan import cp as cpp
 from shardtune.plan import ep as epp
 from shardtune.plan.activations import activation_split
 from shardtune.plan.model import _Model
+from shardtune.plan.pipeline import plan_pipeline
 from shardtune.plan.preference import reference_bytes
 from shardtune.plan.rl import generation_weights_bytes, kv_cache_bytes, training_rows
 from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
@@ -66,13 +67,24 @@ class StrategyPlan:
     layout: dict = field(default_factory=dict)  # {"dp_replicate", "dp_shard", "cp", "tp", "sequence_parallel"}
     host_ram: dict = field(default_factory=dict)  # --activation-offload: host RAM per node, PCIe (plan/cp.py)
     comm: dict = field(default_factory=dict)  # MoE with --ep: the all-to-all per layer and step (plan/ep.py)
+    pipeline: dict | None = None  # --pp: schedule, micro-batches, bubble, P2P bytes (plan/pipeline.py)
+    stages: list | None = None  # --pp: each pipeline rank's layers and memory; `memory` is the worst's
+    stage_ctx: object = None  # --pp: the stages' models, inputs and plans for timing (not in plan.json)
 
     @property
     def headroom_gib(self) -> float:
         return self.headroom_bytes / GIB
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        ctx, self.stage_ctx = self.stage_ctx, None
+        try:
+            d = asdict(self)
+        finally:
+            self.stage_ctx = ctx
+        del d["stage_ctx"]
+        for key in ("pipeline", "stages"):  # plans without pp: as before
+            if d[key] is None:
+                del d[key]
         d["headroom_gib"] = round(self.headroom_gib, 3)
         d["collectives"] = [c.to_dict() for c in self.collectives]
         d.update(d.pop("timing"))  # step_time_s, tokens_per_s, mfu, comm_time_s, compute_time_s, ...
@@ -84,6 +96,13 @@ class StrategyPlan:
 
 
 def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
+    key = ("states", strategy, inp.accounting, inp.tp, inp.gpus, shard_degree, inp.precision, inp.optimizer, _impl(inp))
+    if key not in m.buffer_cache:  # the same for every micro-batch, AC mode and pipeline stage of as many layers
+        m.buffer_cache[key] = _model_states(m, strategy, inp, shard_degree)
+    return m.buffer_cache[key]
+
+
+def _model_states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
     if inp.accounting == "paper":  # model parallelism (the ZeRO paper's MP) splits all states by tp
         return memory.paper_states(-(-m.num_params // inp.tp), -(-m.trainable // inp.tp), strategy,
                                    shard_degree, inp.precision, inp.optimizer)
@@ -124,10 +143,12 @@ def _activations(m: _Model, inp: PlanInputs, strategy: str) -> tuple[int, int]:
     # trainer's rule). Under LoRA the base (embedding and norms included) is stored in bf16, so
     # the residual stream is bf16 and only the adapters' weights are cast: bf16 activations.
     autocast = autocasts(strategy, inp.precision) and not inp.lora_rank
+    stage = m.stage or {}  # a pipeline stage: its micro-batches in flight (plan/pipeline.py)
     return activation_split(m.arch, inp.micro_batch, inp.seq_len, memory.dtypes(inp.precision).compute,
                             inp.ac, inp.ac_every, calibrated=True, autocast=autocast,
                             loss_chunks=_loss_chunks(m, inp), tp=inp.tp, sp=inp.sequence_parallel,
-                            cp=inp.cp, offload=inp.activation_offload)
+                            cp=inp.cp, offload=inp.activation_offload, in_flight=stage.get("in_flight", 1.0),
+                            head_in_flight=stage.get("head_in_flight", 1) if stage.get("last", True) else 0)
 
 
 def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
@@ -136,6 +157,8 @@ def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
 
 
 def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
+    if inp.pp > 1:  # each pipeline rank's stage planned as a model of its own (plan/pipeline.py)
+        return plan_pipeline(m, strategy, inp, usable, plan_strategy)
     # the FSDP part of the mesh: gpus / tp ranks, TP innermost (plan/tp.py); of them dp_replicate ×
     # dp_shard data-parallel and cp context-parallel ranks, FSDP sharding over dp_shard × cp
     dp, tp, cp = inp.gpus // inp.tp, inp.tp, inp.cp
@@ -164,10 +187,13 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
         net_of = shard if fsdp and not grads_in_forward and inp.offload != "all" else 0
         if fsdp:
             reduce = memory.fsdp_root_reduce_bytes(shapes, inp.precision, net_of)
-            if m.arch is not None:
+            if m.arch is not None and (m.stage or {}).get("first", True):
                 reduce += tp_embedding_grad_bytes(m.arch, tp, memory.dtypes(inp.precision).compute)
         chunks = _loss_chunks(m, inp) if m.arch else 1
-        tied = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
+        key = ("tied", strategy, tp, inp.precision, chunks, net_of)
+        if key not in m.buffer_cache:
+            m.buffer_cache[key] = memory.tied_backward_bytes(shapes, strategy, inp.precision, chunks, net_of)
+        tied = m.buffer_cache[key]
         if tied and tp > 1 and m.arch is not None:  # + the embedding's whole-vocabulary gradient (e·V·h)
             tied += tied_tp_embedding_grad_bytes(m.arch, memory.dtypes(inp.precision).compute)
         reduce = max(reduce, tied + unsynced if tied else 0)  # the embedding's backward
@@ -182,10 +208,14 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
         kv = kv_cache_bytes(m.arch, inp.num_generations, inp.seq_len, inp.max_new_tokens, tp, per)
         gen_w = generation_weights_bytes(m.num_params, tp, per)
         total = max(total, st.params + st.optimizer + ref + gen_w + kv)
-    colls = comm.collectives(strategy, num_params=-(-m.num_params // tp),
-                             trainable_params=-(-m.trainable // tp), world_size=dp, shard_degree=shard,
-                             precision=inp.precision, shapes=shapes, accounting=inp.accounting) if inp.ep == 1 else \
-        epp.ep_fsdp_collectives(strategy, shapes, dp, shard, inp.ep, inp.precision)
+    key = ("collectives", strategy, tp, dp, shard, inp.precision, inp.accounting, inp.ep)
+    if key not in m.buffer_cache:  # the same for every micro-batch and AC mode
+        m.buffer_cache[key] = comm.collectives(strategy, num_params=-(-m.num_params // tp),
+                                               trainable_params=-(-m.trainable // tp), world_size=dp,
+                                               shard_degree=shard, precision=inp.precision, shapes=shapes,
+                                               accounting=inp.accounting) if inp.ep == 1 else \
+            epp.ep_fsdp_collectives(strategy, shapes, dp, shard, inp.ep, inp.precision)
+    colls = list(m.buffer_cache[key])
     if m.arch is not None and inp.accounting == "shardtune":
         colls += [comm.Collective(op, "tp", size, tp, "micro_batch", phase, what, calls)
                   for op, size, phase, calls, what in tp_collectives(

@@ -13,6 +13,7 @@ from shardtune.errors import UserError
 from shardtune.plan import compute as C
 from shardtune.plan.compute import achievable_mfu
 from shardtune.plan.ep import effective_imbalance, routed_params_per_token
+from shardtune.plan.pipeline import matmul_params, time_pipeline
 from shardtune.plan.preference import reference_forward as has_reference_forward
 from shardtune.plan.ring import (
     Cluster,
@@ -189,7 +190,8 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                      offload: str, optimizer: str, peak_flops_per_s: float, mfu: float,
                      mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True,
                      tp: int = 1, reference_forward: bool = False, cp: int = 1,
-                     offload_copy_s: float = 0.0, ep: int = 1, moe_imbalance: float = 1.0) -> dict:
+                     offload_copy_s: float = 0.0, ep: int = 1, moe_imbalance: float = 1.0,
+                     matmul: tuple[int, int] | None = None) -> dict:
     """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
 
     `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
@@ -201,6 +203,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     FLOPs). `offload_copy_s`: activation offload's host copies per step, exposed (plan/cp.py).
     `ep`, `moe_imbalance`: the busiest expert-parallel rank computes f × its balanced routed-expert
     FLOPs (plan/ep.py), and the step waits for it.
+    `matmul`: (matmul parameters, those of the decoder layers) of a pipeline stage (plan/pipeline.py).
     """
 
     if arch is not None:
@@ -213,6 +216,8 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
         down = k * arch.intermediate_size * arch.hidden_size
     else:
         L, H, Q, n_mm, layer_mm, down = 1, 0, 0, num_params, num_params, 0
+    if matmul is not None:
+        n_mm, layer_mm = matmul
     fwd_tok = C.forward_flops_per_token(n_mm, L, H, Q, seq_len)
     model_tok = C.model_flops_per_token(n_mm, L, H, Q, seq_len)
     if lora:  # frozen base weights: backward computes input grads (2N) but no weight grads (2N)
@@ -278,7 +283,18 @@ def timing_context(inp, gpu, *, interconnect: str | None = None, intra_node: str
 
 
 def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
-    """predict_strategy for one strategy_plan.StrategyPlan under `inp` (validate.PlanInputs)."""
+    """predict_strategy for one strategy_plan.StrategyPlan under `inp` (validate.PlanInputs); a
+    pipeline plan stage by stage, with its bubble and P2P (plan/pipeline.py `time_pipeline`)."""
+    if sp.stage_ctx is not None:
+        def stage(sm, p, cluster):
+            info = {"params": sm.num_params, "trainable_params": sm.trainable, "active_params": sm.active}
+            return _predict(p, sm.arch, info, sp.stage_ctx.inputs, gpu, dict(ctx, cluster=cluster, tokens=None),
+                            matmul_params(sm))
+        return time_pipeline(sp, inp, stage, ctx["cluster"], ctx["tokens"])
+    return _predict(sp, arch, model_info, inp, gpu, ctx)
+
+
+def _predict(sp, arch, model_info: dict, inp, gpu, ctx: dict, matmul: tuple[int, int] | None = None) -> dict:
     return predict_strategy(
         arch, sp.collectives, strategy=sp.name, shard_degree=sp.shard_degree, cluster=ctx["cluster"],
         micro_batch=inp.micro_batch, seq_len=inp.seq_len, grad_accum=inp.grad_accum, ac=inp.ac,
@@ -290,7 +306,7 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
         reference_forward=has_reference_forward(inp.objective, inp.reference, getattr(inp, "rl_beta", 0.0)),
         cp=getattr(inp, "cp", 1),
         offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0), ep=getattr(inp, "ep", 1),
-        moe_imbalance=getattr(inp, "moe_imbalance", 1.0))
+        moe_imbalance=getattr(inp, "moe_imbalance", 1.0), matmul=matmul)
 
 
 def add_timing(result, arch, inp, gpu, **options) -> None:

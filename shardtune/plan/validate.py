@@ -12,6 +12,7 @@ from shardtune.errors import UserError
 from shardtune.layout import Layout, check_placement
 from shardtune.plan.preference import check_objective
 from shardtune.rules.cp import check_cp
+from shardtune.rules.pipeline import check_pp_schedule
 from shardtune.strategies import (
     normalize_ac,
     normalize_offload,
@@ -67,6 +68,10 @@ class PlanInputs:
     activation_offload: bool = False  # parallel.activation_offload: saved activations in pinned host RAM
     ep: int = 1  # parallel.ep: expert-parallel degree (MoE; plan/ep.py), borrows data-parallel ranks
     moe_imbalance: float = 1.0  # the busiest ep rank's expert tokens / the balanced count (plan/ep.py)
+    pp: int = 1  # parallel.pp: pipeline stages, outermost (plan/pipeline.py)
+    pp_schedule: str = "1f1b"  # parallel.pp_schedule: 1f1b | gpipe | interleaved-1f1b
+    pp_virtual_stages: int = 1  # parallel.pp_virtual_stages: stages per pipeline rank (interleaved-1f1b)
+    pp_layers: list[int] | None = None  # parallel.pp_layers: decoder layers per stage (None: even)
     host_ram_gib: float | None = None  # host RAM per node for offload (default plan/cp.py: 256 GiB a GPU)
     params: float | None = None  # a bare parameter count instead of a model
     reserve_gib: float | None = None  # default: planner.api.default_reserve_bytes
@@ -160,6 +165,7 @@ def validate_inputs(**kw) -> PlanInputs:
     if inp.host_ram_gib is not None and not (isinstance(inp.host_ram_gib, (int, float)) and 0 < inp.host_ram_gib < 1e9):
         raise UserError(f"--host-ram {inp.host_ram_gib!r} must be a positive number of GiB per node")
     _layout(inp)
+    _pipeline(inp)
     inp.precision = normalize_precision(inp.precision)
     inp.optimizer = normalize_optimizer(inp.optimizer)
     inp.optimizer_impl = normalize_optimizer_impl(inp.optimizer_impl)
@@ -204,8 +210,23 @@ def _layout(inp: PlanInputs) -> None:
     # gpus / (tp × cp) data-parallel ranks, one node's by default), planned for every strategy
     if inp.hsdp_shard_size is not None:
         inp.hsdp_shard_size = _int_in("hsdp_shard_size", inp.hsdp_shard_size, 1, MAX_GPUS)
+    inp.pp = _int_in("pp", inp.pp, 1, MAX_GPUS)
     inp.hsdp_shard_size = Layout.build("hsdp", n, inp.gpus_per_node, inp.hsdp_shard_size, tp=inp.tp, cp=inp.cp,
-                                       tp_across_nodes=inp.tp_across_nodes).shard_degree
+                                       tp_across_nodes=inp.tp_across_nodes, pp=inp.pp).shard_degree
+
+
+def _pipeline(inp: PlanInputs) -> None:
+    """The pipeline's schedule rules (rules/pipeline.py, the launcher's too) and a model
+    architecture to split; the layer split is checked against the model (plan/pipeline.py), the
+    stages' placement by layout.check_pp_placement (via Layout.build)."""
+    inp.pp_virtual_stages = _int_in("pp_virtual_stages", inp.pp_virtual_stages, 1, 1024)
+    inp.pp_schedule = str(inp.pp_schedule).lower()
+    inp.pp_layers = list(inp.pp_layers) if inp.pp_layers else None  # the CLI's unrepeated option: []
+    if inp.pp_layers is not None:
+        inp.pp_layers = [_int_in("pp_layers", v, 1, 1_000_000) for v in inp.pp_layers]
+    check_pp_schedule(inp.pp, inp.pp_schedule, inp.pp_virtual_stages, inp.grad_accum)
+    if inp.pp > 1 and inp.params is not None:
+        raise UserError("--pp needs a model architecture (the layers it splits); give a MODEL instead of --params")
 
 
 def _tp_layout(inp: PlanInputs) -> None:

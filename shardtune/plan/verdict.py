@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardtune.catalog.gpus import GPUS, resolve_gpu
+from shardtune.errors import UserError
 from shardtune.plan.cp import cp_degrees
 from shardtune.plan.model import _load_model
+from shardtune.plan.pipeline import balanced_split
 from shardtune.plan.strategy_plan import GIB, combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
 from shardtune.plan.tp import TP_DEGREES
+from shardtune.plan.validate import resolve_inputs
 from shardtune.strategies import STRATEGY
 
 LORA_RANK = 16
@@ -152,7 +155,7 @@ def suggest(m, sp, inp, usable: int) -> str:
     activations dominate, context parallelism before tensor parallelism; else `fallback`."""
     def more_gpus(base, label: str):
         if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
-            g, dp = base.hsdp_shard_size * 2, base.gpus // (base.tp * base.cp)  # the shard group is of dp ranks
+            g, dp = base.hsdp_shard_size * 2, base.gpus // (base.tp * base.cp * base.pp)  # the shard group: dp ranks
             while g <= dp and dp % g == 0:
                 yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
                 g *= 2
@@ -205,7 +208,8 @@ MIN_GAIN = 1.1  # a lever is named only when it lifts the MFU by 10 % or more
 def _comm_levers(m, sp, inp):
     """(label, strategy, inputs) that put more compute behind each collective: a larger
     micro-batch (FSDP's gathers and reduce-scatters stay per micro-batch), a smaller tp (its
-    per-layer collectives are all exposed), hsdp with the shard group inside a node."""
+    per-layer collectives are all exposed), a pipeline across the nodes (FSDP inside each),
+    hsdp with the shard group inside a node."""
     for k in (2, 4, 8):
         yield (f"--micro-batch {inp.micro_batch * k} (the global batch grows {k}×)", sp.name,
                replace(inp, micro_batch=inp.micro_batch * k))
@@ -213,6 +217,18 @@ def _comm_levers(m, sp, inp):
         changed = with_tp(inp, t, m)
         if changed:
             yield f"--tp {t}", sp.name, changed
+    if inp.pp == 1 and inp.nodes > 1 and m.arch is not None and not m.arch.num_experts:
+        # a pipeline of one node a stage: only activations cross the nodes (plan/pipeline.py); the global
+        # batch kept by pp × the micro-batches, an uneven layer split written out where needed
+        split = balanced_split(m.arch.num_layers, inp.nodes)
+        ga = inp.grad_accum * inp.nodes
+        try:
+            changed = resolve_inputs(replace(inp, pp=inp.nodes, grad_accum=ga, pp_layers=split, hsdp_shard_size=None))
+        except UserError:
+            changed = None
+        if changed:
+            yield (f"--pp {inp.nodes} --grad-accum {ga}" + "".join(f" --pp-layers {n}" for n in split or ()),
+                   sp.name, changed)
     in_node = inp.gpus_per_node // (inp.tp * inp.cp)
     if sp.name == "zero3" and inp.nodes > 1 and in_node > 1:
         yield (f"--strategy hsdp --hsdp-shard-size {in_node}", "hsdp",

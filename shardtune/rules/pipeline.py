@@ -1,15 +1,36 @@
-"""What the trainer's pipeline parallelism (parallel.pp > 1) runs with, one line for everything else,
-and the one split of the decoder layers over stages (parallel/pp.py builds it, the preflight checks
-it). Only combinations measured against a one-process run are allowed (docs/parallelism.md,
-"Pipeline parallelism in the trainer"). Imports no torch.
-"""
+"""Pipeline parallelism's rules (parallel.pp, pp_schedule, pp_virtual_stages, pp_layers), torch-free:
+`check_pp_schedule` what any pipeline needs (plan/validate.py, launch/checks.py and the trainer's
+`check_pipeline` call it, so they refuse alike); `check_pipeline` what the trainer's pipeline runs
+with, one line for everything else (only combinations measured against a one-process run:
+docs/parallelism.md, "Pipeline parallelism in the trainer"); `stage_layer_counts` the one split of
+the decoder layers over stages (parallel/pp.py builds it, the preflight checks it). Where the stages
+sit is layout.check_pp_placement's."""
 from __future__ import annotations
 
 from shardtune.errors import UserError
 
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+
+
+def check_pp_schedule(pp: int, schedule: str, virtual_stages: int, microbatches: int) -> None:
+    """A known schedule; virtual stages with interleaved-1f1b only (2 or more); at least pp
+    micro-batches (train.grad_accum) for the 1F1B schedules (torch's Schedule1F1B refuses fewer)."""
+    if schedule not in SCHEDULES:
+        raise UserError(f"parallel.pp_schedule {schedule!r} (--pp-schedule) is not one of {', '.join(SCHEDULES)}")
+    if pp == 1:
+        return
+    if (schedule == "interleaved-1f1b") != (virtual_stages > 1):
+        raise UserError(f"parallel.pp_schedule {schedule} with pp_virtual_stages {virtual_stages} "
+                        "(--pp-virtual-stages): interleaved-1f1b takes 2 or more virtual stages per rank, the "
+                        "others exactly 1")
+    if schedule != "gpipe" and microbatches < pp:
+        raise UserError(f"train.grad_accum {microbatches} micro-batches (--grad-accum) < pp {pp}: {schedule} needs "
+                        f"at least one micro-batch per stage (torch's Schedule1F1B refuses fewer); give a grad_accum "
+                        f">= {pp}")
+
+
 # the schedules the trainer runs on gloo (tests/e2e/test_pp.py: loss parity with one process)
 PP_SCHEDULES = ("1f1b", "gpipe")
-PP_KNOWN_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 PP_STRATEGIES = ("zero3", "zero2")  # FSDP2 per stage; ddp/zero1/hsdp are not verified with a pipeline
 
 
@@ -17,9 +38,7 @@ def check_pipeline(cfg) -> None:
     """The recipe's pipeline settings (`cfg`: a RunConfig, read by name): the schedule, its
     micro-batches, and every setting not verified with pp > 1, one line naming the key."""
     par, train = cfg.parallel, cfg.train
-    if par.pp_schedule not in PP_KNOWN_SCHEDULES:
-        raise UserError(f"unknown parallel.pp_schedule {par.pp_schedule!r}; choose one of "
-                        f"{', '.join(PP_KNOWN_SCHEDULES)}")
+    check_pp_schedule(par.pp, par.pp_schedule, par.pp_virtual_stages, train.grad_accum)
     if par.pp_layers is not None and par.pp == 1:
         raise UserError("parallel.pp_layers splits the layers over pipeline stages: it needs parallel.pp > 1")
     if par.pp == 1:
@@ -27,12 +46,6 @@ def check_pipeline(cfg) -> None:
     if par.pp_schedule not in PP_SCHEDULES:
         raise UserError(f"parallel.pp_schedule {par.pp_schedule!r} does not run in the trainer yet (its "
                         f"multi-stage-per-rank runtime is untested on gloo); use {' or '.join(PP_SCHEDULES)}")
-    if par.pp_virtual_stages != 1:
-        raise UserError(f"parallel.pp_virtual_stages {par.pp_virtual_stages} needs interleaved-1f1b, which the "
-                        "trainer does not run yet; set it to 1")
-    if par.pp_schedule == "1f1b" and train.grad_accum < par.pp:
-        raise UserError(f"parallel.pp_schedule 1f1b needs at least pp = {par.pp} micro-batches a step, got "
-                        f"train.grad_accum {train.grad_accum}: raise train.grad_accum (the micro-batches)")
     lora, data = cfg.lora, cfg.data
     refused = (
         (par.strategy not in PP_STRATEGIES, "parallel.strategy",

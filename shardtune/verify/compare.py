@@ -123,10 +123,13 @@ def render_simulated(result, console=None) -> None:
 
 
 def mark_untraced(result) -> bool:
-    """--simulate with cp > 1, activation offload or grpo: the trace (verify/simulate.py) runs neither, so
-    each strategy is marked untraced with the reason (never traced as cp 1)."""
+    """--simulate with pp > 1, cp > 1, activation offload or grpo: the trace (verify/simulate.py) runs none
+    of them, so each strategy is marked untraced with the reason (never traced as cp 1)."""
     inp = result.inputs
-    reason = ("the fake-tensor trace does not run context parallelism (cp > 1)" if inp.get("cp", 1) > 1 else
+    reason = ("the fake-tensor trace runs one FSDP step of the whole model, not a pipeline stage's schedule "
+              "(pp > 1: its micro-batches in flight and P2P are the planner's, plan/pipeline.py)"
+              if inp.get("pp", 1) > 1 else
+              "the fake-tensor trace does not run context parallelism (cp > 1)" if inp.get("cp", 1) > 1 else
               "the fake-tensor trace does not run activation offload" if inp.get("activation_offload") else
               "the fake-tensor trace does not run grpo's generation and step" if inp.get("objective") == "grpo"
               else "")

@@ -105,7 +105,8 @@ def test_scaling_md_fit_and_lora_paragraphs_are_what_plan_prints():
 
     text = " ".join((DOCS / "scaling.md").read_text().split())
     cluster = dict(gpus=16, nodes=2, interconnect="eth-10g", seq_len=4096, grad_accum=8)
-    b = search("llama-3-70b", **cluster, fit_batch=True).best  # the paragraph's --fit-batch
+    kept = frozenset({"seq_len", "grad_accum"})  # what the CLI keeps of the paragraph's command line
+    b = search("llama-3-70b", **cluster, fit_batch=True, keep=kept).best  # the paragraph's --fit-batch
     t = b.timing
     tokens_per_step_gpu = b.micro_batch * 8
     assert (f"picks {b.strategy}, shard {b.hsdp_shard_size}, micro-batch {b.micro_batch}, pure bf16 (2-byte "
@@ -115,6 +116,15 @@ def test_scaling_md_fit_and_lora_paragraphs_are_what_plan_prints():
     assert f"and {t['optimizer_time_s']:.0f} s of CPU optimizer; the global batch is " \
            f"{16 * tokens_per_step_gpu * 4096 / 1e6:.0f} M tokens" in text
     assert f"paid once per {tokens_per_step_gpu} × 4096 tokens per GPU" in text
+    pipe = search("llama-3-70b", **cluster, keep=kept)  # the pipeline bullet's --fit
+    g, t = pipe.pipeline_gain, pipe.best.timing
+    assert pipe.best.pp == 2 and g["pipeline"] == pipe.best.label()
+    assert (f"picks zero3 × pp 2, AC full, micro-batch {pipe.best.micro_batch} × {pipe.best.grad_accum} micro-batches, "
+            f"pure bf16 → {g['pipeline_tokens_per_s']:.0f} tokens/s per GPU, {g['speedup']:.2f}× the fastest layout "
+            f"without a pipeline at that batch (hsdp shard 8 with offload all: {g['without_tokens_per_s']:.0f} "
+            f"tokens/s per GPU); its step is {t['step_time_s']:.1f} s: {t['compute_time_s']:.1f} s of compute, "
+            f"{t['bubble_time_s']:.1f} s of bubble, {t['p2p_time_s']:.1f} s of P2P") in text
+    assert g["without"].startswith("hsdp shard 8, AC full, offload all") and pipe.best.strategy == "zero3"
     lora = plan("llama-3-70b", strategies=["zero3", "hsdp"], ac="full", lora_rank=16, tokens=1e9,
                 **cluster).strategy("hsdp")
     assert lora.fits and (f"hsdp predicts {lora.timing['mfu'] * 100:.1f} % MFU ({lora.timing['tokens_per_s']:.0f} "

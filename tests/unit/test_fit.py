@@ -14,8 +14,9 @@ def test_slow_link_prefers_hsdp_with_one_node_per_shard_group():
     #   zero3: (2 + 2 + 4)Ψ · 15/16 = 7.5Ψ;  ddp: 2 · 15/16 · 4Ψ = 7.5Ψ (once per step)
     #   hsdp shard s (s ≤ 8): s replica groups per node, each all-reducing 4Ψ/s over r = 16/s
     #   ranks: s · 2(r−1)/r · 4Ψ/s = 8Ψ(r−1)/r → 4Ψ (s = 8), 6Ψ (s = 4), 7Ψ (s = 2).
-    # So hsdp with 8-GPU shard groups moves the fewest bytes and must win.
-    fit = search("llama-3-8b", gpus=16, nodes=2, interconnect="eth-10g", seq_len=2048)
+    # So hsdp with 8-GPU shard groups moves the fewest bytes and must win among the layouts without a
+    # pipeline (pp held at 1; with pp searched a pipeline across the 2 nodes wins: tests/unit/test_pp_plan.py).
+    fit = search("llama-3-8b", gpus=16, nodes=2, interconnect="eth-10g", seq_len=2048, keep=frozenset({"pp"}))
     assert fit.best is not None
     assert (fit.best.strategy, fit.best.hsdp_shard_size) == ("hsdp", 8)
     assert fit.best.fits and all(c.fits for c in fit.ranked)
@@ -87,6 +88,7 @@ def _parse_as_cli(argv: list[str]) -> dict:
     ["recipes/tiny-cpu.yaml", "--gpus", "2", "--gpu", "a100-40gb"],  # the recipe planned is the one run
     ["llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g", "--strategy", "hsdp"],
     ["llama-3-8b", "--gpus", "8", "--seq-len", "131072", "--ac", "full"],  # long: cp, grad_accum follows it
+    ["llama-3.1-405b", "--gpus", "64", "--nodes", "8", "--interconnect", "eth-100g"],  # pp 8, an uneven split
 ])
 def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     import shlex
@@ -119,6 +121,9 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     assert got["seq_len"] == (128 if "tiny" in argv[0] else 131072 if "--seq-len" in argv else 2048)
     assert (got["cp"], got["activation_offload"], got["grad_accum"]) == (
         best["cp"], best["activation_offload"], best["grad_accum"]), line
+    assert (got["pp"], got["pp_layers"], got["tp"]) == (best["pp"], best["pp_layers"], best["tp"]), line
+    if "eth-100g" in argv:
+        assert best["pp"] == 8 and sum(best["pp_layers"]) == 126
     if "--lora-rank" in argv:
         assert got["lora_rank"] == 16
     if "--gpu" in argv:
@@ -164,7 +169,9 @@ def test_fit_keeps_the_global_batch_and_sequence_unless_asked(kw):
     want = kw.get("micro_batch", 1) * kw.get("grad_accum", 1) * kw["gpus"]
     assert fit.ranked and fit.base["global_batch"] == want and fit.base["seq_len"] == kw.get("seq_len", 2048)
     for c in fit.ranked + fit.rejected:
-        assert c.micro_batch * kw.get("grad_accum", 1) * (kw["gpus"] // c.tp) == want, c.label()
+        # a pipeline (pp across the nodes) has pp times fewer data-parallel ranks: more micro-batches a step
+        assert c.micro_batch * c.grad_accum * (kw["gpus"] // (c.tp * c.pp)) == want, c.label()
+        assert c.pp > 1 or c.grad_accum == kw.get("grad_accum", 1), c.label()
         assert "(was" not in c.changes(fit.base)["global batch"]
     wide = search(**kw, fit_batch=True)
     assert {c.micro_batch for c in wide.ranked + wide.rejected} - {kw.get("micro_batch", 1)}

@@ -105,3 +105,32 @@ def test_plan_launch_and_train_agree(tmp_path, capsys, model_dir, nodes, per_nod
         assert answers == dict.fromkeys(answers), answers
     else:
         assert all(a and refused in a for a in answers.values()), answers
+
+
+# pipeline stages (issue 40): nodes, GPUs per node, pp, tp, and None (runs) or words every refusal holds;
+# pp is outermost, so stage s is ranks [s·w/pp, (s+1)·w/pp): whole nodes or a node's share, never parts of two
+PP_CASES = [
+    (2, 4, 2, 1, OK),  # a stage a node
+    (1, 4, 2, 2, OK),  # two stages in a node, tp 2 inside each (the model has 2 layers)
+    (3, 2, 2, 1, "part of a node"),  # 3 ranks a stage: node 0, half of node 1
+    (1, 8, 3, 1, "does not divide world"),
+    (2, 4, 2, 8, "exceeds the 4 GPUs of a node"),  # tp still inside a node under pp
+]
+
+
+@pytest.mark.parametrize("nodes, per_node, pp, tp, refused", PP_CASES)
+def test_pipeline_plan_launch_and_train_agree(tmp_path, capsys, model_dir, nodes, per_node, pp, tp, refused):
+    sets = _settings(tmp_path, model_dir, "zero3", tp, 1, None, False) + [f"parallel.pp={pp}",
+                                                                            f"train.grad_accum={pp}"]
+    try:
+        plan(model=str(model_dir), gpus=nodes * per_node, gpus_per_node=per_node, strategies=["zero3"], tp=tp,
+             pp=pp, grad_accum=pp, seq_len=384, precision="fp32")
+        planned = None
+    except UserError as e:
+        planned = str(e)
+    answers = {"plan": planned, "launch": _launches(capsys, tmp_path, sets, nodes, per_node),
+               "train": _trains(sets, nodes, per_node)}
+    if refused is None:
+        assert answers == dict.fromkeys(answers), answers
+    else:
+        assert all(a and refused in a for a in answers.values()), answers

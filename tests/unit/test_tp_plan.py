@@ -211,7 +211,7 @@ def test_fit_searches_tp_and_its_pick_plans_the_same():
     b = fit.best
     r = plan("llama-3.1-405b", 128, seq_len=32768, tp=b.tp, strategies=[b.strategy], ac=b.ac, offload=b.offload,
              micro_batch=b.micro_batch, precision=b.precision, optimizer_impl=b.optimizer_impl, cp=b.cp,
-             activation_offload=b.activation_offload, grad_accum=b.grad_accum)
+             activation_offload=b.activation_offload, grad_accum=b.grad_accum, pp=b.pp, pp_layers=b.pp_layers)
     assert r.strategy(b.strategy).fits
     assert r.strategy(b.strategy).memory.total / GIB == pytest.approx(b.peak_gib)
     assert (f"--tp {b.tp}" if b.tp > 1 else f"--cp {b.cp}") in b.flags()
