@@ -29,7 +29,7 @@ from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_combination
 from shardtune.rules.ep import check_ep_checkpoints
-from shardtune.rules.pipeline import check_pipeline
+from shardtune.rules.pipeline import check_pp_schedule
 from shardtune.rules.rl import check_grpo
 
 __all__ = ["CheckpointConfig", "DataConfig", "LoraConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
@@ -82,7 +82,9 @@ class RunConfig(_Section):
         ck = self.checkpoint
         check_ep_checkpoints(par.ep, every=ck.every, save_final=ck.save_final, export_hf=ck.export_hf,
                              resume=ck.resume)
-        check_pipeline(self)  # parallel.pp > 1: what the pipeline runs with (rules/pipeline.py)
+        check_pp_schedule(par.pp, par.pp_schedule, par.pp_virtual_stages, self.train.grad_accum)
+        if par.pp_layers is not None and par.pp == 1:
+            raise UserError("parallel.pp_layers splits the layers over pipeline stages: it needs parallel.pp > 1")
         if self.train.objective == "grpo":
             check_grpo(par.strategy, tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, lora_rank=self.lora.rank,
                        activation_offload=par.activation_offload, compile=self.train.compile, offload=par.offload,

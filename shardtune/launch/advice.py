@@ -20,6 +20,7 @@ from shardtune.errors import UserError
 from shardtune.layout import Layout
 from shardtune.plan.api import plan
 from shardtune.plan.pipeline import balanced_split
+from shardtune.rules.pipeline import recipe_pipeline_gap
 
 # The catalogue link a network preset stands for, unless the user names one (--link).
 DEFAULT_LINK = {"ib": "ib-ndr-400", "roce": "roce-400", "efa": "efa", "eth": "eth-10g"}
@@ -103,9 +104,10 @@ def _pipeline_advice(cfg: RunConfig, nodes: int, gpus_per_node: int, interconnec
     if alt.step_s >= cur.step_s:
         return ""
     given = f" 'parallel.pp_layers=[{','.join(map(str, split))}]'" if split else ""
+    gap = recipe_pipeline_gap(cfg, nodes)  # the trainer's pipeline may not run this recipe's settings yet
     return (f" Better: a pipeline across the nodes (one stage a node, only activations on the link), ~{alt.step_s:.3g} "
             f"s per step ({cur.step_s / alt.step_s:.1f}x faster, the global batch kept): add --pp {nodes} "
-            f"train.grad_accum={ga}{given}.")
+            f"train.grad_accum={ga}{given}" + (f"; planned only: {gap}." if gap else "."))
 
 
 def _num_layers(cfg: RunConfig) -> int:

@@ -8,7 +8,7 @@ from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
 from shardtune.launch.spec import normalize_interconnect
 from shardtune.layout import Layout
-from shardtune.rules.pipeline import check_pp_schedule
+from shardtune.rules.pipeline import check_pipeline
 
 
 def interconnect_help() -> str:
@@ -59,8 +59,7 @@ def check_layout(cfg, nodes: int, gpus_per_node: int) -> Layout:
     schedule's micro-batches, and what tp and cp split of the model (heads, vocabulary, sequence)
     as the trainer's preflight checks it (`Layout.check_model`)."""
     layout = Layout.of_config(cfg.parallel, nodes * gpus_per_node, gpus_per_node)
-    par = cfg.parallel  # pipeline stages across nodes (Layout), its schedule's micro-batches (rules/pipeline.py)
-    check_pp_schedule(par.pp, par.pp_schedule, par.pp_virtual_stages, cfg.train.grad_accum)
+    check_pipeline(cfg)  # the schedule's micro-batches were checked with the recipe; what the trainer runs
     try:
         hf = resolve_model_config(cfg.model.plan_name())
     except UserError:  # a folder not on this machine and no model.architecture: the nodes' preflight checks

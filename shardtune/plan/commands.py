@@ -176,10 +176,14 @@ def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None, fit_batch: bool 
          keep: frozenset[str] = frozenset()) -> None:
     from shardtune.plan.fit import render_fit, search
     from shardtune.plan.fit_commands import train_line
+    from shardtune.plan.fit_pp import trainer_gap
     from shardtune.plan.validate import resolve_inputs
 
     result = search(inputs, fit_batch=fit_batch, keep=keep)
-    use = train_line(result.best, resolve_inputs(inputs), recipe) if result.best else None
+    gap = trainer_gap(result.best, resolve_inputs(inputs)) if result.best else None
+    if gap:  # a layout the planner prices but the trainer does not run yet: no command that it would refuse
+        result.notes.append(f"planned only, no train command: {gap}")
+    use = train_line(result.best, resolve_inputs(inputs), recipe) if result.best and not gap else None
     if as_json:
         json.dump(dict(result.to_dict(), train_command=use), sys.stdout, indent=2)
         sys.stdout.write("\n")

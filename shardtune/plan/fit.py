@@ -1,12 +1,11 @@
 """`plan --fit`: the configuration with the highest predicted tokens/s per GPU that fits.
 
 Searches strategy × tensor-parallel degree (1, 2, 4, 8) × activation checkpointing × offload ×
-micro-batch × HSDP shard size × precision, and for long sequences (≥ LONG_SEQ tokens, or a --cp
-or --activation-offload given) context-parallel degree × activation offload (plan/cp.py), with
-the planner's memory model (plan/strategy_plan.py) and the step-time model (plan/timing.py), keeping the
-user's sequence length, GPU and cluster, and the global batch (micro-batch × grad_accum ×
-data-parallel ranks: the micro-batch follows the tensor-parallel degree, grad_accum the
-context-parallel one) unless `fit_batch` (`--fit-batch`) searches the micro-batch too. Each
+micro-batch × HSDP shard size × precision × ep (MoE) × pp across nodes (plan/fit_pp.py), and for long
+sequences (≥ LONG_SEQ tokens, or a --cp or --activation-offload given) context-parallel degree ×
+activation offload (plan/cp.py), with the planner's memory and step-time models, keeping the user's
+sequence length, GPU, cluster and global batch (the micro-batch follows tp, grad_accum cp and pp)
+unless `fit_batch` (`--fit-batch`) searches the micro-batch too. Each
 ranked entry says what it changes (numerics, global batch, sequence) and why it loses to the
 best (which per-token time component is larger), each rejected one why it does not fit.
 Also renders the per-strategy time table of a plan. Imports no torch.
@@ -235,7 +234,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
              + "; --fit-batch also searches the micro-batch (the global batch then changes)",
              f"compute at {ctx['mfu']:.0%} MFU ({ctx['network']['mfu_source']})"]
     searched_fields = {"strategies", "tp", "cp", "ac", "offload", "precision", "hsdp_shard_size", "micro_batch",
-                       "grad_accum", "activation_offload", "optimizer_impl", "ep"}
+                       "grad_accum", "activation_offload", "optimizer_impl", "ep", "pp"}
     if keep & searched_fields:
         kept = sorted(keep & searched_fields)
         notes.insert(0, "kept as given: " + ", ".join(f"{k} {getattr(base, k)}" for k in kept))

@@ -3,6 +3,8 @@ inside; the global batch kept by more micro-batches per step (micro_batch × gra
 constant at a tp), and the answer to "how much faster than FSDP across the nodes?". Imports no torch."""
 from __future__ import annotations
 
+from shardtune.rules.pipeline import pipeline_gap
+
 GIB = 2**30
 
 
@@ -54,3 +56,11 @@ def gain_line(gain: dict) -> str:
     return (f"pipeline across nodes: {gain['pipeline']} → {gain['pipeline_tokens_per_s']:,.0f} tokens/s per GPU, "
             f"{gain['speedup']:,.2f}× the fastest without one ({gain['without']}: "
             f"{gain['without_tokens_per_s']:,.1f} tokens/s per GPU)")
+
+
+def trainer_gap(best, base) -> str | None:
+    """Why the trainer cannot run `best` yet (its pipeline's limits, rules/pipeline.py), else None."""
+    return pipeline_gap(best.pp, strategy=best.strategy, schedule=best.pp_schedule, tp=best.tp, cp=best.cp,
+                        precision=best.precision, ac=best.ac, offload=best.offload,
+                        activation_offload=best.activation_offload, lora_rank=base.lora_rank,
+                        objective=base.objective, optimizer=best.optimizer)

@@ -34,41 +34,56 @@ PP_SCHEDULES = ("1f1b", "gpipe")
 PP_STRATEGIES = ("zero3", "zero2")  # FSDP2 per stage; ddp/zero1/hsdp are not verified with a pipeline
 
 
-def check_pipeline(cfg) -> None:
-    """The recipe's pipeline settings (`cfg`: a RunConfig, read by name): the schedule, its
-    micro-batches, and every setting not verified with pp > 1, one line naming the key."""
-    par, train = cfg.parallel, cfg.train
-    check_pp_schedule(par.pp, par.pp_schedule, par.pp_virtual_stages, train.grad_accum)
-    if par.pp_layers is not None and par.pp == 1:
-        raise UserError("parallel.pp_layers splits the layers over pipeline stages: it needs parallel.pp > 1")
-    if par.pp == 1:
-        return
-    if par.pp_schedule not in PP_SCHEDULES:
-        raise UserError(f"parallel.pp_schedule {par.pp_schedule!r} does not run in the trainer yet (its "
-                        f"multi-stage-per-rank runtime is untested on gloo); use {' or '.join(PP_SCHEDULES)}")
-    lora, data = cfg.lora, cfg.data
+def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", tp: int = 1, cp: int = 1,
+                 precision: str = "fp32", ac: str = "none", offload: str = "none", activation_offload: bool = False,
+                 lora_rank: int = 0, objective: str = "sft", compile: bool = False, optimizer: str = "adamw",
+                 sample_prompts: bool = False, validation: bool = False) -> str | None:
+    """The first setting the trainer's pipeline does not run yet, as one line naming the key (None:
+    it runs, or pp 1). The planner plans such layouts and says this line beside them."""
+    if pp == 1:
+        return None
     refused = (
-        (par.strategy not in PP_STRATEGIES, "parallel.strategy",
-         f"{par.strategy!r} (each stage is FSDP2-sharded: use {' or '.join(PP_STRATEGIES)})"),
-        (par.tp > 1, "parallel.tp", f"{par.tp} (set 1)"),
-        (par.cp > 1, "parallel.cp", f"{par.cp} (set 1)"),
-        (par.precision not in ("fp32", "bf16-mixed"), "parallel.precision",
-         f"{par.precision!r} (set fp32 or bf16-mixed)"),
-        (par.activation_checkpointing != "none", "parallel.activation_checkpointing",
-         f"{par.activation_checkpointing!r} (set none)"),
-        (par.offload != "none", "parallel.offload", f"{par.offload!r} (set none)"),
-        (par.activation_offload, "parallel.activation_offload", "true (set false)"),
-        (lora.rank > 0, "lora.rank", f"{lora.rank} (set 0)"),
-        (train.objective != "sft", "train.objective", f"{train.objective!r} (set sft)"),
-        (train.compile, "train.compile", "true (set false)"),
-        (cfg.optim.name != "adamw", "optim.name", f"{cfg.optim.name!r} (set adamw)"),
-        (bool(train.sample_prompts), "train.sample_prompts", "(drop them)"),
-        (data.has_val, "data.val_path / data.val_split", "(validation: drop them)"),
+        (schedule not in PP_SCHEDULES, "parallel.pp_schedule",
+         f"{schedule!r} (its multi-stage-per-rank runtime is untested on gloo: use {' or '.join(PP_SCHEDULES)})"),
+        (strategy not in PP_STRATEGIES, "parallel.strategy",
+         f"{strategy!r} (each stage is FSDP2-sharded: use {' or '.join(PP_STRATEGIES)})"),
+        (tp > 1, "parallel.tp", f"{tp} (set 1)"),
+        (cp > 1, "parallel.cp", f"{cp} (set 1)"),
+        (precision not in ("fp32", "bf16-mixed"), "parallel.precision", f"{precision!r} (set fp32 or bf16-mixed)"),
+        (ac != "none", "parallel.activation_checkpointing", f"{ac!r} (set none)"),
+        (offload != "none", "parallel.offload", f"{offload!r} (set none)"),
+        (activation_offload, "parallel.activation_offload", "true (set false)"),
+        (lora_rank > 0, "lora.rank", f"{lora_rank} (set 0)"),
+        (objective != "sft", "train.objective", f"{objective!r} (set sft)"),
+        (compile, "train.compile", "true (set false)"),
+        (optimizer != "adamw", "optim.name", f"{optimizer!r} (set adamw)"),
+        (sample_prompts, "train.sample_prompts", "(drop them)"),
+        (validation, "data.val_path / data.val_split", "(validation: drop them)"),
     )
     for bad, key, value in refused:
         if bad:
-            raise UserError(f"parallel.pp {par.pp} does not run with {key} {value} yet: the pipeline is verified "
-                            "for full fine-tuning in fp32 (docs/parallelism.md)")
+            return (f"parallel.pp {pp} does not run with {key} {value} in the trainer yet: its pipeline is verified "
+                    "for full fine-tuning in fp32 and bf16-mixed (docs/parallelism.md)")
+    return None
+
+
+def check_pipeline(cfg) -> None:
+    """What the trainer's pipeline runs with (`cfg`: a RunConfig, read by name), one line naming the
+    key: the trainer's preflight (every rank's too) and `shardtune launch` call it; `RunConfig` checks
+    only the schedule (`check_pp_schedule`), so `shardtune plan` plans what the trainer cannot run yet
+    and says so (`pipeline_gap`)."""
+    if gap := recipe_pipeline_gap(cfg):
+        raise UserError(gap)
+
+
+def recipe_pipeline_gap(cfg, pp: int | None = None) -> str | None:
+    """`pipeline_gap` of a RunConfig's settings at `pp` (None: the recipe's)."""
+    par, train = cfg.parallel, cfg.train
+    return pipeline_gap(par.pp if pp is None else pp, strategy=par.strategy, schedule=par.pp_schedule, tp=par.tp,
+                        cp=par.cp, precision=par.precision, ac=par.activation_checkpointing, offload=par.offload,
+                        activation_offload=par.activation_offload, lora_rank=cfg.lora.rank,
+                        objective=train.objective, compile=train.compile, optimizer=cfg.optim.name,
+                        sample_prompts=bool(train.sample_prompts), validation=cfg.data.has_val)
 
 
 def stage_layer_counts(num_layers: int, pp: int, pp_layers: list[int] | None) -> list[int]:

@@ -86,7 +86,7 @@ def _parse_as_cli(argv: list[str]) -> dict:
     ["llama-3-8b", "--gpus", "8"],  # picks pure bf16: must carry optim.implementation=bf16-stochastic
     ["llama-3-70b", "--gpus", "16", "--nodes", "2", "--lora-rank", "16"],  # two nodes: launch slurm
     ["recipes/tiny-cpu.yaml", "--gpus", "2", "--gpu", "a100-40gb"],  # the recipe planned is the one run
-    ["llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g", "--strategy", "hsdp"],
+    ["llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g", "--strategy", "hsdp", "--pp", "1"],
     ["llama-3-8b", "--gpus", "8", "--seq-len", "131072", "--ac", "full"],  # long: cp, grad_accum follows it
     ["llama-3.1-405b", "--gpus", "64", "--nodes", "8", "--interconnect", "eth-100g"],  # pp 8, an uneven split
 ])
@@ -99,6 +99,10 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     assert main(["plan", *argv, "--fit", "--json"]) in (0, None)
     out = json.loads(capsys.readouterr().out)
     best, line = out["best"], out["train_command"]
+    if line is None:  # a pipeline the trainer does not run yet (tp inside its stages): no command, a note says why
+        assert best["pp"] > 1 and best["tp"] > 1, best
+        assert any(n.startswith("planned only, no train command: parallel.pp ") for n in out["notes"]), out["notes"]
+        return
     args = shlex.split(line)
     params = _parse_as_cli(args)
     if args[1] == "train":

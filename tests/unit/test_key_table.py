@@ -49,7 +49,7 @@ SETTINGS = (  # every table key off its default, over three recipes (the rules r
     {"train.objective": "grpo", "rl.num_generations": 4, "rl.max_new_tokens": 32, "rl.beta": 0.04,
      "rl.reward": "[{name: length, target: 4}]"},
     {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2,
-     "parallel.pp_layers": [8, 8, 8, 8]},
+     "parallel.pp_layers": [8, 8, 8, 8], "train.grad_accum": 2},
 )
 
 

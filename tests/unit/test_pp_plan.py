@@ -171,17 +171,20 @@ def test_comm_bound_fsdp_across_ethernet_names_the_pipeline():
     assert "zero3 is communication-bound" in r.verdict and "(try --pp 8 --grad-accum 8 --pp-layers 15" in r.verdict
 
 
-def test_launch_on_ethernet_advises_the_pipeline_and_its_advice_launches(tmp_path, capsys):
-    """launch's communication-bound warning names the pipeline with the overrides to add; launched with
-    them, the warning is gone (the planner prices the pipeline's step below its compute + P2P)."""
+def test_launch_on_ethernet_advises_the_pipeline_and_says_what_the_trainer_lacks(tmp_path, capsys):
+    """launch's communication-bound warning names the pipeline with the overrides to add and, for this tp 8
+    recipe, that the trainer's pipeline does not run tp yet (planned only); launched with the overrides, the
+    trainer's rule refuses in one line (exit 2) instead of a run that cannot start."""
     base = ["launch", "slurm", "recipes/llama-3-70b-tp8-2x8xh100.yaml", "--nodes", "2", "--interconnect", "eth",
             "-o", str(tmp_path / "job")]
     assert main(base) == 0
     err = capsys.readouterr().err
-    advice = re.search(r"Better: a pipeline across the nodes .*?: add --pp 2 (train\.grad_accum=\d+)\.", err)
+    advice = re.search(r"Better: a pipeline across the nodes .*?: add --pp 2 (train\.grad_accum=\d+); planned only: "
+                       r"parallel\.pp 2 does not run with parallel\.tp 8", err)
     assert advice, err
-    assert main([*base, "--pp", "2", advice.group(1)]) == 0
-    assert "communication-bound" not in capsys.readouterr().err
+    assert main([*base, "--pp", "2", advice.group(1)]) == 2
+    out = capsys.readouterr().err.strip().splitlines()
+    assert len(out) == 1 and "parallel.pp 2 does not run with parallel.tp 8" in out[0], out
 
 
 def test_step_time_is_compute_over_one_minus_the_bubble():

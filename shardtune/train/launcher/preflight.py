@@ -17,7 +17,7 @@ from shardtune.catalog.models import MODELS, resolve_model_config, safetensors_f
 from shardtune.devices import resolve_backend
 from shardtune.errors import UserError, suggest
 from shardtune.layout import Layout
-from shardtune.rules.pipeline import check_pipeline_model
+from shardtune.rules.pipeline import check_pipeline, check_pipeline_model
 from shardtune.train.data.dataset import check_dataset
 from shardtune.train.durable.ckpt_files import resolve_resume
 
@@ -365,6 +365,7 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int, 
     check_recipe_paths(cfg, "model.")
     _check_model(cfg.model, cfg.train.seq_len)
     layout.check_model(resolve_model_config(cfg.model.name), cfg.train.seq_len)  # what tp and cp split
+    check_pipeline(cfg)  # what the trainer's pipeline runs with (rules/pipeline.py)
     check_pipeline_model(par.pp, par.pp_layers, resolve_model_config(cfg.model.name))  # what pp splits
     gpus = _check_backend(cfg.train.backend, local_world_size)
     _check_model_states_fit(cfg, world_size, local_world_size, gpus, planner)
