@@ -45,6 +45,11 @@ class StageSpan:
     layers: tuple[int, ...]  # decoder layers per stage, all stages
 
     @property
+    def first_layer(self) -> int:
+        """The model's index of this stage's first decoder layer."""
+        return sum(self.layers[:self.stage])
+
+    @property
     def first(self) -> bool:
         return self.stage == 0
 
@@ -60,7 +65,7 @@ def apply_pp(model: nn.Module, pp_mesh, pp_layers: list[int] | None) -> StageSpa
     decoder = model.get_decoder()
     counts = stage_layer_counts(len(decoder.layers), pp_mesh.size(), pp_layers)
     span = StageSpan(pp_mesh.get_local_rank(), pp_mesh.size(), tuple(counts))
-    start = sum(counts[:span.stage])
+    start = span.first_layer
     decoder.layers = _StageLayers(list(decoder.layers)[start:start + counts[span.stage]], start)
     if not span.first:
         decoder.embed_tokens = None  # the inputs are the previous stage's hidden states (inputs_embeds)
@@ -150,6 +155,17 @@ def pipeline_params(model: nn.Module, stage_params: int) -> int:
     total = torch.tensor([stage_params], dtype=torch.float64, device=pipe.stage.device)
     dist.all_reduce(total, group=pipe.group)
     return int(total[0])
+
+
+def whole_model_layers(model: nn.Module, stage_indices: list[int]) -> list[int]:
+    """Stage-local decoder-layer indices as the whole model's, gathered from every stage (the
+    checkpointed layers memory.json reports); unchanged without a pipeline. Collective over pp."""
+    pipe = pipeline_of(model)
+    if pipe is None:
+        return stage_indices
+    parts: list = [None] * pipe.span.num_stages
+    dist.all_gather_object(parts, [pipe.span.first_layer + i for i in stage_indices], group=pipe.group)
+    return sorted(i for part in parts for i in part)
 
 
 def schedule_name(pipe: Pipeline) -> str:

@@ -41,8 +41,6 @@ def check_pipeline(cfg) -> None:
         (par.cp > 1, "parallel.cp", f"{par.cp} (set 1)"),
         (par.precision not in ("fp32", "bf16-mixed"), "parallel.precision",
          f"{par.precision!r} (set fp32 or bf16-mixed)"),
-        (par.activation_checkpointing != "none", "parallel.activation_checkpointing",
-         f"{par.activation_checkpointing!r} (set none)"),
         (par.offload != "none", "parallel.offload", f"{par.offload!r} (set none)"),
         (par.activation_offload, "parallel.activation_offload", "true (set false)"),
         (lora.rank > 0, "lora.rank", f"{lora.rank} (set 0)"),

@@ -1,6 +1,6 @@
 """Pipeline parallelism through `shardtune train` (issue 40): `--pp 2` on 2 processes (1F1B; GPipe with
-an uneven `parallel.pp_layers` split, zero2, the chunked loss and bf16-mixed) and pp 2 x dp 2 (zero3) on
-4 processes give the losses and gradient norms of one process on the same global batch and precision,
+an uneven `parallel.pp_layers` split, zero2, the chunked loss and bf16-mixed) and pp 2 x dp 2 (zero3,
+layer AC) on 4 processes give the losses and gradient norms of one process on the same global batch and precision,
 4 steps, within 1e-5; memory.json's effective settings and the start-up line say what ran; the pp
 checkpoint resumes on one process and exports. One launch per configuration (shared runs)."""
 from __future__ import annotations
@@ -22,7 +22,8 @@ RUNS = {  # name → (processes, overrides); every run reads the same 8 rows a s
     "pp2-gpipe-1+3-zero2-chunks3-bf16": (2, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.pp_schedule=gpipe",
                                              "parallel.pp_layers=[1,3]", "parallel.strategy=zero2",
                                              "train.loss_chunks=3", BF16]),
-    "pp2-dp2-1f1b": (4, [*COMMON, *NO_SAVE, "train.micro_batch=2", "parallel.pp=2"]),
+    "pp2-dp2-1f1b-ac": (4, [*COMMON, *NO_SAVE, "train.micro_batch=2", "parallel.pp=2",  # AC: the model's layers
+                            "parallel.activation_checkpointing=layer", "parallel.ac_every=3"]),  # 0 and 3
 }
 
 
