@@ -105,11 +105,27 @@ class Pipeline:
     schedule: object
     group: object  # the pp process group
     schedule_name: str
+    hidden: torch.Tensor  # meta: what travels between stages, its dtype and hidden size
     scale: float = 1.0
     _step_losses: list = field(default_factory=list)
 
     def loss_fn(self, output: torch.Tensor, _target) -> torch.Tensor:
         return output * self.scale
+
+    @torch.no_grad()
+    def forward_only(self, batch: dict) -> torch.Tensor:
+        """One batch's token-loss sum through every stage, forward only, by blocking point-to-point
+        sends (validation: any batch shape; every stage holds the same batch); 0 off the last stage."""
+        ranks, span = dist.get_process_group_ranks(self.group), self.span
+        x = batch["input_ids"]
+        if not span.first:
+            x = torch.empty(*x.shape, self.hidden.shape[-1], dtype=self.hidden.dtype, device=x.device)
+            dist.recv(x, src=ranks[span.stage - 1], group=self.group)
+        out = self.module(x, position_ids=batch["position_ids"], labels=batch["labels"])
+        if span.last:
+            return out
+        dist.send(out.contiguous(), dst=ranks[span.stage + 1], group=self.group)
+        return torch.zeros((), device=x.device)
 
     def run(self, micro_batches: list[dict], scale: float) -> torch.Tensor:
         """Forward and backward of the step's micro-batches through the pipeline, every micro-batch's
@@ -140,7 +156,7 @@ def build_pipeline(model: nn.Module, pp_mesh, device: torch.device, schedule_nam
     loss = torch.empty((), dtype=torch.float32, device="meta")
     stage = PipelineStage(module, span.stage, span.num_stages, device, input_args=ids if span.first else hidden,
                           output_args=loss if span.last else hidden, group=pp_mesh.get_group())
-    pipe = Pipeline(span, module, stage, None, pp_mesh.get_group(), schedule_name)
+    pipe = Pipeline(span, module, stage, None, pp_mesh.get_group(), schedule_name, hidden)
     # scale_grads False: the loss function scales (by the step's target tokens), as the non-pp step does
     pipe.schedule = SCHEDULES[schedule_name](stage, num_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
     setattr(model, PP_ATTR, pipe)

@@ -33,7 +33,7 @@ def check_pipeline(cfg) -> None:
     if par.pp_schedule == "1f1b" and train.grad_accum < par.pp:
         raise UserError(f"parallel.pp_schedule 1f1b needs at least pp = {par.pp} micro-batches a step, got "
                         f"train.grad_accum {train.grad_accum}: raise train.grad_accum (the micro-batches)")
-    lora, data = cfg.lora, cfg.data
+    lora = cfg.lora
     refused = (
         (par.strategy not in PP_STRATEGIES, "parallel.strategy",
          f"{par.strategy!r} (each stage is FSDP2-sharded: use {' or '.join(PP_STRATEGIES)})"),
@@ -48,7 +48,6 @@ def check_pipeline(cfg) -> None:
         (train.compile, "train.compile", "true (set false)"),
         (cfg.optim.name != "adamw", "optim.name", f"{cfg.optim.name!r} (set adamw)"),
         (bool(train.sample_prompts), "train.sample_prompts", "(drop them)"),
-        (data.has_val, "data.val_path / data.val_split", "(validation: drop them)"),
     )
     for bad, key, value in refused:
         if bad:

@@ -29,7 +29,6 @@ CASES = [  # (extra arguments, what the line must name)
     (["--pp", "2", "--lora-rank", "4"], "lora.rank 4"),
     (["--pp", "2", "train.objective=dpo"], "train.objective 'dpo'"),
     (["--pp", "2", "train.compile=true"], "train.compile true"),
-    (["--pp", "2", "data.val_split=0.1"], "data.val_path / data.val_split"),
 ]
 
 
