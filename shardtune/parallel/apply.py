@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardtune.errors import UserError
 from shardtune.layout import Layout
+from shardtune.parallel.pp import stage_span
 from shardtune.strategies import STRATEGY, autocasts, checkpointed_layers
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
     the same, so state dicts keep HF names); `op`: torch's selective checkpoint per layer."""
     layers = decoder_layers(model)
     # a pipeline stage (parallel/pp.py) holds layers first.. of the model's: the rule is the whole model's
-    span = getattr(model, "_shardtune_pipeline", None)  # parallel/pp.py's StageSpan (apply_pp runs first)
+    span = stage_span(model)  # a pipeline stage (parallel/pp.py: apply_pp runs first)
     first, total = (span.first_layer, sum(span.layers)) if span is not None else (0, len(layers))
     for i in checkpointed_layers(total, mode, every):
         if not first <= i < first + len(layers):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -107,7 +107,6 @@ class Pipeline:
     schedule_name: str
     hidden: torch.Tensor  # meta: what travels between stages, its dtype and hidden size
     scale: float = 1.0
-    _step_losses: list = field(default_factory=list)
 
     def loss_fn(self, output: torch.Tensor, _target) -> torch.Tensor:
         return output * self.scale
@@ -161,6 +160,12 @@ def build_pipeline(model: nn.Module, pp_mesh, device: torch.device, schedule_nam
     pipe.schedule = SCHEDULES[schedule_name](stage, num_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
     setattr(model, PP_ATTR, pipe)
     return pipe
+
+
+def stage_span(model: nn.Module) -> StageSpan | None:
+    """This rank's stage of a model `apply_pp` pruned (before or after `build_pipeline`), or None."""
+    found = getattr(model, PP_ATTR, None)
+    return found.span if isinstance(found, Pipeline) else found
 
 
 def pipeline_params(model: nn.Module, stage_params: int) -> int:
