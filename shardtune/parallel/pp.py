@@ -104,7 +104,6 @@ class Pipeline:
     stage: PipelineStage
     schedule: object
     group: object  # the pp process group
-    schedule_name: str
     hidden: torch.Tensor  # meta: what travels between stages, its dtype and hidden size
     scale: float = 1.0
 
@@ -155,7 +154,7 @@ def build_pipeline(model: nn.Module, pp_mesh, device: torch.device, schedule_nam
     loss = torch.empty((), dtype=torch.float32, device="meta")
     stage = PipelineStage(module, span.stage, span.num_stages, device, input_args=ids if span.first else hidden,
                           output_args=loss if span.last else hidden, group=pp_mesh.get_group())
-    pipe = Pipeline(span, module, stage, None, pp_mesh.get_group(), schedule_name, hidden)
+    pipe = Pipeline(span, module, stage, None, pp_mesh.get_group(), hidden)
     # scale_grads False: the loss function scales (by the step's target tokens), as the non-pp step does
     pipe.schedule = SCHEDULES[schedule_name](stage, num_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
     setattr(model, PP_ATTR, pipe)
