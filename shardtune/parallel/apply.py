@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardtune.errors import UserError
 from shardtune.layout import Layout
+from shardtune.parallel.pp import stage_span
 from shardtune.strategies import STRATEGY, autocasts, checkpointed_layers
 
 if TYPE_CHECKING:
@@ -171,11 +172,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
     """Non-reentrant checkpoint per chosen decoder layer (composable API: parameter names stay
     the same, so state dicts keep HF names); `op`: torch's selective checkpoint per layer."""
     layers = decoder_layers(model)
-    for i in checkpointed_layers(len(layers), mode, every):
+    # a pipeline stage (parallel/pp.py) holds layers first.. of the model's: the rule is the whole model's
+    span = stage_span(model)  # a pipeline stage (parallel/pp.py: apply_pp runs first)
+    first, total = (span.first_layer, sum(span.layers)) if span is not None else (0, len(layers))
+    for i in checkpointed_layers(total, mode, every):
+        if not first <= i < first + len(layers):
+            continue
         if mode == "op":
-            _op_checkpoint_forward(layers[i])
+            _op_checkpoint_forward(layers[i - first])
         else:
-            checkpoint(layers[i])
+            checkpoint(layers[i - first])
 
 
 def autocast_dtype(parallel_cfg: ParallelConfig) -> torch.dtype | None:

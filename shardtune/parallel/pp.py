@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,11 @@ class StageSpan:
     layers: tuple[int, ...]  # decoder layers per stage, all stages
 
     @property
+    def first_layer(self) -> int:
+        """The model's index of this stage's first decoder layer."""
+        return sum(self.layers[:self.stage])
+
+    @property
     def first(self) -> bool:
         return self.stage == 0
 
@@ -60,7 +65,7 @@ def apply_pp(model: nn.Module, pp_mesh, pp_layers: list[int] | None) -> StageSpa
     decoder = model.get_decoder()
     counts = stage_layer_counts(len(decoder.layers), pp_mesh.size(), pp_layers)
     span = StageSpan(pp_mesh.get_local_rank(), pp_mesh.size(), tuple(counts))
-    start = sum(counts[:span.stage])
+    start = span.first_layer
     decoder.layers = _StageLayers(list(decoder.layers)[start:start + counts[span.stage]], start)
     if not span.first:
         decoder.embed_tokens = None  # the inputs are the previous stage's hidden states (inputs_embeds)
@@ -99,12 +104,26 @@ class Pipeline:
     stage: PipelineStage
     schedule: object
     group: object  # the pp process group
-    schedule_name: str
+    hidden: torch.Tensor  # meta: what travels between stages, its dtype and hidden size
     scale: float = 1.0
-    _step_losses: list = field(default_factory=list)
 
     def loss_fn(self, output: torch.Tensor, _target) -> torch.Tensor:
         return output * self.scale
+
+    @torch.no_grad()
+    def forward_only(self, batch: dict) -> torch.Tensor:
+        """One batch's token-loss sum through every stage, forward only, by blocking point-to-point
+        sends (validation: any batch shape; every stage holds the same batch); 0 off the last stage."""
+        ranks, span = dist.get_process_group_ranks(self.group), self.span
+        x = batch["input_ids"]
+        if not span.first:
+            x = torch.empty(*x.shape, self.hidden.shape[-1], dtype=self.hidden.dtype, device=x.device)
+            dist.recv(x, src=ranks[span.stage - 1], group=self.group)
+        out = self.module(x, position_ids=batch["position_ids"], labels=batch["labels"])
+        if span.last:
+            return out
+        dist.send(out.contiguous(), dst=ranks[span.stage + 1], group=self.group)
+        return torch.zeros((), device=x.device)
 
     def run(self, micro_batches: list[dict], scale: float) -> torch.Tensor:
         """Forward and backward of the step's micro-batches through the pipeline, every micro-batch's
@@ -135,11 +154,17 @@ def build_pipeline(model: nn.Module, pp_mesh, device: torch.device, schedule_nam
     loss = torch.empty((), dtype=torch.float32, device="meta")
     stage = PipelineStage(module, span.stage, span.num_stages, device, input_args=ids if span.first else hidden,
                           output_args=loss if span.last else hidden, group=pp_mesh.get_group())
-    pipe = Pipeline(span, module, stage, None, pp_mesh.get_group(), schedule_name)
+    pipe = Pipeline(span, module, stage, None, pp_mesh.get_group(), hidden)
     # scale_grads False: the loss function scales (by the step's target tokens), as the non-pp step does
     pipe.schedule = SCHEDULES[schedule_name](stage, num_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
     setattr(model, PP_ATTR, pipe)
     return pipe
+
+
+def stage_span(model: nn.Module) -> StageSpan | None:
+    """This rank's stage of a model `apply_pp` pruned (before or after `build_pipeline`), or None."""
+    found = getattr(model, PP_ATTR, None)
+    return found.span if isinstance(found, Pipeline) else found
 
 
 def pipeline_params(model: nn.Module, stage_params: int) -> int:
@@ -150,6 +175,17 @@ def pipeline_params(model: nn.Module, stage_params: int) -> int:
     total = torch.tensor([stage_params], dtype=torch.float64, device=pipe.stage.device)
     dist.all_reduce(total, group=pipe.group)
     return int(total[0])
+
+
+def whole_model_layers(model: nn.Module, stage_indices: list[int]) -> list[int]:
+    """Stage-local decoder-layer indices as the whole model's, gathered from every stage (the
+    checkpointed layers memory.json reports); unchanged without a pipeline. Collective over pp."""
+    pipe = pipeline_of(model)
+    if pipe is None:
+        return stage_indices
+    parts: list = [None] * pipe.span.num_stages
+    dist.all_gather_object(parts, [pipe.span.first_layer + i for i in stage_indices], group=pipe.group)
+    return sorted(i for part in parts for i in part)
 
 
 def schedule_name(pipe: Pipeline) -> str:

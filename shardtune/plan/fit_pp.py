@@ -61,6 +61,6 @@ def gain_line(gain: dict) -> str:
 def trainer_gap(best, base) -> str | None:
     """Why the trainer cannot run `best` yet (its pipeline's limits, rules/pipeline.py), else None."""
     return pipeline_gap(best.pp, strategy=best.strategy, schedule=best.pp_schedule, tp=best.tp, cp=best.cp,
-                        precision=best.precision, ac=best.ac, offload=best.offload,
+                        precision=best.precision, offload=best.offload,
                         activation_offload=best.activation_offload, lora_rank=base.lora_rank,
                         objective=base.objective, optimizer=best.optimizer)

@@ -35,9 +35,9 @@ PP_STRATEGIES = ("zero3", "zero2")  # FSDP2 per stage; ddp/zero1/hsdp are not ve
 
 
 def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", tp: int = 1, cp: int = 1,
-                 precision: str = "fp32", ac: str = "none", offload: str = "none", activation_offload: bool = False,
+                 precision: str = "fp32", offload: str = "none", activation_offload: bool = False,
                  lora_rank: int = 0, objective: str = "sft", compile: bool = False, optimizer: str = "adamw",
-                 sample_prompts: bool = False, validation: bool = False) -> str | None:
+                 sample_prompts: bool = False) -> str | None:
     """The first setting the trainer's pipeline does not run yet, as one line naming the key (None:
     it runs, or pp 1). The planner plans such layouts and says this line beside them."""
     if pp == 1:
@@ -50,7 +50,6 @@ def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", tp: int = 1,
         (tp > 1, "parallel.tp", f"{tp} (set 1)"),
         (cp > 1, "parallel.cp", f"{cp} (set 1)"),
         (precision not in ("fp32", "bf16-mixed"), "parallel.precision", f"{precision!r} (set fp32 or bf16-mixed)"),
-        (ac != "none", "parallel.activation_checkpointing", f"{ac!r} (set none)"),
         (offload != "none", "parallel.offload", f"{offload!r} (set none)"),
         (activation_offload, "parallel.activation_offload", "true (set false)"),
         (lora_rank > 0, "lora.rank", f"{lora_rank} (set 0)"),
@@ -58,12 +57,11 @@ def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", tp: int = 1,
         (compile, "train.compile", "true (set false)"),
         (optimizer != "adamw", "optim.name", f"{optimizer!r} (set adamw)"),
         (sample_prompts, "train.sample_prompts", "(drop them)"),
-        (validation, "data.val_path / data.val_split", "(validation: drop them)"),
     )
     for bad, key, value in refused:
         if bad:
             return (f"parallel.pp {pp} does not run with {key} {value} in the trainer yet: its pipeline is verified "
-                    "for full fine-tuning in fp32 and bf16-mixed (docs/parallelism.md)")
+                    "for full fine-tuning in fp32 and bf16-mixed, AC, validation and checkpoints (docs/parallelism.md)")
     return None
 
 
@@ -80,10 +78,10 @@ def recipe_pipeline_gap(cfg, pp: int | None = None) -> str | None:
     """`pipeline_gap` of a RunConfig's settings at `pp` (None: the recipe's)."""
     par, train = cfg.parallel, cfg.train
     return pipeline_gap(par.pp if pp is None else pp, strategy=par.strategy, schedule=par.pp_schedule, tp=par.tp,
-                        cp=par.cp, precision=par.precision, ac=par.activation_checkpointing, offload=par.offload,
+                        cp=par.cp, precision=par.precision, offload=par.offload,
                         activation_offload=par.activation_offload, lora_rank=cfg.lora.rank,
                         objective=train.objective, compile=train.compile, optimizer=cfg.optim.name,
-                        sample_prompts=bool(train.sample_prompts), validation=cfg.data.has_val)
+                        sample_prompts=bool(train.sample_prompts))
 
 
 def stage_layer_counts(num_layers: int, pp: int, pp_layers: list[int] | None) -> list[int]:

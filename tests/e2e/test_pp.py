@@ -1,8 +1,9 @@
 """Pipeline parallelism through `shardtune train` (issue 40): `--pp 2` on 2 processes (1F1B; GPipe with
-an uneven `parallel.pp_layers` split, zero2, the chunked loss and bf16-mixed) and pp 2 x dp 2 (zero3) on
-4 processes give the losses and gradient norms of one process on the same global batch and precision,
-4 steps, within 1e-5; memory.json's effective settings and the start-up line say what ran; the pp
-checkpoint resumes on one process and exports. One launch per configuration (shared runs)."""
+an uneven `parallel.pp_layers` split, zero2, the chunked loss and bf16-mixed) and pp 2 x dp 2 (zero3,
+layer AC) on 4 processes give the losses, gradient norms and validation losses of one process on
+the same global batch and precision, 4 steps, within 1e-5; memory.json's effective
+settings and the start-up line say what ran; the pp checkpoint resumes on one process and exports.
+One launch per configuration (shared runs)."""
 from __future__ import annotations
 
 import json
@@ -12,17 +13,20 @@ from test_effective import RECIPE, _check_effective
 
 pytestmark = [pytest.mark.e2e]
 
-COMMON = ["train.max_steps=4", "train.grad_accum=2"]
+VAL = ["data.val_split=0.01", "train.eval_every=2"]  # val_loss at steps 2 and 4, every run
+COMMON = ["train.max_steps=4", "train.grad_accum=2", *VAL]
 NO_SAVE = ["checkpoint.save_final=false", "checkpoint.export_hf=false"]
 BF16 = "parallel.precision=bf16-mixed"  # 4e-4 from fp32's losses: compared with one process in bf16-mixed
 ONE = [*COMMON, "train.micro_batch=4"]  # one process: 4 rows x 2 micro-batches a step (saved, exported)
-SAME_MATH = ("parallel.precision=", "train.loss_chunks=")  # levers the one-process reference runs with too
+# levers the one-process reference runs with too: what changes the arithmetic, and validation
+SAME_MATH = ("parallel.precision=", "train.loss_chunks=")
 RUNS = {  # name → (processes, overrides); every run reads the same 8 rows a step
     "pp2-1f1b-saved": (2, [*ONE, "parallel.pp=2", "checkpoint.every=2"]),  # step_2, step_4, hf_export
     "pp2-gpipe-1+3-zero2-chunks3-bf16": (2, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.pp_schedule=gpipe",
                                              "parallel.pp_layers=[1,3]", "parallel.strategy=zero2",
                                              "train.loss_chunks=3", BF16]),
-    "pp2-dp2-1f1b": (4, [*COMMON, *NO_SAVE, "train.micro_batch=2", "parallel.pp=2"]),
+    "pp2-dp2-1f1b-ac": (4, [*COMMON, *NO_SAVE, "train.micro_batch=2", "parallel.pp=2",  # AC: the model's layers
+                            "parallel.activation_checkpointing=layer", "parallel.ac_every=3"]),  # 0 and 3
 }
 
 
@@ -57,8 +61,10 @@ def test_pipeline_equals_one_process(shared_run, reference, name):
     got = _records(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["target_tokens"] for r in got] == [r["target_tokens"] for r in reference]
-    for key in ("loss", "grad_norm"):
-        assert [r[key] for r in got] == pytest.approx([r[key] for r in reference], rel=1e-5, abs=1e-5), key
+    for key in ("loss", "grad_norm", "val_loss"):  # val_loss: at the evaluation steps only
+        want = {r["step"]: r[key] for r in reference if key in r}
+        assert {r["step"]: r[key] for r in got if key in r} == pytest.approx(want, rel=1e-5, abs=1e-5), key
+    assert len(want) == 2, want  # validation ran (steps 2 and 4)
     eff = _check_effective(out, overrides, nproc)  # every TABLE row, parallel.pp* among them
     assert eff["pp"] == 2 and eff["strategy"] == ("zero2" if "zero2" in name else "zero3")
     schedule = "gpipe" if "gpipe" in name else "1f1b"

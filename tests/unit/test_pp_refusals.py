@@ -28,11 +28,9 @@ CASES = [  # (extra arguments, what the line must name)
     (["--nproc", "4", "--pp", "2", "--cp", "2"], "parallel.cp 2"),
     (["--pp", "2", "--strategy", "ddp"], "parallel.strategy 'ddp'"),
     (["--pp", "2", "--precision", "bf16"], "parallel.precision 'bf16'"),
-    (["--pp", "2", "parallel.activation_checkpointing=full"], "parallel.activation_checkpointing 'full'"),
     (["--pp", "2", "--lora-rank", "4"], "lora.rank 4"),
     (["--pp", "2", "train.objective=dpo"], "train.objective 'dpo'"),
     (["--pp", "2", "train.compile=true"], "train.compile true"),
-    (["--pp", "2", "data.val_split=0.1"], "data.val_path / data.val_split"),
 ]
 
 

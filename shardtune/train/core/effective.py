@@ -13,7 +13,7 @@ from torch.distributed._composable.contract import _get_registry
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from shardtune.parallel.cp import cp_degree
-from shardtune.parallel.pp import pipeline_of, schedule_name
+from shardtune.parallel.pp import pipeline_of, schedule_name, whole_model_layers
 from shardtune.parallel.tp import TP_ATTR
 from shardtune.train.core.moe import num_experts
 from shardtune.train.core.qlora import is_nf4
@@ -50,12 +50,14 @@ def activation_checkpointing(model: nn.Module) -> tuple[str, list[int]]:
     torch's composable `checkpoint` registry (full / layer) or op AC's forward (parallel/apply.py)."""
     layers = decoder_layers(model)
     op = [i for i, layer in enumerate(layers) if any(q.startswith("_op_checkpoint_forward") for q in _qualnames(layer))]
+    ckpt = [i for i, layer in enumerate(layers) if "checkpoint" in (_get_registry(layer) or {})]
+    # a pipeline stage's (parallel/pp.py): the model's indices, every stage's (collective over pp)
+    op, ckpt, every = (whole_model_layers(model, x) for x in (op, ckpt, list(range(len(layers)))))
     if op:
         return "op", op
-    ckpt = [i for i, layer in enumerate(layers) if "checkpoint" in (_get_registry(layer) or {})]
     if not ckpt:
         return "none", []
-    return ("full" if len(ckpt) == len(layers) else "layer"), ckpt
+    return ("full" if len(ckpt) == len(every) else "layer"), ckpt
 
 
 def compiled(model: nn.Module) -> bool:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.parallel.cp import cp_degree
+from shardtune.parallel.pp import pipeline_of
 from shardtune.parallel.tp import loss_context, tp_degree
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, lm_token_loss_sum
 from shardtune.train.core.step import StepOptions
@@ -21,9 +22,12 @@ from shardtune.train.core.step import StepOptions
 def _forward_loss(model: nn.Module, batch: dict, opts: StepOptions):
     """(sum of token losses, target tokens) of one batch; labels are already shifted. The loss is
     the step's (`lm_token_loss_sum`: full logits, or chunked per train.loss_chunks)."""
+    tokens = (batch["labels"] != IGNORE_INDEX).sum().double()
+    if (pipe := pipeline_of(model)) is not None:  # pp: through every stage, counted on the last only
+        return pipe.forward_only(batch).double(), tokens if pipe.span.last else tokens * 0
     loss = lm_token_loss_sum(model, batch, opts.loss_chunks, opts.autocast_dtype)  # cp: this rank's rows
     # every rank of a cp group sees the whole batch: its tokens / cp, summed over the group, count once
-    return loss.double(), (batch["labels"] != IGNORE_INDEX).sum().double() / cp_degree(model)
+    return loss.double(), tokens / cp_degree(model)
 
 
 def evaluate(model: nn.Module, batches: list[dict], device: torch.device, opts: StepOptions,
