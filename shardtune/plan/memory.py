@@ -388,10 +388,22 @@ def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward:
     in (torch/csrc/distributed/c10d/reducer.cpp `mark_variable_ready_dense`) and frees: one more
     copy of the grads from the first backward through the last. Calibrated against
     `plan --simulate --grad-accum 2` (docs/calibration.md)."""
-    at_rest = states.params + states.grads + states.optimizer
-    step = states.optimizer_step_temp
-    if not grads_in_forward:
-        peak = states.params + states.optimizer + max(activations + buffers, states.grads + step)
-    else:
-        peak = at_rest + max(activations + buffers + unsynced_grads, step)
-    return max(peak, at_rest + reduce_in_flight)
+    return peak_parts(states, activations, buffers, grads_in_forward, reduce_in_flight, unsynced_grads)[0]
+
+
+def peak_parts(states: States, activations: int, buffers: int, grads_in_forward: bool = True,
+               reduce_in_flight: int = 0, unsynced_grads: int = 0) -> tuple[int, str, dict]:
+    """`peak_bytes`, with the moment it happens and what is alive then (they sum to it): the end of
+    forward (activations, buffers; the grads only if they exist then), the optimizer step (grads and
+    its temporaries) or the end of backward (every grad, plus the root's reduce buffers: `other`)."""
+    p, g, o = states.params, states.grads, states.optimizer
+    moments = [("optimizer step", {"params": p, "grads": g, "optimizer": o,
+                                   "optimizer_step_temp": states.optimizer_step_temp})]
+    fwd = {"params": p, "optimizer": o, "activations": activations, "buffers": buffers}
+    if grads_in_forward:
+        fwd |= {"grads": g, "other": unsynced_grads}
+    moments.insert(0, ("forward end", fwd))
+    if reduce_in_flight:
+        moments.append(("backward end", {"params": p, "grads": g, "optimizer": o, "other": reduce_in_flight}))
+    phase, parts = max(moments, key=lambda m: sum(m[1].values()))  # the first of equals, as max() was
+    return sum(parts.values()), phase, parts

@@ -177,7 +177,7 @@ def plan_pipeline(m: _Model, strategy: str, inp, usable: int, plan_one):
             "boundary_bytes": nbytes, "p2p_bytes_per_step": sends * nbytes, "worst_stage": worst}
     stages = [{"rank": r, "layers": len(ranks[r]), "first_layer": ranks[r][0] if ranks[r] else None,
                "embedding": r == 0, "head": r == last_rank, "in_flight_microbatches": models[r].stage["in_flight"],
-               "memory": vars(plans[r].memory).copy(), "fits": plans[r].fits} for r in range(inp.pp)]
+               "memory": _bytes(plans[r].memory), "fits": plans[r].fits} for r in range(inp.pp)]
     w = plans[worst]
     return replace(w, fits=all(p.fits for p in plans), headroom_bytes=min(p.headroom_bytes for p in plans),
                    comm_bytes_per_step=w.comm_bytes_per_step + pipe["p2p_bytes_per_step"],
@@ -235,3 +235,8 @@ def balanced_split(num_layers: int, stages: int) -> list[int] | None:
     for i in range(extra):
         sizes[middle[i % len(middle)]] += 1
     return sizes
+
+
+def _bytes(mem) -> dict:
+    """A stage's memory fields in bytes (the peak's moment and parts are the strategy's `peak`)."""
+    return {k: v for k, v in vars(mem).items() if k not in ("peak_phase", "at_peak")}

@@ -122,29 +122,45 @@ def _name(s, mark: str | None) -> str:
     return f"{s.name} *" if s.name == mark else s.name
 
 
+def _cell(mem, key: str, value: int) -> str:
+    """GiB; in parentheses when not alive at the row's peak (`mem.at_peak`), so the bare cells sum to it."""
+    return _gib(value) if key in mem.at_peak or not value or not mem.at_peak else f"({_gib(value)})"
+
+
+def _other(mem) -> int:
+    """What the peak holds beyond the columns: the root's reduce buffers, DDP's unsynced grads, grpo's
+    generation (gathered weights and KV cache)."""
+    return sum(mem.at_peak.get(k, 0) for k in ("other", "generation_weights", "kv_cache"))
+
+
+PEAK_NOTE = "(x): not alive at the row's peak; the bare cells sum to it"
+
+
 def _memory_table(result: PlanResult, mark: str | None = None):
     from rich import box
     from rich.table import Table
 
     table = Table(title="Per-GPU memory in GiB (2^30 bytes); peak also in GB (10^9 bytes)",
-                  box=box.SIMPLE_HEAD, padding=(0, 1))
+                  box=box.SIMPLE_HEAD, padding=(0, 1), caption=PEAK_NOTE)
     tp, pp = result.inputs.get("tp", 1), result.inputs.get("pp", 1)
     if pp > 1:
         table.title += "; pipeline: the worst stage"
-    ref = _has_reference(result)
+    ref, other = _has_reference(result), any(_other(s.memory) for s in result.strategies)
     degrees = ("pp×" if pp > 1 else "") + ("dp×tp" if tp > 1 else "shard")
     for col in ("strategy", degrees, "params", "grads", "optim", "activ", "buffers",
-                *(("ref",) if ref else ()), "opt tmp", "peak GiB", "peak GB", "free GiB", "fits"):
+                *(("ref",) if ref else ()), "opt tmp", *(("other",) if other else ()), "peak GiB", "peak GB",
+                "free GiB", "fits"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right")
     for s in result.strategies:
         mem = s.memory
         shard = f"{s.shard_degree}×{tp}" if tp > 1 else str(s.shard_degree)  # the FSDP shard group × TP
         shard = f"{pp}×{shard}" if pp > 1 else shard
         table.add_row(
-            _name(s, mark), shard, _gib(mem.params), _gib(mem.grads), _gib(mem.optimizer),
-            _gib(mem.activations), _gib(mem.buffers), *((_gib(mem.reference),) if ref else ()),
-            _gib(mem.optimizer_step_temp), _gib(mem.total),
-            f"{mem.total / GB:,.1f}", f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
+            _name(s, mark), shard, *(_cell(mem, k, getattr(mem, k)) for k in ("params", "grads", "optimizer",
+                                                                            "activations", "buffers")),
+            *((_cell(mem, "reference", mem.reference),) if ref else ()),
+            _cell(mem, "optimizer_step_temp", mem.optimizer_step_temp), *((_gib(_other(mem)),) if other else ()),
+            _gib(mem.total), f"{mem.total / GB:,.1f}", f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
     return table
 
 
@@ -154,24 +170,27 @@ def _has_reference(result: PlanResult) -> bool:
 
 
 def _compact_memory_table(result: PlanResult, mark: str | None = None):
-    """strategy, states (params + grads + optimizer), activations, buffers, (dpo) reference, opt tmp,
-    peak, free, fits."""
+    """strategy, states (params + grads + optimizer alive at the peak), activations, buffers, (dpo)
+    reference, opt tmp, other, peak, free, fits."""
     from rich import box
     from rich.table import Table
 
     table = Table(title="Per-GPU memory, GiB (2^30 bytes); --wide: every column, peak in GB",
-                  box=box.SIMPLE_HEAD, padding=(0, 1))
+                  box=box.SIMPLE_HEAD, padding=(0, 1), caption=PEAK_NOTE)
     if result.inputs.get("pp", 1) > 1:
         table.title += "; pipeline: the worst stage"
-    ref = _has_reference(result)
-    for col in ("strategy", "states", "activ", "buffers", *(("ref",) if ref else ()), "opt tmp", "peak GiB",
-                "free GiB", "fits"):
+    ref, other = _has_reference(result), any(_other(s.memory) for s in result.strategies)
+    for col in ("strategy", "states", "activ", "buffers", *(("ref",) if ref else ()), "opt tmp",
+                *(("other",) if other else ()), "peak GiB", "free GiB", "fits"):
         table.add_column(col, justify="left" if col in ("strategy", "fits") else "right", no_wrap=True)
     for s in result.strategies:
         mem = s.memory
-        table.add_row(_name(s, mark), _gib(mem.params + mem.grads + mem.optimizer), _gib(mem.activations),
-                      _gib(mem.buffers), *((_gib(mem.reference),) if ref else ()),
-                      _gib(mem.optimizer_step_temp), _gib(mem.total),
+        live = [k for k in ("params", "grads", "optimizer") if k in mem.at_peak or not mem.at_peak]
+        table.add_row(_name(s, mark), _gib(sum(getattr(mem, k) for k in live)),
+                      _cell(mem, "activations", mem.activations), _cell(mem, "buffers", mem.buffers),
+                      *((_cell(mem, "reference", mem.reference),) if ref else ()),
+                      _cell(mem, "optimizer_step_temp", mem.optimizer_step_temp),
+                      *((_gib(_other(mem)),) if other else ()), _gib(mem.total),
                       f"{s.headroom_bytes / GIB:,.1f}", "yes" if s.fits else "NO")
     return table
 

@@ -31,7 +31,7 @@ GIB = 2**30
 
 @dataclass
 class Memory:
-    """Per-GPU bytes. `total` is the peak: states + max(activations + buffers, optimizer temp)."""
+    """Per-GPU bytes at rest; `total` is the peak, `at_peak` what is alive then (memory.peak_parts)."""
 
     params: int
     grads: int
@@ -44,6 +44,8 @@ class Memory:
     kv_cache: int = 0  # grpo: one generation batch's keys and values (plan/rl.py)
     generation_weights: int = 0  # grpo: the gathered model generation decodes with (plan/rl.py)
     experts: int | None = None  # MoE: the routed experts' share of params + grads + optimizer (plan/moe.py)
+    peak_phase: str = ""  # when the peak happens: forward end, optimizer step, backward end, generation
+    at_peak: dict = field(default_factory=dict)  # what is alive at that moment (these keys' bytes), summing to total
 
 
 @dataclass
@@ -88,6 +90,10 @@ class StrategyPlan:
         d["headroom_gib"] = round(self.headroom_gib, 3)
         d["collectives"] = [c.to_dict() for c in self.collectives]
         d.update(d.pop("timing"))  # step_time_s, tokens_per_s, mfu, comm_time_s, compute_time_s, ...
+        d["peak"] = {"phase": d["memory"].pop("peak_phase"), "alive": d["memory"].pop("at_peak")}
+        for key in ("kv_cache", "generation_weights"):  # grpo's generation only
+            if not d["memory"][key]:
+                del d["memory"][key]
         if d["memory"]["experts"] is None:  # dense models: the plan as before
             del d["memory"]["experts"]
         if not d["comm"]:
@@ -201,13 +207,17 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                           inp.reference, inp.lora_rank, inp.rl_beta)
     if inp.offload == "all":  # the copy is sharded with the same CPUOffloadPolicy (train/core/dpo_ref.py)
         cpu_per_rank, ref = cpu_per_rank + ref, 0
-    total = memory.peak_bytes(st, act, buf, grads_in_forward, reduce, unsynced) + ref
+    total, phase, parts = memory.peak_parts(st, act, buf, grads_in_forward, reduce, unsynced)
+    total, parts = total + ref, parts | {"reference": ref}
     kv = gen_w = 0
     if inp.objective == "grpo" and m.arch is not None:  # generation's peak: plan/rl.py
         per = memory.dtypes(inp.precision).compute
         kv = kv_cache_bytes(m.arch, inp.num_generations, inp.seq_len, inp.max_new_tokens, tp, per)
         gen_w = generation_weights_bytes(m.num_params, tp, per)
-        total = max(total, st.params + st.optimizer + ref + gen_w + kv)
+        gen = {"params": st.params, "optimizer": st.optimizer, "reference": ref, "generation_weights": gen_w,
+               "kv_cache": kv}
+        if sum(gen.values()) > total:
+            total, phase, parts = sum(gen.values()), "generation", gen
     key = ("collectives", strategy, tp, dp, shard, inp.precision, inp.accounting, inp.ep)
     if key not in m.buffer_cache:  # the same for every micro-batch and AC mode
         m.buffer_cache[key] = comm.collectives(strategy, num_params=-(-m.num_params // tp),
@@ -240,7 +250,7 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                               and inp.ep == 1 else None),
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref,
-                      kv, gen_w, _expert_bytes(m, strategy, inp, shard)),
+                      kv, gen_w, _expert_bytes(m, strategy, inp, shard), phase, {k: v for k, v in parts.items() if v}),
         fits=total <= usable and host.get("fits", True), headroom_bytes=usable - total,
         cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
         comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
