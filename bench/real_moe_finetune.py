@@ -13,6 +13,10 @@ data/smollm2-dates/val.jsonl, never in the training set). Before: transformers a
 folder (one process, bench/real_finetune.py `exact_match`). After: the run's own answers at its last
 step (samples.jsonl, greedy, on the trained sharded model) - ep > 1 refuses the HF export, so no
 folder is left to load. Also printed: losses, aux_loss, expert_load_cv, val loss, wall and step time.
+
+--no-ep-check: train the same recipe once more without ep (`parallel.ep=1`, zero3 over 2 ranks) with the
+HF export on, compare its losses with the ep run's, and score the export with transformers alone (the
+same exact-match as before). --reuse-ep RUN: take the ep run's figures from an earlier run folder.
 """
 from __future__ import annotations
 
@@ -45,10 +49,37 @@ def held_out_pairs(prompts: list[str]) -> list[tuple[str, str]]:
     return [(p, val[p]) for p in prompts]
 
 
+def train(out: Path, extra: list[str]) -> tuple[list[str], float]:
+    """`shardtune train RECIPE --nproc 2 --output-dir OUT *extra` (a fresh folder); the command and its wall time."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [str(Path(sys.executable).parent / "shardtune"), "train", str(RECIPE), "--nproc", "2", *extra,
+           "--output-dir", str(out)]
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return ["shardtune", *cmd[1:]], time.time() - t0
+
+
+def figures(out: Path, held_out: list[tuple[str, str]]) -> dict:
+    """A run folder's losses, MoE metrics, val loss and its last samples' exact match."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "loss" in r and "step" in r]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip()]
+    last = max(s["step"] for s in samples)
+    answers = {s["prompt"]: s["completion"].strip() for s in samples if s["step"] == last}
+    return {"after_exact": sum(answers[q] == t for q, t in held_out) / len(held_out), "after_step": last,
+            "after_answers": [answers[q] for q, _ in held_out],
+            "losses": [r["loss"] for r in steps], "aux_loss": [r.get("aux_loss") for r in steps],
+            "expert_load_cv": [r.get("expert_load_cv") for r in steps],
+            "val_loss": [r["val_loss"] for r in rows if "val_loss" in r],
+            "median_step_s": statistics.median(r["step_time_s"] for r in steps)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--output-dir", default=str(ROOT / "runs" / "real-moe"))
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--no-ep-check", action="store_true", help="also train without ep, export, score the export")
+    p.add_argument("--reuse-ep", help="an earlier ep run folder: its figures, no new ep run")
     args = p.parse_args()
 
     from shardtune.testing.upcycle import upcycled_folder
@@ -57,38 +88,31 @@ def main() -> None:
     if (RECIPE.parent / cfg["model"]["name"]).resolve() != folder.resolve():
         raise SystemExit(f"the recipe's model is not {folder}")
     held_out = held_out_pairs(cfg["train"]["sample_prompts"])
-
-    t0 = time.time()
-    before, before_answers = exact_match(folder, held_out)
-    before_s = time.time() - t0
-    print(f"before: {before:.0%} exact ({before_answers[0]!r} for {held_out[0][1]!r}), {before_s:.0f} s")
-
     out = Path(args.output_dir)
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [str(Path(sys.executable).parent / "shardtune"), "train", str(RECIPE), "--nproc", "2", "--ep", "2",
-           "--output-dir", str(out)]
-    t0 = time.time()
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    wall = time.time() - t0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in rows if "loss" in r and "step" in r]
-    vals = [r["val_loss"] for r in rows if "val_loss" in r]
-    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip()]
-    last = max(s["step"] for s in samples)
-    after_answers = {s["prompt"]: s["completion"].strip() for s in samples if s["step"] == last}
-    hits = sum(after_answers[q] == t for q, t in held_out)
-    res = {
-        "command": " ".join(["shardtune", *cmd[1:]]),
-        "held_out": len(held_out), "before_exact": before, "after_exact": hits / len(held_out),
-        "after_step": last, "before_answers": before_answers, "after_answers": [after_answers[q] for q, _ in held_out],
-        "targets": [t for _, t in held_out],
-        "losses": [r["loss"] for r in steps], "aux_loss": [r.get("aux_loss") for r in steps],
-        "expert_load_cv": [r.get("expert_load_cv") for r in steps], "val_loss": vals,
-        "median_step_s": statistics.median(r["step_time_s"] for r in steps), "train_wall_s": wall,
-    }
-    print(json.dumps({k: v for k, v in res.items() if "answers" not in k}, indent=1))
-    print(f"held-out exact match: {before:.0%} before -> {res['after_exact']:.0%} after {last} steps "
-          f"({hits}/{len(held_out)}); e.g. {after_answers[held_out[0][0]]!r} for {held_out[0][1]!r}")
+    res = {"held_out": len(held_out), "targets": [t for _, t in held_out]}
+
+    if args.reuse_ep:
+        ep_dir = Path(args.reuse_ep)
+    else:
+        t0 = time.time()
+        res["before_exact"], res["before_answers"] = exact_match(folder, held_out)
+        print(f"before: {res['before_exact']:.0%} exact, {time.time() - t0:.0f} s: {res['before_answers']}")
+        ep_dir = out / "ep2"
+        res["ep2_command"], res["ep2_train_wall_s"] = train(ep_dir, ["--ep", "2"])
+    res["ep2"] = figures(ep_dir, held_out)
+    print(f"ep 2: held-out exact {res['ep2']['after_exact']:.0%} at step {res['ep2']['after_step']}: "
+          f"{res['ep2']['after_answers']}")
+    if args.no_ep_check:
+        no_ep = out / "no-ep"
+        res["no_ep_command"], res["no_ep_train_wall_s"] = train(
+            no_ep, ["parallel.ep=1", "checkpoint.save_final=true", "checkpoint.export_hf=true"])
+        res["no_ep"] = figures(no_ep, held_out)
+        res["max_abs_dloss_ep2_vs_no_ep"] = max(abs(a - b) for a, b in zip(res["ep2"]["losses"],
+                                                                           res["no_ep"]["losses"], strict=True))
+        res["export_exact"], res["export_answers"] = exact_match(no_ep / "hf_export", held_out)
+        print(f"no ep: max |loss(ep 2) - loss(no ep)| {res['max_abs_dloss_ep2_vs_no_ep']:.2e}; its HF export, "
+              f"transformers alone: {res['export_exact']:.0%} exact: {res['export_answers']}")
+    print(json.dumps({k: v for k, v in res.items() if "answers" not in str(k)}, indent=1, default=str))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
 

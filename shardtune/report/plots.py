@@ -190,6 +190,7 @@ def draw_experts(records: list[dict], run_name: str):
                    label="aux_loss (load balancing, before its coefficient)")
     _per_step_axes(left, "coefficient of variation", f"{run_name}: expert load per step")
     _per_step_axes(right, "aux loss", f"{run_name}: router load-balancing loss")
+    right.ticklabel_format(axis="y", useOffset=False)  # read the values, not "+1.999" and the residue
     fig.tight_layout()
     return fig
 

@@ -25,6 +25,7 @@ def test_experts_plot_draws_the_metrics_per_step():
     assert cvs[0] < 0.06 and cvs[2] == 1.0  # nearly balanced, then two experts idle
     aux = lines["aux_loss (load balancing, before its coefficient)"]
     assert list(aux.get_xdata()) == [1, 2, 3] and list(aux.get_ydata()) == [2.1, 2.2, 2.3]
+    assert not right.yaxis.get_major_formatter().get_useOffset()  # values on the axis, not an offset
     assert {t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()} == set(lines)
     assert draw_experts([{"step": 1, "loss": 2.0}], "dense") is None
 
