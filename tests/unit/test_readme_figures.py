@@ -162,3 +162,17 @@ def test_moe_recipe_tflops_beside_the_published_figure(recipe_plans, capsys):
             f"{bf16 / 1e12:.1f} bf16 TFLOP/s)") in text
     assert "| NeMo AutoModel, published (issue 39's quote of its docs; not measured by us) | Qwen3-30B-A3B, " \
            "EP 8 × FSDP 8, bf16, 8 H100 | — | — | 277 TFLOP/s/GPU (28 %) | — |" in README
+
+
+def test_moe_md_recipe_figures_are_what_plan_recipe_prints(capsys):
+    """docs/moe.md's "Recipes" section repeats both MoE recipes' plans: peak, tokens/s, MFU, TFLOP/s."""
+    moe = " ".join((REPO / "docs" / "moe.md").read_text().split("## Recipes", 1)[1].split())
+    for name, fmt in (("qwen3-30b-a3b-ep8-8xh100", "fits at {peak} GiB of {usable}, {tps} tokens/s per GPU, "
+                                                   "MFU {mfu} % ({tflops} TFLOP/s a GPU)"),
+                      ("mixtral-8x7b-lora-8xh100", "Fits at {peak} GiB, {tps} tokens/s per GPU ({mfu} %)")):
+        d = _plan_json(capsys, str(REPO / "recipes" / f"{name}.yaml"), "--gpus", "8")
+        s = next(x for x in d["strategies"] if x["name"] == "zero3")
+        want = fmt.format(peak=f"{s['memory']['total'] / GIB:.1f}", usable=f"{d['hardware']['usable_bytes'] / GIB:.1f}",
+                          tps=f"{s['tokens_per_s']:,.0f}", mfu=f"{s['mfu'] * 100:.0f}",
+                          tflops=f"{s['mfu'] * d['hardware']['bf16_flops'] / 1e12:.0f}")
+        assert s["fits"] and want in moe, (name, want)
