@@ -101,7 +101,7 @@ def _read_metrics(path: Path) -> tuple[list[dict], list[str]]:
 
 
 # metrics.jsonl fields the plots read: numbers (or null); the step an integer, and always there
-NUMERIC_KEYS = ("step", "loss", "val_loss", "tokens_per_s")
+NUMERIC_KEYS = ("step", "loss", "val_loss", "tokens_per_s", "aux_loss", "expert_load_cv")
 
 
 def _number(v, integer: bool) -> bool:
@@ -116,6 +116,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
     from shardtune.report.plots import (
         memory_title,
         per_device,
+        plot_experts,
         plot_loss,
         plot_memory,
         plot_rewards,
@@ -136,7 +137,8 @@ def report(run_dir: Path, console=None) -> list[Path]:
                                    memory_title(sources, run["strategy"], run["measured_method"])))
     for p in (plot_loss(run["records"], plots / "loss.png", run["name"]),
               plot_throughput(run["records"], plots / "throughput.png", run["name"], run["world_size"]),
-              plot_rewards(run["records"], plots / "rewards.png", run["name"])):  # dpo and grpo runs
+              plot_rewards(run["records"], plots / "rewards.png", run["name"]),  # dpo and grpo runs
+              plot_experts(run["records"], plots / "experts.png", run["name"])):  # MoE runs only
         if p:
             written.append(p)
     rows = []
@@ -184,7 +186,7 @@ def report(run_dir: Path, console=None) -> list[Path]:
 def report_cmd(
         run_dir: Path = typer.Argument(..., help="Run folder written by `shardtune train` (runs/<name>)."),
 ) -> None:
-    """Plots (memory by category: predicted / simulated / measured; loss; tokens/s) into
+    """Plots (memory by category: predicted / simulated / measured; loss; tokens/s; expert load) into
     RUN_DIR/plots/ and the differences, printed."""
     report(Path(run_dir))
 

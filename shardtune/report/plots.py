@@ -7,6 +7,8 @@ memory.png      a group of bars per category of the report's table and one for t
                 per rank on CPU; GiB = 2^30 bytes (MiB under 1 GiB)
 loss.png        training loss per step, its moving average, validation loss, resume markers
 throughput.png  global tokens/s (all ranks) per step and its mean (metrics.jsonl)
+experts.png     mixture-of-experts runs: expert load per step (expert_load_cv: std / mean of the step's
+                global tokens per expert, 0 = balanced) and the load-balancing aux_loss (docs/moe.md)
 """
 from __future__ import annotations
 
@@ -191,4 +193,30 @@ def draw_rl_rewards(records: list[dict], run_name: str):
 
 def plot_rewards(records: list[dict], path: Path, run_name: str) -> Path | None:
     fig = draw_rewards(records, run_name)
+    return _save(fig, path) if fig is not None else None
+
+
+def draw_experts(records: list[dict], run_name: str):
+    """MoE runs: expert_load_cv and aux_loss per step, side by side; None when no record has them."""
+    cv = [(r["step"], r["expert_load_cv"]) for r in records if r.get("expert_load_cv") is not None and "step" in r]
+    aux = [(r["step"], r["aux_loss"]) for r in records if r.get("aux_loss") is not None and "step" in r]
+    if not cv and not aux:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if cv:
+        left.plot([p[0] for p in cv], [p[1] for p in cv], "o-", lw=1.5, color="#4c72b0",
+                  label="expert load CV (std / mean of tokens per expert)")
+    left.axhline(0.0, ls="--", color="gray", lw=1, label="balanced (every expert the same tokens)")
+    if aux:
+        right.plot([p[0] for p in aux], [p[1] for p in aux], "o-", lw=1.5, color="#c44e52",
+                   label="aux_loss (load balancing, before its coefficient)")
+    _per_step_axes(left, "coefficient of variation", f"{run_name}: expert load per step")
+    _per_step_axes(right, "aux loss", f"{run_name}: router load-balancing loss")
+    right.ticklabel_format(axis="y", useOffset=False)  # read the values, not "+1.999" and the residue
+    fig.tight_layout()
+    return fig
+
+
+def plot_experts(records: list[dict], path: Path, run_name: str) -> Path | None:
+    fig = draw_experts(records, run_name)
     return _save(fig, path) if fig is not None else None

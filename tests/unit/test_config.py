@@ -13,6 +13,7 @@ from shardtune.catalog.models import resolve_model_config
 from shardtune.config import RunConfig, dump_config, load_recipe
 from shardtune.errors import UserError
 from shardtune.testing.smollm2 import full_folder
+from shardtune.testing.upcycle import upcycled_folder
 from shardtune.train.launcher.preflight import validate_for_launch
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
@@ -189,9 +190,11 @@ def test_shipped_recipes_load_and_fit_their_world(recipe, tmp_path, monkeypatch)
     monkeypatch.setattr(preflight, "_check_model_states_fit", lambda *a: None)
     if recipe.stem.startswith("smollm2"):  # they name the SmolLM2 fixture's folder: built here, not by an earlier test
         full_folder()
+    if recipe.stem.startswith("smollm2-moe"):  # and its sparse upcycling (shardtune/testing/upcycle.py)
+        upcycled_folder()
     cfg = load_recipe(recipe)
     assert isinstance(cfg, RunConfig)
-    world = {"tiny-cpu": (2, 2), "tiny-moe-cpu": (2, 2)}.get(recipe.stem, (8, 8))
+    world = {"tiny-cpu": (2, 2), "tiny-moe-cpu": (2, 2), "smollm2-moe-dates": (2, 2)}.get(recipe.stem, (8, 8))
     # the big recipes name data/train.jsonl, the user's file: the layout and the model are checked
     # here, on the generated data (one global batch of short rows), in a temporary run folder, on gloo;
     # a recipe whose model folder is not here is checked on its architecture (random init; the
