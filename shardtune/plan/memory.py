@@ -373,29 +373,16 @@ def fsdp_root_reduce_bytes(shapes: list[ParamShape], precision: str, shard_degre
 
 def peak_bytes(states: States, activations: int, buffers: int, grads_in_forward: bool = True,
                reduce_in_flight: int = 0, unsynced_grads: int = 0) -> int:
-    """The larger of the forward/backward peak and the optimizer step's peak, plus the states.
-
-    `grads_in_forward=False` (FSDP2 without gradient accumulation): train_step's
-    zero_grad(set_to_none=True) frees the sharded grads, so they are not there at the
-    activation peak (the end of forward) and come back in backward as activations are freed;
-    calibrated against `plan --simulate` (docs/calibration.md). DDP's grads are views of its
-    buckets, which stay allocated; with accumulation the grads live from the first micro-batch.
-    `reduce_in_flight`: the end of backward's extra bytes with every grad present
-    (`fsdp_root_reduce_bytes`).
-    `unsynced_grads`: ddp/zero1 with gradient accumulation. zero_grad(set_to_none=True) drops the
-    grads that were views of DDP's buckets (gradient_as_bucket_view=True), so the no_sync
-    micro-batches accumulate into fresh grads beside the buckets, which the last backward copies
-    in (torch/csrc/distributed/c10d/reducer.cpp `mark_variable_ready_dense`) and frees: one more
-    copy of the grads from the first backward through the last. Calibrated against
-    `plan --simulate --grad-accum 2` (docs/calibration.md)."""
+    """The step's peak bytes (`peak_parts`)."""
     return peak_parts(states, activations, buffers, grads_in_forward, reduce_in_flight, unsynced_grads)[0]
 
 
 def peak_parts(states: States, activations: int, buffers: int, grads_in_forward: bool = True,
                reduce_in_flight: int = 0, unsynced_grads: int = 0) -> tuple[int, str, dict]:
-    """`peak_bytes`, with the moment it happens and what is alive then (they sum to it): the end of
-    forward (activations, buffers; the grads only if they exist then), the optimizer step (grads and
-    its temporaries) or the end of backward (every grad, plus the root's reduce buffers: `other`)."""
+    """The peak, its moment and what is alive then (summing to it): the end of forward (the grads only
+    with `grads_in_forward`, plus ddp's `unsynced_grads`), the optimizer step, or the end of backward
+    with `reduce_in_flight` (`fsdp_root_reduce_bytes`). Why each: docs/planner.md, "The peak and its
+    columns"; calibrated against `plan --simulate` (docs/calibration.md)."""
     p, g, o = states.params, states.grads, states.optimizer
     moments = [("optimizer step", {"params": p, "grads": g, "optimizer": o,
                                    "optimizer_step_temp": states.optimizer_step_temp})]
