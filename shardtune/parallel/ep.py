@@ -122,6 +122,14 @@ def ep_rows(model: nn.Module, param_name: str) -> tuple[int, int] | None:
     return int(module.ep_offset), int(module.num_experts * module.ep_degree)
 
 
+def whole_model_params(model: nn.Module) -> int:
+    """The model's parameter count as without expert parallelism: this rank's E/ep experts of each
+    `apply_ep` layer count ep times (every rank holds as many); the rest as they are."""
+    extra = sum(getattr(m, name).numel() * (m.ep_degree - 1) for m in expert_modules(model)
+                if hasattr(m, "ep_degree") for name in EXPERT_TENSORS if getattr(m, name, None) is not None)
+    return sum(p.numel() for p in model.parameters()) + extra
+
+
 def ep_clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor | None:
     """clip_grad_norm_ for a model under `apply_ep` (None for any other model: the caller clips as
     before). The experts' gradients are FSDP DTensors on the expert-FSDP mesh and hold only this

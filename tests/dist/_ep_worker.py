@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardtune.config import ModelConfig
-from shardtune.parallel.ep import apply_ep, expert_modules
+from shardtune.parallel.ep import apply_ep, expert_modules, whole_model_params
 from shardtune.train.core.model import build_meta_model, init_model_weights
 from shardtune.train.core.moe import MoeTerms, routers
 
@@ -201,6 +201,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         out["received"].append(int(terms.counts[:, mine].sum()))  # rows this rank's experts got, all layers
     full = dict(ref.named_parameters())
     out["local_experts"] = int(first.num_experts)
+    out["whole_params"] = (whole_model_params(ep), sum(p.numel() for p in ref.parameters()))  # the start-up count
     out["expert_weight_diff"] = max(
         float((p.detach() - full[name].detach()[mine]).abs().max()) for name, p in ep.named_parameters()
         if name in expert_names)

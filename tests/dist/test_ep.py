@@ -24,6 +24,7 @@ DIST_LAUNCHES = {2: lambda d: (CASES, 240)}  # one shared launch per world (test
 def test_ep2_equals_one_process(world2, name):
     for r in (w[name] for w in world2):
         assert r["local_experts"] == 2
+        assert r["whole_params"][0] == r["whole_params"][1]  # every expert counted, as the one-process model
         assert r["ep_loss"] == pytest.approx(r["ref_loss"], abs=1e-5, rel=0)
         assert r["ep_aux"] == pytest.approx(r["ref_aux"], abs=1e-5, rel=0)
         # weights: AdamW divides each gradient element by its own RMS, so an element whose gradient is

@@ -30,6 +30,7 @@ from rich.progress import (
 )
 
 from shardtune.errors import UserError
+from shardtune.parallel.ep import whole_model_params
 from shardtune.parallel.pp import pipeline_of, pipeline_params
 from shardtune.train.core.dpo import DPO, add_reference_bytes
 from shardtune.train.core.dpo_ref import set_up_dpo
@@ -148,7 +149,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     keeper = RunKeeper(cfg, ctx, run_dir, model, optimizer, scheduler, state, tokenizer)
     keeper.resume()  # newest complete checkpoint (checkpoint.resume), resharded to this layout
     marks.append(("optimizer and resume", time.perf_counter()))
-    num_params = pipeline_params(model, sum(p.numel() for p in unwrap(model).parameters()))  # pp: every stage's
+    num_params = pipeline_params(model, whole_model_params(unwrap(model)))  # pp: every stage's; ep: every expert
     on_cpu = ctx.device.type == "cpu"
     run = Run(cfg=cfg, ctx=ctx, run_dir=run_dir, planned=planned, loader=loader, model=model, optimizer=optimizer,
               scheduler=scheduler, state=state, keeper=keeper, total_steps=total_steps, rows_per_step=rows_per_step,
