@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from shardtune.errors import UserError
 
-GRPO_STRATEGIES = ("zero2", "zero3")  # verified: 2 ranks equal 1 (zero3, LoRA too), the recipe's run (zero2, zero3)
+GRPO_STRATEGIES = ("zero2", "zero3", "hsdp")  # verified: 2 ranks equal 1 (zero3, LoRA too; hsdp), the recipe's run
 
 
 def check_grpo(strategy: str, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, quantize_base: str = "none",
@@ -22,5 +22,5 @@ def check_grpo(strategy: str, *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int 
     for bad, what in refused:
         if bad:
             raise UserError(f"train.objective grpo does not run with {what} yet (generation and the clipped loss "
-                            "are verified on zero2 / zero3, full fine-tunes and LoRA, activation checkpointing or not, "
-                            "docs/rl.md); change it or the objective")
+                            "are verified on zero2 / zero3 / hsdp, full fine-tunes and LoRA, activation "
+                            "checkpointing or not, docs/rl.md); change it or the objective")

@@ -23,7 +23,7 @@ def test_kv_cache_and_generation_weights_by_hand(precision, per):
     kv_heads, head_dim = cfg["num_key_value_heads"], cfg["hidden_size"] // cfg["num_attention_heads"]
     plans = _plan(objective="grpo", num_generations=16, seq_len=512, max_new_tokens=1024, precision=precision)
     want = 16 * 1 * (512 + 1024) * cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * per
-    assert set(plans) == {"zero2", "zero3"}  # what grpo runs (rules/rl.py)
+    assert set(plans) == {"zero2", "zero3", "hsdp"}  # what grpo runs (rules/rl.py)
     z3 = plans["zero3"].memory
     assert z3.kv_cache == want == 16 * 1536 * 32 * 2 * 8 * 128 * per
     assert z3.generation_weights == 8_030_261_248 * per  # Llama-3-8B's parameters, gathered
