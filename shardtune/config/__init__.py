@@ -86,7 +86,7 @@ class RunConfig(_Section):
         if par.pp_layers is not None and par.pp == 1:
             raise UserError("parallel.pp_layers splits the layers over pipeline stages: it needs parallel.pp > 1")
         if self.train.objective == "grpo":
-            check_grpo(par.strategy, tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, lora_rank=self.lora.rank,
+            check_grpo(par.strategy, tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, quantize_base=self.lora.quantize_base,
                        activation_offload=par.activation_offload, compile=self.train.compile, offload=par.offload,
                        activation_checkpointing=par.activation_checkpointing)
             if not self.rl.reward:

@@ -129,6 +129,9 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
         verdict=verdict(plans, usable), notes=notes, disk=reference_disk(inp.objective, inp.reference),
     )
     add_timing(result, m.arch, inp, gpu, **inp.timing_options())  # step time, tokens/s, MFU (plan/timing.py)
+    for s in [s for s in plans if "generation_time_s" in s.timing][:1]:  # grpo: the same on every strategy
+        result.notes.append(f"grpo: generation takes {s.timing['generation_time_s']:.3g} s of {s.name}'s "
+                            f"{s.timing['step_time_s']:.3g} s step (generation_time_s, docs/rl.md)")
     result.verdict += comm_bound(m, plans, inp, usable, gpu)  # a fit that waits on the network, and its lever
     return result
 
@@ -176,7 +179,10 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
     if inp.objective == "grpo":
         notes.append("grpo: generation holds the gathered model (memory.generation_weights) and one prompt's KV "
                      f"cache for {inp.num_generations} completions of up to seq_len + {inp.max_new_tokens} tokens "
-                     "(memory.kv_cache); total is the larger of that peak and training's; generation's time is not "
-                     "in the step time" + ("; memory.reference: the frozen reference (rl.beta > 0)" if inp.rl_beta
-                                           else "") + " (docs/rl.md)")
+                     "(memory.kv_cache); total is the larger of that peak and training's; the step time includes "
+                     "generation's (generation_time_s: decode memory-bound at the GPU's HBM bandwidth, every "
+                     "completion at its full length)"
+                     + ("; memory.reference: the frozen reference (rl.beta > 0)" if inp.rl_beta and not inp.lora_rank
+                        else "; the reference: the base with the LoRA adapters off" if inp.rl_beta else "")
+                     + " (docs/rl.md)")
     return notes

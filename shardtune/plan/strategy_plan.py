@@ -319,7 +319,7 @@ def combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
     try:  # activation offload's rule on the objective (rules/cp.py, the trainer's); grpo's (rules/rl.py)
         check_activation_offload(inp.activation_offload, objective=inp.objective, offload=inp.offload)
         if inp.objective == "grpo":
-            check_grpo(strategy, tp=inp.tp, cp=inp.cp, lora_rank=inp.lora_rank, offload=inp.offload,
+            check_grpo(strategy, tp=inp.tp, cp=inp.cp, quantize_base=inp.quantize_base, offload=inp.offload,
                        activation_offload=inp.activation_offload, activation_checkpointing=inp.ac)
     except UserError as e:
         return e

@@ -13,6 +13,7 @@ from shardtune.errors import UserError
 from shardtune.plan import compute as C
 from shardtune.plan.compute import achievable_mfu
 from shardtune.plan.ep import effective_imbalance, routed_params_per_token
+from shardtune.plan.memory import dtypes
 from shardtune.plan.pipeline import matmul_params, time_pipeline
 from shardtune.plan.preference import reference_forward as has_reference_forward
 from shardtune.plan.ring import (
@@ -20,11 +21,13 @@ from shardtune.plan.ring import (
     Group,
     Link,
     fsdp_copy_bytes,
+    group_time_s,
     load_profile,
     mesh_groups,
     op_time_s,
     profile_link,
 )
+from shardtune.plan.rl import generation_time_s, training_rows
 from shardtune.strategies import STRATEGY, checkpointed_layers
 
 
@@ -191,7 +194,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
                      mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True,
                      tp: int = 1, reference_forward: bool = False, cp: int = 1,
                      offload_copy_s: float = 0.0, ep: int = 1, moe_imbalance: float = 1.0,
-                     matmul: tuple[int, int] | None = None) -> dict:
+                     matmul: tuple[int, int] | None = None, generation_s: float | None = None) -> dict:
     """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
 
     `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
@@ -204,6 +207,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     `ep`, `moe_imbalance`: the busiest expert-parallel rank computes f × its balanced routed-expert
     FLOPs (plan/ep.py), and the step waits for it.
     `matmul`: (matmul parameters, those of the decoder layers) of a pipeline stage (plan/pipeline.py).
+    `generation_s`: grpo's generation a step (plan/rl.py `generation_time_s`), before the training.
     """
 
     if arch is not None:
@@ -248,6 +252,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
     if offload_copy_s:
         st.step_time_s += offload_copy_s
         st.exposed_comm_s += offload_copy_s
+    st.step_time_s += generation_s or 0.0
     tokens_step = tokens_mb * grad_accum / (tp * cp)  # per GPU: a TP × CP group shares its tokens
     tps = throughput(st.step_time_s, tokens_step)
     out = {
@@ -258,6 +263,7 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
         "exposed_comm_s": st.exposed_comm_s,
         "compute_time_s": st.compute_time_s,
         "optimizer_time_s": st.optimizer_time_s,
+        **({"generation_time_s": generation_s} if generation_s is not None else {}),
     }
     if tokens:
         wall, gpu_h = time_for_tokens(tokens, tps, cluster.world_size)
@@ -294,7 +300,24 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
     return _predict(sp, arch, model_info, inp, gpu, ctx)
 
 
+def _generation_s(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> float | None:
+    """grpo: a step's generation on one rank (plan/rl.py), its weights gathered on the shard group's link."""
+    if inp.objective != "grpo" or arch is None:
+        return None
+    cluster, tp, per = ctx["cluster"], getattr(inp, "tp", 1), dtypes(inp.precision).compute
+    g = mesh_groups(cluster, sp.shard_degree if STRATEGY[sp.name].hybrid else None, tp)["shard"]
+    gather_s = group_time_s("all_gather", -(-model_info["params"] // tp) * per, g.size, g.ranks_per_node,
+                            g.groups_per_node, cluster, calls=arch.num_layers + 1)  # FSDP2: a unit a layer + root
+    return generation_time_s(arch, model_info["params"], prompts=inp.micro_batch * inp.grad_accum,
+                             num_generations=inp.num_generations, prompt_tokens=inp.seq_len,
+                             max_new_tokens=inp.max_new_tokens, tp=tp, compute_bytes=per,
+                             peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], hbm_bytes_per_s=gpu.hbm_bytes_per_s,
+                             gather_s=gather_s)
+
+
 def _predict(sp, arch, model_info: dict, inp, gpu, ctx: dict, matmul: tuple[int, int] | None = None) -> dict:
+    generation_s = _generation_s(sp, arch, model_info, inp, gpu, ctx)
+    inp = training_rows(inp)  # grpo: G completions a prompt, prompt + max_new_tokens long
     return predict_strategy(
         arch, sp.collectives, strategy=sp.name, shard_degree=sp.shard_degree, cluster=ctx["cluster"],
         micro_batch=inp.micro_batch, seq_len=inp.seq_len, grad_accum=inp.grad_accum, ac=inp.ac,
@@ -306,7 +329,7 @@ def _predict(sp, arch, model_info: dict, inp, gpu, ctx: dict, matmul: tuple[int,
         reference_forward=has_reference_forward(inp.objective, inp.reference, getattr(inp, "rl_beta", 0.0)),
         cp=getattr(inp, "cp", 1),
         offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0), ep=getattr(inp, "ep", 1),
-        moe_imbalance=getattr(inp, "moe_imbalance", 1.0), matmul=matmul)
+        moe_imbalance=getattr(inp, "moe_imbalance", 1.0), matmul=matmul, generation_s=generation_s)
 
 
 def add_timing(result, arch, inp, gpu, **options) -> None:

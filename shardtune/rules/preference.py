@@ -18,8 +18,9 @@ def check_objective(objective: str, reference: str) -> None:
 
 
 def holds_reference(objective: str, reference: str, lora_rank: int, rl_beta: float = 0.0) -> bool:
-    """A frozen reference copy lives on the GPUs during training (grpo: when rl.beta > 0)."""
-    return (objective == "dpo" and reference == "live" and not lora_rank) or (objective == "grpo" and rl_beta > 0)
+    """A frozen reference copy lives on the GPUs during training (grpo: when rl.beta > 0; LoRA: never, its
+    reference is the base with the adapters off)."""
+    return not lora_rank and ((objective == "dpo" and reference == "live") or (objective == "grpo" and rl_beta > 0))
 
 
 def reference_forward(objective: str, reference: str, rl_beta: float = 0.0) -> bool:

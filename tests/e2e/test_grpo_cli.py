@@ -4,6 +4,7 @@ numbers), and step 1 against GRPO written here in plain torch on one unsharded t
 (Shao et al. 2024 eq. 3 with μ = 1: ratio 1, so the gradient is −mean_i A_i · mean_t ∇log π(o_it);
 the advantages and rewards recomputed here from the completions' text; the full temperature-scaled
 logits). Also a user's reward file loaded from the recipe's path, β > 0 (the reference and its KL),
+LoRA (2 ranks = 1 process; its reference the base with the adapters off), hsdp (2 replicas = 1 process),
 and the bad inputs of the issue (one line, exit 2).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from shardtune.testing.smollm2 import cut_folder
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 STEPS, G, MAX_NEW, TEMP, LR, BETA = 2, 4, 8, 0.9, 1e-4, 0.04
+RUNS = pytest.mark.timeout(900)  # whichever test comes first pays the shared fixture's 5 launches
 
 REWARD_PY = '''
 def spaces(prompts, completions, **columns):
@@ -56,7 +58,7 @@ checkpoint: {{save_final: false}}
 """
 
 
-def train(tmp: Path, folder: Path, reward_file: Path, nproc: int, micro: int, accum: int):
+def train(tmp: Path, folder: Path, reward_file: Path, nproc: int, micro: int, accum: int, *overrides: str):
     """(metrics records, completions rows, stdout) of one `shardtune train` run."""
     import sys
 
@@ -64,7 +66,7 @@ def train(tmp: Path, folder: Path, reward_file: Path, nproc: int, micro: int, ac
 
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "recipe.yaml").write_text(recipe(folder, tmp / "run", reward_file, micro, accum))
-    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", str(nproc)]
+    cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", str(nproc), *overrides]
     proc = run_bounded(cmd, timeout_s=400, cwd=REPO, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-3000:]
     read = lambda name: [json.loads(line) for line in (tmp / "run" / name).read_text().splitlines()]  # noqa: E731
@@ -79,11 +81,48 @@ def runs(tmp_path_factory):
     folder = cut_folder(2)
     two = train(tmp / "two", folder, reward_file, nproc=2, micro=1, accum=1)
     one = train(tmp / "one", folder, reward_file, nproc=1, micro=1, accum=2)
-    return folder, two, one
+    no_val = ("data.val_path=null", "train.eval_every=0")
+    hsdp = train(tmp / "hsdp", folder, reward_file, 2, 1, 1, "parallel.strategy=hsdp", "parallel.hsdp_shard_size=1",
+                 *no_val)  # 2 replicas of a shard group of 1: the replica all-reduce
+    return folder, two, one, lora_runs(tmp, folder, reward_file, no_val), hsdp
 
 
+@RUNS
+def test_hsdp_two_ranks_equal_one_process(runs):
+    _, _, (m1, c1, _), _, (mh, ch, _) = runs
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "advantage"} for r in rows]  # noqa: E731
+    assert strip(ch) == strip(c1)
+    for a, b in zip(mh, m1, strict=True):
+        for key in ("loss", "grad_norm", "reward", "reward_std", "completion_len", "clip_frac", "entropy", "kl"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+
+
+def lora_runs(tmp: Path, folder: Path, reward_file: Path, no_val: tuple):
+    """The same under LoRA (2 ranks zero3, then 1 process): the base frozen, β > 0's reference the base."""
+    lora = ("lora.rank=8", "lora.alpha=32", "optim.lr=0.003", *no_val)
+    return (train(tmp / "two_lora", folder, reward_file, 2, 1, 1, *lora),
+            train(tmp / "one_lora", folder, reward_file, 1, 1, 2, *lora))
+
+
+@RUNS
+def test_lora_two_ranks_equal_one_process_reference_is_the_base(runs):
+    """LoRA's B starts at 0, so step 1's policy is the base: the full run's completions and loss, KL 0
+    (the reference is the base with the adapters off); step 2 the adapters moved: KL > 0."""
+    _, (m_full, c_full, _), _, ((m2, c2, out2), (m1, c1, _)), _ = runs
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "advantage"} for r in rows]  # noqa: E731
+    assert strip(c2) == strip(c1) and len(c2) == STEPS * 2 * G
+    for a, b in zip(m2, m1):
+        for key in ("loss", "grad_norm", "reward", "reward_std", "completion_len", "clip_frac", "entropy", "kl"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
+    assert strip(r for r in c2 if r["step"] == 1) == strip(r for r in c_full if r["step"] == 1)
+    assert abs(m2[0]["loss"] - m_full[0]["loss"]) < 1e-6 and abs(m2[0]["reward"] - m_full[0]["reward"]) < 1e-6
+    assert abs(m2[0]["kl"]) < 1e-9 and m2[1]["kl"] > 1e-7, (m2[0]["kl"], m2[1]["kl"])
+    assert "reference: the base (LoRA adapters off)" in out2
+
+
+@RUNS
 def test_two_ranks_equal_one_process(runs):
-    _, (m2, c2, out2), (m1, c1, _) = runs
+    _, (m2, c2, out2), (m1, c1, _), _, _ = runs
     assert [r["step"] for r in m2] == list(range(1, STEPS + 1))
     strip = [{k: v for k, v in r.items() if k != "advantage"} for r in c2]
     assert strip == [{k: v for k, v in r.items() if k != "advantage"} for r in c1]  # the same completions, rewards
@@ -97,11 +136,12 @@ def test_two_ranks_equal_one_process(runs):
     assert "held-out prompts: reward before training" in out2 and "val_reward" in m2[-1]
 
 
+@RUNS
 def test_step_one_equals_plain_torch_grpo(runs):
     """Step 1's rewards, loss and gradient norm (before clipping) from the completions' ids, independently."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, (m2, c2, _), _ = runs
+    folder, (m2, c2, _), _, _, _ = runs
     tok = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     rows = [r for r in c2 if r["step"] == 1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -57,15 +58,21 @@ class AdaptersOffReference:
         self.policy = getattr(policy, "module", policy)  # DDP: the module (no grad, no reducer)
         self.layers = [m for m in self.policy.modules() if isinstance(m, BaseTunerLayer)]
 
-    @torch.no_grad()
-    def logps(self, batch: dict, opts) -> torch.Tensor:
+    @contextmanager
+    def off(self):
+        """The block runs the base: every adapter switched off, back on after."""
         for m in self.layers:
             m._disable_adapters = True  # not enable_adapters(False): it would flip requires_grad
         try:
-            return sequence_logps(self.policy, batch, opts.loss_chunks, opts.autocast_dtype)
+            yield
         finally:
             for m in self.layers:
                 m._disable_adapters = False
+
+    @torch.no_grad()
+    def logps(self, batch: dict, opts) -> torch.Tensor:
+        with self.off():
+            return sequence_logps(self.policy, batch, opts.loss_chunks, opts.autocast_dtype)
 
 
 def compute_dtype_precision(precision: str) -> str:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from shardtune.rules.loss import resolve_loss_chunks
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward, chunked_token_logps
-from shardtune.train.core.dpo_ref import build_reference_model
+from shardtune.train.core.dpo_ref import AdaptersOffReference, build_reference_model
 from shardtune.train.core.rewards import Rewards
 from shardtune.train.core.rl_generate import Group, gathered, sample_group
 from shardtune.train.core.rl_loss import group_advantages, reduce_loss, token_terms
@@ -74,18 +74,24 @@ class GRPO:
         self.rewards = Rewards(cfg.rl)
         self.rank, self.dp_rank, self.dp_size, self.seed = rank, dp_rank, dp_size, cfg.train.seed
         self.path = run_dir / "completions.jsonl" if run_dir is not None else None
-        self.reference, self.reshard = reference, reshard_after_forward  # reference: ModelReference-like or None
+        self.reference, self.reshard = reference, reshard_after_forward  # reference: TokenReference or None
+        self.adapters_reference = cfg.rl.beta > 0 and cfg.lora.rank > 0
         self.metrics = ("reward", "reward_std", *(f"reward/{k}" for k in self.rewards.labels), "completion_len",
                         "clip_frac", "entropy", *(("kl",) if cfg.rl.beta > 0 else ()))
 
     def start(self, model, ctx, marks: list) -> None:
         """The start-up lines (rank 0): what generates, what rewards (a user's: its file), and the held-out
-        reward of the model before training (data.val_path / val_split; collective)."""
+        reward of the model before training (data.val_path / val_split; collective). LoRA with β > 0: the
+        reference is this policy with its adapters off (no second copy)."""
+        if self.adapters_reference:
+            self.reference = TokenReference(model, AdaptersOffReference(model))
         if ctx.rank == 0:
             files = ", ".join(f"{p}:{fn}" for p, fn in self.rl.file_rewards())
             print(f"shardtune: grpo ({self.rl.loss}): {self.rl.num_generations} completions a prompt, at most "
                   f"{self.rl.max_new_tokens} tokens, temperature {self.rl.temperature:g}, beta {self.rl.beta:g}, "
-                  f"clip [1 - {self.rl.epsilon:g}, 1 + {self.rl.clip_high:g}]; rewards {self.rewards.describe()}"
+                  f"clip [1 - {self.rl.epsilon:g}, 1 + {self.rl.clip_high:g}]"
+                  + ("; reference: the base (LoRA adapters off)" if self.adapters_reference else "")
+                  + f"; rewards {self.rewards.describe()}"
                   + (f"; user reward code loaded from {files} (the recipe's rl.reward)" if files else ""), flush=True)
         if self.val is not None:
             before = self.evaluate(model, list(range(self.dp_rank, len(self.val), self.dp_size)), ctx.device,
@@ -212,15 +218,17 @@ class GRPO:
 
 
 class TokenReference:
-    """Reference per-token log-probs from a frozen copy built as DPO's (dpo_ref.build_reference_model)."""
+    """Reference per-token log-probs from a frozen copy built as DPO's (dpo_ref.build_reference_model),
+    or, under LoRA, from the policy itself with its adapters off (dpo_ref.AdaptersOffReference)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, adapters: AdaptersOffReference | None = None):
+        self.model, self.adapters = model, adapters
 
     @torch.no_grad()
     def token_logps(self, batch: dict, opts, temperature: float) -> torch.Tensor:
-        return token_logps(self.model, batch["input_ids"], batch["labels"], opts.loss_chunks, temperature,
-                           opts.autocast_dtype)
+        with self.adapters.off() if self.adapters else nullcontext():
+            return token_logps(self.model, batch["input_ids"], batch["labels"], opts.loss_chunks, temperature,
+                               opts.autocast_dtype)
 
 
 def set_up_grpo(cfg, ctx, tokenizer, run_dir: Path):
@@ -229,7 +237,8 @@ def set_up_grpo(cfg, ctx, tokenizer, run_dir: Path):
     loader = PromptLoader(data, cfg.train.micro_batch, ctx.dp_rank, ctx.dp_size, cfg.train.seed, cfg.data.shuffle)
     val = PromptData(cfg.data, tokenizer, "val", cfg.train.seq_len) if cfg.data.has_val else None
     val_indices = list(range(ctx.dp_rank, len(val), ctx.dp_size)) if val is not None else None
-    reference = TokenReference(build_reference_model(cfg, ctx.mesh, ctx.device)) if cfg.rl.beta > 0 else None
+    full = cfg.rl.beta > 0 and not cfg.lora.rank  # LoRA's reference is the policy's base: set in GRPO.start
+    reference = TokenReference(build_reference_model(cfg, ctx.mesh, ctx.device)) if full else None
     objective = GRPO(cfg, data, val, tokenizer, ctx.rank, ctx.dp_rank, ctx.dp_size,
                      run_dir if ctx.rank == 0 else None, reference,
                      STRATEGY[cfg.parallel.strategy].reshard_after_forward)
