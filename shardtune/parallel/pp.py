@@ -200,19 +200,25 @@ def pipeline_of(model: nn.Module) -> Pipeline | None:
 
 
 def pp_clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor | None:
-    """clip_grad_norm_ over every stage's gradients (None without a pipeline): each stage's norm
-    (FSDP's DTensor norm, over its data-parallel ranks), squared and summed over the pp group, then
-    torch's clip rule (max_norm / (norm + 1e-6), at most 1) on this stage's gradients."""
+    """clip_grad_norm_ over every stage's gradients (None without a pipeline), rounded as torch's
+    one-process call rounds: each gradient's norm in its dtype (FSDP's DTensor norm, over its
+    data-parallel ranks), their squares summed in fp32 over the stage and the pp group, the root
+    rounded to the gradients' dtype (pure bf16: bf16), and torch's clip rule
+    (max_norm / (norm + 1e-6), at most 1) computed in that dtype on this stage's gradients."""
     pipe = pipeline_of(model)
     if pipe is None:
         return None
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    mine = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=pipe.stage.device)
+    dtype = next(model.parameters()).dtype
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    mine = (torch.linalg.vector_norm(torch.stack(norms), dtype=torch.float32) if norms
+            else torch.zeros((), device=pipe.stage.device))
     mine = mine.full_tensor() if hasattr(mine, "full_tensor") else mine
     squared = (mine.float() ** 2).reshape(1)
     dist.all_reduce(squared, group=pipe.group)
-    total = squared[0].sqrt()
-    coef = min(1.0, max_norm / (float(total) + 1e-6))  # a host scalar: foreach mul refuses a plain tensor on DTensors
+    total = squared[0].sqrt().to(dtype)
+    # a host scalar (foreach mul refuses a plain tensor on DTensors), exactly the dtype's coefficient
+    coef = float((max_norm / (total + 1e-6)).clamp(max=1.0))
     if coef < 1.0:
         torch._foreach_mul_(grads, coef)
     return total

@@ -132,6 +132,19 @@ def _shard_rows_once(layer: nn.Module, mesh: DeviceMesh) -> None:
     layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def _gather_rows(layer: nn.Module, mesh: DeviceMesh) -> None:
+    """A pipeline stage's last layer (not the model's): its sequence shard → the whole sequence, as
+    the next stage's first layer takes it (`_shard_rows_once`; HF's mask and rotary tables need the
+    full length). Backward keeps this rank's rows of the gradient, which every tp rank holds whole."""
+    def hook(_mod, _args, out):
+        hidden = out[0] if isinstance(out, tuple) else out
+        whole = DTensor.from_local(hidden, mesh, [Shard(1)], run_check=False).redistribute(
+            mesh, [Replicate()]).to_local()
+        return (whole, *out[1:]) if isinstance(out, tuple) else whole
+
+    layer.register_forward_hook(hook)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
     """Tensor-parallel `model` in place over the 1-D `tp_mesh` (call on the meta model)."""
     check_tp_model(tp_mesh.size(), model.config.to_dict())  # a by-hand torchrun gets preflight's line
@@ -141,18 +154,23 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
     sp = sequence_parallel
     seq = Shard(1) if sp else Replicate()
     inner = model.get_decoder()
-    parallelize_module(inner.embed_tokens, tp_mesh,
-                       RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if inner.embed_tokens is not None:  # a pipeline's later stage has none (parallel/pp.py)
+        parallelize_module(inner.embed_tokens, tp_mesh,
+                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     head = model.get_output_embeddings()
-    parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
-                                                      use_local_output=False))
-    if model.config.tie_word_embeddings:  # both split the vocabulary rows (Shard(0)): one weight again
-        head.weight = inner.embed_tokens.weight
-    if sp:
-        parallelize_module(inner.norm, tp_mesh, SequenceParallel())
-    else:
-        _replicated(inner.norm, tp_mesh)
     layers = decoder_layers(model)
+    if isinstance(head, nn.Identity):  # a pipeline stage before the last: it sends whole hidden states
+        if sp:
+            _gather_rows(layers[-1], tp_mesh)
+    else:
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                                          use_local_output=False))
+        if model.config.tie_word_embeddings:  # both split the vocabulary rows (Shard(0)): one weight again
+            head.weight = inner.embed_tokens.weight
+        if sp:
+            parallelize_module(inner.norm, tp_mesh, SequenceParallel())
+        else:
+            _replicated(inner.norm, tp_mesh)
     for i, layer in enumerate(layers):
         plan = {
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},

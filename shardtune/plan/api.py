@@ -163,7 +163,7 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
                      "over shard / ep ranks (layout.expert_fsdp); tokens reach them by all-to-all "
                      f"(comm.all_to_all), priced exposed; busiest rank at {inp.moe_imbalance:g}x its share "
                      "(--moe-imbalance)")
-    if inp.pp > 1 and (gap := pipeline_gap(inp.pp, strategy="zero3", schedule=inp.pp_schedule, tp=inp.tp, cp=inp.cp,
+    if inp.pp > 1 and (gap := pipeline_gap(inp.pp, strategy="zero3", schedule=inp.pp_schedule, cp=inp.cp,
                                             precision=inp.precision, offload=inp.offload,
                                             activation_offload=inp.activation_offload, lora_rank=inp.lora_rank,
                                             objective=inp.objective, optimizer=inp.optimizer)):

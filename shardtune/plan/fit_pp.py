@@ -60,7 +60,7 @@ def gain_line(gain: dict) -> str:
 
 def trainer_gap(best, base) -> str | None:
     """Why the trainer cannot run `best` yet (its pipeline's limits, rules/pipeline.py), else None."""
-    return pipeline_gap(best.pp, strategy=best.strategy, schedule=best.pp_schedule, tp=best.tp, cp=best.cp,
+    return pipeline_gap(best.pp, strategy=best.strategy, schedule=best.pp_schedule, cp=best.cp,
                         precision=best.precision, offload=best.offload,
                         activation_offload=best.activation_offload, lora_rank=base.lora_rank,
                         objective=base.objective, optimizer=best.optimizer)

@@ -34,7 +34,7 @@ PP_SCHEDULES = ("1f1b", "gpipe")
 PP_STRATEGIES = ("zero3", "zero2")  # FSDP2 per stage; ddp/zero1/hsdp are not verified with a pipeline
 
 
-def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", tp: int = 1, cp: int = 1,
+def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", cp: int = 1,
                  precision: str = "fp32", offload: str = "none", activation_offload: bool = False,
                  lora_rank: int = 0, objective: str = "sft", compile: bool = False, optimizer: str = "adamw",
                  sample_prompts: bool = False) -> str | None:
@@ -47,9 +47,8 @@ def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", tp: int = 1,
          f"{schedule!r} (its multi-stage-per-rank runtime is untested on gloo: use {' or '.join(PP_SCHEDULES)})"),
         (strategy not in PP_STRATEGIES, "parallel.strategy",
          f"{strategy!r} (each stage is FSDP2-sharded: use {' or '.join(PP_STRATEGIES)})"),
-        (tp > 1, "parallel.tp", f"{tp} (set 1)"),
         (cp > 1, "parallel.cp", f"{cp} (set 1)"),
-        (precision not in ("fp32", "bf16-mixed"), "parallel.precision", f"{precision!r} (set fp32 or bf16-mixed)"),
+        (precision not in ("fp32", "bf16-mixed", "bf16"), "parallel.precision", f"{precision!r} (set fp32 or bf16)"),
         (offload != "none", "parallel.offload", f"{offload!r} (set none)"),
         (activation_offload, "parallel.activation_offload", "true (set false)"),
         (lora_rank > 0, "lora.rank", f"{lora_rank} (set 0)"),
@@ -61,7 +60,8 @@ def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", tp: int = 1,
     for bad, key, value in refused:
         if bad:
             return (f"parallel.pp {pp} does not run with {key} {value} in the trainer yet: its pipeline is verified "
-                    "for full fine-tuning in fp32 and bf16-mixed, AC, validation and checkpoints (docs/parallelism.md)")
+                    "for full fine-tuning in fp32, bf16-mixed and bf16, with tp, AC, validation and checkpoints "
+                    "(docs/parallelism.md)")
     return None
 
 
@@ -77,7 +77,7 @@ def check_pipeline(cfg) -> None:
 def recipe_pipeline_gap(cfg, pp: int | None = None) -> str | None:
     """`pipeline_gap` of a RunConfig's settings at `pp` (None: the recipe's)."""
     par, train = cfg.parallel, cfg.train
-    return pipeline_gap(par.pp if pp is None else pp, strategy=par.strategy, schedule=par.pp_schedule, tp=par.tp,
+    return pipeline_gap(par.pp if pp is None else pp, strategy=par.strategy, schedule=par.pp_schedule,
                         cp=par.cp, precision=par.precision, offload=par.offload,
                         activation_offload=par.activation_offload, lora_rank=cfg.lora.rank,
                         objective=train.objective, compile=train.compile, optimizer=cfg.optim.name,

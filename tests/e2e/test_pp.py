@@ -1,7 +1,8 @@
 """Pipeline parallelism through `shardtune train` (issue 40): `--pp 2` on 2 processes (1F1B; GPipe with
 an uneven `parallel.pp_layers` split, zero2, the chunked loss and bf16-mixed) and pp 2 x dp 2 (zero3,
 layer AC) on 4 processes give the losses, gradient norms and validation losses of one process on
-the same global batch and precision, 4 steps, within 1e-5; memory.json's effective
+the same global batch and precision, 4 steps, within 1e-5 (pure bf16 on 2 processes, pp 2 x tp 2 with
+sequence parallelism on 4); memory.json's effective
 settings and the start-up line say what ran; the pp checkpoint resumes on one process and exports.
 One launch per configuration (shared runs)."""
 from __future__ import annotations
@@ -25,6 +26,9 @@ RUNS = {  # name → (processes, overrides); every run reads the same 8 rows a s
     "pp2-gpipe-1+3-zero2-chunks3-bf16": (2, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.pp_schedule=gpipe",
                                              "parallel.pp_layers=[1,3]", "parallel.strategy=zero2",
                                              "train.loss_chunks=3", BF16]),
+    "pp2-bf16": (2, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.precision=bf16"]),  # pure bf16: bitwise here
+    # pp x tp (sequence parallel): each stage's last layer all-gathers the rows it sends
+    "pp2-tp2-1f1b-sp": (4, [*ONE, *NO_SAVE, "parallel.pp=2", "parallel.tp=2"]),
     "pp2-dp2-1f1b-ac": (4, [*COMMON, *NO_SAVE, "train.micro_batch=2", "parallel.pp=2",  # AC: the model's layers
                             "parallel.activation_checkpointing=layer", "parallel.ac_every=3"]),  # 0 and 3
 }
@@ -70,7 +74,9 @@ def test_pipeline_equals_one_process(shared_run, reference, name):
     schedule = "gpipe" if "gpipe" in name else "1f1b"
     line = next(x for x in proc.stdout.splitlines() if x.startswith("shardtune: effective:"))
     assert f"pp 2 ({schedule}, layers {eff['pp_layers']})" in line, line
-    assert f"as pp 2 ({schedule}) x dp {nproc // 2}" in proc.stdout, proc.stdout[:2000]
+    tp = 2 if "tp2" in name else 1
+    assert f"as pp 2 ({schedule}) x dp {nproc // 2 // tp}" in proc.stdout, proc.stdout[:2000]
+    assert (f"x tp {tp} (sequence parallel)" in proc.stdout) == (tp > 1), proc.stdout[:2000]
     assert _params(proc.stdout) == params  # the whole model's (every stage's), as one process counts them
 
 

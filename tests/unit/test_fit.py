@@ -99,8 +99,8 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     assert main(["plan", *argv, "--fit", "--json"]) in (0, None)
     out = json.loads(capsys.readouterr().out)
     best, line = out["best"], out["train_command"]
-    if line is None:  # a pipeline the trainer does not run yet (tp inside its stages): no command, a note says why
-        assert best["pp"] > 1 and best["tp"] > 1, best
+    if line is None:  # a pipeline the trainer does not run yet (cp, offload, ...): no command, a note says why
+        assert best["pp"] > 1, best
         assert any(n.startswith("planned only, no train command: parallel.pp ") for n in out["notes"]), out["notes"]
         return
     args = shlex.split(line)

@@ -111,7 +111,8 @@ def test_plan_launch_and_train_agree(tmp_path, capsys, model_dir, nodes, per_nod
 # pp is outermost, so stage s is ranks [s·w/pp, (s+1)·w/pp): whole nodes or a node's share, never parts of two
 PP_CASES = [
     (2, 4, 2, 1, OK),  # a stage a node
-    (1, 4, 2, 1, OK),  # two stages in a node, dp 2 in each (the model has 2 layers; pp x tp: the planner's only)
+    (1, 4, 2, 1, OK),  # two stages in a node, dp 2 in each (the model has 2 layers)
+    (1, 4, 2, 2, OK),  # two stages in a node, tp 2 inside each
     (3, 2, 2, 1, "part of a node"),  # 3 ranks a stage: node 0, half of node 1
     (1, 8, 3, 1, "does not divide world"),
     (2, 4, 2, 8, "exceeds the 4 GPUs of a node"),  # tp still inside a node under pp

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardtune.parallel.apply import sub_mesh
 from shardtune.parallel.pp import build_pipeline, pipeline_of
+from shardtune.parallel.tp import loss_context
 from shardtune.train.core.chunked_loss import lm_token_loss_sum
 from shardtune.train.core.step import StepOptions, StepResult, clip_and_step, step_tokens
 
@@ -50,7 +51,7 @@ def pp_train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[di
     bound for 1F1B's)."""
     optimizer.zero_grad(set_to_none=True)
     num_tokens, denom = step_tokens(micro_batches, dp_group)
-    with activations.micro_batch() if activations is not None else nullcontext():
+    with activations.micro_batch() if activations is not None else nullcontext(), loss_context(model):  # TP
         loss_sum = pipeline_of(model).run(micro_batches, scale=dp_size / denom)
     norm, lr, skipped = clip_and_step(model, optimizer, scheduler, loss_sum, opts)
     return StepResult(loss_part=loss_sum / denom, grad_norm=norm.detach(), lr=float(lr), num_tokens=num_tokens,
