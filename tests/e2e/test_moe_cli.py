@@ -135,7 +135,8 @@ def test_ep_checkpoints_hold_the_whole_experts_and_optimizer_states(runs, tmp_pa
 @pytest.mark.timeout(900)
 def test_ep_exports_load_with_one_process_logits(runs, tmp_path_factory):
     """`checkpoint.export_hf` of the ep 2 run and `shardtune export` of the ep 2 x efsdp 2 run: the
-    source's Hugging Face layout, 0 missing / unexpected keys, one process's export's logits."""
+    source's Hugging Face layout, 0 missing / unexpected keys, one process's export's logits (within
+    the training's own fp32 spread), the experts in order."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -150,5 +151,15 @@ def test_ep_exports_load_with_one_process_logits(runs, tmp_path_factory):
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         with torch.no_grad():
             logits[name] = model(ids).logits
-    for name in ("ep2", "efsdp"):  # fp32 sums in another order over 4 steps: ~1e-5 on logits up to ~5
-        torch.testing.assert_close(logits[name], logits["one"], rtol=1e-5, atol=1e-5, msg=name)
+    # 4 steps of fp32 sums in another order leave the weights up to 1.1e-5 apart (attention's too, not only
+    # the experts'): measured 1.05e-5 on these logits (|logits| < 2.7); experts 0 and 2 swapped: 0.50
+    for name in ("ep2", "efsdp"):
+        assert (logits[name] - logits["one"]).abs().max().item() < 1e-4, name
+    # the export's expert tensors are the checkpoint's whole tensors, bit for bit
+    import safetensors.torch
+
+    keys = [f"model.model.layers.{i}.mlp.experts.{t}" for i in (0, 1) for t in ("gate_up_proj", "down_proj")]
+    saved = _read(base / "ep2" / "checkpoints" / "step_4", keys)
+    exported = safetensors.torch.load_file(str(base / "ep2" / "hf_export" / "model.safetensors"))
+    for k in keys:
+        assert torch.equal(exported[k.removeprefix("model.")], saved[k]), k
