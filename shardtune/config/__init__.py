@@ -28,7 +28,6 @@ from shardtune.config.rl import RLConfig
 from shardtune.config.train import CheckpointConfig, TrainConfig
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_combination
-from shardtune.rules.ep import check_ep_checkpoints
 from shardtune.rules.pipeline import check_pp_schedule
 from shardtune.rules.rl import check_grpo
 
@@ -79,9 +78,6 @@ class RunConfig(_Section):
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
                           activation_offload=par.activation_offload, seq_len=self.train.seq_len,
                           sequence_parallel=par.sequence_parallel, objective=self.train.objective, ep=par.ep)
-        ck = self.checkpoint
-        check_ep_checkpoints(par.ep, every=ck.every, save_final=ck.save_final, export_hf=ck.export_hf,
-                             resume=ck.resume)
         check_pp_schedule(par.pp, par.pp_schedule, par.pp_virtual_stages, self.train.grad_accum)
         if par.pp_layers is not None and par.pp == 1:
             raise UserError("parallel.pp_layers splits the layers over pipeline stages: it needs parallel.pp > 1")

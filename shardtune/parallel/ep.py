@@ -158,3 +158,56 @@ def ep_clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor | None
         for p in params:
             p.grad.mul_(coef)
     return total
+
+
+def _rows_mesh(fsdp_mesh):
+    """The mesh that says where this rank's expert rows lie in the whole [E, ...] tensor: build_mesh's
+    (dp_replicate, efsdp, ep) ranks reordered to (dp_replicate, ep, efsdp) (hsdp) or this replica's
+    (ep, efsdp): Shard(0) on ep, then Shard(0) on efsdp, is apply_ep's row split followed by FSDP's
+    (both torch.chunk's). Only rank coordinates are read (DCP's offsets): no process group is made."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 only checkpoints need it
+
+    root = fsdp_mesh._get_root_mesh()
+    if (cached := getattr(root, "_shardtune_rows_mesh", {}).get(fsdp_mesh.ndim)) is not None:
+        return cached
+    if root.mesh_dim_names != ("dp_replicate", "efsdp", "ep"):
+        raise RuntimeError(f"expert tensors sharded on {root.mesh_dim_names}, not build_mesh's expert mesh")
+    ranks = root.mesh.permute(0, 2, 1)
+    if fsdp_mesh.ndim == 1:  # zero2/zero3: this replica's plane
+        ranks = ranks[root.get_coordinate()[0]]
+    names = ("dp_replicate", "ep", "efsdp")[-ranks.ndim:]
+    mesh = DeviceMesh(root.device_type, ranks, mesh_dim_names=names, _init_backend=False)
+    root._shardtune_rows_mesh = getattr(root, "_shardtune_rows_mesh", {}) | {fsdp_mesh.ndim: mesh}
+    return mesh
+
+
+def _whole(t: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """One rank's FSDP-sharded rows of a split expert tensor (a DTensor on the expert-FSDP mesh) as a
+    DTensor of the whole [E, ...] tensor sharing its storage (DCP then writes and reads the rows at
+    their place, whatever ep and dp the other side runs)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: PLC0415
+
+    if not isinstance(t, DTensor) or t.ndim < 1:
+        return t
+    mesh = _rows_mesh(t.device_mesh)
+    shape = (t.shape[0] * experts.ep_degree, *t.shape[1:])
+    stride = tuple(int(s) for s in torch.empty(shape, device="meta").stride())
+    placements = (*(Replicate(),) * (mesh.ndim - 2), Shard(0), Shard(0))
+    return DTensor.from_local(t.to_local(), mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def ep_whole_state(model: nn.Module, sd: dict) -> dict:
+    """{"model": ..., "optim": ...} (torch's FQN state dicts) with every split expert tensor, and its
+    optimizer states, as the whole [E, ...] tensor's DTensor (`_whole`); `sd` unchanged without ep.
+    Loading into the result fills the original tensors (shared storage)."""
+    drop = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+    clean = lambda n: ".".join(s for s in n.split(".") if s not in drop)  # noqa: E731
+    owners = {f"{clean(name)}.{leaf}": m for name, m in model.named_modules() if hasattr(m, "ep_group")
+              for leaf in EXPERT_TENSORS if getattr(m, leaf, None) is not None}
+    if not owners:
+        return sd
+    model_sd = {k: _whole(v, owners[k]) if k in owners else v for k, v in sd["model"].items()}
+    optim = dict(sd["optim"])
+    optim["state"] = {k: ({n: _whole(v, owners[k]) if isinstance(v, torch.Tensor) and v.ndim > 0 else v
+                           for n, v in st.items()} if k in owners else st) for k, st in optim["state"].items()}
+    return {"model": model_sd, "optim": optim}

@@ -93,8 +93,4 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
             overrides.append(f"{recipe_key}={value}")
             if key == "model":  # the recipe's folder facts are not the new model's
                 overrides += [f"model.{k}=null" for k in ("architecture", "download") if getattr(cfg.model, k)]
-    if best.ep > 1:  # no expert checkpoints yet (rules/ep.py check_ep_checkpoints): the run saves none
-        ck = cfg.checkpoint
-        overrides += [o for o, on in (("checkpoint.every=0", ck.every > 0), ("checkpoint.save_final=false",
-                                      ck.save_final), ("checkpoint.export_hf=false", ck.export_hf)) if on]
     return shlex.join(argv + flags + overrides)

@@ -1,7 +1,7 @@
 """Expert parallelism's rules (parallel.ep / --ep; docs/moe.md): what ep composes with
 (`check_ep`, from rules.combination.check_combination), what it needs of the model (`check_ep_model`,
-from `Layout.check_model`: launch, preflight, plan) and of the checkpoints (`check_ep_checkpoints`,
-RunConfig). The degrees themselves (ep divides dp_shard × cp) are layout.Layout.build's. Imports no torch.
+from `Layout.check_model`: launch, preflight, plan). The degrees themselves (ep divides dp_shard × cp)
+are layout.Layout.build's. Imports no torch.
 """
 from __future__ import annotations
 
@@ -45,16 +45,3 @@ def check_ep_model(ep: int, hf: dict) -> None:
         raise UserError(f"parallel.ep {ep} does not divide the {n} experts per layer; use an ep that divides {n} "
                         "(parallel.ep / --ep)")
 
-
-def check_ep_checkpoints(ep: int, *, every: int, save_final: bool, export_hf: bool, resume: str) -> None:
-    """ep > 1 saves, resumes and exports no checkpoint yet (each rank's experts would have to become
-    rows of one global tensor: docs/moe.md): refused rather than written wrong."""
-    if ep <= 1:
-        return
-    keys = [k for k, on in (("checkpoint.every", every > 0), ("checkpoint.save_final", save_final),
-                            ("checkpoint.export_hf", export_hf),
-                            ("checkpoint.resume", resume not in ("auto", "never"))) if on]
-    if keys:
-        raise UserError(f"parallel.ep {ep} cannot save, resume or export checkpoints yet (expert shards are not "
-                        f"written as one tensor); unset {', '.join(keys)} (checkpoint.every=0 "
-                        "checkpoint.save_final=false), or parallel.ep 1")

@@ -39,6 +39,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from shardtune.errors import UserError, read_json_object
+from shardtune.parallel.ep import ep_whole_state
 from shardtune.train.core.lora import check_same_base
 from shardtune.train.core.model import unwrap
 from shardtune.train.durable import ckpt_files, integrity, shards
@@ -228,7 +229,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
         check_free_space(ckpt_dir, sd, previous)
         # torch.save items, named rather than defaulted: durable/shards.py checks each is a zip archive
         writer = FileSystemWriter(tmp, sync_files=True, serialization_format=SerializationFormat.TORCH_SAVE)
-        dcp.save(sd, storage_writer=writer)
+        dcp.save(ep_whole_state(unwrap(model), sd), storage_writer=writer)  # experts: rows of E (parallel/ep.py)
         del sd
         _write_json(tmp / f"rng_rank{rank}.json", _rng_state())
         if rank == 0:
@@ -309,7 +310,7 @@ def load_checkpoint(info: CheckpointInfo, model, optimizer, scheduler, state, *,
     reader = SafeFileSystemReader(info.path)
     reader.read_metadata()  # the allow-list's error as itself, before DCP wraps errors in its own
     sd = model_optim_state(model, optimizer, for_load=True)
-    safe_dcp_load(sd, reader)
+    safe_dcp_load(ep_whole_state(unwrap(model), sd), reader)  # fills sd's tensors
     set_model_optim_state(model, optimizer, sd)
     scheduler.load_state_dict(trainer["scheduler"])
     # LambdaLR restores its counter, not the optimizer's lr: set it to what the next step uses

@@ -390,8 +390,5 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int, 
         if cfg.data.has_val:
             _check_val(cfg)
     _check_writable(cfg.run_dir)
-    found = resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
-    if found is not None and par.ep > 1:  # rules/ep.py check_ep_checkpoints: no expert checkpoints yet
-        raise UserError(f"parallel.ep {par.ep} cannot resume the checkpoint {found.path} yet (expert shards are not "
-                        "read as one tensor); set checkpoint.resume=never, another output_dir, or parallel.ep 1")
+    resolve_resume(cfg.checkpoint, cfg.run_dir)  # a --resume PATH must be a complete checkpoint
     return layout
