@@ -3,7 +3,8 @@ an uneven `parallel.pp_layers` split, zero2, the chunked loss and bf16-mixed) an
 layer AC) on 4 processes give the losses, gradient norms and validation losses of one process on
 the same global batch and precision, 4 steps, within 1e-5 (pure bf16 on 2 processes, pp 2 x tp 2 with
 sequence parallelism on 4); memory.json's effective
-settings and the start-up line say what ran; the pp checkpoint resumes on one process and exports.
+settings and the start-up line say what ran, and its per-rank states equal the planner's per-stage
+states (plan.json); the pp checkpoint resumes on one process and exports.
 One launch per configuration (shared runs)."""
 from __future__ import annotations
 
@@ -78,6 +79,15 @@ def test_pipeline_equals_one_process(shared_run, reference, name):
     assert f"as pp 2 ({schedule}) x dp {nproc // 2 // tp}" in proc.stdout, proc.stdout[:2000]
     assert (f"x tp {tp} (sequence parallel)" in proc.stdout) == (tp > 1), proc.stdout[:2000]
     assert _params(proc.stdout) == params  # the whole model's (every stage's), as one process counts them
+    # the planner's per-stage states (plan.json, the run's own plan) equal each stage's measured bytes
+    per_rank = json.loads((out / "memory.json").read_text())["per_rank"]
+    planned = next(s for s in json.loads((out / "plan.json").read_text())["strategies"]
+                   if s["name"] == eff["strategy"])["stages"]
+    size = len(per_rank) // 2  # pp is outermost: stage s is ranks [s·size, (s+1)·size)
+    for s, stage in enumerate(planned):
+        for key in ("params", "grads", "optimizer"):
+            got = max(r[f"{key}_bytes"] for r in per_rank[s * size:(s + 1) * size])
+            assert got == stage["memory"][key], (s, key, got, stage["memory"][key])
 
 
 @pytest.mark.timeout(600)
