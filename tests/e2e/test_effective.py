@@ -168,7 +168,7 @@ STEPS = {"zero3-compile-op": ["train.max_steps=3"],  # read by the compile-vs-ea
          "zero3-cp2-compile-8bit": ["train.max_steps=3"]}
 
 
-def _train(out: Path, overrides: list[str], timeout_s: float = 420) -> str:
+def _train(out: Path, overrides: list[str], timeout_s: float = 840) -> str:
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(RECIPE), "--nproc", "2", "--output-dir", str(out),
            *overrides]
     proc = run_bounded(cmd, timeout_s=timeout_s, cwd=REPO, stderr=subprocess.STDOUT)
