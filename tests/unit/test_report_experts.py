@@ -30,7 +30,8 @@ def test_experts_plot_draws_the_metrics_per_step():
     assert draw_experts([{"step": 1, "loss": 2.0}], "dense") is None
 
 
-def test_report_writes_experts_png_for_moe_runs_only(tmp_path, capsys):
+def test_report_writes_experts_png_for_moe_runs_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "500")  # "wrote PATH" on one line, however long the temporary path
     from shardtune.cli import main
 
     records, _ = _moe_records()
