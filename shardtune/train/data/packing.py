@@ -9,7 +9,6 @@ preflight packs to count rows).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from shardtune.errors import UserError
@@ -95,7 +94,52 @@ def build_row(data: PackedData, row: list[int], pad_id: int) -> tuple[list[int],
 
 
 # ---------------------------------------------------------------- the loader
-class PackedLoader:
+class StreamOrder:
+    """A data stream's order and position, shared by the loaders: global slot `g` of epoch
+    g // num_rows reads item `index_at(g)` (a seeded permutation per epoch when shuffled); each
+    micro-batch takes `micro_batch` slots a rank, `dp_size` ranks in turn; `state_dict()` is the
+    position, resumable only on the same data (`MISMATCH`: the refusal, given both counts)."""
+
+    MISMATCH = ("the checkpoint's data had {saved} rows, this data has {now}; resume with the same data, "
+                "seq_len and tokenizer (or checkpoint.resume=never)")
+
+    def __init__(self, num_rows: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool):
+        self.num_rows, self.micro_batch, self.dp_rank, self.dp_size = num_rows, micro_batch, dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        self.position = 0  # global stream slot of the next micro-batch
+        self._perm_epoch, self._perm = -1, None
+
+    def index_at(self, g: int) -> int:
+        import torch
+
+        epoch, index = divmod(g, self.num_rows)
+        if not self.shuffle:
+            return index
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
+            self._perm, self._perm_epoch = torch.randperm(self.num_rows, generator=gen), epoch  # 8 B a row
+        return int(self._perm[index])
+
+    def next_slots(self) -> list[int]:
+        """This rank's slots of the next micro-batch; advances the stream by every rank's."""
+        start = self.position + self.dp_rank * self.micro_batch
+        self.position += self.micro_batch * self.dp_size
+        return list(range(start, start + self.micro_batch))
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict:
+        epoch, index = divmod(self.position, self.num_rows)
+        return {"epoch": epoch, "index": index, "num_rows": self.num_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_rows") != self.num_rows:
+            raise UserError(self.MISMATCH.format(saved=state.get("num_rows"), now=self.num_rows))
+        self.position = int(state["epoch"]) * self.num_rows + int(state["index"])
+
+
+class PackedLoader(StreamOrder):
     """Endless iterator of this rank's micro-batches; `state_dict()` is the stream position.
 
     `next(loader)` returns {"input_ids", "labels", "position_ids"}: (micro_batch, seq_len) long.
@@ -107,46 +151,20 @@ class PackedLoader:
                  shuffle: bool, pad_id: int):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_size})")
-        self.data, self.micro_batch, self.dp_rank, self.dp_size = data, micro_batch, dp_rank, dp_size
-        self.seed, self.shuffle, self.pad_id = seed, shuffle, pad_id
-        self.num_rows = data.num_rows
+        super().__init__(data.num_rows, micro_batch, dp_rank, dp_size, seed, shuffle)
+        self.data, self.pad_id = data, pad_id
         self.rows_per_micro_batch = micro_batch * dp_size
-        self.position = 0  # global stream row of the next micro-batch
-        self._perm_epoch, self._perm = -1, None
         used = sum(data.offsets[k + 1] - data.offsets[k] for r in data.rows for k in r)
         self.stats = {"examples": len(data.offsets) - 1, "truncated": data.num_truncated,
                       "dropped": data.num_dropped, "rows": data.num_rows,
                       "fill": used / (data.num_rows * data.seq_len)}
 
     def _row_at(self, g: int) -> list[int]:
-        import torch
-
-        epoch, index = divmod(g, self.num_rows)
-        if not self.shuffle:
-            return self.data.rows[index]
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
-            self._perm, self._perm_epoch = torch.randperm(self.num_rows, generator=gen), epoch  # 8 B a row
-        return self.data.rows[int(self._perm[index])]
-
-    def __iter__(self) -> Iterator[dict]:
-        return self
+        return self.data.rows[self.index_at(g)]
 
     def __next__(self) -> dict:
         import torch
 
-        start = self.position + self.dp_rank * self.micro_batch
-        rows = [build_row(self.data, self._row_at(g), self.pad_id) for g in range(start, start + self.micro_batch)]
-        self.position += self.rows_per_micro_batch
+        rows = [build_row(self.data, self._row_at(g), self.pad_id) for g in self.next_slots()]
         return {key: torch.tensor([r[i] for r in rows], dtype=torch.long)
                 for i, key in enumerate(("input_ids", "labels", "position_ids"))}
-
-    def state_dict(self) -> dict:
-        epoch, index = divmod(self.position, self.num_rows)
-        return {"epoch": epoch, "index": index, "num_rows": self.num_rows, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("num_rows") != self.num_rows:
-            raise UserError(f"the checkpoint's data had {state.get('num_rows')} rows, this data has {self.num_rows}; "
-                            "resume with the same data, seq_len and tokenizer (or checkpoint.resume=never)")
-        self.position = int(state["epoch"]) * self.num_rows + int(state["index"])

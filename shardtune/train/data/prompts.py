@@ -10,10 +10,9 @@ every world size for the same global batch.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from shardtune.errors import UserError
 from shardtune.train.data.dataset import encode_example
+from shardtune.train.data.packing import StreamOrder
 from shardtune.train.data.sources import ROLES, read_records
 
 
@@ -71,47 +70,21 @@ class PromptData:
         return len(self.records)
 
 
-class PromptLoader:
+class PromptLoader(StreamOrder):
     """`next()` gives {"index": (micro_batch,) example ids, "slot": (micro_batch,) global stream slots}."""
 
+    MISMATCH = ("the checkpoint's prompts were {saved}, this data has {now}; resume with the same data "
+                "(or checkpoint.resume=never)")
+
     def __init__(self, data: PromptData, micro_batch: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool):
-        self.data, self.micro_batch, self.dp_rank, self.dp_size = data, micro_batch, dp_rank, dp_size
-        self.seed, self.shuffle = seed, shuffle
-        self.num_rows = len(data)
-        self.position = 0  # global slot of the next micro-batch
-        self._perm_epoch, self._perm = -1, None
-
-    def _index_at(self, g: int) -> int:
-        import torch
-
-        epoch, index = divmod(g, self.num_rows)
-        if not self.shuffle:
-            return index
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + 1)
-            self._perm, self._perm_epoch = torch.randperm(self.num_rows, generator=gen), epoch
-        return int(self._perm[index])
-
-    def __iter__(self) -> Iterator[dict]:
-        return self
+        super().__init__(len(data), micro_batch, dp_rank, dp_size, seed, shuffle)
+        self.data = data
 
     def __next__(self) -> dict:
         import torch
 
-        start = self.position + self.dp_rank * self.micro_batch
-        slots = list(range(start, start + self.micro_batch))
-        self.position += self.micro_batch * self.dp_size
-        return {"index": torch.tensor([self._index_at(g) for g in slots]), "slot": torch.tensor(slots)}
-
-    def state_dict(self) -> dict:
-        epoch, index = divmod(self.position, self.num_rows)
-        return {"epoch": epoch, "index": index, "num_rows": self.num_rows, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("num_rows") != self.num_rows:
-            raise UserError(f"the checkpoint's prompts were {state.get('num_rows')}, this data has {self.num_rows}; "
-                            "resume with the same data (or checkpoint.resume=never)")
-        self.position = int(state["epoch"]) * self.num_rows + int(state["index"])
+        slots = self.next_slots()
+        return {"index": torch.tensor([self.index_at(g) for g in slots]), "slot": torch.tensor(slots)}
 
 
 def check_prompt_data(cfg, dp_size: int) -> None:
