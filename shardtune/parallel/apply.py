@@ -72,7 +72,7 @@ def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
     of one tp and cp group read the same rows), "fsdp" (what zero2/zero3 shard over: the data ranks
     without cp, dp_shard x cp flattened with it, as torchtitan's "dp_shard_cp"), "hsdp" (FSDP2's 2-D
     replicate x shard mesh), "tp", "cp" and "pp" (1-D, None at degree 1); "ep" and "efsdp" (the experts'
-    FSDP mesh, hsdp's 2-D) are `build_mesh`'s, None without expert parallelism."""
+    FSDP mesh, 2-D under hsdp or tp) are `build_mesh`'s, None without expert parallelism."""
     if (table := getattr(mesh, _SUB, None)) is not None:
         return table
     names = mesh.mesh_dim_names or ()

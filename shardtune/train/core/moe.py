@@ -7,8 +7,9 @@ The auxiliary loss is Switch Transformer's (Fedus et al. 2021, eqs. 4-6), as tra
 `load_balancing_loss_func` pools it over layers: aux = E · Σ_e f_e · P_e, f_e the fraction of
 top-k assignments to expert e, P_e its mean router probability, both over every layer's rows. It
 is a product of two means, so a rank's own aux is not its share of the global one; here f comes
-from counts summed over the data-parallel ranks (one all-reduce of L·E + 1 floats per
-micro-batch, no gradient through it) and each rank adds E · Σ_e f_e · (its probability sum) / N:
+from counts summed over the ranks routing different tokens (the data ranks; with tp or cp every
+rank: parallel/ep.py `mark_routing`), one all-reduce of L·E + 1 floats per micro-batch, no
+gradient through it, and each rank adds E · Σ_e f_e · (its probability sum) / N:
 the ranks' parts sum to the aux of the whole micro-batch, and so does its gradient.
 """
 from __future__ import annotations
