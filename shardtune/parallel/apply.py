@@ -43,12 +43,24 @@ def build_mesh(parallel_cfg: ParallelConfig, world_size: int, local_world_size: 
     layout = build_layout(parallel_cfg, world_size, local_world_size)
     mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_axes)
     table = _sub_meshes(mesh)
-    if layout.ep > 1:  # torchtitan's dp2ep: the data ranks as (dp_replicate, efsdp, ep), ep innermost (one node's)
-        ep_mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.expert_fsdp_degree, layout.ep),
-                                   mesh_dim_names=("dp_replicate", "efsdp", "ep"))
-        table |= {"ep": ep_mesh["ep"],
-                  "efsdp": ep_mesh["dp_replicate", "efsdp"] if layout.strategy.hybrid else ep_mesh["efsdp"]}
+    if layout.ep > 1:
+        ep_mesh = _expert_mesh(layout, device_type)
+        table |= {"ep": ep_mesh["ep"], "efsdp": ep_mesh["dp_replicate", "efsdp"]
+                  if layout.strategy.hybrid or layout.tp > 1 else ep_mesh["efsdp"]}
     return mesh
+
+
+def _expert_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """torchtitan's dp2ep: the ranks of each tp index as (dp_replicate, efsdp, ep), ep innermost of
+    dp_shard x cp (consecutive data ranks, its cp ranks included). With tp > 1 the tp ranks hold the
+    same experts (not tp-split) and route different tokens: they join dp_replicate (the experts' HSDP
+    replicas), ranks (r, t, f, e) of the world's (dp_replicate, efsdp, ep, tp) numbering."""
+    shape = (layout.dp_replicate, layout.expert_fsdp_degree, layout.ep)
+    names = ("dp_replicate", "efsdp", "ep")
+    if layout.tp == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    ranks = torch.arange(layout.world_size // layout.pp).view(*shape, layout.tp).permute(0, 3, 1, 2)
+    return DeviceMesh(device_type, ranks.reshape(shape[0] * layout.tp, *shape[1:]), mesh_dim_names=names)
 
 
 _SUB = "_shardtune_sub_meshes"  # on a mesh: its sub-meshes by name, made once (`_sub_meshes`)
@@ -60,7 +72,7 @@ def _sub_meshes(mesh: DeviceMesh) -> dict[str, DeviceMesh | None]:
     of one tp and cp group read the same rows), "fsdp" (what zero2/zero3 shard over: the data ranks
     without cp, dp_shard x cp flattened with it, as torchtitan's "dp_shard_cp"), "hsdp" (FSDP2's 2-D
     replicate x shard mesh), "tp", "cp" and "pp" (1-D, None at degree 1); "ep" and "efsdp" (the experts'
-    FSDP mesh, hsdp's 2-D) are `build_mesh`'s, None without expert parallelism."""
+    FSDP mesh, 2-D under hsdp or tp) are `build_mesh`'s, None without expert parallelism."""
     if (table := getattr(mesh, _SUB, None)) is not None:
         return table
     names = mesh.mesh_dim_names or ()

@@ -25,7 +25,7 @@ from shardtune.parallel.apply import (
     tp_mesh,
 )
 from shardtune.parallel.cp import apply_cp
-from shardtune.parallel.ep import apply_ep
+from shardtune.parallel.ep import apply_ep, expert_modules, mark_routing
 from shardtune.parallel.pp import apply_pp
 from shardtune.parallel.tp import apply_tp
 from shardtune.strategies import STRATEGY
@@ -61,6 +61,8 @@ def build_parallel_model(meta_model: nn.Module, parallel_cfg: ParallelConfig, me
         apply_cp(meta_model, cp_mesh(mesh), parallel_cfg.tp, parallel_cfg.sequence_parallel)
     if (ep := sub_mesh(mesh, "ep")) is not None:  # expert parallelism: E/ep experts a rank (parallel/ep.py)
         apply_ep(meta_model, ep.get_group())
+    if (tp_mesh(mesh) is not None or cp_mesh(mesh) is not None) and expert_modules(meta_model):  # own tokens
+        mark_routing(meta_model, tp_mesh(mesh).get_group() if tp_mesh(mesh) is not None else None)
     if quantize is not None:  # QLoRA (helper D, train/core/qlora.py): NF4 base after precision, before shard
         quantize(meta_model)
     apply_activation_checkpointing(meta_model, parallel_cfg.activation_checkpointing, parallel_cfg.ac_every)

@@ -29,6 +29,14 @@ from torch import nn
 from shardtune.errors import UserError
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+ROUTING_ATTR = "_shardtune_routing"  # on a MoE model under tp or cp: (routing group, tp group); moe.py reads it
+
+
+def mark_routing(model: nn.Module, tp_group) -> None:
+    """Under tp or cp every rank routes tokens of its own (its sequence shard, or its 1/tp of them), so
+    the load-balancing loss's global counts sum over all of them, not the data ranks only: the world
+    (pipelines refuse MoE models), and the tp group for the aux metric (train/core/moe.py MoeTerms)."""
+    setattr(model, ROUTING_ATTR, (dist.group.WORLD, tp_group))
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

@@ -23,12 +23,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
 
+from shardtune.errors import UserError
 from shardtune.parallel.apply import decoder_layers
 from shardtune.rules.tp import check_tp_model
 
@@ -145,6 +147,24 @@ def _gather_rows(layer: nn.Module, mesh: DeviceMesh) -> None:
     layer.register_forward_hook(hook)
 
 
+def _moe_block(layer: nn.Module, mesh: DeviceMesh) -> bool:
+    """A mixture-of-experts MLP (docs/moe.md "ep with tp"): True, its router made a Replicate DTensor
+    on the tp mesh (train/core/moe.py's router reads it local, its gradient a partial sum over tp:
+    each tp rank routes its own tokens, Shard(1) of the sequence); the experts stay plain (parallel/ep.py
+    splits them over the data ranks and the tp ranks hold copies). False for a dense MLP."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None or not isinstance(getattr(getattr(mlp, "experts", None), "gate_up_proj", None), torch.Tensor):
+        return False
+    for name, child in mlp.named_children():
+        if name == "experts":
+            continue
+        if not type(child).__name__.lower().endswith("topkrouter"):
+            raise UserError(f"tp over a mixture-of-experts block with a {type(child).__name__} ({name}) besides its "
+                            "router and experts is not built: parallel.tp 1 / --tp 1")
+        distribute_module(child, mesh)  # every parameter Replicate
+    return True
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
     """Tensor-parallel `model` in place over the 1-D `tp_mesh` (call on the meta model)."""
     check_tp_model(tp_mesh.size(), model.config.to_dict())  # a by-hand torchrun gets preflight's line
@@ -177,7 +197,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()}),
             "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
         }
-        for path, colwise in _PROJECTIONS:
+        projections = _PROJECTIONS
+        if _moe_block(layer, tp_mesh):  # experts not tp-split: the block runs on this rank's tokens
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Shard(1),), use_local_input=True,
+                output_layouts=(Shard(1),), desired_output_layouts=(seq,), use_local_output=True)
+            projections = _PROJECTIONS[:4]
+        for path, colwise in projections:
             plan.update(_projection(layer, path, colwise, seq, tp_mesh))
         if sp:
             plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})

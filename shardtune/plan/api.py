@@ -101,7 +101,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
     usable = gpu.memory_bytes - reserve
     m = _load_model(inp.model, inp.params, inp.lora_rank, inp.quantize_base)
     if m.arch is not None:
-        check_tp_arch(m.arch, m.config, inp.tp)
+        check_tp_arch(m.arch, m.config, inp.tp, inp.ep)
     if inp.accounting != "paper":
         cpp.check_cp_arch(m.arch, m.config, inp.cp, inp.tp)
     check_ep_model(inp.ep, m.config)  # a MoE model whose experts per layer ep divides (rules/ep.py)

@@ -65,15 +65,15 @@ def tp_local_shapes(shapes: list[ParamShape], tp: int) -> list[ParamShape]:
     return out
 
 
-def check_tp_arch(arch: Architecture, config: dict, tp: int) -> None:
+def check_tp_arch(arch: Architecture, config: dict, tp: int, ep: int = 1) -> None:
     """The trainer's rule (rules.tp.check_tp_model: tp divides the heads, KV heads, the MLP
-    width and the vocabulary, no tied embeddings) and the MoE experts, which its plan does not
-    split. One-line UserError."""
+    width and the vocabulary, no tied embeddings); a MoE model needs ep > 1 (its experts are not
+    tp-split: docs/moe.md). One-line UserError."""
     from shardtune.rules.tp import check_tp_model
 
-    if tp > 1 and arch.num_experts:
-        raise UserError(f"--tp {tp}: tensor parallelism of MoE experts ({arch.model_type}) is not supported; "
-                        "use --tp 1")
+    if tp > 1 and arch.num_experts and ep <= 1:
+        raise UserError(f"--tp {tp}: tensor parallelism of a MoE model ({arch.model_type}) needs expert parallelism "
+                        "(its experts are not tp-split): add --ep N, or use --tp 1")
     check_tp_model(tp, config)
 
 

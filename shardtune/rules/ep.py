@@ -18,26 +18,33 @@ def experts_per_layer(hf: dict) -> int:
 
 def check_ep(s: Strategy, ep: int, *, tp: int = 1, cp: int = 1, lora_rank: int = 0) -> None:
     """What ep > 1 does not compose with yet, one line each: a strategy without FSDP2 (the experts
-    shard over their own expert-FSDP mesh), tp, cp (the aux loss's counts and the dispatch would
-    have to span the cp ranks), LoRA and QLoRA (adapters on the experts' 3-D weights are not built)."""
+    shard over their own expert-FSDP mesh), LoRA and QLoRA (adapters on the experts' 3-D weights are
+    not built). tp and cp compose (docs/moe.md "ep with tp and cp"); `tp`, `cp` kept for the callers."""
     if positive_int(ep, "expert-parallel degree", "parallel.ep / --ep") == 1:
         return
     refused = (
         (not s.fsdp, f"strategy {s.name!r} (experts are FSDP2-sharded over their own mesh): use "
                      f"{', '.join(FSDP_STRATEGIES)} (parallel.strategy / --strategy)"),
-        (tp > 1, f"parallel.tp {tp} (not built yet): set parallel.tp 1 / --tp 1"),
-        (cp > 1, f"parallel.cp {cp} (not built yet): set parallel.cp 1 / --cp 1"),
         (lora_rank > 0, f"LoRA (lora.rank {lora_rank}: adapters on split experts are not built yet): "
                         "lora.rank 0, or parallel.ep 1"),
     )
     refuse_first(f"parallel.ep {ep} does not compose with", refused)
 
 
-def check_ep_model(ep: int, hf: dict) -> None:
-    """ep > 1 needs a mixture-of-experts model whose experts per layer it divides (`hf`: config.json)."""
+def check_ep_model(ep: int, hf: dict, tp: int = 1, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
+    """ep > 1 needs a mixture-of-experts model whose experts per layer it divides (`hf`: config.json);
+    tp > 1 on a MoE model needs ep > 1 (the experts are not tp-split: each tp rank routes its own
+    1/tp of the tokens through the expert-parallel dispatch), and without sequence parallelism a
+    sequence that tp divides (the MoE block takes Shard(1) of it)."""
+    n = experts_per_layer(hf)
+    if tp > 1 and n and ep <= 1:
+        raise UserError(f"parallel.tp {tp} on a mixture-of-experts model needs expert parallelism (the experts are "
+                        "not tp-split): set parallel.ep / --ep > 1, or parallel.tp 1 / --tp 1")
+    if tp > 1 and n and not sequence_parallel and seq_len is not None and seq_len % tp:
+        raise UserError(f"parallel.tp {tp} with experts splits each sequence's tokens over the tp ranks: make "
+                        f"train.seq_len {seq_len} a multiple of {tp}")
     if ep <= 1:
         return
-    n = experts_per_layer(hf)
     if not n:
         raise UserError(f"parallel.ep {ep} needs a mixture-of-experts model; {hf.get('model_type', 'this model')!r} "
                         "has no experts: set parallel.ep 1 / --ep 1")

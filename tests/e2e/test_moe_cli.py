@@ -1,7 +1,8 @@
 """`shardtune train recipes/tiny-moe-cpu.yaml` as a user runs it: a tiny Mixtral (4 experts, top-2,
 grouped-GEMM experts, fp32 router) under zero3, zero2 with AC full, hsdp, and zero3 with expert
-parallelism (`--ep 2`: 2 experts a rank, tokens sent by all-to-all) on 2 processes, and ep 2 x
-expert-FSDP 2 on 4 processes (2 rows each, the same global batch), each giving one
+parallelism (`--ep 2`: 2 experts a rank, tokens sent by all-to-all) on 2 processes, ep 2 x
+expert-FSDP 2 on 4 processes (2 rows each, the same global batch), ep 2 x cp 2 on 2 processes and
+ep 2 x tp 2 (sequence parallel) on 4, each giving one
 process's losses over 4 fp32 steps (same 8-row global batch), its load-balancing loss (`aux_loss`)
 and its expert load (`expert_load_cv`) included. The ep runs save checkpoints (each rank's experts as
 rows of the whole [E, ...] tensor): resumed at ep 2 and at ep 1 they continue one process's losses,
@@ -25,6 +26,13 @@ RUNS = {
     "ep2": ["--nproc", "2", "--ep", "2", *SAVE, "checkpoint.export_hf=true"],
     # ep 2 x expert-FSDP 2: each expert's states on 2 ranks, its gradient summed on the wire then divided
     "ep2_efsdp2": ["--nproc", "4", "--ep", "2", "train.micro_batch=2", *SAVE],
+    # ep x cp: the ep group is the cp pair (each rank half of every row), 8 rows on the one data rank
+    "ep2_cp2": ["--nproc", "2", "--ep", "2", "--cp", "2", "train.micro_batch=8"],
+    # ep x tp (+ SP): each tp rank routes its sequence half; the experts are tp replicas (not split).
+    # Adam's eps 1e-3 (and one process's at the same eps): with 1e-8, fp32 noise of tp's split matmuls on
+    # near-zero gradient elements becomes full-size Adam steps that flip a near-tie routing (docs/moe.md)
+    "one_eps": ["--nproc", "1", "train.micro_batch=8", "optim.eps=1e-3"],
+    "ep2_tp2": ["--nproc", "4", "--ep", "2", "--tp", "2", "optim.eps=1e-3"],
     # step 2's checkpoints read back at another layout: ep 2 (saved at ep 2), ep 1 (saved at ep 2 x efsdp 2)
     "ep2_resumed": ["--nproc", "2", "--ep", "2", "--resume", "{tmp}/ep2/checkpoints/step_2"],
     "ep1_resumed": ["--nproc", "2", "--resume", "{tmp}/ep2_efsdp2/checkpoints/step_2"],
@@ -44,9 +52,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["zero3", "zero2_ac", "hsdp", "ep2", "ep2_efsdp2"])
+@pytest.mark.parametrize("layout", ["zero3", "zero2_ac", "hsdp", "ep2", "ep2_efsdp2", "ep2_cp2", "ep2_tp2"])
 def test_two_processes_give_one_process_losses_aux_loss_and_load(runs, layout):
-    one, _ = runs["one"]
+    one, _ = runs["one_eps" if layout == "ep2_tp2" else "one"]
     got, _ = runs[layout]
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     for key in ("loss", "aux_loss", "expert_load_cv", "grad_norm"):
@@ -77,10 +85,16 @@ def test_ep_says_what_it_ran(runs, tmp_path_factory):
     assert (eff["ep2"]["ep"], eff["ep2"]["expert_fsdp"]) == (2, 1)
     assert (eff["ep2_efsdp2"]["ep"], eff["ep2_efsdp2"]["expert_fsdp"]) == (2, 2)
     assert (eff["zero3"]["ep"], eff["zero3"]["expert_fsdp"]) == (1, 2)
+    for name, want in (("ep2_cp2", "cp 2, experts grouped_mm (4 per layer, top-2, ep 2, expert_fsdp 1)"),
+                       ("ep2_tp2", "tp 2 + SP, experts grouped_mm (4 per layer, top-2, ep 2, expert_fsdp 1)")):
+        assert want in runs[name][1], name
+    got = {n: json.loads(next(base.glob(f"moe*/{n}/memory.json")).read_text())["effective"]
+           for n in ("ep2_cp2", "ep2_tp2")}
+    assert [(e["ep"], e["tp"], e["cp"], e["expert_fsdp"]) for e in got.values()] == [(2, 1, 2, 1), (2, 2, 1, 1)]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["ep2", "ep2_efsdp2"])
+@pytest.mark.parametrize("name", ["ep2", "ep2_efsdp2", "ep2_cp2", "ep2_tp2"])
 def test_ep_states_per_rank_equal_the_planners(runs, tmp_path_factory, name):
     """Each rank's parameter, gradient and optimizer bytes (the trainer's storage count, memory.json)
     equal plan.json's (plan/ep.py: experts E/ep rows over expert-FSDP ranks, the rest over all)."""

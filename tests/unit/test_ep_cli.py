@@ -18,8 +18,11 @@ BAD = [
      "must divide dp_shard x cp = 1"),
     (MOE, ["--nproc", "2", "--ep", "2", "--strategy", "ddp"], "does not compose with strategy 'ddp'"),
     (MOE, ["--nproc", "2", "--ep", "2", "--strategy", "zero1"], "does not compose with strategy 'zero1'"),
-    (MOE, ["--nproc", "4", "--ep", "2", "--tp", "2"], "does not compose with parallel.tp 2"),
-    (MOE, ["--nproc", "4", "--ep", "2", "--cp", "2"], "does not compose with parallel.cp 2"),
+    # tp on a MoE model without ep: the experts are not tp-split (docs/moe.md "ep with tp and cp")
+    (MOE, ["--nproc", "2", "--tp", "2"], "needs expert parallelism"),
+    (MOE, ["--nproc", "4", "--ep", "2", "--tp", "2", "parallel.sequence_parallel=false", "train.seq_len=63"],
+     "make train.seq_len 63 a multiple of 2"),
+    (MOE, ["--nproc", "6", "--ep", "3", "--cp", "2"], "and be a multiple of cp 2"),
     (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4"], "does not compose with LoRA"),
     (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.quantize_base=nf4"], "does not compose with LoRA"),
     (MOE, ["--nproc", "2", "--ep", "0"], "parallel.ep"),
@@ -39,6 +42,7 @@ def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, recipe,
     (["torchrun", MOE, "--nodes", "2", "--gpus-per-node", "2", "--ep", "8"], "must divide dp_shard x cp = 4"),
     (["k8s", DENSE, "--nodes", "2", "--gpus-per-node", "2", "--ep", "2", "--image", "x/y:1", *NO_CKPT],
      "needs a mixture-of-experts model"),
+    (["slurm", MOE, "--nodes", "1", "--gpus-per-node", "2", "parallel.tp=2"], "needs expert parallelism"),
 ])
 def test_launch_checks_ep_as_the_trainer_does(monkeypatch, capsys, args, needle):
     assert needle in refused_before_any_process(monkeypatch, capsys, ["launch", *args])
@@ -53,3 +57,8 @@ def test_launch_passes_ep_to_every_node(capsys, tmp_path):
     assert cli.main(["launch", "k8s", str(MOE), "--nodes", "2", "--gpus-per-node", "2", "--ep", "2",
                      "--image", "x/y:1"]) == 0
     assert "\n      ep: 2\n" in capsys.readouterr().out
+    # with tp and with cp (launch takes them as overrides): the layouts `shardtune train` runs
+    for extra, nodes in (("parallel.tp=2", "2"), ("parallel.cp=2", "1")):
+        argv = ["launch", "slurm", str(MOE), "--nodes", nodes, "--gpus-per-node", "2", "--ep", "2", extra]
+        assert cli.main(argv) == 0
+        assert f"tiny-moe-cpu.yaml {extra} parallel.ep=2" in capsys.readouterr().out

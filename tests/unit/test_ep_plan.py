@@ -42,6 +42,18 @@ def test_dense_states_are_as_without_ep():
     assert _zero3(ep=8)["memory"]["experts"] == _zero3(ep=1)["memory"]["experts"]
 
 
+@pytest.mark.parametrize("tp, cp", [(2, 1), (1, 2)])
+def test_with_tp_or_cp_the_experts_are_whole_rows_of_ep_over_the_data_ranks(tp, cp):
+    """ep 4 on 8 GPUs with tp 2 or cp 2 (docs/moe.md "ep with tp and cp"): the experts are not tp-split,
+    each tp rank holds its E/ep experts whole (tp ranks are their replicas); cp ranks are data ranks for
+    the experts (ep divides dp_shard x cp). tp: dp_shard 4 / ep 4 = expert-FSDP 1; cp: 4 x 2 / 4 = 2."""
+    s = _zero3(ep=4, tp=tp, cp=cp)
+    efsdp = 8 // tp // 4
+    per_gpu = LAYERS * (E // 4) * EXPERT // efsdp
+    assert s["memory"]["experts"] == per_gpu * BF16_MIXED + 4 * 2 * LAYERS  # + fused AdamW's step counters
+    assert (s["layout"]["ep"], s["layout"]["expert_fsdp"], s["layout"]["tp"], s["layout"]["cp"]) == (4, efsdp, tp, cp)
+
+
 @pytest.mark.parametrize("ac, imbalance", [("none", 1.0), ("full", 1.0), ("none", 1.5)])
 def test_all_to_all_bytes_per_layer_and_step(ac, imbalance):
     tokens = 2048  # seq 2048 × micro-batch 1
@@ -93,6 +105,7 @@ def test_fit_searches_ep_for_moe_models_only():
     (["qwen3-30b-a3b", "--gpus", "8", "--ep", "8", "--strategy", "ddp"], "does not compose with strategy 'ddp'"),
     (["qwen3-30b-a3b", "--gpus", "16", "--ep", "16", "--strategy", "hsdp"], "must divide dp_shard x cp = 8"),
     (["qwen3-30b-a3b", "--gpus", "8", "--ep", "8", "--moe-imbalance", "0.5"], "--moe-imbalance 0.5"),
+    (["qwen3-30b-a3b", "--gpus", "8", "--tp", "2"], "needs expert parallelism"),  # experts not tp-split
 ])
 def test_plan_refuses_in_one_line(monkeypatch, capsys, args, needle):
     assert needle in refused_before_any_process(monkeypatch, capsys, ["plan", *args])

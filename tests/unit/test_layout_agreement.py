@@ -129,9 +129,46 @@ def test_pipeline_plan_launch_and_train_agree(tmp_path, capsys, model_dir, nodes
         planned = None
     except UserError as e:
         planned = str(e)
+    _agree(planned, capsys, tmp_path, sets, nodes, per_node, refused)
+
+
+def _agree(planned: str | None, capsys, tmp_path, sets, nodes, per_node, refused: str | None) -> None:
+    """The plan's answer, launch's and the trainer's preflight's: all None, or all refusals holding `refused`."""
     answers = {"plan": planned, "launch": _launches(capsys, tmp_path, sets, nodes, per_node),
                "train": _trains(sets, nodes, per_node)}
     if refused is None:
         assert answers == dict.fromkeys(answers), answers
     else:
         assert all(a and refused in a for a in answers.values()), answers
+
+
+# expert parallelism with tp and cp (docs/moe.md "ep with tp and cp"), on a Mixtral of 4 experts a layer:
+# nodes, GPUs per node, strategy, tp, cp, ep, and None (runs) or words every refusal holds; ep borrows the
+# data ranks, dp_shard x cp of them (tp ranks hold replicas of their experts)
+_MOE = _CONFIG | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                  "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02}
+EP_CASES = [
+    (1, 4, "zero3", 2, 1, 2, OK),  # ep 2 over the 2 data ranks of each tp index
+    (1, 4, "zero3", 1, 2, 2, OK),  # ep 2 = the cp pair
+    (1, 8, "zero3", 2, 2, 2, OK),  # ep x cp x tp
+    (2, 4, "hsdp", 2, 1, 2, OK),  # hsdp's shard group: one node's 2 data ranks
+    (1, 4, "zero3", 2, 1, 1, "needs expert parallelism"),  # the experts are not tp-split
+    (1, 4, "zero3", 2, 1, 4, "ep 4"),  # tp ranks are not data ranks (plan words it its own way: "2 data-parallel")
+    (1, 4, "ddp", 1, 1, 2, "does not compose with strategy 'ddp'"),
+]
+
+
+@pytest.mark.parametrize("nodes, per_node, strategy, tp, cp, ep, refused", EP_CASES)
+def test_expert_parallel_plan_launch_and_train_agree(tmp_path, capsys, nodes, per_node, strategy, tp, cp, ep,
+                                                     refused):
+    moe_dir = tmp_path / "moe"
+    moe_dir.mkdir()
+    (moe_dir / "config.json").write_text(json.dumps(_MOE))
+    sets = _settings(tmp_path, moe_dir, strategy, tp, cp, None, False) + [f"parallel.ep={ep}"]
+    try:
+        row = plan(model=str(moe_dir), gpus=nodes * per_node, gpus_per_node=per_node, strategies=[strategy], tp=tp,
+                   cp=cp, ep=ep, seq_len=384, precision="fp32").to_dict()["strategies"][0]
+        planned = row.get("error")
+    except UserError as e:
+        planned = str(e)
+    _agree(planned, capsys, tmp_path, sets, nodes, per_node, refused)

@@ -7,8 +7,9 @@ The auxiliary loss is Switch Transformer's (Fedus et al. 2021, eqs. 4-6), as tra
 `load_balancing_loss_func` pools it over layers: aux = E · Σ_e f_e · P_e, f_e the fraction of
 top-k assignments to expert e, P_e its mean router probability, both over every layer's rows. It
 is a product of two means, so a rank's own aux is not its share of the global one; here f comes
-from counts summed over the data-parallel ranks (one all-reduce of L·E + 1 floats per
-micro-batch, no gradient through it) and each rank adds E · Σ_e f_e · (its probability sum) / N:
+from counts summed over the ranks routing different tokens (the data ranks; with tp or cp every
+rank: parallel/ep.py `mark_routing`), one all-reduce of L·E + 1 floats per micro-batch, no
+gradient through it, and each rank adds E · Σ_e f_e · (its probability sum) / N:
 the ranks' parts sum to the aux of the whole micro-batch, and so does its gradient.
 """
 from __future__ import annotations
@@ -19,6 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+
+from shardtune.parallel.ep import ROUTING_ATTR
 
 EXPERTS_IMPLEMENTATION = "grouped_mm"  # one grouped GEMM per layer (torch's grouped_mm), no loop over experts
 
@@ -44,12 +48,20 @@ def _fp32_router_forward(router: nn.Module, hidden_states: torch.Tensor):
     In fp32 it is transformers' forward, bit for bit."""
     with torch.autocast(hidden_states.device.type, enabled=False):
         hidden = hidden_states.reshape(-1, router.hidden_dim).float()  # (N, h)
-        logits = F.linear(hidden, router.weight.float())  # (N, E)
+        logits = F.linear(hidden, _local(router.weight).float())  # (N, E)
         probs = torch.softmax(logits, dim=-1)
         top, index = torch.topk(probs, router.top_k, dim=-1)  # (N, k)
         if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen3-MoE as configured
             top = top / top.sum(dim=-1, keepdim=True)
     return logits, top, index
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """The router weight as this rank uses it: under tp (parallel/tp.py) a Replicate DTensor whose
+    rank routes its own tokens, so its gradient here is a partial sum over the tp ranks (FSDP sums it)."""
+    if isinstance(weight, DTensor):
+        return weight.to_local(grad_placements=(Partial(),))
+    return weight
 
 
 def prepare_moe(model: nn.Module) -> None:
@@ -112,7 +124,9 @@ class MoeTerms:
         config = getattr(model, "module", model).config
         self.num_experts = num_experts(config)
         self.coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.model, self.num_micro, self.group = model, num_micro_batches, group
+        # with tp or cp the ranks routing different tokens are more than the data ranks (parallel/ep.py)
+        self.group, self.tp_group = getattr(getattr(model, "module", model), ROUTING_ATTR, (group, None))
+        self.model, self.num_micro = model, num_micro_batches
         self.aux = torch.zeros((), dtype=torch.float64)
         self.counts: torch.Tensor | None = None
 
@@ -134,6 +148,8 @@ class MoeTerms:
         dp_size ranks by the loop; the load CV is the same on every rank, so each holds 1/dp_size)."""
         if self.counts is None:
             return {}
+        if self.tp_group is not None:  # the loop counts one rank of a tp group; each holds its tokens' part
+            dist.all_reduce(self.aux, group=self.tp_group)
         return {"aux_loss": self.aux, "expert_load_cv": load_cv(self.counts) / dp_size}
 
 
