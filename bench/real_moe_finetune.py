@@ -12,9 +12,11 @@ Held-out metric: exact match of the greedy answer on the recipe's `train.sample_
 data/smollm2-dates/val.jsonl, never in the training set). Before: transformers alone on the upcycled
 folder (one process, bench/real_finetune.py `exact_match`). After: transformers alone on the ep run's
 HF export (hf_export, written from the ep-sharded checkpoint), and the run's own answers at its last
-step (samples.jsonl, greedy, on the trained sharded model). Also printed: losses, aux_loss, expert_load_cv, val loss, wall and step time.
+step (samples.jsonl, greedy, on the trained sharded model). Also printed: losses, aux_loss,
+expert_load_cv, val loss, wall and step time.
 
---no-ep-check: train the same recipe once more without ep (`parallel.ep=1`, zero3 over 2 ranks), compare its losses with the ep run's, and score the export with transformers alone (the
+--no-ep-check: train the same recipe once more without ep (`parallel.ep=1`, zero3 over 2 ranks), compare
+its losses with the ep run's, and score the export with transformers alone (the
 same exact-match as before). --reuse-ep RUN: take the ep run's figures from an earlier run folder.
 """
 from __future__ import annotations
