@@ -79,6 +79,12 @@ def inject(model: nn.Module, lora: dict) -> nn.Module:
     except ValueError as e:
         raise UserError(f"{targets}: {str(e).splitlines()[0].rstrip('.')}; name nn.Linear modules of the model "
                         "(e.g. q_proj, v_proj) or 3-D expert weights (experts.gate_up_proj)") from None
+    wrapped = {f"{base_name(n + '.x')[:-2]}.{m.parameter_name}" for n, m in model.named_modules()
+               if hasattr(m, "parameter_name")}
+    missing = [t for t in lora.get("target_parameters") or [] if not any(w.endswith(f".{t}") for w in wrapped)]
+    if missing:
+        raise UserError(f"{targets}: no parameter of the model matches {missing}; name 3-D expert weights such as "
+                        "experts.gate_up_proj, experts.down_proj")
     for name, m in model.named_modules():
         if hasattr(m, "parameter_name") and getattr(m.get_base_layer(), "is_transposed", False):
             raise UserError(f"{targets}: {name} keeps its experts transposed (GPT-OSS); LoRA on such experts "
