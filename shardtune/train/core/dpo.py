@@ -11,10 +11,10 @@ from the position restarts: slot (row, k // 2, k % 2) of a (B, P, 2) tensor, P =
 
 Normalisation as the SFT step's: each pair's loss / the number of pairs over all micro-batches
 and data-parallel ranks (one all-reduce of [pairs, target tokens] per step), so the gradient is the
-global mean over pairs. MoE models: the policy forward's load-balancing loss is added as in the SFT step
-(train/core/moe.py MoeTerms: router_aux_loss_coef × the mean over micro-batches of the global aux;
-`aux_loss` and `expert_load_cv` logged); the reference forward adds nothing. The metrics (reward_acc, reward_margin, chosen/rejected rewards) are this
-rank's parts of global means, summed over ranks by the loop's one logged-step gather.
+global mean over pairs. MoE models: the policy forward's load-balancing loss is added as in the SFT
+step (train/core/moe.py MoeTerms: router_aux_loss_coef × the mean over micro-batches of the global
+aux; `aux_loss` and `expert_load_cv` logged); the reference forward adds nothing. The metrics
+(reward_acc, reward_margin, chosen/rejected rewards) are this rank's parts of global means, summed over ranks by the loop's one logged-step gather.
 """
 from __future__ import annotations
 
