@@ -14,7 +14,8 @@ and data-parallel ranks (one all-reduce of [pairs, target tokens] per step), so 
 global mean over pairs. MoE models: the policy forward's load-balancing loss is added as in the SFT
 step (train/core/moe.py MoeTerms: router_aux_loss_coef × the mean over micro-batches of the global
 aux; `aux_loss` and `expert_load_cv` logged); the reference forward adds nothing. The metrics
-(reward_acc, reward_margin, chosen/rejected rewards) are this rank's parts of global means, summed over ranks by the loop's one logged-step gather.
+(reward_acc, reward_margin, chosen/rejected rewards) are this rank's parts of global means, summed
+over ranks by the loop's one logged-step gather.
 """
 from __future__ import annotations
 
