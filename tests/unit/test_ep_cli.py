@@ -20,8 +20,9 @@ BAD = [
     (MOE, ["--nproc", "2", "--ep", "2", "--strategy", "zero1"], "does not compose with strategy 'zero1'"),
     (MOE, ["--nproc", "4", "--ep", "2", "--tp", "2"], "does not compose with parallel.tp 2"),
     (MOE, ["--nproc", "4", "--ep", "2", "--cp", "2"], "does not compose with parallel.cp 2"),
-    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4"], "does not compose with LoRA"),
-    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.quantize_base=nf4"], "does not compose with LoRA"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.target_parameters=[experts.down_proj]"],
+     "does not compose with LoRA on the experts"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.quantize_base=nf4"], "does not compose with QLoRA"),
     (MOE, ["--nproc", "2", "--ep", "0"], "parallel.ep"),
 ]
 
