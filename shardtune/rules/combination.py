@@ -103,7 +103,8 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     check_cp(cp, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel,
              quantize_base=quantize_base)  # rules/cp.py: heads and world are the layout's (preflight)
     check_activation_offload(activation_offload, compile=compile, objective=objective, offload=offload)
-    check_ep(s, ep, tp=tp, cp=cp, lora_rank=lora_rank, lora_experts=lora_experts, quantize_base=quantize_base)  # rules/ep.py; the model's part: Layout.check_model
+    check_ep(s, ep, tp=tp, cp=cp, lora_rank=lora_rank, lora_experts=lora_experts,  # rules/ep.py; the model's
+             quantize_base=quantize_base)  # part: Layout.check_model
 
 
 def _check_tp_combination(s: Strategy, tp: int, *, quantize_base: str, loss_chunks: int | None) -> None:
