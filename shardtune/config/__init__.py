@@ -77,7 +77,8 @@ class RunConfig(_Section):
                           ac_every=par.ac_every, quantize_base=self.lora.quantize_base,
                           compile=self.train.compile, loss_chunks=self.train.loss_chunks, tp=par.tp, cp=par.cp,
                           activation_offload=par.activation_offload, seq_len=self.train.seq_len,
-                          sequence_parallel=par.sequence_parallel, objective=self.train.objective, ep=par.ep)
+                          sequence_parallel=par.sequence_parallel, objective=self.train.objective, ep=par.ep,
+                          lora_experts=bool(self.lora.target_parameters))
         check_pp_schedule(par.pp, par.pp_schedule, par.pp_virtual_stages, self.train.grad_accum)
         if par.pp_layers is not None and par.pp == 1:
             raise UserError("parallel.pp_layers splits the layers over pipeline stages: it needs parallel.pp > 1")

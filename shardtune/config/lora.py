@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from shardtune.config.base import _Section
 from shardtune.strategies import LORA_TARGETS
@@ -19,11 +19,34 @@ class LoraConfig(_Section):
     quantize_base: Literal["none", "nf4"] = Field("none", description="nf4: store the frozen base in 4-bit NF4 "
                                                                       "(QLoRA, Dettmers et al. 2023).")
     target_modules: list[str] = Field(list(LORA_TARGETS), description="Names of the nn.Linear modules that get "
-                                      "adapters (default: attention and MLP projections).")
+                                      "adapters (default: attention and MLP projections; [] with target_parameters).")
+    target_parameters: list[str] = Field([], description="PEFT's target_parameters: 3-D expert weights that get one "
+                                         "adapter per expert, e.g. [experts.gate_up_proj, experts.down_proj] "
+                                         "(Mixtral, Qwen3-MoE; docs/moe.md).")
 
     @field_validator("target_modules")
     @classmethod
     def _targets(cls, v: list[str]) -> list[str]:
-        if not v or any(not t.replace("_", "").isalnum() for t in v):
-            raise ValueError(f"{v!r} must be a non-empty list of module names such as {list(LORA_TARGETS[:2])}")
+        if any(not t.replace("_", "").isalnum() for t in v):
+            raise ValueError(f"{v!r} must be a list of module names such as {list(LORA_TARGETS[:2])}")
         return v
+
+    @field_validator("target_parameters")
+    @classmethod
+    def _parameters(cls, v: list[str]) -> list[str]:
+        if any(not t.replace("_", "").replace(".", "").isalnum() or "." not in t for t in v):
+            raise ValueError(f"{v!r} must be a list of '<module>.<parameter>' names such as "
+                             "['experts.gate_up_proj', 'experts.down_proj']")
+        return v
+
+    @model_validator(mode="after")
+    def _some_target(self):
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError("lora.target_modules and lora.target_parameters are both empty: name what gets adapters")
+        if self.target_parameters and self.dropout:
+            raise ValueError(f"lora.dropout {self.dropout} with lora.target_parameters: PEFT's expert adapters "
+                             "cannot drop their input (the delta is folded into the weight); set lora.dropout 0")
+        if self.target_parameters and self.quantize_base != "none":
+            raise ValueError("lora.quantize_base nf4 with lora.target_parameters: QLoRA of 3-D expert weights is "
+                             "not built (docs/moe.md); drop one of them")
+        return self

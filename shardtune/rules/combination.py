@@ -39,7 +39,8 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
                       quantize_base: str = "none", compile: bool = False,
                       loss_chunks: int | None = None, tp: int = 1, cp: int = 1,
                       activation_offload: bool = False, seq_len: int | None = None,
-                      sequence_parallel: bool = True, objective: str = "sft", ep: int = 1) -> None:
+                      sequence_parallel: bool = True, objective: str = "sft", ep: int = 1,
+                      lora_experts: bool = False) -> None:
     """The one rule of which option combinations can run, for `train`, `plan` and `plan --fit`:
     a combination nothing runs is a one-line UserError naming the recipe key and the plan flag.
     `planner_modes`: also accept the planner's what-if modes (PLANNER_ONLY: DeepSpeed's optimizer
@@ -102,7 +103,8 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     check_cp(cp, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel,
              quantize_base=quantize_base)  # rules/cp.py: heads and world are the layout's (preflight)
     check_activation_offload(activation_offload, compile=compile, objective=objective, offload=offload)
-    check_ep(s, ep, tp=tp, cp=cp, lora_rank=lora_rank)  # rules/ep.py; the model's part: Layout.check_model
+    check_ep(s, ep, tp=tp, cp=cp, lora_rank=lora_rank, lora_experts=lora_experts,  # rules/ep.py; the model's
+             quantize_base=quantize_base)  # part: Layout.check_model
 
 
 def _check_tp_combination(s: Strategy, tp: int, *, quantize_base: str, loss_chunks: int | None) -> None:

@@ -16,17 +16,21 @@ def experts_per_layer(hf: dict) -> int:
     return next((int(hf[k]) for k in EXPERT_KEYS if int(hf.get(k) or 0) > 0), 0)
 
 
-def check_ep(s: Strategy, ep: int, *, tp: int = 1, cp: int = 1, lora_rank: int = 0) -> None:
+def check_ep(s: Strategy, ep: int, *, tp: int = 1, cp: int = 1, lora_rank: int = 0, lora_experts: bool = False,
+             quantize_base: str = "none") -> None:
     """What ep > 1 does not compose with yet, one line each: a strategy without FSDP2 (the experts
-    shard over their own expert-FSDP mesh), LoRA and QLoRA (adapters on the experts' 3-D weights are
-    not built). tp and cp compose (docs/moe.md "ep with tp and cp"); `tp`, `cp` kept for the callers."""
+    shard over their own expert-FSDP mesh), LoRA on the experts (PEFT's adapters hold every expert,
+    not the rank's E/ep) and QLoRA (not checked under ep). LoRA on the other modules runs, and tp and
+    cp compose (docs/moe.md "ep with tp and cp"); `tp`, `cp` kept for the callers."""
     if positive_int(ep, "expert-parallel degree", "parallel.ep / --ep") == 1:
         return
     refused = (
         (not s.fsdp, f"strategy {s.name!r} (experts are FSDP2-sharded over their own mesh): use "
                      f"{', '.join(FSDP_STRATEGIES)} (parallel.strategy / --strategy)"),
-        (lora_rank > 0, f"LoRA (lora.rank {lora_rank}: adapters on split experts are not built yet): "
-                        "lora.rank 0, or parallel.ep 1"),
+        (lora_rank > 0 and lora_experts, "LoRA on the experts (lora.target_parameters: adapters on split experts "
+                                         "are not built yet): lora.target_parameters [], or parallel.ep 1"),
+        (lora_rank > 0 and quantize_base != "none", f"QLoRA (lora.quantize_base {quantize_base}, not checked under "
+                                                    "ep): lora.quantize_base none, or parallel.ep 1"),
     )
     refuse_first(f"parallel.ep {ep} does not compose with", refused)
 

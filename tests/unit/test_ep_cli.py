@@ -23,8 +23,9 @@ BAD = [
     (MOE, ["--nproc", "4", "--ep", "2", "--tp", "2", "parallel.sequence_parallel=false", "train.seq_len=63"],
      "make train.seq_len 63 a multiple of 2"),
     (MOE, ["--nproc", "6", "--ep", "3", "--cp", "2"], "and be a multiple of cp 2"),
-    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4"], "does not compose with LoRA"),
-    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.quantize_base=nf4"], "does not compose with LoRA"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.target_parameters=[experts.down_proj]"],
+     "does not compose with LoRA on the experts"),
+    (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.quantize_base=nf4"], "does not compose with QLoRA"),
     (MOE, ["--nproc", "2", "--ep", "0"], "parallel.ep"),
 ]
 

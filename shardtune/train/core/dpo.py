@@ -11,8 +11,11 @@ from the position restarts: slot (row, k // 2, k % 2) of a (B, P, 2) tensor, P =
 
 Normalisation as the SFT step's: each pair's loss / the number of pairs over all micro-batches
 and data-parallel ranks (one all-reduce of [pairs, target tokens] per step), so the gradient is the
-global mean over pairs. The metrics (reward_acc, reward_margin, chosen/rejected rewards) are this
-rank's parts of global means, summed over ranks by the loop's one logged-step gather.
+global mean over pairs. MoE models: the policy forward's load-balancing loss is added as in the SFT
+step (train/core/moe.py MoeTerms: router_aux_loss_coef × the mean over micro-batches of the global
+aux; `aux_loss` and `expert_load_cv` logged); the reference forward adds nothing. The metrics
+(reward_acc, reward_margin, chosen/rejected rewards) are this rank's parts of global means, summed
+over ranks by the loop's one logged-step gather.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from shardtune.parallel.cp import CPState, cp_degree, cp_state, shard_batch
 from shardtune.parallel.tp import is_tp, loss_context
 from shardtune.rules.loss import resolve_loss_chunks
 from shardtune.train.core.chunked_loss import IGNORE_INDEX, _loss_in_root_forward, chunked_token_logps
+from shardtune.train.core.moe import MoeTerms
 from shardtune.train.core.step import StepOptions, StepResult, accumulation, clip_and_step
 
 METRICS = ("reward_acc", "reward_margin", "reward_chosen", "reward_rejected")
@@ -164,21 +168,22 @@ class DPO:
         dist.all_reduce(counts, group=dp_group)  # ONE all-reduce: [pairs, target tokens]
         denom = counts[0].clamp(min=1).to(torch.float32)
         sums = torch.zeros(5, device=counts.device)
+        moe = MoeTerms(model, len(micro_batches), dp_group)  # MoE: the policy's load-balancing loss
         for i, mb in enumerate(micro_batches):
             if opts.objective == "dpo":
                 mb["ref_logps"] = self.ref_logps(mb, opts)  # no grad, outside the policy's backward
             with accumulation(model, last=i == len(micro_batches) - 1):
-                with activations.micro_batch() if activations else nullcontext():
+                with activations.micro_batch() if activations else nullcontext(), moe.routing() as seen:
                     pol = sequence_logps(model, mb, opts.loss_chunks, opts.autocast_dtype)
                 losses, chosen, rejected = self.losses(pol, mb, opts)
                 part = pair_sums(losses, chosen, rejected, valid[i])
                 with loss_context(model):  # TP: loss_parallel's backward
-                    (part[0] * dp_size / denom).backward()
+                    moe.add_objective(part[0] * dp_size / denom, seen, dp_size).backward()
             sums += part.detach()
         norm, lr, skipped = clip_and_step(model, optimizer, scheduler, sums[0], opts)
         parts = sums / denom / cp_degree(model)  # cp: every rank of the group holds the same pair sums
         return StepResult(loss_part=parts[0], grad_norm=norm.detach(), lr=lr, num_tokens=counts[1], skipped=skipped,
-                          parts=dict(zip(METRICS, parts[1:])))
+                          parts=dict(zip(METRICS, parts[1:])) | moe.parts(dp_size))
 
     @torch.no_grad()
     def evaluate(self, model, batches: list[dict], device, opts: StepOptions, group=None) -> dict:

@@ -8,6 +8,7 @@ from torch import nn
 
 from shardtune.catalog.models import safetensors_files
 from shardtune.config import ModelConfig
+from shardtune.train.core.lora import adapted_weights, inject
 from shardtune.train.core.model import build_meta_model, pretrained_full_tensors, random_full_tensors
 
 
@@ -44,3 +45,12 @@ def _adapter_names(lora: dict, meta: nn.Module) -> list[str]:
     wanted = set(lora["target_modules"]) & names
     return [f"{m}.lora_A.default.weight" for m, mod in meta.named_modules()
             if isinstance(mod, nn.Linear) and m.rsplit(".", 1)[-1] in wanted]
+
+
+def adapter_targets(lora: dict, ckpt_hf_dir) -> dict[str, str] | None:
+    """Adapter module → the HF weight it changes, for a run with expert adapters (PEFT's nested
+    ParamWrappers, read from the meta model with the same injection); None without them."""
+    if not lora.get("target_parameters"):
+        return None
+    meta = build_meta_model(ModelConfig(name=str(ckpt_hf_dir), init="random"))
+    return adapted_weights(inject(meta, lora))

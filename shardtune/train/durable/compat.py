@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 BREAKING = ("model.name", "model.trust_remote_code", "data.path", "data.sources", "data.split", "data.format",
             "data.columns", "data.tokenizer", "data.template", "data.chat_template", "data.system_prompt",
             "data.packing", "data.shuffle", "data.generated_examples", "data.generated_seed", "train.seq_len",
-            "optim.name", "lora.rank", "lora.alpha", "lora.target_modules")
+            "optim.name", "lora.rank", "lora.alpha", "lora.target_modules", "lora.target_parameters")
 IGNORED = ("name", "output_dir", "checkpoint.resume")
 WAY_OUT = "give a new --output-dir, or --resume never --move-aside to start afresh here"
 

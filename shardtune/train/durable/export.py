@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from shardtune.errors import UserError, read_json_object
 from shardtune.train.core import lora as lora_mod
-from shardtune.train.core.lora_base import base_tensors
+from shardtune.train.core.lora_base import adapter_targets, base_tensors
 from shardtune.train.durable import integrity
 from shardtune.train.durable.checkpoint import SafeFileSystemReader, safe_dcp_load
 from shardtune.train.durable.ckpt_files import HF_DIR, read_info, why_not_checkpoint
@@ -173,7 +173,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path,
     lora = hf_config.get(lora_mod.CONFIG_KEY)
     if adapter_only and not lora:
         raise UserError(f"{ckpt} was not trained with LoRA (lora.rank > 0); drop --adapter-only")
-    entries, adapters = lora_mod.split_adapters(entries) if lora else (entries, {})
+    entries, adapters = (lora_mod.split_adapters(entries, adapter_targets(lora, ckpt / HF_DIR)) if lora
+                         else (entries, {}))
     # a LoRA checkpoint holds the adapters and what else was trained, not the frozen base
     # (train/durable/checkpoint.py): a merged export rebuilds every tensor it lacks from the base
     # pointer, one at a time (key "base:<name>", never a DCP key)
