@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from math import ceil
 
+from shardtune.plan.moe import routed_mlp_bytes
 from shardtune.plan.params import Architecture
 from shardtune.strategies import checkpointed_layers
 
@@ -49,11 +50,12 @@ def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2,
     attn = qkv_in + e * (2 * h_q + 2 * h_kv) + 4 * arch.num_heads
     if mask_seq_len:  # masked attention (module doc): K, V repeated to h_q, the additive mask
         attn = qkv_in + e * (4 * h_q + mask_seq_len) + 4 * arch.num_heads
+    if getattr(arch, "qk_norm", False):  # Qwen3: an RMSNorm per query and key head (as the block's norms)
+        attn += (4 + normed) * (h_q + h_kv) + 4 * (arch.num_heads + arch.num_kv_heads)
     if arch.num_experts:
-        k = arch.experts_per_token
-        mlp = e * h + 4 * arch.num_experts + k * (2 * e * h + 4 * e * I)
-    else:
-        mlp = (2 if autocast else 1) * e * h + 4 * e * I
+        per_token, per_layer = routed_mlp_bytes(arch, e, autocast)
+        return tokens * (norms + attn + per_token) + per_layer
+    mlp = (2 if autocast else 1) * e * h + 4 * e * I
     return tokens * (norms + attn + mlp)
 
 

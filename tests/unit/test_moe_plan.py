@@ -71,3 +71,59 @@ def test_plan_json_gives_total_active_and_expert_states():
 def test_a_dense_plan_has_no_moe_fields():
     d = plan("llama-3-8b", 8, strategies=["zero3"]).to_dict()
     assert "params_total" not in d["model"] and "experts" not in d["strategies"][0]["memory"]
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["tiny-mixtral", "qwen3-30b-a3b"])
+def test_moe_layer_activations_match_torch_saved_tensors(name, dtype_name):
+    # Independent measurement, as test_memory.py's dense one: every tensor autograd saves in one
+    # decoder layer's forward (saved_tensors_hooks; parameters, and storages made before the
+    # layer, excluded; each storage once) of transformers' model with the trainer's grouped_mm
+    # experts and fp32 router, plus what the trainer's load-balancing loss adds for that layer:
+    # the router logits it holds and what its softmax saves (aux_loss_part over all layers, less
+    # its step-wide f (E fp32) and row count (fp32), divided by the layers).
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.catalog.models import resolve_model_config
+    from shardtune.plan.activations import layer_activation_bytes
+    from shardtune.train.core.moe import EXPERTS_IMPLEMENTATION, aux_loss_part, prepare_moe, record_routing
+
+    cfg = resolve_model_config(name)
+    if name != "tiny-mixtral":
+        cfg = {**cfg, **SMALL, **TINY[name], "mlp_only_layers": []}
+    hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    hf._attn_implementation, hf._experts_implementation = "sdpa", EXPERTS_IMPLEMENTATION
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf).to(getattr(torch, dtype_name)).train()
+    prepare_moe(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    inside, saved, before, aux = [False], {}, set(), {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if inside[0] and ptr not in params and ptr not in before:
+            saved[ptr] = t.untyped_storage().nbytes()
+        elif not inside[0] and not saved:
+            before.add(ptr)
+        return t
+
+    def pack_aux(t):
+        aux[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    layer = model.model.layers[1]
+    layer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
+    layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
+    arch = architecture_from_config(cfg)
+    b, s, E = 2, 48, arch.num_experts
+    ids = torch.randint(0, 90, (b, s))
+    with record_routing(model) as seen:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids, use_cache=False)
+        with torch.autograd.graph.saved_tensors_hooks(pack_aux, lambda t: t):
+            aux_loss_part(seen, E)
+    aux_layer = (sum(aux.values()) - (4 * E + 4)) / len(seen)
+    measured = sum(saved.values()) + seen[1][0].untyped_storage().nbytes() + aux_layer
+    elem = torch.tensor([], dtype=getattr(torch, dtype_name)).element_size()
+    assert measured == layer_activation_bytes(arch, b * s, elem)
