@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from math import ceil
 
-from shardtune.plan.moe import routed_mlp_bytes
+from shardtune.plan.moe import routed_mlp_bytes, routed_recompute_bytes
 from shardtune.plan.params import Architecture
 from shardtune.strategies import checkpointed_layers
 
@@ -155,6 +155,8 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     checkpointed = len(checkpointed_layers(L, ac, ac_every))  # the trainer's rule (strategies.py)
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
+    if checkpointed and arch.num_experts:  # + the MoE recompute's last unsaved tensor (plan/moe.py)
+        recompute += routed_recompute_bytes(arch, tokens)
     if ac == "op":  # + each layer's matmul/SDPA outputs; the recompute rebuilds the rest (docs/ac.md)
         kept, shared = op_kept_layer_bytes(arch, tokens, elem_bytes, tp)
         body += L * kept

@@ -139,3 +139,10 @@ def routed_mlp_bytes(arch, elem_bytes: int = 2, autocast: bool = False) -> tuple
     router = 4 * h + 3 * 4 * E + (8 + 4) * k + 4
     routed = k * (3 * 8 + x * (2 * h + 4 * I) + 4)
     return router + routed, 4 * E + (4 * E * h if elem_bytes != 4 and not autocast else 0)
+
+
+def routed_recompute_bytes(arch, tokens: int) -> int:
+    """What an activation-checkpoint recompute of an MoE layer holds beyond the layer's saved
+    tensors: the weighted routed rows (k·T, h), fp32 (the routing weights are), alive when the
+    recompute stops at the unsort's index, its last saved tensor (torch's early stop)."""
+    return 4 * arch.experts_per_token * tokens * arch.hidden_size
