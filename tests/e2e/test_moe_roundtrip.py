@@ -39,7 +39,7 @@ def _tiny_mixtral_folder(folder: Path) -> Path:
 
     cfg = resolve_model_config("tiny-mixtral")
     hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    hf.architectures = cfg["architectures"]
+    hf.architectures, hf.dtype = cfg["architectures"], "float32"  # as a saved model's config names its weights'
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf)
     folder.mkdir(parents=True)
