@@ -1,5 +1,6 @@
 """bench/gpu.sh --dry-run: the GPU check's whole pipeline (recipes, `shardtune plan`, torchrun +
-the trainer, collect) on the tiny CPU cut, so that GPU time is spent only on measuring."""
+the trainer, collect; the MoE row, bench/gpu_moe.py) on the tiny CPU cut, so that GPU time is spent
+only on measuring."""
 from __future__ import annotations
 
 import json
@@ -28,12 +29,12 @@ MOE_LAYER = 2 * MH * 4 * MD + 2 * MH * MD + 2 * MD + ME * MH + 3 * ME * MI * MH 
 MOE_PARAMS = 2 * MV * MH + 2 * MOE_LAYER + MH
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(480)
 def test_gpu_script_dry_run(tmp_path):
     assert NUM_PARAMS == 67_372_288
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = run_bounded(["bash", "bench/gpu.sh", "--dry-run", str(out)], timeout_s=330, cwd=REPO,
+    proc = run_bounded(["bash", "bench/gpu.sh", "--dry-run", str(out)], timeout_s=450, cwd=REPO,
                        env=env, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-3000:]
     for name in ("ac-none", "ac-full", "ac-op", "ac-none-k1"):  # the ratios table
