@@ -8,7 +8,8 @@ layers x 4 experts, bf16, tied embeddings). Each trains one step on 2 processes,
 (lr x m/(sqrt(v) + eps), at most lr on the first step) is below half of fp32's smallest subnormal
 (1.4e-45) and rounds to zero, weight decay 0 (pure bf16 updates in fp32 too). What comes back is
 then the loader, the sharding (experts split by ep and FSDP), DCP's save and the export: every
-tensor's name, dtype, shape and bytes equal the source's, and the config reads back the same.
+tensor's name, dtype, shape and bytes equal the source's, and the config reads back the same. The
+zero3 runs' memory.json also measures the planner's MoE activations (plan.json, within 10 %).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _tiny_mixtral_folder(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict]]]:
+def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict], Path]]:
     from shardtune.testing.upcycle import upcycled_folder
 
     tmp: Path = tmp_path_factory.mktemp("moe_roundtrip")
@@ -64,7 +65,7 @@ def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict
             assert proc.returncode == 0, proc.stdout[-3000:]
             proc = shardtune_cli("export", run / "checkpoints" / "step_1", export, timeout_s=240)
             assert proc.returncode == 0, proc.stdout[-3000:]
-            out[name, layout] = (source, export, metrics(run))
+            out[name, layout] = (source, export, metrics(run), run)
     return out
 
 
@@ -80,7 +81,7 @@ def _tensors(folder: Path) -> dict:
 def test_train_then_export_gives_the_source_tensors_bit_for_bit(trips, name, layout):
     import torch
 
-    source, export, steps = trips[name, layout]
+    source, export, steps, _ = trips[name, layout]
     # the step ran: a loss and a gradient (the update it made rounds to nothing)
     assert [r["step"] for r in steps] == [1] and steps[0]["grad_norm"] > 0 and steps[0]["lr"] == 1e-46
     want, got = _tensors(source), _tensors(export)
@@ -99,7 +100,7 @@ def test_train_then_export_gives_the_source_tensors_bit_for_bit(trips, name, lay
 def test_the_exported_config_is_the_source_config(trips, name, layout):
     from transformers import AutoConfig
 
-    source, export, _ = trips[name, layout]
+    source, export, _, _ = trips[name, layout]
     want, got = (json.loads((f / "config.json").read_text()) for f in (source, export))
     assert {k: got.get(k) for k in want} == want  # every source key, its value unchanged
     # what the export adds is what transformers writes on save; read back, the configs are one
@@ -110,3 +111,15 @@ def test_the_exported_config_is_the_source_config(trips, name, layout):
     for d in read:
         d.pop("transformers_version", None), d.pop("_name_or_path", None)  # where it was read from
     assert read[0] == read[1]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_the_planned_moe_activations_are_what_the_trainer_measured(trips, name):
+    """The same zero3 runs as a measurement of the planner's MoE activation terms (plan/moe.py): the
+    activation bytes torch's memory tracker saw in the trainer's step (memory.json, rank 0) against
+    the plan the trainer wrote for the run (plan.json), within the dense models' 10 %."""
+    run = trips[name, "zero3"][3]
+    measured = json.loads((run / "memory.json").read_text())["per_rank"][0]["tracked"]["activations"]
+    planned = json.loads((run / "plan.json").read_text())["strategies"][0]["memory"]["activations"]
+    assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
