@@ -4,7 +4,10 @@
 # fp32 logits, loss_chunks 1; with train.compile; with adamw-8bit), 20 steps each; tokens/s,
 # MFU and torch.cuda.max_memory_allocated against `shardtune plan` of the same recipe, all in
 # OUTDIR/gpu_check.json (bench/gpu_run.py). Under 6 minutes on one H200 with the first four runs; the
-# compile and 8-bit runs (issue 26) add their compile time (not yet run on a GPU).
+# compile and 8-bit runs (issue 26) add their compile time (not yet run on a GPU). Then one MoE row
+# (bench/gpu_moe.py): Qwen3-30B-A3B's widths cut to 4 layers through the trainer (grouped_mm experts),
+# and one MoE block timed with transformers' grouped_mm and eager experts: tokens/s and model TFLOP/s
+# in gpu_check.json "moe" (not yet run on a GPU).
 #
 #   bash bench/gpu.sh --fetch-wheels     here, with PyPI: the missing-package wheels -> bench/wheels/
 #   bash bench/gpu.sh --dry-run OUTDIR   here, CPU: the same pipeline on a tiny cut (gloo, fp32, 3 steps)
@@ -23,7 +26,7 @@ MODE=gpu
 case "${1:-}" in
   --fetch-wheels) MODE=fetch ;;
   --dry-run) MODE=dry-run; shift ;;
-  ""|-h|--help) sed -n '2,15p' "${BASH_SOURCE[0]}"; exit 2 ;;
+  ""|-h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}"; exit 2 ;;
 esac
 # here (fetch, dry run) the project venv is the tested set; the GPU box has its own python3
 if [[ "$MODE" != gpu && -z "${PYTHON:-}" && -x "$REPO/.venv/bin/python" ]]; then
@@ -96,9 +99,12 @@ install_missing "$OUTDIR"
 PREP_ARGS=()
 [[ "$MODE" == dry-run ]] && PREP_ARGS=(--dry-run)
 AC_MODES="$("$PY" bench/gpu_run.py prepare "$OUTDIR" ${PREP_ARGS[@]+"${PREP_ARGS[@]}"})"
+# the MoE row (bench/gpu_moe.py): a Qwen3-30B-A3B cut through the trainer (run "moe", grouped_mm) and
+# its experts block timed grouped_mm vs eager
+"$PY" bench/gpu_moe.py prepare "$OUTDIR" ${PREP_ARGS[@]+"${PREP_ARGS[@]}"}
 
 failed=0
-for ac in $AC_MODES; do
+for ac in $AC_MODES moe; do
   recipe="$OUTDIR/recipe-ac-$ac.yaml"
   timeout 60 "$PY" -m shardtune.cli plan "$recipe" --gpus 1 --strategy zero3 --json > "$OUTDIR/plan-ac-$ac.json"
   rm -rf "$OUTDIR/run-ac-$ac"
@@ -110,5 +116,9 @@ for ac in $AC_MODES; do
     failed=1
   fi
 done
-timeout 60 "$PY" bench/gpu_run.py collect "$OUTDIR"
+if ! timeout --kill-after=15 "$RUN_TIMEOUT_S" "$PY" bench/gpu_moe.py layer "$OUTDIR" ${PREP_ARGS[@]+"${PREP_ARGS[@]}"}; then
+  echo "gpu.sh: the MoE experts timing failed; see $OUTDIR/moe_layer.json" >&2
+  failed=1
+fi
+timeout 60 "$PY" bench/gpu_run.py collect "$OUTDIR" || failed=1
 exit "$failed"

@@ -213,7 +213,7 @@ def collect_run(out: Path, ac: str) -> dict:
     try:
         plan = json.loads((out / f"plan-ac-{ac}.json").read_text())
         strat = plan["strategies"][0]
-        row["activation_checkpointing"], row["loss_chunks"], row["recipe_keys"] = VARIANTS[ac]
+        row["activation_checkpointing"], row["loss_chunks"], row["recipe_keys"] = VARIANTS.get(ac, VARIANTS["none"])
         row["predicted"] = {"source": f"shardtune plan {row['recipe']} --gpus 1 --strategy zero3 --json",
                             "model_params": plan["model"]["params"], "memory_bytes": strat["memory"],
                             "peak_bytes": strat["memory"]["total"], "tokens_per_s": strat["tokens_per_s"],
@@ -241,6 +241,7 @@ def collect_run(out: Path, ac: str) -> dict:
     row["measured"] = {
         "steps": len(records), "steady_steps": [r["step"] for r in steady],
         "tokens_per_s": median("tokens_per_s"), "mfu": median("mfu"), "step_time_s": median("step_time_s"),
+        "model_tflops": median("tflops"),  # the trainer's model FLOPs (MoE: the active experts) per second
         # peak_mem_bytes is reset after every step; the max over steps is the whole run's
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
         "memory_method": memory["method"], "states_bytes": states,
@@ -291,6 +292,10 @@ def cmd_collect(args) -> int:
             name: {"measured": _ratio(row["measured"]["step_time_s"], base["measured"]["step_time_s"]),
                    "predicted": _ratio(row["predicted"]["step_time_s"], base["predicted"]["step_time_s"])}
             for name, row in result["runs"].items() if row["ok"]}
+    if (out / "recipe-ac-moe.yaml").is_file():  # the MoE row (bench/gpu_moe.py): the trainer's run, the experts
+        layer = out / "moe_layer.json"
+        result["moe"] = {"trainer_grouped_mm": collect_run(out, "moe"),
+                         "experts_grouped_mm_vs_eager": json.loads(layer.read_text()) if layer.is_file() else None}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     print(f"{'run':11} {'tok/s meas':>11} {'pred':>9} {'ratio':>6} {'MFU meas':>9} {'pred':>6} "
           f"{'peak GiB meas':>13} {'pred':>7} {'ratio':>6} {'states ratio':>12}")
@@ -305,8 +310,14 @@ def cmd_collect(args) -> int:
               f"{r['peak_mem']:>6.3f} {r['model_states']:>12.4f}")
     for name, r in result.get("step_time_vs_ac_none", {}).items():
         print(f"{name:11} step time / ac-none: measured {r['measured']}, planner {r['predicted']}")
+    moe = result.get("moe", {}).get("trainer_grouped_mm", {"ok": True})
+    if "measured" in moe:
+        m, p = moe["measured"], moe["predicted"]
+        print(f"moe        {m['tokens_per_s']:,.0f} tokens/s (planned {p['tokens_per_s']:,.0f}), model "
+              f"{m['model_tflops']} TFLOP/s, peak {m['peak_mem_bytes'] / 2**30:.2f} GiB (planned "
+              f"{p['peak_bytes'] / 2**30:.2f})")
     print(f"wrote {out / 'gpu_check.json'}")
-    return 0 if all(r["ok"] for r in result["runs"].values()) else 1
+    return 0 if all(r["ok"] for r in result["runs"].values()) and moe["ok"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from math import ceil
 
+from shardtune.plan.moe import routed_mlp_bytes, routed_recompute_bytes
 from shardtune.plan.params import Architecture
 from shardtune.strategies import checkpointed_layers
 
@@ -49,11 +50,12 @@ def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2,
     attn = qkv_in + e * (2 * h_q + 2 * h_kv) + 4 * arch.num_heads
     if mask_seq_len:  # masked attention (module doc): K, V repeated to h_q, the additive mask
         attn = qkv_in + e * (4 * h_q + mask_seq_len) + 4 * arch.num_heads
+    if getattr(arch, "qk_norm", False):  # Qwen3: an RMSNorm per query and key head (as the block's norms)
+        attn += (4 + normed) * (h_q + h_kv) + 4 * (arch.num_heads + arch.num_kv_heads)
     if arch.num_experts:
-        k = arch.experts_per_token
-        mlp = e * h + 4 * arch.num_experts + k * (2 * e * h + 4 * e * I)
-    else:
-        mlp = (2 if autocast else 1) * e * h + 4 * e * I
+        per_token, per_layer = routed_mlp_bytes(arch, e, autocast)
+        return tokens * (norms + attn + per_token) + per_layer
+    mlp = (2 if autocast else 1) * e * h + 4 * e * I
     return tokens * (norms + attn + mlp)
 
 
@@ -153,6 +155,8 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     checkpointed = len(checkpointed_layers(L, ac, ac_every))  # the trainer's rule (strategies.py)
     body = checkpointed * kept_input + (L - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one checkpointed layer re-materialised in backward
+    if checkpointed and arch.num_experts:  # + the MoE recompute's last unsaved tensor (plan/moe.py)
+        recompute += routed_recompute_bytes(arch, tokens)
     if ac == "op":  # + each layer's matmul/SDPA outputs; the recompute rebuilds the rest (docs/ac.md)
         kept, shared = op_kept_layer_bytes(arch, tokens, elem_bytes, tp)
         body += L * kept

@@ -124,3 +124,25 @@ def expert_state_bytes(states, ep_degree: int = 1) -> int:
     """Expert states per rank: the routed experts' params + grads + optimizer states (`states`, a
     memory.States of the expert tensors alone, already sharded by the expert-FSDP degree) over ep."""
     return -(-(states.params + states.grads + states.optimizer) // ep_degree)
+
+
+def routed_mlp_bytes(arch, elem_bytes: int = 2, autocast: bool = False) -> tuple[int, int]:
+    """(bytes a token, bytes a layer) one MoE layer's router and routed experts keep for backward
+    in the trainer's step (docs/planner.md "Activations: derivation", MoE): the fp32 router's input,
+    its logits (kept for the aux loss), softmax and the aux loss's softmax, the top-k indices and
+    renormalised weights; per routed copy (k a token) the sort's three int64 index buffers, the
+    gathered input, gate_up output, SiLU output, product, down output and the fp32 routing weight
+    (transformers' grouped_mm forward; under autocast the experts run in the fp32 weights' dtype).
+    A layer: the int32 group offsets and, below fp32, the router weight's fp32 copy."""
+    h, E, k, I = arch.hidden_size, arch.num_experts, arch.experts_per_token, arch.intermediate_size
+    x = 4 if autocast else elem_bytes  # the experts' dtype
+    router = 4 * h + 3 * 4 * E + (8 + 4) * k + 4
+    routed = k * (3 * 8 + x * (2 * h + 4 * I) + 4)
+    return router + routed, 4 * E + (4 * E * h if elem_bytes != 4 and not autocast else 0)
+
+
+def routed_recompute_bytes(arch, tokens: int) -> int:
+    """What an activation-checkpoint recompute of an MoE layer holds beyond the layer's saved
+    tensors: the weighted routed rows (k·T, h), fp32 (the routing weights are), alive when the
+    recompute stops at the unsort's index, its last saved tensor (torch's early stop)."""
+    return 4 * arch.experts_per_token * tokens * arch.hidden_size

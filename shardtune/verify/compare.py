@@ -123,7 +123,7 @@ def render_simulated(result, console=None) -> None:
 
 
 def mark_untraced(result) -> bool:
-    """--simulate with pp > 1, cp > 1, activation offload or grpo: the trace (verify/simulate.py) runs none
+    """--simulate with pp > 1, cp > 1, activation offload, ep > 1 or grpo: the trace (verify/simulate.py) runs none
     of them, so each strategy is marked untraced with the reason (never traced as cp 1)."""
     inp = result.inputs
     reason = ("the fake-tensor trace runs one FSDP step of the whole model, not a pipeline stage's schedule "
@@ -131,6 +131,8 @@ def mark_untraced(result) -> bool:
               if inp.get("pp", 1) > 1 else
               "the fake-tensor trace does not run context parallelism (cp > 1)" if inp.get("cp", 1) > 1 else
               "the fake-tensor trace does not run activation offload" if inp.get("activation_offload") else
+              "the fake-tensor trace does not run expert parallelism (its all-to-all splits are the routed "
+              "counts, values fake tensors do not hold: verify/moe_fake.py)" if inp.get("ep", 1) > 1 else
               "the fake-tensor trace does not run grpo's generation and step" if inp.get("objective") == "grpo"
               else "")
     if not reason:

@@ -46,6 +46,7 @@ from shardtune.train.core.memtrack import track_step
 from shardtune.train.core.model import build_meta_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepOptions, train_step
+from shardtune.verify.moe_fake import moe_on_fake_tensors
 
 
 def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0, optimizer: str = "adamw",
@@ -263,7 +264,7 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
     optim_cfg = OptimConfig(implementation=optimizer_impl)
     live = holds_reference(objective, reference, 0)
     with (tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation(),
-          real_device_meshes()):
+          real_device_meshes(), moe_on_fake_tensors()):
         per_node = gpus_per_node or min(8, gpus)
         mesh = build_mesh(parallel_cfg, gpus, per_node, "cpu")  # outside fake mode
         # the meta model is built outside the fake mode: `to_empty` of a fake meta parameter must

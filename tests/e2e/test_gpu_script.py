@@ -1,5 +1,6 @@
 """bench/gpu.sh --dry-run: the GPU check's whole pipeline (recipes, `shardtune plan`, torchrun +
-the trainer, collect) on the tiny CPU cut, so that GPU time is spent only on measuring."""
+the trainer, collect; the MoE row, bench/gpu_moe.py) on the tiny CPU cut, so that GPU time is spent
+only on measuring."""
 from __future__ import annotations
 
 import json
@@ -21,14 +22,19 @@ V, H, I, L, HEAD_DIM, KV = 128_256, 256, 896, 2, 64, 1
 PER_LAYER = 2 * H * H + 2 * H * KV * HEAD_DIM + 3 * H * I + 2 * H  # q, o; k, v; gate, up, down; 2 norms
 NUM_PARAMS = 2 * V * H + L * PER_LAYER + H  # embeddings + lm_head, layers, final norm
 NUM_TENSORS = L * 9 + 3
+# The MoE row's dry-run cut of Qwen3-30B-A3B (bench/gpu_moe.py SHAPES): 2 layers, hidden 128, 8 experts
+# of 64 (top-2), 4 query heads and 1 KV head of dim 32 with q/k norms, the 151,936-token vocabulary.
+MV, MH, ME, MI, MD = 151_936, 128, 8, 64, 32
+MOE_LAYER = 2 * MH * 4 * MD + 2 * MH * MD + 2 * MD + ME * MH + 3 * ME * MI * MH + 2 * MH  # attn, norms, router, experts
+MOE_PARAMS = 2 * MV * MH + 2 * MOE_LAYER + MH
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(480)
 def test_gpu_script_dry_run(tmp_path):
     assert NUM_PARAMS == 67_372_288
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
-    proc = run_bounded(["bash", "bench/gpu.sh", "--dry-run", str(out)], timeout_s=330, cwd=REPO,
+    proc = run_bounded(["bash", "bench/gpu.sh", "--dry-run", str(out)], timeout_s=450, cwd=REPO,
                        env=env, stderr=subprocess.STDOUT)
     assert proc.returncode == 0, proc.stdout[-3000:]
     for name in ("ac-none", "ac-full", "ac-op", "ac-none-k1"):  # the ratios table
@@ -70,3 +76,15 @@ def test_gpu_script_dry_run(tmp_path):
             assert ratios[name][side] == pytest.approx(want, abs=1e-4), (name, side)
     assert ratios["ac-none"] == {"measured": 1.0, "predicted": 1.0}
     assert ratios["ac-full"]["predicted"] >= ratios["ac-op"]["predicted"] >= 1  # this tiny cut: ~equal
+    # the MoE row: the Qwen3-MoE cut through the trainer (grouped_mm), its states the planner's, and its
+    # experts block timed with grouped_mm and eager (tokens/s and model TFLOP/s recorded for each)
+    moe = result["moe"]["trainer_grouped_mm"]
+    assert moe["ok"], moe.get("error")
+    assert moe["predicted"]["model_params"] == MOE_PARAMS == 39_373_568
+    assert moe["measured"]["steps"] == 3 and moe["measured"]["tokens_per_s"] > 0
+    assert moe["measured"]["model_tflops"] > 0 and moe["effective"]["experts_implementation"] == "grouped_mm"
+    assert abs(moe["ratios_measured_over_predicted"]["model_states"] - 1) < 1e-4
+    experts = result["moe"]["experts_grouped_mm_vs_eager"]
+    for impl in ("grouped_mm", "eager"):
+        assert experts[impl]["tokens_per_s"] > 0 and experts[impl]["model_tflops"] > 0, experts[impl]
+    assert experts["grouped_mm_over_eager"] > 0 and "\nmoe " in proc.stdout

@@ -61,7 +61,7 @@ def recipe_plans():
 RECIPE_GPUS = {"llama-3-70b-lora-8xh100": 8, "llama-3-70b-8xh100": 8, "llama-3-70b-bf16-8xh100": 8,
                "llama-3-70b-qlora-2x4090": 2, "llama-3.1-405b-tp8-16x8xh100": 128, "llama-3-70b-tp8-2x8xh100": 16,
                "llama-3.1-8b-128k-cp8-8xh100": 8, "llama-3.1-70b-32k-64xh100": 64,
-               "qwen3-30b-a3b-ep8-8xh100": 8, "mixtral-8x7b-lora-8xh100": 8}
+               "qwen3-30b-a3b-ep8-8xh100": 8, "mixtral-8x7b-lora-8xh100": 8, "qwen3-235b-a22b-lora-2x8xh100": 16}
 
 
 @pytest.mark.parametrize("name", list(RECIPE_GPUS))
@@ -162,6 +162,19 @@ def test_moe_recipe_tflops_beside_the_published_figure(recipe_plans, capsys):
             f"{bf16 / 1e12:.1f} bf16 TFLOP/s)") in text
     assert "| NeMo AutoModel, published (issue 39's quote of its docs; not measured by us) | Qwen3-30B-A3B, " \
            "EP 8 × FSDP 8, bf16, 8 H100 | — | — | 277 TFLOP/s/GPU (28 %) | — |" in README
+
+
+def test_qwen3_235b_lora_tflops_beside_the_published_figure(capsys):
+    """The 235B LoRA recipe's TFLOP/s a GPU as the README quotes it, beside Megatron-Bridge's published
+    H100 row (a quote with its source commit, not computed here)."""
+    d = _plan_json(capsys, str(REPO / "recipes" / "qwen3-235b-a22b-lora-2x8xh100.yaml"), "--gpus", "16")
+    s = next(x for x in d["strategies"] if x["name"] == "zero3")
+    assert d["inputs"]["lora_rank"] == 16 and d["inputs"].get("ep", 1) == 1 and s["fits"]
+    text = " ".join(README.split())
+    assert f"The 235B LoRA row is {s['mfu'] * d['hardware']['bf16_flops'] / 1e12:.0f} TFLOP/s a GPU" in text
+    assert ("Megatron-Bridge/blob/00b7660be0254ac6f95f44164ddd0c3e9cc798ed/docs/performance-summary.md), 25.11 "
+            "container, DGX-H100; not measured by us) | Qwen3-235B-A22B pre-training, FP8-CS, TP 2 × PP 8 × EP 32, "
+            "256 H100 | — | — | 1,575 tokens/s/GPU, 233 model TFLOP/s/GPU | — |") in README
 
 
 def test_moe_md_recipe_figures_are_what_plan_recipe_prints(capsys):

@@ -1,0 +1,125 @@
+"""A Hugging Face MoE folder through `shardtune train` and `shardtune export` comes back bit for bit.
+
+Source folders: tiny-mixtral (random, fp32, the fused `experts.gate_up_proj` / `down_proj` names
+that transformers' classes hold) and the upcycled SmolLM2 MoE (shardtune/testing/upcycle.py: 30
+layers x 4 experts, bf16, tied embeddings). Each trains one step on 2 processes, zero3 and with
+`--ep 2`, then `shardtune export` writes its final checkpoint. The CLI has no zero-step run
+(train.max_steps >= 1, optim.lr > 0): the step runs with optim.lr=1e-46, so AdamW's update
+(lr x m/(sqrt(v) + eps), at most lr on the first step) is below half of fp32's smallest subnormal
+(1.4e-45) and rounds to zero, weight decay 0 (pure bf16 updates in fp32 too). What comes back is
+then the loader, the sharding (experts split by ep and FSDP), DCP's save and the export: every
+tensor's name, dtype, shape and bytes equal the source's, and the config reads back the same. The
+zero3 runs' memory.json also measures the planner's MoE activations (plan.json, within 10 %).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _cli import REPO, metrics, shardtune_cli
+
+pytestmark = [pytest.mark.e2e]
+RECIPE = REPO / "recipes" / "tiny-moe-cpu.yaml"
+NO_STEP = ["train.max_steps=1", "optim.lr=1e-46", "optim.warmup_steps=0", "optim.weight_decay=0",
+           "checkpoint.save_final=true", "model.init=pretrained"]
+SOURCES = {"tiny-mixtral": ["parallel.precision=fp32"],
+           "upcycled": ["parallel.precision=bf16", "train.seq_len=32", "train.micro_batch=1"]}
+LAYOUTS = {"zero3": [], "ep2": ["--ep", "2"]}
+
+
+def _tiny_mixtral_folder(folder: Path) -> Path:
+    """tiny-mixtral as a pretrained folder, written as upcycle.py writes one (the model's own state
+    dict: fused expert tensors; transformers' save_pretrained writes Mixtral's legacy per-expert
+    names, which it converts back on load)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune.catalog.models import resolve_model_config
+
+    cfg = resolve_model_config("tiny-mixtral")
+    hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    hf.architectures, hf.dtype = cfg["architectures"], "float32"  # as a saved model's config names its weights'
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf)
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict], Path]]:
+    from shardtune.testing.upcycle import upcycled_folder
+
+    tmp: Path = tmp_path_factory.mktemp("moe_roundtrip")
+    sources = {"tiny-mixtral": _tiny_mixtral_folder(tmp / "tiny-mixtral"), "upcycled": upcycled_folder()}
+    out = {}
+    for name, source in sources.items():
+        for layout, extra in LAYOUTS.items():
+            run, export = tmp / f"{name}-{layout}", tmp / f"{name}-{layout}-hf"
+            proc = shardtune_cli("train", RECIPE, "--nproc", "2", "--output-dir", run, *extra,
+                                 f"model.name={source}", *NO_STEP, *SOURCES[name], timeout_s=420)
+            assert proc.returncode == 0, proc.stdout[-3000:]
+            proc = shardtune_cli("export", run / "checkpoints" / "step_1", export, timeout_s=240)
+            assert proc.returncode == 0, proc.stdout[-3000:]
+            out[name, layout] = (source, export, metrics(run), run)
+    return out
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_train_then_export_gives_the_source_tensors_bit_for_bit(trips, name, layout):
+    import torch
+
+    source, export, steps, _ = trips[name, layout]
+    # the step ran: a loss and a gradient (the update it made rounds to nothing)
+    assert [r["step"] for r in steps] == [1] and steps[0]["grad_norm"] > 0 and steps[0]["lr"] == 1e-46
+    want, got = _tensors(source), _tensors(export)
+    assert sorted(got) == sorted(want)
+    experts = [k for k in want if ".mlp.experts." in k]
+    assert len(experts) == 2 * (4 if name == "tiny-mixtral" else 30)
+    for key, w in want.items():
+        g = got[key]
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), key
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), key  # the bytes, signed zeros too
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_the_exported_config_is_the_source_config(trips, name, layout):
+    from transformers import AutoConfig
+
+    source, export, _, _ = trips[name, layout]
+    want, got = (json.loads((f / "config.json").read_text()) for f in (source, export))
+    assert {k: got.get(k) for k in want} == want  # every source key, its value unchanged
+    # what the export adds is what transformers writes on save; read back, the configs are one
+    assert set(got) - set(want) <= {"transformers_version", "dtype", "torch_dtype", "use_cache"}
+    stored = str(next(iter(_tensors(source).values())).dtype).removeprefix("torch.")
+    assert all(got[k] == stored for k in ("dtype", "torch_dtype") if k in got)  # the weights' own dtype
+    read = [AutoConfig.from_pretrained(f).to_dict() for f in (source, export)]
+    for d in read:
+        d.pop("transformers_version", None), d.pop("_name_or_path", None)  # where it was read from
+    assert read[0] == read[1]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_the_planned_moe_activations_are_what_the_trainer_measured(trips, name):
+    """The same zero3 runs as a measurement of the planner's MoE activation terms (plan/moe.py): the
+    activation bytes torch's memory tracker saw in the trainer's step (memory.json, rank 0) against
+    the plan the trainer wrote for the run (plan.json), within the dense models' 10 %."""
+    run = trips[name, "zero3"][3]
+    measured = json.loads((run / "memory.json").read_text())["per_rank"][0]["tracked"]["activations"]
+    planned = json.loads((run / "plan.json").read_text())["strategies"][0]["memory"]["activations"]
+    assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
