@@ -27,7 +27,7 @@ from shardtune.plan.tp import check_tp_arch
 from shardtune.plan.validate import PlanInputs, plan_layout, resolve_inputs
 from shardtune.plan.verdict import comm_bound, suggest, verdict
 from shardtune.rules.ep import check_ep_model
-from shardtune.rules.pipeline import pipeline_gap
+from shardtune.rules.pipeline import settings_gap
 from shardtune.strategies import STRATEGIES
 
 
@@ -165,10 +165,7 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
                      "over shard / ep ranks (layout.expert_fsdp); tokens reach them by all-to-all "
                      f"(comm.all_to_all), priced exposed; busiest rank at {inp.moe_imbalance:g}x its share "
                      "(--moe-imbalance)")
-    if inp.pp > 1 and (gap := pipeline_gap(inp.pp, strategy="zero3", schedule=inp.pp_schedule, cp=inp.cp,
-                                            precision=inp.precision, offload=inp.offload,
-                                            activation_offload=inp.activation_offload, lora_rank=inp.lora_rank,
-                                            objective=inp.objective, optimizer=inp.optimizer)):
+    if inp.pp > 1 and (gap := settings_gap(inp.pp, "zero3", inp)):
         notes.append(f"planned only: {gap}")
     if inp.lora_rank:
         notes.append(f"LoRA rank {inp.lora_rank}: only the adapters carry grads and optimizer states")
