@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from shardtune.catalog.gpus import resolve_gpu
 from shardtune.errors import UserError
+from shardtune.layout import Layout
 from shardtune.plan import comm
 from shardtune.plan import cp as cpp
 from shardtune.plan.model import _load_model, _Model
@@ -23,10 +24,10 @@ from shardtune.plan.strategy_plan import (
 )
 from shardtune.plan.timing import add_timing
 from shardtune.plan.tp import check_tp_arch
-from shardtune.plan.validate import PlanInputs, resolve_inputs
+from shardtune.plan.validate import PlanInputs, plan_layout, resolve_inputs
 from shardtune.plan.verdict import comm_bound, suggest, verdict
 from shardtune.rules.ep import check_ep_model
-from shardtune.rules.pipeline import pipeline_gap
+from shardtune.rules.pipeline import settings_gap
 from shardtune.strategies import STRATEGIES
 
 
@@ -42,6 +43,7 @@ class PlanResult:
     verdict: str
     notes: list[str] = field(default_factory=list)
     disk: dict = field(default_factory=dict)  # dpo precompute: the reference cache (plan/preference.py)
+    layout: Layout | None = None  # the trainer's Layout of the inputs (validate.plan_layout): the degrees
 
     def strategy(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -65,9 +67,8 @@ class PlanResult:
         if not piped:
             return {}
         shown = next((s for s in piped if s.fits), piped[0])
-        inp = self.inputs
-        return {"layout": {"pp": inp["pp"], "dp": inp["gpus"] // (inp["pp"] * inp["tp"] * inp["cp"]),
-                           "cp": inp["cp"], "tp": inp["tp"]},
+        lay = self.layout
+        return {"layout": {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "tp": lay.tp},
                 "pipeline": {k: v for k, v in shown.pipeline.items() if k != "worst_stage"},
                 "stages_of": shown.name, "stages": [dict(st) for st in shown.stages]}
 
@@ -127,6 +128,7 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
                   "gpus_per_node": inp.gpus_per_node, "bf16_flops": gpu.bf16_flops, "source": gpu.source},
         inputs=inp.to_dict(), accounting=inp.accounting, strategies=plans,
         verdict=verdict(plans, usable), notes=notes, disk=reference_disk(inp.objective, inp.reference),
+        layout=plan_layout(inp),
     )
     add_timing(result, m.arch, inp, gpu, **inp.timing_options())  # step time, tokens/s, MFU (plan/timing.py)
     for s in [s for s in plans if "generation_time_s" in s.timing][:1]:  # grpo: the same on every strategy
@@ -163,10 +165,7 @@ def _notes(m: _Model, inp: PlanInputs, omitted: list[str]) -> list[str]:
                      "over shard / ep ranks (layout.expert_fsdp); tokens reach them by all-to-all "
                      f"(comm.all_to_all), priced exposed; busiest rank at {inp.moe_imbalance:g}x its share "
                      "(--moe-imbalance)")
-    if inp.pp > 1 and (gap := pipeline_gap(inp.pp, strategy="zero3", schedule=inp.pp_schedule, cp=inp.cp,
-                                            precision=inp.precision, offload=inp.offload,
-                                            activation_offload=inp.activation_offload, lora_rank=inp.lora_rank,
-                                            objective=inp.objective, optimizer=inp.optimizer)):
+    if inp.pp > 1 and (gap := settings_gap(inp.pp, "zero3", inp)):
         notes.append(f"planned only: {gap}")
     if inp.lora_rank:
         notes.append(f"LoRA rank {inp.lora_rank}: only the adapters carry grads and optimizer states")

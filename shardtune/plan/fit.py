@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from shardtune.errors import UserError
 from shardtune.plan.tp import TP_DEGREES
 from shardtune.strategies import AC_MODES, PRECISIONS, STRATEGY
 
@@ -119,12 +120,7 @@ def _impl_for(base, precision: str) -> str:
 def _shard_sizes(world: int, per_node: int) -> list[int]:
     """Powers of two that divide the world, from 2 up to half of it, plus one node's GPUs."""
     sizes = {per_node} if world % per_node == 0 and 1 < per_node < world else set()
-    s = 2
-    while s < world:
-        if world % s == 0:
-            sizes.add(s)
-        s *= 2
-    return sorted(sizes)
+    return sorted(sizes | {2**k for k in range(1, world.bit_length()) if 2**k < world and world % 2**k == 0})
 
 
 def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: bool = False,
@@ -140,7 +136,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     from shardtune.plan.pipeline import balanced_split
     from shardtune.plan.strategy_plan import combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
     from shardtune.plan.timing import time_strategy, timing_context
-    from shardtune.plan.validate import resolve_inputs
+    from shardtune.plan.validate import plan_layout, resolve_inputs
     from shardtune.rules.ep import check_ep_model
     from shardtune.strategies import STRATEGIES
 
@@ -166,7 +162,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     long = m.arch is not None and (base.seq_len >= LONG_SEQ or base.cp > 1 or base.activation_offload)
     # expert parallelism (MoE): a --ep given is kept, else every power of two dividing the experts and the
     # data-parallel ranks (combination_error drops those a strategy's shard group cannot take)
-    eps = [base.ep] if base.ep > 1 or "ep" in keep else ep_degrees(m.arch, [base.gpus // base.tp])
+    eps = [base.ep] if base.ep > 1 or "ep" in keep else ep_degrees(m.arch, [plan_layout(base, pp=1).grad_divide_factor])
     act_offloads = ((base.activation_offload,) if base.activation_offload or not long or
                     "activation_offload" in keep else (False, True))
     pps = pp_degrees(base, m, keep)
@@ -179,11 +175,12 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
         if at_tp is None or (not fit_batch and accum * base.cp != base.grad_accum * cp) or (
                 "grad_accum" in keep and accum != base.grad_accum):
             continue
-        dp, dp_per_node = base.gpus // (tp * cp * pp), max(1, base.gpus_per_node // (tp * cp))
-        if pp != base.pp and (dp < 1 or base.gpus % (tp * cp * pp)):
+        try:  # the trainer's Layout: its data-parallel ranks and (hsdp's default shard) one node's of them
+            lay = plan_layout(at_tp, "hsdp", tp=tp, cp=cp, pp=pp, hsdp_shard_size=None)
+        except UserError:
             continue
         split = base.pp_layers if pp == base.pp else balanced_split(m.arch.num_layers, pp) if pp > 1 else None
-        shards = _shard_sizes(dp, dp_per_node) if STRATEGY[strategy].hybrid else [None]
+        shards = _shard_sizes(lay.dp, lay.shard_degree) if STRATEGY[strategy].hybrid else [None]
         if STRATEGY[strategy].hybrid and "hsdp_shard_size" in keep and base.hsdp_shard_size:
             shards = [base.hsdp_shard_size]
         mbs = micro_batches if fit_batch else _same_batch(base, tp)
@@ -209,7 +206,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
                             timing = time_strategy(sp, m.arch, info, inp, gpu, ctx)
                             c = Candidate(strategy, ac, offload, mb, shard, precision, sp.fits,
                                           sp.memory.total / GIB, usable / GIB, timing, optimizer=base.optimizer,
-                                          optimizer_impl=impl, tp=tp, global_batch=mb * ga * dp, cp=cp,
+                                          optimizer_impl=impl, tp=tp, global_batch=mb * ga * lay.dp, cp=cp,
                                           activation_offload=act_off, grad_accum=ga, pp=pp, pp_layers=split,
                                           pp_schedule=base.pp_schedule, ep=ep)
                             if not sp.fits:

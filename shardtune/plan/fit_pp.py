@@ -3,7 +3,7 @@ inside; the global batch kept by more micro-batches per step (micro_batch × gra
 constant at a tp), and the answer to "how much faster than FSDP across the nodes?". Imports no torch."""
 from __future__ import annotations
 
-from shardtune.rules.pipeline import pipeline_gap
+from shardtune.rules.pipeline import settings_gap
 
 GIB = 2**30
 
@@ -60,7 +60,4 @@ def gain_line(gain: dict) -> str:
 
 def trainer_gap(best, base) -> str | None:
     """Why the trainer cannot run `best` yet (its pipeline's limits, rules/pipeline.py), else None."""
-    return pipeline_gap(best.pp, strategy=best.strategy, schedule=best.pp_schedule, cp=best.cp,
-                        precision=best.precision, offload=best.offload,
-                        activation_offload=best.activation_offload, lora_rank=base.lora_rank,
-                        objective=base.objective, optimizer=best.optimizer)
+    return settings_gap(best.pp, best.strategy, best, base)

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from shardtune.catalog.gpus import GPU
 from shardtune.errors import UserError
-from shardtune.layout import Layout
 from shardtune.plan import comm, memory, moe
 from shardtune.plan import cp as cpp
 from shardtune.plan import ep as epp
@@ -19,7 +18,7 @@ from shardtune.plan.pipeline import plan_pipeline
 from shardtune.plan.preference import reference_bytes
 from shardtune.plan.rl import generation_weights_bytes, kv_cache_bytes, training_rows
 from shardtune.plan.tp import check_tp_arch, tied_tp_embedding_grad_bytes, tp_collectives, tp_embedding_grad_bytes
-from shardtune.plan.validate import PlanInputs, resolve_inputs
+from shardtune.plan.validate import PlanInputs, plan_layout, resolve_inputs
 from shardtune.rules.combination import check_combination
 from shardtune.rules.cp import check_activation_offload
 from shardtune.rules.loss import resolve_loss_chunks
@@ -165,11 +164,11 @@ def _loss_chunks(m: _Model, inp: PlanInputs) -> int:
 def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_rank: bool = True) -> StrategyPlan:
     if inp.pp > 1:  # each pipeline rank's stage planned as a model of its own (plan/pipeline.py)
         return plan_pipeline(m, strategy, inp, usable, plan_strategy)
-    # the FSDP part of the mesh: gpus / tp ranks, TP innermost (plan/tp.py); of them dp_replicate ×
-    # dp_shard data-parallel and cp context-parallel ranks, FSDP sharding over dp_shard × cp
-    dp, tp, cp = inp.gpus // inp.tp, inp.tp, inp.cp
-    layout = Layout.build(strategy, dp // cp, max(1, inp.gpus_per_node // (tp * cp)), inp.hsdp_shard_size)
-    shard, fsdp = layout.shard_degree * cp, layout.strategy.fsdp
+    # the trainer's Layout (TP innermost, plan/tp.py): FSDP's world is its dp_replicate × dp_shard
+    # data-parallel and cp context-parallel ranks (gpus / tp), sharding over dp_shard × cp
+    layout = plan_layout(inp, strategy)
+    tp, cp, fsdp = inp.tp, layout.cp, layout.strategy.fsdp  # tp: also paper accounting's Megatron degree
+    dp, shard = layout.dp * cp, layout.shard_degree * cp
     shapes = m.local_shapes(tp)
     st = _states(m, strategy, inp, shard)
     cpu_per_rank = 0
@@ -246,7 +245,7 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                 **({"ep": inp.ep, "expert_fsdp": shard // inp.ep} if m.arch is not None and m.arch.num_experts
                    else {})},
         host_ram=host, comm=_ep_comm(m, inp),
-        state_bytes_per_rank=(_per_rank(m, strategy, inp, shard) if per_rank and inp.offload == "none"
+        state_bytes_per_rank=(_per_rank(m, strategy, inp, dp, shard) if per_rank and inp.offload == "none"
                               and inp.ep == 1 else None),
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref,
@@ -287,13 +286,13 @@ def _ep_comm(m: _Model, inp: PlanInputs) -> dict:
                            "bytes_per_rank_per_micro_batch": round(layer * len(epp.moe_layers(m.arch)))}}
 
 
-def _per_rank(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> dict | None:
+def _per_rank(m: _Model, strategy: str, inp: PlanInputs, dp: int, shard: int) -> dict | None:
     """params/grads/optimizer bytes of each rank's local tensors (FSDP2 `to_local()`, unpadded),
     for comparing a real run rank by rank; `memory` holds rank 0's, which equals the padded
     allocation every FSDP2 rank makes."""
     if m.shapes is None or inp.accounting != "shardtune" or inp.gpus > 16:
         return None
-    dp = inp.gpus // inp.tp  # rank r: data-parallel rank r // tp (TP innermost); TP splits evenly
+    # rank r: rank r // tp of FSDP's dp (x cp) world (TP innermost); TP splits evenly
     by_dp = [memory.shardtune_states(m.local_shapes(inp.tp), strategy, dp, shard,
                                      inp.precision, inp.optimizer, r, padded=False, impl=_impl(inp))
              for r in range(dp)]
@@ -311,9 +310,8 @@ def combination_error(inp: PlanInputs, strategy: str) -> UserError | None:
                           # the ZeRO paper's accounting plans Megatron's model parallelism beside any
                           # ZeRO stage (its Table 2), not this trainer's TP
                           tp=1 if inp.accounting == "paper" else inp.tp, cp=inp.cp, ep=inp.ep)
-        if inp.ep > 1:  # ep divides this strategy's dp_shard x cp (the trainer's Layout rule)
-            Layout.build(strategy, inp.gpus, inp.gpus_per_node, inp.hsdp_shard_size if STRATEGY[strategy].hybrid
-                         else None, tp=inp.tp, cp=inp.cp, ep=inp.ep, tp_across_nodes=inp.tp_across_nodes)
+        if inp.ep > 1:  # ep divides this strategy's dp_shard x cp (the trainer's Layout rule), pp not counted
+            plan_layout(inp, strategy, ep=inp.ep, pp=1)
     except UserError as e:
         return e
     try:  # activation offload's rule on the objective (rules/cp.py, the trainer's); grpo's (rules/rl.py)

@@ -14,6 +14,7 @@ from shardtune.plan.preference import check_objective
 from shardtune.rules.cp import check_cp
 from shardtune.rules.pipeline import check_pp_schedule
 from shardtune.strategies import (
+    STRATEGY,
     normalize_ac,
     normalize_offload,
     normalize_optimizer,
@@ -213,6 +214,19 @@ def _layout(inp: PlanInputs) -> None:
     inp.pp = _int_in("pp", inp.pp, 1, MAX_GPUS)
     inp.hsdp_shard_size = Layout.build("hsdp", n, inp.gpus_per_node, inp.hsdp_shard_size, tp=inp.tp, cp=inp.cp,
                                        tp_across_nodes=inp.tp_across_nodes, pp=inp.pp).shard_degree
+
+
+def plan_layout(inp: PlanInputs, strategy: str = "zero3", **degrees) -> Layout:
+    """The trainer's `Layout` of these inputs for `strategy` (its data-parallel degree, shard group and
+    divisors), `degrees` (tp, cp, pp, ep, hsdp_shard_size) replacing the inputs' own; ep 1 unless given.
+    --accounting paper plans a tp beside ddp/zero1 as Megatron's model parallelism (ZeRO's Table 2),
+    outside the trainer's mesh: their Layout is then that of the gpus / tp data-parallel ranks."""
+    d = {"tp": inp.tp, "cp": inp.cp, "pp": inp.pp, "ep": 1, "hsdp_shard_size": inp.hsdp_shard_size, **degrees}
+    tp, shard = d.pop("tp"), d.pop("hsdp_shard_size")
+    if tp > 1 and not STRATEGY[strategy].fsdp:
+        return Layout.build(strategy, inp.gpus // tp, max(1, inp.gpus_per_node // tp), shard, **d)
+    return Layout.build(strategy, inp.gpus, inp.gpus_per_node, shard, tp=tp, tp_across_nodes=inp.tp_across_nodes,
+                        sequence_parallel=bool(inp.sequence_parallel), **d)
 
 
 def _pipeline(inp: PlanInputs) -> None:

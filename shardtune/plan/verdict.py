@@ -16,7 +16,7 @@ from shardtune.plan.model import _load_model
 from shardtune.plan.pipeline import balanced_split
 from shardtune.plan.strategy_plan import GIB, combination_error, default_reserve_bytes, plan_strategy, with_cp, with_tp
 from shardtune.plan.tp import TP_DEGREES
-from shardtune.plan.validate import resolve_inputs
+from shardtune.plan.validate import plan_layout, resolve_inputs
 from shardtune.strategies import STRATEGY
 
 LORA_RANK = 16
@@ -155,7 +155,7 @@ def suggest(m, sp, inp, usable: int) -> str:
     activations dominate, context parallelism before tensor parallelism; else `fallback`."""
     def more_gpus(base, label: str):
         if STRATEGY[sp.name].hybrid:  # a larger shard group first; the world stays
-            g, dp = base.hsdp_shard_size * 2, base.gpus // (base.tp * base.cp * base.pp)  # the shard group: dp ranks
+            g, dp = base.hsdp_shard_size * 2, plan_layout(base, "hsdp").dp  # the shard group: dp ranks
             while g <= dp and dp % g == 0:
                 yield f"{label}--hsdp-shard-size {g}", replace(base, hsdp_shard_size=g)
                 g *= 2
@@ -229,7 +229,7 @@ def _comm_levers(m, sp, inp):
         if changed:
             yield (f"--pp {inp.nodes} --grad-accum {ga}" + "".join(f" --pp-layers {n}" for n in split or ()),
                    sp.name, changed)
-    in_node = inp.gpus_per_node // (inp.tp * inp.cp)
+    in_node = plan_layout(inp, "hsdp", pp=1, hsdp_shard_size=None).shard_degree  # one node's data ranks
     if sp.name == "zero3" and inp.nodes > 1 and in_node > 1:
         yield (f"--strategy hsdp --hsdp-shard-size {in_node}", "hsdp",
                replace(inp, strategies=["hsdp"], hsdp_shard_size=in_node))

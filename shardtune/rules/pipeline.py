@@ -7,6 +7,8 @@ the decoder layers over stages (parallel/pp.py builds it, the preflight checks i
 sit is layout.check_pp_placement's."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from shardtune.errors import UserError
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
@@ -65,6 +67,19 @@ def pipeline_gap(pp: int, *, strategy: str, schedule: str = "1f1b", cp: int = 1,
     return None
 
 
+# pipeline_gap's settings by the planner's names (plan/validate.py PlanInputs) → its keyword arguments
+GAP_SETTINGS = {"pp_schedule": "schedule", "cp": "cp", "precision": "precision", "offload": "offload",
+                "activation_offload": "activation_offload", "lora_rank": "lora_rank", "objective": "objective",
+                "optimizer": "optimizer"}
+
+
+def settings_gap(pp: int, strategy: str, *sources, **more) -> str | None:
+    """`pipeline_gap` of the settings (GAP_SETTINGS) read by name from the first of `sources` holding
+    each: a plan's inputs; a --fit candidate, then the inputs; a recipe's sections (`recipe_pipeline_gap`)."""
+    return pipeline_gap(pp, strategy=strategy, **more, **{
+        arg: getattr(next(s for s in sources if hasattr(s, name)), name) for name, arg in GAP_SETTINGS.items()})
+
+
 def check_pipeline(cfg) -> None:
     """What the trainer's pipeline runs with (`cfg`: a RunConfig, read by name), one line naming the
     key: the trainer's preflight (every rank's too) and `shardtune launch` call it; `RunConfig` checks
@@ -77,10 +92,8 @@ def check_pipeline(cfg) -> None:
 def recipe_pipeline_gap(cfg, pp: int | None = None) -> str | None:
     """`pipeline_gap` of a RunConfig's settings at `pp` (None: the recipe's)."""
     par, train = cfg.parallel, cfg.train
-    return pipeline_gap(par.pp if pp is None else pp, strategy=par.strategy, schedule=par.pp_schedule,
-                        cp=par.cp, precision=par.precision, offload=par.offload,
-                        activation_offload=par.activation_offload, lora_rank=cfg.lora.rank,
-                        objective=train.objective, compile=train.compile, optimizer=cfg.optim.name,
+    rest = SimpleNamespace(lora_rank=cfg.lora.rank, objective=train.objective, optimizer=cfg.optim.name)
+    return settings_gap(par.pp if pp is None else pp, par.strategy, rest, par, compile=train.compile,
                         sample_prompts=bool(train.sample_prompts))
 
 

@@ -24,9 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from shardtune.errors import quiet_library_notices
-    from shardtune.plan import plan  # handed to the trainer, which imports no planner (docs/DESIGN.md)
     from shardtune.train.launcher.preflight import validate_for_launch
     from shardtune.train.launcher.supervise import resolve_config
+    from shardtune.wiring import planner  # the trainer imports no planner: it is handed one (docs/DESIGN.md)
 
     quiet_library_notices()
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.getppid() != 1:  # under torchrun: die with its agent
@@ -38,10 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args.recipe, args.overrides, **{f.name: getattr(args, f.name) for f in TRAIN_FLAGS})
         world = int(os.environ.get("WORLD_SIZE", 1))
         if os.environ.get("SHARDTUNE_PREFLIGHT") != "done":  # by hand; `shardtune train` checked it already
-            validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), planner=plan)
+            validate_for_launch(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), planner=planner())
         from shardtune.train.rank.main import run
 
-        run(cfg, planner=plan)
+        run(cfg, planner=planner())
     except UserError as e:
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's error file: `shardtune train` prints it once
             from torch.distributed.elastic.multiprocessing.errors import get_error_handler

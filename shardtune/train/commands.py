@@ -16,11 +16,11 @@ __all__ = ["register"]
 def _train(recipe: str, overrides: list[str] | None, nproc: int, max_restarts: int, move_aside: bool,
            **flags) -> int:
     """Fine-tune with a recipe on this machine (torchrun under the hood)."""
-    from shardtune.plan import plan  # handed to the launch checks: the trainer imports no planner
     from shardtune.train.launcher.supervise import train_command
+    from shardtune.wiring import planner  # handed to the launch checks: the trainer imports no planner
 
     return train_command(recipe, overrides or [], nproc, max_restarts=max_restarts, move_aside=move_aside,
-                         planner=plan, **flags)
+                         planner=planner(), **flags)
 
 
 def _param(name: str, annotation, default) -> inspect.Parameter:

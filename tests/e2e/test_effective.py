@@ -61,8 +61,6 @@ _SCHED = "the lr per step: metrics.jsonl's lr (tests/unit/test_optim.py checks t
 _WATCHDOG = "the hang watchdog, not the step (tests/unit/test_watchdog_settings.py, tests/e2e/test_watchdog.py)"
 _PP_VIRTUAL = ("stages per rank of interleaved-1f1b, which the trainer refuses (rules/pipeline.py; "
                "tests/unit/test_pp_refusals.py)")
-_RL = ("grpo's generation, rewards and loss: completions.jsonl and metrics.jsonl (tests/e2e/test_grpo_cli.py, "
-       "tests/unit/test_rl_loss.py)")
 TABLE: dict[str, tuple | str] = {
     "name": _BOOK, "output_dir": _BOOK,
     "model": "section",
@@ -123,9 +121,18 @@ TABLE: dict[str, tuple | str] = {
     "train.dpo_label_smoothing": ("dpo_label_smoothing", lambda c: c.train.dpo_label_smoothing),
     "train.simpo_gamma": ("simpo_gamma", lambda c: c.train.simpo_gamma),
     "train.max_bad_steps": "when a run of skipped steps stops it (tests/e2e/test_faults.py)",
-    "rl": "section", **{k: _RL for k in (
-        "rl.num_generations", "rl.max_new_tokens", "rl.temperature", "rl.top_p", "rl.reward", "rl.beta",
-        "rl.epsilon", "rl.epsilon_high", "rl.loss", "rl.scale_rewards", "rl.iterations")},
+    # grpo's settings (None under the other objectives): tests/e2e/test_grpo_cli.py reads its runs' rows
+    "rl": "section",
+    **{f"rl.{k}": (name, lambda c, k=k: getattr(c.rl, k) if c.train.objective == "grpo" else None) for k, name in (
+        ("num_generations", "num_generations"), ("max_new_tokens", "max_new_tokens"), ("temperature", "temperature"),
+        ("top_p", "top_p"), ("beta", "rl_beta"), ("epsilon", "epsilon"), ("loss", "rl_loss"),
+        ("iterations", "iterations"))},
+    "rl.epsilon_high": ("epsilon_high", lambda c: None if c.train.objective != "grpo" else  # None: epsilon
+                        c.rl.epsilon if c.rl.epsilon_high is None else c.rl.epsilon_high),
+    "rl.scale_rewards": ("scale_rewards", lambda c: None if c.train.objective != "grpo" else  # None: not dr_grpo
+                         c.rl.loss != "dr_grpo" if c.rl.scale_rewards is None else c.rl.scale_rewards),
+    "rl.reward": ("rewards", lambda c: None if c.train.objective != "grpo" else [  # label: its own, else the name's
+        [r.label or r.name.rpartition(":")[2], r.weight] for r in c.rl.reward]),
     "checkpoint": "section", **{k: _CKPT for k in (
         "checkpoint.every", "checkpoint.keep", "checkpoint.resume", "checkpoint.export_hf", "checkpoint.save_final")},
     "lora": "section",

@@ -58,6 +58,9 @@ checkpoint: {{save_final: false}}
 """
 
 
+RUN_DIRS: dict[str, tuple[Path, tuple]] = {}  # each run's folder and overrides (memory.json's rl rows below)
+
+
 def train(tmp: Path, folder: Path, reward_file: Path, nproc: int, micro: int, accum: int, *overrides: str):
     """(metrics records, completions rows, stdout) of one `shardtune train` run."""
     import sys
@@ -65,6 +68,7 @@ def train(tmp: Path, folder: Path, reward_file: Path, nproc: int, micro: int, ac
     from shardtune.processes import run_bounded
 
     tmp.mkdir(parents=True, exist_ok=True)
+    RUN_DIRS[tmp.name] = (tmp, overrides)
     (tmp / "recipe.yaml").write_text(recipe(folder, tmp / "run", reward_file, micro, accum))
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", str(nproc), *overrides]
     proc = run_bounded(cmd, timeout_s=400, cwd=REPO, stderr=subprocess.STDOUT)
@@ -134,6 +138,28 @@ def test_two_ranks_equal_one_process(runs):
     assert m2[-1]["kl"] > 0 and m2[0]["grad_norm"] > 0  # step 2 left the reference: the comparison means something
     assert "user reward code loaded from" in out2 and "my_rewards.py:spaces" in out2
     assert "held-out prompts: reward before training" in out2 and "val_reward" in m2[-1]
+
+
+@RUNS
+def test_memory_json_says_the_recipes_grpo_settings(runs):
+    """memory.json's effective rl rows on every rank (read from the built objective: the clip's upper bound
+    and the reward scaling resolved, the rewards as built) against tests/e2e/test_effective.py's TABLE,
+    which writes each row's value from the recipe: the 2-rank runs, full and LoRA."""
+    from test_effective import TABLE
+
+    from shardtune.config import load_recipe
+
+    rows = {k: v for k, v in TABLE.items() if k.startswith("rl.") and isinstance(v, tuple)}
+    assert len(rows) == 11, sorted(rows)
+    for name in ("two", "two_lora"):
+        tmp, overrides = RUN_DIRS[name]
+        cfg = load_recipe(tmp / "recipe.yaml", list(overrides))
+        memory = json.loads((tmp / "run" / "memory.json").read_text())
+        assert [r["effective"] for r in memory["per_rank"]] == [memory["effective"]] * 2
+        want = {k: read(cfg) for k, (_, read) in rows.items()}
+        assert {k: memory["effective"][key] for k, (key, _) in rows.items()} == want, name
+        assert want["rl.reward"] == [["regex", 1.0], ["spaces", 0.5]] and want["rl.epsilon_high"] == 0.2, want
+        assert (want["rl.beta"], want["rl.num_generations"], want["rl.scale_rewards"]) == (BETA, G, True), want
 
 
 @RUNS

@@ -146,8 +146,9 @@ def _dtypes(model: nn.Module, opts: StepOptions) -> tuple[str, str, str]:
     return precision, master, compute_name
 
 
-def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_size: int) -> dict:
-    """What this rank runs (memory.json "effective"); `model` as the loop holds it (DDP-wrapped or not)."""
+def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_size: int, objective=None) -> dict:
+    """What this rank runs (memory.json "effective"); `model` as the loop holds it (DDP-wrapped or not),
+    `objective` the loop's objective object (grpo's: its settings, `_rl`)."""
     hf = getattr(model, "module", model)
     ac, ac_layers = activation_checkpointing(hf)
     precision, master, compute = _dtypes(hf, opts)
@@ -170,8 +171,25 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
         "simpo_gamma": opts.simpo_gamma,
         "optimizer": optimizer_name(optimizer), **_hyper(optimizer), **_lora(hf),
         "quantize_base": "nf4" if any(is_nf4(p) for p in hf.parameters()) else "none",
-        "threads": torch.get_num_threads(), **_experts(hf), **_pipeline(hf),
+        "threads": torch.get_num_threads(), **_experts(hf), **_pipeline(hf), **_rl(objective),
     }
+
+
+RL_KEYS = ("rl_loss", "num_generations", "max_new_tokens", "temperature", "top_p", "rl_beta", "epsilon",
+           "epsilon_high", "scale_rewards", "iterations", "rewards")
+
+
+def _rl(objective) -> dict:
+    """grpo's settings as its objective (train/core/grpo.py GRPO) runs them: the clip's upper bound and
+    the reward scaling resolved, each built reward function's label and weight; None for the others."""
+    rl = getattr(objective, "rl", None)
+    if rl is None:
+        return dict.fromkeys(RL_KEYS)
+    rewards = objective.rewards
+    return {"rl_loss": rl.loss, "num_generations": rl.num_generations, "max_new_tokens": rl.max_new_tokens,
+            "temperature": rl.temperature, "top_p": rl.top_p, "rl_beta": rl.beta, "epsilon": rl.epsilon,
+            "epsilon_high": rl.clip_high, "scale_rewards": rl.scales_rewards, "iterations": rl.iterations,
+            "rewards": [[label, w] for label, w in zip(rewards.labels, rewards.weights, strict=True)]}
 
 
 def _pipeline(hf: nn.Module) -> dict:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.catalog.models import resolve_model_config
 from shardtune.errors import UserError
+from shardtune.layout import Layout
 from shardtune.train.durable import shards
 from shardtune.train.durable.choice import choose_checkpoint, misnamed_checkpoints
 from shardtune.train.durable.ckpt_files import (
@@ -91,9 +92,8 @@ def keep_global_batch(info: CheckpointInfo, old: RunConfig | None, cfg: RunConfi
     user set micro_batch or grad_accum themselves; a UserError naming the choices when none does."""
     if old is None:
         return []
-    # data-parallel ranks: the ranks of one tp and cp group read the same rows
-    saved = info.world_size // (old.parallel.tp * old.parallel.cp)
-    now = world_size // (cfg.parallel.tp * cfg.parallel.cp)
+    # data-parallel ranks (the trainer's Layout): the ranks of one tp and cp group read the same rows
+    saved, now = Layout.of_config(old.parallel, info.world_size).dp, Layout.of_config(cfg.parallel, world_size).dp
     if saved == now or any(c[0] in ("train.micro_batch", "train.grad_accum") for c in diff):
         return []
     mb = cfg.train.micro_batch

@@ -159,7 +159,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
               activations=SavedActivations() if on_cpu else None, opts=opts,
               writer=MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches=val_batches,
               threads=threads, objective=objective)
-    run.effective = effective_settings(model, optimizer, run.opts, ctx.world_size)
+    run.effective = effective_settings(model, optimizer, run.opts, ctx.world_size, objective)
     if cfg.train.sample_prompts:
         run.sampler = Sampler(cfg.train.sample_prompts, tokenizer, cfg.data, cfg.train.sample_max_new_tokens,
                               run_dir / "samples.jsonl" if ctx.rank == 0 else None)
