@@ -236,7 +236,7 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                       inp.ac, inp.ac_every)]
         colls += [comm.Collective(op, "ep", size, inp.ep, "micro_batch", phase, what, calls)
                   for op, size, phase, calls, what in epp.ep_collectives(
-                      m.arch, inp.micro_batch * inp.seq_len // inp.cp, inp.ep, memory.dtypes(inp.precision).compute,
+                      m.arch, _ep_tokens(inp), inp.ep, memory.dtypes(inp.precision).compute,
                       inp.ac, inp.ac_every, inp.moe_imbalance)]
     host = cpp.host_ram(inp, host_act, cpu_per_rank) if inp.activation_offload else {}
     return StrategyPlan(
@@ -274,11 +274,17 @@ def _expert_bytes(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> int 
     return moe.expert_state_bytes(st, ep_degree=1)
 
 
+def _ep_tokens(inp: PlanInputs) -> int:
+    """Tokens one rank routes per micro-batch: its cp slice of the sequence, and under tp its 1/tp of
+    that (the experts are not tp-split: each tp rank dispatches its own rows, docs/moe.md)."""
+    return inp.micro_batch * inp.seq_len // (inp.cp * inp.tp)
+
+
 def _ep_comm(m: _Model, inp: PlanInputs) -> dict:
     """MoE with ep > 1: the all-to-all bytes one rank sends per MoE layer and per step (plan/ep.py)."""
     if m.arch is None or not m.arch.num_experts or inp.ep == 1 or inp.accounting != "shardtune":
         return {}
-    layer = epp.all_to_all_bytes_per_layer(m.arch, inp.micro_batch * inp.seq_len // inp.cp, inp.ep,
+    layer = epp.all_to_all_bytes_per_layer(m.arch, _ep_tokens(inp), inp.ep,
                                            memory.dtypes(inp.precision).compute, inp.moe_imbalance)
     return {"all_to_all": {"group": "ep", "group_size": inp.ep, "moe_layers": len(epp.moe_layers(m.arch)),
                            "moe_imbalance": epp.effective_imbalance(inp.moe_imbalance, inp.ep),

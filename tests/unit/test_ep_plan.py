@@ -52,6 +52,9 @@ def test_with_tp_or_cp_the_experts_are_whole_rows_of_ep_over_the_data_ranks(tp, 
     per_gpu = LAYERS * (E // 4) * EXPERT // efsdp
     assert s["memory"]["experts"] == per_gpu * BF16_MIXED + 4 * 2 * LAYERS  # + fused AdamW's step counters
     assert (s["layout"]["ep"], s["layout"]["expert_fsdp"], s["layout"]["tp"], s["layout"]["cp"]) == (4, efsdp, tp, cp)
+    # each rank routes its cp slice of the 2048-token micro-batch, each tp rank 1/tp of that (its own rows)
+    tokens = 2048 // (tp * cp)
+    assert s["comm"]["all_to_all"]["bytes_per_rank_per_layer"] == round(2 * 2 * tokens * K * H * 2 * (4 - 1) / 4)
 
 
 @pytest.mark.parametrize("ac, imbalance", [("none", 1.0), ("full", 1.0), ("none", 1.5)])
