@@ -66,6 +66,41 @@ MODELS: dict[str, dict] = {
             "initializer_range": 0.02,
         },
     },
+    # A tiny Qwen3-MoE (Qwen3MoeForCausalLM): tiny-mixtral's widths and vocabulary plus Qwen3's q/k
+    # RMSNorms and explicit head_dim; 4 experts of moe_intermediate_size 128, top-2, renormalised top-k.
+    "tiny-qwen3-moe": {
+        "source": "shardtune (defined here for tests)",
+        "config": {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": 264,
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "router_aux_loss_coef": 0.02,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "attention_bias": False,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "bos_token_id": 256,
+            "eos_token_id": 257,
+            "pad_token_id": 258,
+            "initializer_range": 0.02,
+        },
+    },
 }
 
 
