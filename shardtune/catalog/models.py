@@ -101,6 +101,43 @@ MODELS: dict[str, dict] = {
             "initializer_range": 0.02,
         },
     },
+    # A tiny GPT-OSS (GptOssForCausalLM): attention sinks, biases on q/k/v/o, the router and the
+    # experts, experts stored transposed ([E, h, 2I]), clamped SwiGLU, alternating sliding (32) / full
+    # attention. swiglu_limit 0.3 (published: 7.0) so the clamp acts at this init's scale (the
+    # gate/up pre-activations have std about 0.23). 4 experts of 128, top-2.
+    "tiny-gpt-oss": {
+        "source": "shardtune (defined here for tests)",
+        "config": {
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "vocab_size": 264,
+            "hidden_size": 128,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "experts_per_token": 2,
+            "router_aux_loss_coef": 0.02,
+            "swiglu_limit": 0.3,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "max_position_embeddings": 512,
+            "initial_context_length": 512,
+            "rope_scaling": None,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "bos_token_id": 256,
+            "eos_token_id": 257,
+            "pad_token_id": 258,
+            "initializer_range": 0.02,
+        },
+    },
 }
 
 
