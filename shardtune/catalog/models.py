@@ -103,8 +103,9 @@ MODELS: dict[str, dict] = {
     },
     # A tiny GPT-OSS (GptOssForCausalLM): attention sinks, biases on q/k/v/o, the router and the
     # experts, experts stored transposed ([E, h, 2I]), clamped SwiGLU, alternating sliding (32) / full
-    # attention. swiglu_limit 0.3 (published: 7.0) so the clamp acts at this init's scale (the
-    # gate/up pre-activations have std about 0.23). 4 experts of 128, top-2.
+    # attention, YaRN rope (factor 32 as published, over 16 positions), the published swiglu_limit 7.0
+    # (at this init the clamp never acts: tests/unit/test_moe.py checks it with a limit of 0.3).
+    # 4 experts of 128, top-2.
     "tiny-gpt-oss": {
         "source": "shardtune (defined here for tests)",
         "config": {
@@ -121,12 +122,13 @@ MODELS: dict[str, dict] = {
             "num_experts_per_tok": 2,
             "experts_per_token": 2,
             "router_aux_loss_coef": 0.02,
-            "swiglu_limit": 0.3,
+            "swiglu_limit": 7.0,
             "sliding_window": 32,
             "layer_types": ["sliding_attention", "full_attention"] * 2,
             "max_position_embeddings": 512,
             "initial_context_length": 512,
-            "rope_scaling": None,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 16, "truncate": False},
             "rms_norm_eps": 1e-5,
             "rope_theta": 10000.0,
             "attention_bias": True,

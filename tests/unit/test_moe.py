@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from shardtune.catalog.models import resolve_model_config
 from shardtune.config import ModelConfig
 from shardtune.train.core.model import build_meta_model, init_model_weights
 from shardtune.train.core.moe import MoeTerms, attention_implementation, load_cv, routers
@@ -36,11 +37,15 @@ def _models(name: str):
     return ours, plain
 
 
-@pytest.fixture(params=["tiny-mixtral", "qwen3-moe", "tiny-qwen3-moe", "tiny-gpt-oss"])
+@pytest.fixture(params=["tiny-mixtral", "qwen3-moe", "tiny-qwen3-moe", "tiny-gpt-oss", "gpt-oss-clamped"])
 def models(request, tmp_path):
     name = request.param
     if name == "qwen3-moe":
         (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+        name = str(tmp_path / "config.json")
+    if name == "gpt-oss-clamped":  # the published swiglu_limit 7.0 never binds at this init; 0.3 does
+        clamped = {**resolve_model_config("tiny-gpt-oss"), "swiglu_limit": 0.3}
+        (tmp_path / "config.json").write_text(json.dumps(clamped))
         name = str(tmp_path / "config.json")
     return _models(name)
 
@@ -65,8 +70,8 @@ def test_the_step_objective_is_transformers_loss_with_its_aux_loss(models):
     parts = terms.parts(dp_size=1)
     assert float(parts["aux_loss"]) == pytest.approx(float(want.aux_loss), abs=1e-6)
     assert float(want.aux_loss) > 1.0  # E x sum f P is 1 at perfect balance: a real term, not zero
-    if ours.config.model_type == "gpt_oss":  # the clamp acts (tiny-gpt-oss's swiglu_limit 0.3)
-        assert ours.config._attn_implementation == "eager" and ours.config.swiglu_limit < 1
+    if ours.config.model_type == "gpt_oss":
+        assert ours.config._attn_implementation == "eager"  # SDPA has no sink term
     grads = dict(plain.named_parameters())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -113,3 +118,26 @@ def test_gpt_oss_router_is_transformers_with_its_bias():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert not torch.equal(want[2], torch.topk(x @ plain_r.weight.T, 2).indices)  # the bias moved a pick
+
+
+def test_the_clamped_swiglu_binds_in_the_clamped_variant(tmp_path):
+    """The gpt-oss-clamped case above is a real check of the clamp: at limit 0.3 a share of the
+    gate and up pre-activations lies beyond it (measured 9 % and 18 % in layer 0)."""
+    (tmp_path / "config.json").write_text(json.dumps({**resolve_model_config("tiny-gpt-oss"), "swiglu_limit": 0.3}))
+    ours, _ = _models(str(tmp_path / "config.json"))
+    experts, seen = ours.model.layers[0].mlp.experts, []
+    gate = experts._apply_gate
+    experts._apply_gate = lambda x: seen.append(x.detach()) or gate(x)
+    ours(input_ids=torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0)))
+    beyond = float((seen[0].abs() > 0.3).float().mean())
+    assert beyond > 0.02, beyond
+
+
+@pytest.mark.parametrize("extra", [["--nproc", "2", "--ep", "2", "parallel.cp=2"],
+                                   ["--nproc", "4", "--tp", "2", "--ep", "2"]])
+def test_gpt_oss_with_tp_or_cp_is_refused_in_one_line(monkeypatch, capsys, extra):
+    from _cli import REPO, refused_before_any_process
+
+    err = refused_before_any_process(monkeypatch, capsys, ["train", REPO / "recipes" / "tiny-moe-cpu.yaml",
+                                                          "model.name=tiny-gpt-oss", *extra])
+    assert "GPT-OSS" in err and "sinks" in err
