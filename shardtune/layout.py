@@ -168,7 +168,7 @@ class Layout:
         sequence (rules.cp.check_cp). launch and the trainer's preflight call it after `build`."""
         check_tp_model(self.tp, hf, seq_len, self.sequence_parallel)
         check_cp(self.cp, tp=self.tp, seq_len=seq_len, sequence_parallel=self.sequence_parallel, hf=hf)
-        check_ep_model(self.ep, hf, self.tp, seq_len, self.sequence_parallel)
+        check_ep_model(self.ep, hf, self.tp, seq_len, self.sequence_parallel, cp=self.cp)
 
     @classmethod
     def of_config(cls, par, world_size: int, gpus_per_node: int | None = None, strategy_name: str | None = None,

@@ -35,12 +35,16 @@ def check_ep(s: Strategy, ep: int, *, tp: int = 1, cp: int = 1, lora_rank: int =
     refuse_first(f"parallel.ep {ep} does not compose with", refused)
 
 
-def check_ep_model(ep: int, hf: dict, tp: int = 1, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
+def check_ep_model(ep: int, hf: dict, tp: int = 1, seq_len: int | None = None, sequence_parallel: bool = True,
+                   cp: int = 1) -> None:
     """ep > 1 needs a mixture-of-experts model whose experts per layer it divides (`hf`: config.json);
     tp > 1 on a MoE model needs ep > 1 (the experts are not tp-split: each tp rank routes its own
     1/tp of the tokens through the expert-parallel dispatch), and without sequence parallelism a
-    sequence that tp divides (the MoE block takes Shard(1) of it)."""
+    sequence that tp divides (the MoE block takes Shard(1) of it). GPT-OSS runs without tp and cp only."""
     n = experts_per_layer(hf)
+    if hf.get("model_type") == "gpt_oss" and (tp > 1 or cp > 1):
+        raise UserError(f"parallel.{'tp' if tp > 1 else 'cp'} {max(tp, cp)} with GPT-OSS is not built: its attention "
+                        "sinks need eager attention (no tp or cp path here); set parallel.tp 1 and parallel.cp 1")
     if tp > 1 and n and ep <= 1:
         raise UserError(f"parallel.tp {tp} on a mixture-of-experts model needs expert parallelism (the experts are "
                         "not tp-split): set parallel.ep / --ep > 1, or parallel.tp 1 / --tp 1")

@@ -8,6 +8,10 @@ them, each 2-process run against one process with the same 8-row global batch ov
   its merged export gives one process's export's logits;
 - `train.objective: dpo` (tiny date pairs): 2 processes and `--ep 2` give one process's loss, reward
   metrics, aux_loss and grad_norm.
+- the other MoE classes as a user trains them (`model.name=tiny-qwen3-moe`, `model.name=tiny-gpt-oss`):
+  `--nproc 2 --ep 2` (zero3 for the rest) gives one process's loss, aux_loss, grad_norm and
+  expert_load_cv within 1e-5, and both runs' `checkpoint.export_hf` load in transformers with 0
+  missing / unexpected keys and give the same logits.
 The runs are made once for the test run (tests/_cli.py `once`)."""
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ RECIPE = REPO / "recipes" / "tiny-moe-cpu.yaml"
 EXPERTS = "lora.target_parameters=[experts.gate_up_proj,experts.down_proj]"
 LORA = ["lora.rank=8", "lora.target_modules=[q_proj,v_proj]", "checkpoint.save_final=true",
         "checkpoint.export_hf=true"]
+MODELS = ("qwen3-moe", "gpt-oss")  # catalogue entries tiny-qwen3-moe, tiny-gpt-oss
 DPO = ["train.objective=dpo", "data.path={tmp}/pairs.jsonl", "data.packing=false", "train.seq_len=128"]
 RUNS = {
     "lora1": ["--nproc", "1", "train.micro_batch=8", *LORA, EXPERTS],
@@ -32,6 +37,8 @@ RUNS = {
     "dpo1": ["--nproc", "1", "train.micro_batch=4", *DPO],
     "dpo2": ["--nproc", "2", "train.micro_batch=2", *DPO],
     "dpo_ep2": ["--nproc", "2", "--ep", "2", "train.micro_batch=2", *DPO],
+    **{f"{m}{suffix}": [*args, f"model.name=tiny-{m}", "checkpoint.export_hf=true"] for m in MODELS
+       for suffix, args in (("_1", ["--nproc", "1", "train.micro_batch=8"]), ("_ep2", ["--nproc", "2", "--ep", "2"]))},
 }
 DATES = ["2017-03-09", "1999-12-31", "2041-07-04", "1988-02-15", "2003-10-21", "2025-06-30", "1970-01-02",
          "2012-11-08", "1995-05-27", "2033-09-13", "2008-04-19", "1961-08-25", "2020-02-29", "2050-12-01",
@@ -126,3 +133,20 @@ def test_attention_lora_under_ep_exports_one_process_model(runs):
 @pytest.mark.parametrize("two", ["dpo2", "dpo_ep2"])
 def test_dpo_on_the_moe_gives_one_process_metrics_with_the_aux_loss(runs, two):
     _same(runs["dpo1"], runs[two], keys=("loss", "aux_loss", "grad_norm", "reward_acc", "reward_margin"))
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("model", MODELS)
+def test_qwen3_moe_and_gpt_oss_under_ep_give_one_process_run_and_export(runs, model):
+    from transformers import AutoModelForCausalLM
+
+    _same(runs[f"{model}_1"], runs[f"{model}_ep2"])
+    assert metrics(runs[f"{model}_1"])[-1]["loss"] < metrics(runs[f"{model}_1"])[0]["loss"] - 0.5  # it learns
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    got = {}
+    for name in (f"{model}_1", f"{model}_ep2"):
+        hf, info = AutoModelForCausalLM.from_pretrained(runs[name] / "hf_export", output_loading_info=True)
+        assert not any(info.values()), info  # 0 missing / unexpected keys
+        assert hf.config.model_type == model.replace("-", "_")
+        got[name] = _logits(hf.eval(), ids)
+    torch.testing.assert_close(got[f"{model}_ep2"], got[f"{model}_1"], atol=1e-4, rtol=0)

@@ -27,7 +27,7 @@ from shardtune.parallel.build import build_parallel_model
 from shardtune.parallel.ep import ep_rows
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
-from shardtune.train.core.moe import EXPERTS_IMPLEMENTATION, num_experts, prepare_moe
+from shardtune.train.core.moe import EXPERTS_IMPLEMENTATION, attention_implementation, num_experts, prepare_moe
 from shardtune.train.core.qlora import fill_nf4, is_nf4, quantize_base
 
 if TYPE_CHECKING:
@@ -47,7 +47,8 @@ def build_hf_config(model_cfg: ModelConfig):
 
 
 def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
-    """The causal LM with every parameter on the meta device (no memory), SDPA attention, in fp32:
+    """The causal LM with every parameter on the meta device (no memory), SDPA attention (GPT-OSS:
+    eager, train/core/moe.py `attention_implementation`), in fp32:
     a Hub folder's `torch_dtype: bfloat16` must not decide the training precision (bf16-mixed keeps
     fp32 masters); `parallel.build` casts to what `parallel.precision` says, weights are cast per
     tensor while loading."""
@@ -56,7 +57,8 @@ def build_meta_model(model_cfg: ModelConfig) -> nn.Module:
     experts = {"experts_implementation": EXPERTS_IMPLEMENTATION} if num_experts(config) else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation="sdpa", trust_remote_code=model_cfg.trust_remote_code, **experts)
+            config, attn_implementation=attention_implementation(config),
+            trust_remote_code=model_cfg.trust_remote_code, **experts)
     model.to(torch.float32)  # free on meta
     prepare_moe(model)
     model.config.use_cache = False

@@ -42,18 +42,30 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 
 def _fp32_router_forward(router: nn.Module, hidden_states: torch.Tensor):
-    """transformers' top-k router (logits, renormalised top-k weights, indices) with the logits and
+    """transformers' top-k router (logits, renormalised top-k weights, indices; GPT-OSS: its bias and its
+    softmax over the top-k logits, which equals the renormalised top-k probabilities) with the logits and
     softmax in fp32 whatever the compute dtype: a bf16 router picks experts from rounded logits,
     and near-ties flip (Megatron's `moe_router_dtype=fp32`, torchtitan's router does the same).
     In fp32 it is transformers' forward, bit for bit."""
     with torch.autocast(hidden_states.device.type, enabled=False):
         hidden = hidden_states.reshape(-1, router.hidden_dim).float()  # (N, h)
-        logits = F.linear(hidden, _local(router.weight).float())  # (N, E)
+        bias = getattr(router, "bias", None)  # GPT-OSS's router has one
+        logits = F.linear(hidden, _local(router.weight).float(), None if bias is None else _local(bias).float())
+        if bias is not None:  # GPT-OSS: top-k of the logits, softmax over those k (transformers' order)
+            top, index = torch.topk(logits, router.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=1), index
         probs = torch.softmax(logits, dim=-1)
         top, index = torch.topk(probs, router.top_k, dim=-1)  # (N, k)
         if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen3-MoE as configured
             top = top / top.sum(dim=-1, keepdim=True)
     return logits, top, index
+
+
+def attention_implementation(config) -> str:
+    """transformers' attention the trainer asks for: SDPA, except GPT-OSS, whose attention sinks
+    (one learned logit per head in the softmax's denominator) SDPA has no term for, and whose class
+    refuses SDPA: its eager attention (the (s, s) scores held in memory)."""
+    return "eager" if getattr(config, "model_type", None) == "gpt_oss" else "sdpa"
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
