@@ -51,7 +51,8 @@ def hub_sources(config, on_disk: Mapping[str, tuple[int, ...]]) -> dict[str, Sou
         if owner in on_disk or key not in on_disk:
             continue
         p = params[owner]
-        if bool(((flat >> _ID) != (int(flat[0]) >> _ID)).any()) or tuple(on_disk[key]) != (flat.numel(), *p.shape[_keep(p):]):
+        mixed = bool(((flat >> _ID) != (int(flat[0]) >> _ID)).any())
+        if mixed or tuple(on_disk[key]) != (flat.numel(), *p.shape[_keep(p):]):
             raise UserError(f"weights tensor {key!r} has shape {list(on_disk[key])}, which does not make "
                             f"{owner!r} {list(p.shape)} as transformers converts it; give a matching checkpoint")
         out.setdefault(owner, []).append((key, flat & ((1 << _ID) - 1)))
@@ -88,3 +89,9 @@ def read_rows(sources: Sources, where: Mapping[str, Path], rows: slice | None) -
 def saved_names(config, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model's tensors under the names (and splits) transformers' `save_pretrained` writes."""
     return revert_weight_conversion(_meta(config), tensors)
+
+
+def stores_saved_names(config, names: set[str]) -> bool:
+    """Whether a folder holding tensors `names` stores some of the model's tensors under other
+    names (the Hub's, which `saved_names` writes back)."""
+    return any(n not in names for n, _ in _meta(config).named_parameters())
