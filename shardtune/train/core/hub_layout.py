@@ -6,6 +6,7 @@ transformers itself: its save path (`revert_weight_conversion`) is run on index 
 rename, merge and concatenation is transformers' own (docs/moe.md "Hub layout")."""
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,7 +38,10 @@ def hub_sources(config, on_disk: Mapping[str, tuple[int, ...]]) -> dict[str, Sou
     """model name → (its full shape, [(file key, positions)]) for each model tensor stored under
     other names: file row i of `key` is flat position positions[i] of the tensor's leading dims
     (`_keep`). Shapes are checked against the files; names stored as they are get no entry."""
-    meta = _meta(config)
+    try:
+        meta = _meta(config)
+    except Exception:  # noqa: BLE001 a class transformers cannot build here (remote code): the names stay missing
+        return {}
     params = dict(meta.named_parameters())
     names = list(params)
     probe = {}
@@ -72,14 +76,16 @@ def read_rows(sources: Sources, where: Mapping[str, Path], rows: slice | None) -
     keep = 2 if len(shape) >= 3 else min(len(shape), 1)
     per = math.prod(shape[1:keep])  # flat positions per dim-0 row
     a, b = (0, shape[0]) if rows is None else (rows.start, rows.stop)
-    parts = []
-    for key, pos in sources:
-        idx = ((pos >= a * per) & (pos < b * per)).nonzero().flatten()
-        if idx.numel() == 0:
-            continue
-        lo, hi = int(idx.min()), int(idx.max()) + 1
-        with safe_open(str(where[key]), framework="pt") as h:
-            parts.append((pos[idx] - a * per, h.get_slice(key)[lo:hi][idx - lo]))
+    parts, files = [], {}
+    with contextlib.ExitStack() as stack:  # each file opened once per call (a shard's header parsed once)
+        for key, pos in sources:
+            idx = ((pos >= a * per) & (pos < b * per)).nonzero().flatten()
+            if idx.numel() == 0:
+                continue
+            if where[key] not in files:
+                files[where[key]] = stack.enter_context(safe_open(str(where[key]), framework="pt"))
+            lo, hi = int(idx.min()), int(idx.max()) + 1
+            parts.append((pos[idx] - a * per, files[where[key]].get_slice(key)[lo:hi][idx - lo]))
     out = torch.empty(((b - a) * per, *shape[keep:]), dtype=parts[0][1].dtype)
     for at, data in parts:
         out[at] = data
