@@ -33,7 +33,8 @@ class _Model:
         return self.buffer_cache[key]
 
 
-def _load_model(model, params: float | None, lora_rank: int, quantize_base: str = "none") -> _Model:
+def _load_model(model, params: float | None, lora_rank: int, quantize_base: str = "none",
+                target_parameters: list[str] | None = None) -> _Model:
     if params is not None:
         n = int(params)
         return _Model(f"{params:g} parameters", "--params (model states only)", n, n, None, None, n)
@@ -41,7 +42,12 @@ def _load_model(model, params: float | None, lora_rank: int, quantize_base: str 
     arch = architecture_from_config(cfg)
     if lora_rank > arch.hidden_size:
         raise UserError(f"--lora-rank {lora_rank} exceeds the hidden size {arch.hidden_size}; use a rank such as 8-64")
-    shapes = model_shapes(arch, lora_rank, quantize_base)
+    shapes = model_shapes(arch, lora_rank, quantize_base, target_parameters or ())
+    adapted = {s.name.split(".lora_")[0] for s in shapes if s.name.endswith("lora_A.default.weight")}
+    for t in target_parameters or []:
+        if not any(a.endswith(f".{t}") for a in adapted):
+            raise UserError(f"lora.target_parameters {t!r} names no 3-D expert weight of the model; give a suffix "
+                            "such as experts.gate_up_proj or experts.down_proj")
     name = model if isinstance(model, str) else "config"
     source = MODELS[name]["source"] if name in MODELS else name
     total = sum(p.numel for p in shapes)  # with LoRA: the frozen base and the adapters

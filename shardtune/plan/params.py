@@ -17,6 +17,7 @@ plus 2·32000·4096 + 4096 → 6,738,415,616. Imports no torch.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 
@@ -181,10 +182,27 @@ def lora_shapes(arch: Architecture, rank: int, targets=LORA_TARGETS) -> list[Par
     return out
 
 
-def model_shapes(arch: Architecture, lora_rank: int = 0, quantize_base: str = "none") -> list[ParamShape]:
+def expert_lora_shapes(arch: Architecture, rank: int, targets: Sequence[str]) -> list[ParamShape]:
+    """PEFT's ParamWrapper adapters on 3-D expert weights (`lora.target_parameters`, a suffix of the
+    weight's name): W [E, d1, d2] gets A [E·r, in] and B [out, E·r], in = d2 and out = d1 (GPT-OSS's
+    transposed experts: in = d1, out = d2), r·E·(d1 + d2) parameters (docs/moe.md)."""
+    out = []
+    for i in range(arch.num_layers):
+        for ps in layer_shapes(arch, i):
+            if len(ps.shape) == 3 and any(ps.name.endswith(f".{t}") for t in targets):
+                E, d1, d2 = ps.shape
+                n, o = (d1, d2) if getattr(arch, "expert_bias", False) else (d2, d1)
+                out += [ParamShape(f"{ps.name}.lora_A.default.weight", (E * rank, n), i),
+                        ParamShape(f"{ps.name}.lora_B.default.weight", (o, E * rank), i)]
+    return out
+
+
+def model_shapes(arch: Architecture, lora_rank: int = 0, quantize_base: str = "none",
+                 target_parameters: Sequence[str] = ()) -> list[ParamShape]:
     """All tensors the trained model holds; with LoRA the base weights are frozen. `quantize_base`
     "nf4" (QLoRA) marks each adapted base weight `nf4` (train/core/qlora.py: the target nn.Linear
-    weights; embeddings, norms, head and biases stay in their dtype)."""
+    weights; embeddings, norms, head and biases stay in their dtype). `target_parameters`: LoRA on
+    the named 3-D expert weights too (`expert_lora_shapes`)."""
     if quantize_base not in ("none", "nf4"):
         raise ValueError(f"quantize_base {quantize_base!r}")
     base = param_shapes(arch)
@@ -193,7 +211,7 @@ def model_shapes(arch: Architecture, lora_rank: int = 0, quantize_base: str = "n
     targets = {f"{a.name.split('.lora_A.')[0]}.weight" for a in lora_shapes(arch, lora_rank) if ".lora_A." in a.name}
     frozen = [ParamShape(p.name, p.shape, p.group, trainable=False,
                          nf4=quantize_base == "nf4" and p.name in targets) for p in base]
-    return frozen + lora_shapes(arch, lora_rank)
+    return frozen + lora_shapes(arch, lora_rank) + expert_lora_shapes(arch, lora_rank, target_parameters)
 
 
 def count_params(arch: Architecture) -> int:

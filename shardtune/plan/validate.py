@@ -54,6 +54,7 @@ class PlanInputs:
     offload: str = "none"
     lora_rank: int = 0
     quantize_base: str = "none"  # lora.quantize_base: nf4 stores the LoRA base in 4 bits (QLoRA)
+    lora_target_parameters: list[str] | None = None  # lora.target_parameters: LoRA on 3-D expert weights
     loss_chunks: int | None = None  # train.loss_chunks; default: rules/loss.py (8 above a 32k vocabulary)
     objective: str = "sft"  # train.objective: dpo holds a reference model (plan/preference.py)
     reference: str = "live"  # train.reference: live | precompute
@@ -142,6 +143,9 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.grad_accum = _int_in("grad_accum", inp.grad_accum, 1, 1_000_000)
     inp.ac_every = _int_in("ac_every", inp.ac_every, 1, 100_000)
     inp.lora_rank = _int_in("lora_rank", inp.lora_rank, 0, 65_536)
+    inp.lora_target_parameters = [str(t) for t in inp.lora_target_parameters or []] or None  # unrepeated: []
+    if inp.lora_target_parameters and not inp.lora_rank:
+        raise UserError("--lora-target-parameters adapts expert weights with LoRA: it needs --lora-rank R")
     if inp.loss_chunks is not None:
         inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
     inp.tp = _int_in("tp", inp.tp, 1, MAX_GPUS)

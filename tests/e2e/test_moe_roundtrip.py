@@ -1,15 +1,18 @@
 """A Hugging Face MoE folder through `shardtune train` and `shardtune export` comes back bit for bit.
 
-Source folders: tiny-mixtral (random, fp32, the fused `experts.gate_up_proj` / `down_proj` names
-that transformers' classes hold) and the upcycled SmolLM2 MoE (shardtune/testing/upcycle.py: 30
-layers x 4 experts, bf16, tied embeddings). Each trains one step on 2 processes, zero3 and with
-`--ep 2`, then `shardtune export` writes its final checkpoint. The CLI has no zero-step run
+Source folders: tiny-mixtral and a tiny Qwen3-MoE as transformers' own `save_pretrained` writes them
+(random, fp32, the Hub's per-expert names: train/core/hub_layout.py fuses them at load and the
+export splits them back), and the upcycled SmolLM2 MoE (shardtune/testing/upcycle.py: 30 layers x 4
+experts, bf16, tied embeddings, the fused `experts.gate_up_proj` / `down_proj` names that
+transformers' classes hold). Each trains one step on 2 processes (zero3, and `--ep 2`; Qwen3-MoE
+`--ep 2` only), then `shardtune export` writes its final checkpoint. The CLI has no zero-step run
 (train.max_steps >= 1, optim.lr > 0): the step runs with optim.lr=1e-46, so AdamW's update
 (lr x m/(sqrt(v) + eps), at most lr on the first step) is below half of fp32's smallest subnormal
 (1.4e-45) and rounds to zero, weight decay 0 (pure bf16 updates in fp32 too). What comes back is
 then the loader, the sharding (experts split by ep and FSDP), DCP's save and the export: every
-tensor's name, dtype, shape and bytes equal the source's, and the config reads back the same. The
-zero3 runs' memory.json also measures the planner's MoE activations (plan.json, within 10 %).
+tensor's name, dtype, shape and bytes equal the source's, in the source's own layout, and the
+config reads back the same. The zero3 runs' memory.json also measures the planner's MoE
+activations (plan.json, within 10 %).
 """
 from __future__ import annotations
 
@@ -23,30 +26,34 @@ pytestmark = [pytest.mark.e2e]
 RECIPE = REPO / "recipes" / "tiny-moe-cpu.yaml"
 NO_STEP = ["train.max_steps=1", "optim.lr=1e-46", "optim.warmup_steps=0", "optim.weight_decay=0",
            "checkpoint.save_final=true", "model.init=pretrained"]
-SOURCES = {"tiny-mixtral": ["parallel.precision=fp32"],
+SOURCES = {"tiny-mixtral": ["parallel.precision=fp32"], "tiny-qwen3-moe": ["parallel.precision=fp32"],
            "upcycled": ["parallel.precision=bf16", "train.seq_len=32", "train.micro_batch=1"]}
-LAYOUTS = {"zero3": [], "ep2": ["--ep", "2"]}
+LAYOUTS = {"zero3": ["--nproc", "2"], "ep2": ["--nproc", "2", "--ep", "2"]}
+# Qwen3-MoE's per-expert names under ep only (one launch more; one process's whole-tensor read of both
+# layouts against from_pretrained is tests/unit/test_hub_layout.py's)
+RUNS = [("tiny-mixtral", "zero3"), ("tiny-mixtral", "ep2"), ("tiny-qwen3-moe", "ep2"),
+        ("upcycled", "zero3"), ("upcycled", "ep2")]
 
 
-def _tiny_mixtral_folder(folder: Path) -> Path:
-    """tiny-mixtral as a pretrained folder, written as upcycle.py writes one (the model's own state
-    dict: fused expert tensors; transformers' save_pretrained writes Mixtral's legacy per-expert
-    names, which it converts back on load)."""
+def _hub_folder(folder: Path, model_type: str) -> Path:
+    """A tiny MoE as transformers 5's own `save_pretrained` writes it: the Hub's per-expert names
+    (Mixtral `block_sparse_moe.experts.N.w1/w2/w3`, Qwen3-MoE `mlp.experts.N.gate/up/down_proj`),
+    which transformers fuses into `experts.gate_up_proj` / `down_proj` when loading. tiny-mixtral's
+    widths, vocabulary and token ids for both (the recipe's byte tokenizer)."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardtune.catalog.models import resolve_model_config
 
-    cfg = resolve_model_config("tiny-mixtral")
-    hf = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    hf.architectures, hf.dtype = cfg["architectures"], "float32"  # as a saved model's config names its weights'
+    cfg = {k: v for k, v in resolve_model_config("tiny-mixtral").items() if k not in ("architectures", "model_type")}
+    if model_type == "qwen3_moe":
+        cfg.update(num_experts=cfg.pop("num_local_experts"), moe_intermediate_size=cfg["intermediate_size"],
+                   head_dim=32, decoder_sparse_step=1, mlp_only_layers=[])
+    hf = AutoConfig.for_model(model_type, **cfg)
+    hf.dtype = "float32"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf)
-    folder.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    hf.save_pretrained(folder)
+    model.save_pretrained(folder)
     return folder
 
 
@@ -55,17 +62,17 @@ def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict
     from shardtune.testing.upcycle import upcycled_folder
 
     tmp: Path = tmp_path_factory.mktemp("moe_roundtrip")
-    sources = {"tiny-mixtral": _tiny_mixtral_folder(tmp / "tiny-mixtral"), "upcycled": upcycled_folder()}
+    sources = {"tiny-mixtral": _hub_folder(tmp / "tiny-mixtral", "mixtral"),
+               "tiny-qwen3-moe": _hub_folder(tmp / "tiny-qwen3-moe", "qwen3_moe"), "upcycled": upcycled_folder()}
     out = {}
-    for name, source in sources.items():
-        for layout, extra in LAYOUTS.items():
-            run, export = tmp / f"{name}-{layout}", tmp / f"{name}-{layout}-hf"
-            proc = shardtune_cli("train", RECIPE, "--nproc", "2", "--output-dir", run, *extra,
-                                 f"model.name={source}", *NO_STEP, *SOURCES[name], timeout_s=420)
-            assert proc.returncode == 0, proc.stdout[-3000:]
-            proc = shardtune_cli("export", run / "checkpoints" / "step_1", export, timeout_s=240)
-            assert proc.returncode == 0, proc.stdout[-3000:]
-            out[name, layout] = (source, export, metrics(run), run)
+    for name, layout in RUNS:
+        source, run, export = sources[name], tmp / f"{name}-{layout}", tmp / f"{name}-{layout}-hf"
+        proc = shardtune_cli("train", RECIPE, "--output-dir", run, *LAYOUTS[layout],
+                             f"model.name={source}", *NO_STEP, *SOURCES[name], timeout_s=420)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        proc = shardtune_cli("export", run / "checkpoints" / "step_1", export, timeout_s=240)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        out[name, layout] = (source, export, metrics(run), run)
     return out
 
 
@@ -76,8 +83,7 @@ def _tensors(folder: Path) -> dict:
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize(("name", "layout"), RUNS)
 def test_train_then_export_gives_the_source_tensors_bit_for_bit(trips, name, layout):
     import torch
 
@@ -86,8 +92,8 @@ def test_train_then_export_gives_the_source_tensors_bit_for_bit(trips, name, lay
     assert [r["step"] for r in steps] == [1] and steps[0]["grad_norm"] > 0 and steps[0]["lr"] == 1e-46
     want, got = _tensors(source), _tensors(export)
     assert sorted(got) == sorted(want)
-    experts = [k for k in want if ".mlp.experts." in k]
-    assert len(experts) == 2 * (4 if name == "tiny-mixtral" else 30)
+    experts = [k for k in want if ".experts." in k]  # the source's own layout, per expert or fused
+    assert len(experts) == (2 * 30 if name == "upcycled" else 3 * 4 * 4), sorted(want)[:8]
     for key, w in want.items():
         g = got[key]
         assert (g.dtype, g.shape) == (w.dtype, w.shape), key
@@ -95,8 +101,7 @@ def test_train_then_export_gives_the_source_tensors_bit_for_bit(trips, name, lay
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize(("name", "layout"), RUNS)
 def test_the_exported_config_is_the_source_config(trips, name, layout):
     from transformers import AutoConfig
 
@@ -114,7 +119,7 @@ def test_the_exported_config_is_the_source_config(trips, name, layout):
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("name", ["tiny-mixtral", "upcycled"])
 def test_the_planned_moe_activations_are_what_the_trainer_measured(trips, name):
     """The same zero3 runs as a measurement of the planner's MoE activation terms (plan/moe.py): the
     activation bytes torch's memory tracker saw in the trainer's step (memory.json, rank 0) against

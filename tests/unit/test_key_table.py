@@ -46,6 +46,7 @@ SETTINGS = (  # every table key off its default, over three recipes (the rules r
     {"optim.name": "adamw-8bit", "train.objective": "dpo", "train.reference": "precompute", "lora.rank": 4,
      "lora.quantize_base": "nf4"},
     {"parallel.ep": 2, "checkpoint.save_final": False},  # ep saves no checkpoint yet (rules/ep.py)
+    {"lora.rank": 8, "lora.dropout": 0.0, "lora.target_parameters": ["experts.gate_up_proj"]},
     {"train.objective": "grpo", "rl.num_generations": 4, "rl.max_new_tokens": 32, "rl.beta": 0.04,
      "rl.reward": "[{name: length, target: 4}]"},
     {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2,

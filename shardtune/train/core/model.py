@@ -26,6 +26,7 @@ from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
 from shardtune.parallel.ep import ep_rows
 from shardtune.strategies import STRATEGY
+from shardtune.train.core.hub_layout import hub_sources, read_rows
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
 from shardtune.train.core.moe import EXPERTS_IMPLEMENTATION, attention_implementation, num_experts, prepare_moe
 from shardtune.train.core.qlora import fill_nf4, is_nf4, quantize_base
@@ -123,18 +124,22 @@ def pretrained_full_tensors(model: nn.Module, files: list[Path]) -> Iterator[tup
     """(name, make) per parameter, `make(rows=None)` reading that one tensor (only its dim-0
     `rows` when given: a rank reads its own shard) from the safetensors files."""
     where: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as h:
             where.update({k: f for k in h.keys()})
-    for model_name, _ in model.named_parameters():
-        if is_adapter(model_name):
-            continue  # adapters are not in a base checkpoint: train/core/lora.py makes them
-        name = base_name(model_name)
-        if name not in where:
+            shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    named = [(n, base_name(n)) for n, _ in model.named_parameters() if not is_adapter(n)]  # adapters: lora.py
+    # a Hub folder's per-expert tensors (or other names transformers converts at load): hub_layout.py
+    hub = hub_sources(model.config, shapes) if any(name not in where for _, name in named) else {}
+    for model_name, name in named:
+        if name not in where and name not in hub:
             raise UserError(f"weights {files[0].parent} lack tensor {name!r}; give a checkpoint of "
                             f"the same architecture ({type(model).__name__})")
 
         def make(rows: slice | None = None, name=name) -> torch.Tensor:
+            if name in hub:
+                return read_rows(hub[name], where, rows)
             with safe_open(str(where[name]), framework="pt") as h:
                 return h.get_tensor(name) if rows is None else h.get_slice(name)[rows]
 

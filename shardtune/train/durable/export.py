@@ -22,9 +22,11 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import AutoConfig
 
 from shardtune.errors import UserError, read_json_object
 from shardtune.train.core import lora as lora_mod
+from shardtune.train.core.hub_layout import saved_names, stores_saved_names
 from shardtune.train.core.lora_base import adapter_targets, base_tensors
 from shardtune.train.durable import integrity
 from shardtune.train.durable.checkpoint import SafeFileSystemReader, safe_dcp_load
@@ -37,6 +39,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size "5GB" (10^9 b
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 # a source model folder's files an export carries over as they are (tokenizer, special tokens, chat
 # templates, generation settings such as Llama-3-Instruct's stop tokens); config.json is the run's
+# in a checkpoint's hf/: the source folder stored the Hub's names (per-expert MoE tensors), so the
+# export writes them (transformers' own save conversion, train/core/hub_layout.py `saved_names`)
+SAVED_NAMES = "shardtune_saved_names.json"
 SOURCE_FILES = ("generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
                 "chat_template*", "vocab*", "merges*", "*.model", "*.tiktoken", "spiece*")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -115,6 +120,14 @@ def copy_source_files(src: str | Path, dest: Path, tokenizer: bool = True) -> li
     names = [n for n in names if tokenizer or n == "generation_config.json"]
     for name in names:
         shutil.copyfile(src / name, dest / name)
+    weights = sorted(src.glob("*.safetensors")) if src.is_dir() else []
+    if weights and (dest / "config.json").is_file():  # the source's names, for the export (SAVED_NAMES)
+        on_disk: set[str] = set()
+        for f in weights:
+            with safetensors.safe_open(str(f), framework="pt") as h:
+                on_disk.update(h.keys())
+        if stores_saved_names(AutoConfig.from_pretrained(dest), on_disk):
+            (dest / SAVED_NAMES).write_text(json.dumps({"names": "transformers save_pretrained"}) + "\n")
     return names
 
 
@@ -254,6 +267,9 @@ def _sort_metadata(path: Path, metadata: dict) -> None:
 def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora, hf_config, adapter_only) -> None:
     """The export's files into `tmp` (export_checkpoint's body once the plan is made)."""
     reader = SafeFileSystemReader(ckpt)
+    hub_config = None
+    if (ckpt / HF_DIR / SAVED_NAMES).is_file() and not adapter_only:
+        hub_config = AutoConfig.from_pretrained(ckpt / HF_DIR)
     weight_map: dict[str, str] = {}
     total = 0
     for i, keys in enumerate(shards, start=1):
@@ -275,6 +291,8 @@ def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora
                                                  lora_mod.scaling(lora))
         tensors = {meta[k][0]: (want[k].to(out_dtype) if out_dtype else want[k]).contiguous() for k in keys}
         del want
+        if hub_config is not None:  # the source folder's names: per-expert tensors split as it stored them
+            tensors = {k: v.contiguous() for k, v in saved_names(hub_config, tensors).items()}
         data = hashlib.sha256()  # the tensors' bytes, name by name: checked by generate without a manifest
         for name in sorted(tensors):
             data.update(tensors[name].reshape(-1).view(torch.uint8).numpy())
@@ -292,7 +310,7 @@ def _write_export(ckpt, tmp, entries, shards, meta, merge, base, out_dtype, lora
         lora_mod.write_adapter_config(lora, hf_config.get("_name_or_path") or "", tmp)
     else:
         for f in (ckpt / HF_DIR).iterdir():  # config.json, tokenizer files
-            if f.is_file():
+            if f.is_file() and f.name != SAVED_NAMES:
                 shutil.copy2(f, tmp / f.name)
     if lora and not adapter_only:  # merged: a plain HF model, without our adapter settings
         cfg = json.loads((tmp / "config.json").read_text())

@@ -147,16 +147,21 @@ def _check_weights(model: ModelConfig, hf: dict) -> None:
         raise UserError(f"model {model.name!r}: transformers cannot build its config.json "
                         f"({type(e).__name__}: {' '.join(str(e).split())[:160]}); fix config.json") from None
     built = dict(meta.named_parameters())
+    from shardtune.train.core.hub_layout import hub_sources  # the Hub's per-expert names: shapes checked there
+
+    hub = hub_sources(meta.config, shapes) if any(n not in shapes for n in built) else {}
     for name, p in built.items():
         got = shapes.get(name)
-        if got is None:
+        if got is None and name not in hub:
             raise UserError(f"weights in {model.name!r} lack tensor {name!r} that its config.json builds; give the "
                             "folder's matching config.json and weights")
-        if got != tuple(p.shape):
+        if got is not None and got != tuple(p.shape):
             raise UserError(f"weights in {model.name!r}: tensor {name!r} has shape {list(got)} but config.json "
                             f"builds {list(p.shape)}; give the folder's matching config.json and weights")
     # tensors the model does not build (e.g. layers config.json leaves out): tied heads and old rotary caches aside
-    extra = sorted(k for k in shapes if k not in built and k != "lm_head.weight" and not k.endswith("inv_freq"))
+    read = {k for _, srcs in hub.values() for k, _ in srcs}
+    extra = sorted(k for k in shapes if k not in built and k not in read and k != "lm_head.weight"
+                   and not k.endswith("inv_freq"))
     if extra:
         raise UserError(f"weights in {model.name!r} hold {len(extra)} tensor(s) its config.json does not build "
                         f"({extra[0]}); give the folder's matching config.json and weights")
