@@ -40,6 +40,7 @@ class CPState:
         self.group, self.rank, self.size = group, rank, size
         self.split = size * (tp if sequence_parallel and tp > 1 else 1)  # what seq_len must divide by
         self.segments: list[list[tuple[int, int]]] = []  # per row: [(start, end)) of each document
+        self.starts = torch.zeros(0, 0, dtype=torch.bool)  # (b, s) on the CPU: True where a document starts
         self.base_attn = "sdpa"  # the model's own attention implementation (apply_cp records it)
 
     def set_positions(self, position_ids: torch.Tensor) -> None:
@@ -47,11 +48,17 @@ class CPState:
         first = position_ids[:, :1] - 1
         starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
         starts[:, 0] = True
-        s = position_ids.shape[1]
-        self.segments = []
-        for row in starts.cpu().tolist():
-            idx = [i for i, v in enumerate(row) if v] + [s]
-            self.segments.append(list(zip(idx[:-1], idx[1:])))
+        self.starts = starts.cpu()
+        self.segments = _segments(self.starts)
+
+
+def _segments(starts: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """(b, s) document starts → per row the [(start, end)) of each document."""
+    out = []
+    for row in starts:
+        idx = row.nonzero().flatten().tolist() + [starts.shape[1]]
+        out.append(list(zip(idx[:-1], idx[1:])))
+    return out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -101,6 +108,56 @@ def _attend(q, k, v, segments, dropout: float, scaling: float | None) -> torch.T
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
 
+_UNRECORDED = ("context parallelism: the batch's documents were not recorded (parallel/cp.py shard_batch "
+               "must slice the batch before the forward)")
+
+
+# Under torch.compile the per-document loop runs as one opaque op: its Python ints (the documents)
+# come from a (b, s) tensor inside the op, so the compiled layer guards on that tensor's shape only,
+# not on the documents of each batch (which recompiled every step). Its backward recomputes the
+# attention of the op's inputs and differentiates it eagerly (no dropout: see the caller).
+@torch.library.custom_op("shardtune::cp_attend", mutates_args=())
+def _cp_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+               scale: float | None) -> torch.Tensor:
+    return _attend(q, k, v, _segments(starts), 0.0, scale).contiguous()
+
+
+@_cp_attend.register_fake
+def _(q, k, v, starts, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("shardtune::cp_attend_backward", mutates_args=())
+def _cp_attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
+                        scale: float | None, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # an op's kernel runs with autograd's dispatch keys excluded: bring them back for the recompute
+    keys = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA):
+        keys = keys.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keys), torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = _attend(*leaves, _segments(starts), 0.0, scale)
+        return tuple(g.contiguous() for g in torch.autograd.grad(out, leaves, grad))
+
+
+@_cp_attend_backward.register_fake
+def _(q, k, v, starts, scale, grad):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _cp_attend_setup(ctx, inputs, output):
+    q, k, v, starts, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, starts)
+
+
+def _cp_attend_grad(ctx, grad):
+    q, k, v, starts = ctx.saved_tensors
+    return *torch.ops.shardtune.cp_attend_backward(q, k, v, starts, ctx.scale, grad), None, None
+
+
+_cp_attend.register_autograd(_cp_attend_grad, setup_context=_cp_attend_setup)
+
+
 def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """The registered attention function: (b, H, s/cp, d) q and (b, KV, s/cp, d) k, v of this rank's
@@ -115,10 +172,18 @@ def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     group_size = q.shape[1] // k.shape[1]
     if group_size > 1:  # GQA: query head j reads KV head j // group_size (HF's repeat_kv)
         k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
-    if len(state.segments) != q.shape[0] or state.segments[0][-1][1] != q.shape[2]:
-        raise RuntimeError("context parallelism: the batch's documents were not recorded (parallel/cp.py "
-                           "shard_batch must slice the batch before the forward)")
-    out = _attend(q, k, v, state.segments, dropout if module.training else 0.0, scaling)
+    dropout = dropout if module.training else 0.0
+    if torch.compiler.is_compiling():  # the documents as a tensor: dynamo guards on a list's values
+        if tuple(state.starts.shape) != (q.shape[0], q.shape[2]):
+            raise RuntimeError(_UNRECORDED)
+        if dropout:
+            raise NotImplementedError("context parallelism under train.compile: attention dropout (the "
+                                      "backward recomputes the attention, with another dropout mask)")
+        out = torch.ops.shardtune.cp_attend(q, k, v, state.starts, scaling)
+    else:
+        if len(state.segments) != q.shape[0] or state.segments[0][-1][1] != q.shape[2]:
+            raise RuntimeError(_UNRECORDED)
+        out = _attend(q, k, v, state.segments, dropout, scaling)
     return heads_to_seq(out, group, cp).transpose(1, 2).contiguous(), None
 
 

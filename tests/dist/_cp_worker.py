@@ -2,10 +2,12 @@
 processes, rank<r>.json with what each measured. argv: cases.json out_dir.
 
 A case: {name, parallel: {...ParallelConfig with cp (and tp)}, model: {...ModelConfig}, lora, steps,
-rows, seq_len, grad_accum, lr, loss_chunks, logits: bool}. Each rank takes its data-parallel share of
+rows, seq_len, grad_accum, lr, loss_chunks, logits: bool, compile: bool (train.compile), vary_docs:
+bool}. Each rank takes its data-parallel share of
 `_batches.global_batch` (the ranks of one cp and tp group the same rows) and the trainer's step
 splits the sequence; `logits` also records the full logits of two batches that differ in one
-document only (the cp group's pieces all-gathered), for the document-isolation test.
+document only (the cp group's pieces all-gathered), for the document-isolation test; `vary_docs`
+steps on `varied_documents` instead; every case records dynamo's graph count before and after.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._dynamo.utils as dynamo_utils
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,6 +40,25 @@ def changed_document_batches(rows: int, seq_len: int) -> tuple[dict, dict]:
     return a, b
 
 
+def varied_documents(step: int, rows: int, seq_len: int) -> dict:
+    """`global_batch`'s tokens with document boundaries that move from step to step and row to row
+    (one or two a row): what real packed data does, and what made compiled cp layers recompile."""
+    batch = global_batch(step, rows, seq_len)
+    idx = torch.arange(seq_len)
+    for r in range(rows):
+        cuts = [3 + (5 * step + 7 * r) % (seq_len // 2)] + ([seq_len // 2 + 3 + step] if (step + r) % 2 else [])
+        starts = torch.zeros(seq_len, dtype=torch.long)
+        starts[cuts] = idx[cuts]
+        batch["position_ids"][r] = idx - starts.cummax(0).values  # positions restart at each cut
+        batch["labels"][r, [c - 1 for c in cuts]] = -100  # never predict across a boundary
+    return batch
+
+
+def graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompile adds one)."""
+    return int(dynamo_utils.counters["stats"]["unique_graphs"])
+
+
 def full_logits(model, batch: dict, mesh) -> list:
     """The logits of `batch` (every rank the whole batch), the cp group's row pieces all-gathered."""
     with torch.no_grad():
@@ -55,12 +77,13 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     pcfg, mesh, dp_rank, dp_size, group, model, opt, sched = build_case(case, world)
     cp, tp = cp_degree(model), tp_degree(model)
     opts = StepOptions(autocast_dtype=autocast_dtype(pcfg), loss_chunks=case.get("loss_chunks"))
-    out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size, "cp": cp, "tp": tp}
+    out: dict = {"losses": [], "grad_norms": [], "dp_rank": dp_rank, "dp_size": dp_size, "cp": cp, "tp": tp,
+                 "graphs_before": graphs()}
     if case.get("logits"):
         out["logits"] = [full_logits(model, b, mesh) for b in changed_document_batches(2, case["seq_len"])]
     acts = SavedActivations()
     for step in range(case["steps"]):
-        batch = global_batch(step, case["rows"], case["seq_len"])
+        batch = (varied_documents if case.get("vary_docs") else global_batch)(step, case["rows"], case["seq_len"])
         mbs = rank_micro_batches(batch, dp_rank, dp_size, case.get("grad_accum", 1))
         # the step as the trainer calls it (train/rank/loop.py): tokens counted over dp, grads x dp x cp
         r = train_step(model, opt, sched, mbs, opts, dp_group=group, dp_size=dp_size * cp,
@@ -70,6 +93,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         out["losses"].append(float(total) / tp)
         out["grad_norms"].append(float(r.grad_norm))
     out["activation_bytes"] = acts.peak_bytes
+    out["graphs_after"] = graphs()
     del model, opt, sched
     gc.collect()
     return out

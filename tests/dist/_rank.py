@@ -74,7 +74,8 @@ def build_case(case: dict, world: int):
     group = dp_group(mesh)
     torch.manual_seed(0)
     lora = LoraConfig(**case["lora"]) if case.get("lora") else None
-    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0, lora_cfg=lora)
+    model = build_model(ModelConfig(**case.get("model", {})), pcfg, mesh, torch.device("cpu"), seed=0, lora_cfg=lora,
+                        compile=case.get("compile", False))
     ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
                        weight_decay=0.0)
     opt = build_optimizer(model, ocfg, pcfg, group)
