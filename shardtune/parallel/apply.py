@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from shardtune.errors import UserError
 from shardtune.layout import Layout
 from shardtune.parallel.pp import stage_span
+from shardtune.parallel.record import record
 from shardtune.strategies import STRATEGY, autocasts, checkpointed_layers
 
 if TYPE_CHECKING:
@@ -187,6 +188,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
     # a pipeline stage (parallel/pp.py) holds layers first.. of the model's: the rule is the whole model's
     span = stage_span(model)  # a pipeline stage (parallel/pp.py: apply_pp runs first)
     first, total = (span.first_layer, sum(span.layers)) if span is not None else (0, len(layers))
+    done = []
     for i in checkpointed_layers(total, mode, every):
         if not first <= i < first + len(layers):
             continue
@@ -194,6 +196,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> N
             _op_checkpoint_forward(layers[i - first])
         else:
             checkpoint(layers[i - first])
+        done.append(i - first)
+    record(model).ac, record(model).ac_layers = mode, done
 
 
 def autocast_dtype(parallel_cfg: ParallelConfig) -> torch.dtype | None:
@@ -236,6 +240,9 @@ def apply_fsdp(model: nn.Module, parallel_cfg: ParallelConfig, mesh: DeviceMesh)
             _shard_experts(layer, experts_mesh, kwargs, grad_divide)
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    rec = record(model)
+    rec.fsdp, rec.reshard_after_forward, rec.param_dtype = True, s.reshard_after_forward, mp.param_dtype
+    rec.offload = "all" if isinstance(offload, CPUOffloadPolicy) else "none"
 
 
 def _shard_experts(layer: nn.Module, experts_mesh: DeviceMesh, kwargs: dict, grad_divide: int) -> None:

@@ -27,6 +27,7 @@ from shardtune.parallel.apply import (
 from shardtune.parallel.cp import apply_cp
 from shardtune.parallel.ep import apply_ep, expert_modules, mark_routing
 from shardtune.parallel.pp import apply_pp
+from shardtune.parallel.record import record
 from shardtune.parallel.tp import apply_tp
 from shardtune.strategies import STRATEGY
 
@@ -105,6 +106,7 @@ def apply_compile(model: nn.Module) -> None:
             return (_compiled if torch.is_grad_enabled() else _eager)(*args, **kwargs)
 
         layer.forward = forward
+    record(model).compile = True
 
 
 def build_strategy_optimizer(parallel_cfg: ParallelConfig, optimizer_class: type[torch.optim.Optimizer],

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
 from shardtune.parallel.apply import decoder_layers
+from shardtune.parallel.record import record
 from shardtune.rules.cp import check_cp, kv_repeat
 from shardtune.strategies import IGNORE_INDEX
 
@@ -199,6 +200,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, tp: int = 1, sequence_parall
     state.base_attn = model.config._attn_implementation  # what `unsplit_attention` puts back
     model.config._attn_implementation = ATTN_NAME
     setattr(model, CP_ATTR, state)
+    record(model).cp = state.size
 
 
 @contextmanager

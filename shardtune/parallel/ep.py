@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.errors import UserError
+from shardtune.parallel.record import record
 
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 ROUTING_ATTR = "_shardtune_routing"  # on a MoE model under tp or cp: (routing group, tp group); moe.py reads it
@@ -118,6 +119,7 @@ def apply_ep(model: nn.Module, ep_group) -> None:
                                                     requires_grad=full.requires_grad))
         experts.num_experts, experts.ep_degree, experts.ep_group, experts.ep_offset = n, ep, ep_group, rank * n
         experts.forward = MethodType(_ep_forward, experts)
+    record(model).ep = ep
 
 
 def ep_rows(model: nn.Module, param_name: str) -> tuple[int, int] | None:

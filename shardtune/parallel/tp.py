@@ -32,9 +32,8 @@ from torch.distributed.tensor.parallel import (
 
 from shardtune.errors import UserError
 from shardtune.parallel.apply import decoder_layers
+from shardtune.parallel.record import applied, record
 from shardtune.rules.tp import check_tp_model
-
-TP_ATTR = "_shardtune_tp"  # set on the model: (tp degree, sequence_parallel); the step reads it
 
 
 class _QuietTwoStepNorm(logging.Filter):
@@ -215,17 +214,18 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Tr
         parallelize_module(layer, tp_mesh, plan)
     for name, p in model.named_parameters():
         p.requires_grad_(trainable[name])
-    setattr(model, TP_ATTR, (tp_mesh.size(), sp))
+    rec = record(model)  # the step's loss and effective.py read it (parallel/record.py)
+    rec.tp, rec.sequence_parallel = tp_mesh.size(), sp
 
 
 def is_tp(model: nn.Module) -> bool:
     """Whether `apply_tp` made `model` (or the model a DDP wrapper holds) tensor-parallel."""
-    return hasattr(getattr(model, "module", model), TP_ATTR)
+    return applied(model).tp > 1
 
 
 def tp_degree(model: nn.Module) -> int:
     """The model's tensor-parallel degree (1 for a model `apply_tp` did not touch)."""
-    return getattr(getattr(model, "module", model), TP_ATTR, (1, False))[0]
+    return applied(model).tp
 
 
 def loss_context(model: nn.Module):

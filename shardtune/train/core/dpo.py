@@ -149,6 +149,9 @@ class DPO:
         model = getattr(self.reference, "model", None)
         return model is not None and not isinstance(model, FSDPModule)
 
+    def tracked_bytes(self, tracked: dict) -> dict:  # + the frozen reference copy, as plan's memory.reference
+        return add_reference_bytes(tracked, self.reference)
+
     def ref_logps(self, batch: dict, opts: StepOptions) -> torch.Tensor:
         return batch["ref_logps"] if "ref_logps" in batch else self.reference.logps(batch, opts)
 

@@ -1,20 +1,18 @@
-"""What a rank actually runs, read back from the built objects (model, optimizer, StepOptions,
-torch's thread count), not from the recipe: memory.json's `"effective"` and the start-up line.
+"""What a rank actually runs, not what the recipe asked: memory.json's `"effective"` and the
+start-up line. The techniques parallel/ applied come from its record (parallel/record.py, written as
+each is applied); the rest is read back from the built objects (the parameters' meshes and dtypes,
+the optimizer, StepOptions, torch's thread count): docs/DESIGN.md "What ran" lists which is which.
 Keys are the recipe's names where one exists (docs/loop.md "What ran"). tests/e2e/test_effective.py
 compares them with the recipe and with plan.json's inputs, so a setting the trainer drops shows.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 from torch import nn
-from torch.distributed._composable.contract import _get_registry
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.fsdp import FSDPModule
 
-from shardtune.parallel.cp import cp_degree
 from shardtune.parallel.pp import pipeline_of, schedule_name, whole_model_layers
-from shardtune.parallel.tp import TP_ATTR
+from shardtune.parallel.record import applied
 from shardtune.train.core.moe import num_experts
 from shardtune.train.core.qlora import is_nf4
 from shardtune.train.core.step import StepOptions
@@ -29,46 +27,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
-def _forwards(layer: nn.Module) -> Iterator:
-    """The layer's forward and the functions it wraps (compile's `_eager`, op AC's `inner`)."""
-    f, seen = layer.forward, 0
-    while f is not None and seen < 8:
-        yield f
-        seen += 1
-        code, closure = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
-        cells = dict(zip(getattr(code, "co_freevars", ()), closure))
-        f = (getattr(f, "__kwdefaults__", None) or {}).get("_eager") or (
-            cells["inner"].cell_contents if "inner" in cells else None)
-
-
-def _qualnames(layer: nn.Module) -> list[str]:
-    return [getattr(f, "__qualname__", "") for f in _forwards(layer)]
-
-
 def activation_checkpointing(model: nn.Module) -> tuple[str, list[int]]:
-    """(AC mode as the recipe names it, the checkpointed decoder layers' indices), from the layers:
-    torch's composable `checkpoint` registry (full / layer) or op AC's forward (parallel/apply.py)."""
-    layers = decoder_layers(model)
-    op = [i for i, layer in enumerate(layers) if any(q.startswith("_op_checkpoint_forward") for q in _qualnames(layer))]
-    ckpt = [i for i, layer in enumerate(layers) if "checkpoint" in (_get_registry(layer) or {})]
+    """(AC mode as the recipe names it, the checkpointed decoder layers' indices), from parallel/'s
+    record: "full" when every layer is checkpointed, "layer" when some are (parallel/apply.py)."""
+    rec = applied(model)
     # a pipeline stage's (parallel/pp.py): the model's indices, every stage's (collective over pp)
-    op, ckpt, every = (whole_model_layers(model, x) for x in (op, ckpt, list(range(len(layers)))))
-    if op:
-        return "op", op
+    ckpt, every = (whole_model_layers(model, x) for x in (rec.ac_layers, list(range(len(decoder_layers(model))))))
     if not ckpt:
         return "none", []
+    if rec.ac == "op":
+        return "op", ckpt
     return ("full" if len(ckpt) == len(every) else "layer"), ckpt
-
-
-def compiled(model: nn.Module) -> bool:
-    """Every decoder layer's forward is torch.compile's (parallel/build.py `apply_compile`)."""
-    layers = decoder_layers(model)
-    return bool(layers) and all(any(q.startswith("apply_compile") for q in _qualnames(layer)) for layer in layers)
-
-
-def _fsdp_group(model: nn.Module):
-    root = model if isinstance(model, FSDPModule) else None
-    return root._get_fsdp_state()._fsdp_param_group if root is not None else None
 
 
 def _mesh_dim(model: nn.Module, names: tuple[str, ...]) -> int | None:
@@ -85,11 +54,9 @@ def _strategy(model: nn.Module, optimizer) -> str:
         return "zero1" if hasattr(optimizer, "optim") else "ddp"  # ZeroRedundancyOptimizer
     if not isinstance(model, FSDPModule):
         return "none"
-    if _mesh_dim(model, ("replicate", "dp_replicate")) is not None:
+    if _mesh_dim(model, ("replicate", "dp_replicate")) is not None:  # read back: the parameters' mesh
         return "hsdp"
-    layers = [m for m in decoder_layers(model) if isinstance(m, FSDPModule)]
-    group = layers[0]._get_fsdp_state()._fsdp_param_group if layers else _fsdp_group(model)
-    return "zero3" if group is not None and group.post_forward_mesh_info is not None else "zero2"
+    return "zero3" if applied(model).reshard_after_forward else "zero2"
 
 
 def optimizer_name(optimizer) -> str:
@@ -133,9 +100,9 @@ def _dtypes(model: nn.Module, opts: StepOptions) -> tuple[str, str, str]:
     """(precision as the recipe names it, master dtype of the trained params, compute dtype)."""
     trained = {p.dtype for p in model.parameters() if p.requires_grad}
     master = "/".join(sorted(_DTYPE.get(d, str(d)) for d in trained)) or "none"
-    group = _fsdp_group(model)
-    if group is not None:
-        compute = group.mp_policy.param_dtype or next(iter(trained), torch.float32)
+    rec = applied(model)
+    if rec.fsdp:  # FSDP casts inside fully_shard, as its MixedPrecisionPolicy says
+        compute = rec.param_dtype or next(iter(trained), torch.float32)
     else:
         compute = opts.autocast_dtype or next(iter(trained), torch.float32)
     compute_name = _DTYPE.get(compute, str(compute))
@@ -152,20 +119,19 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
     hf = getattr(model, "module", model)
     ac, ac_layers = activation_checkpointing(hf)
     precision, master, compute = _dtypes(hf, opts)
-    group = _fsdp_group(model)
+    rec = applied(hf)  # what parallel/ applied (parallel/record.py)
     strategy = _strategy(model, optimizer)
-    tp, sequence_parallel = getattr(hf, TP_ATTR, (1, False))  # set by parallel/tp.py apply_tp
+    tp, sequence_parallel = rec.tp, rec.sequence_parallel
     return {
         "strategy": strategy, "world_size": world_size,
         "hsdp_shard_size": (_mesh_dim(model, ("shard", "dp_shard")) or _mesh_dim(model, ("dp_shard_cp",))
-                            // cp_degree(hf)) if strategy == "hsdp" else None,  # cp: FSDP's dim is dp_shard x cp
+                            // rec.cp) if strategy == "hsdp" else None,  # cp: FSDP's dim is dp_shard x cp
         "tp": int(tp), "sequence_parallel": bool(sequence_parallel) if tp > 1 else None,
-        "cp": cp_degree(hf), "activation_offload": opts.activation_offload,
+        "cp": rec.cp, "activation_offload": opts.activation_offload,
         "precision": precision, "master_dtype": master, "compute_dtype": compute,
         "autocast_dtype": _DTYPE.get(opts.autocast_dtype) if opts.autocast_dtype else None,
         "activation_checkpointing": ac, "ac_layers": ac_layers,
-        "offload": "all" if group is not None and isinstance(group.offload_policy, CPUOffloadPolicy) else "none",
-        "compile": compiled(hf),
+        "offload": rec.offload, "compile": rec.compile,
         "loss_chunks": opts.loss_chunks, "grad_clip": opts.grad_clip, "skip_non_finite": opts.skip_non_finite,
         "objective": opts.objective, "dpo_beta": opts.dpo_beta, "dpo_label_smoothing": opts.dpo_label_smoothing,
         "simpo_gamma": opts.simpo_gamma,
@@ -205,7 +171,7 @@ def _experts(hf: nn.Module) -> dict:
     experts' implementation as transformers runs them, experts per layer, top-k, and the ranks one
     expert's states are sharded over (expert_fsdp: the experts' own FSDP mesh, else the layer's)."""
     split = next((m for m in hf.modules() if hasattr(m, "ep_degree")), None)
-    ep = int(split.ep_degree) if split is not None else 1
+    ep = applied(hf).ep  # parallel/ep.py apply_ep's record
     if not num_experts(hf.config):
         return {"ep": ep}
     weight = split.gate_up_proj if split is not None else next(

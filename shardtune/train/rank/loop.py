@@ -32,11 +32,9 @@ from rich.progress import (
 from shardtune.errors import UserError
 from shardtune.parallel.ep import whole_model_params
 from shardtune.parallel.pp import pipeline_of, pipeline_params
-from shardtune.train.core.dpo import DPO, add_reference_bytes
-from shardtune.train.core.dpo_ref import set_up_dpo
+from shardtune.train.core.dpo import DPO
 from shardtune.train.core.effective import describe, effective_settings
-from shardtune.train.core.evaluate import evaluate
-from shardtune.train.core.grpo import GRPO, set_up_grpo
+from shardtune.train.core.grpo import GRPO
 from shardtune.train.core.loggers import Loggers, check_loop_options
 from shardtune.train.core.metrics import (
     MetricsWriter,
@@ -50,13 +48,13 @@ from shardtune.train.core.metrics import (
     write_memory_json,
 )
 from shardtune.train.core.model import build_model, describe_weights, unwrap
+from shardtune.train.core.objective import build_objective, flops_factor, objective_data, step_tokens_fixed
 from shardtune.train.core.optim import build_optimizer, build_scheduler
-from shardtune.train.core.pp_step import attach_pipeline, pp_train_step
+from shardtune.train.core.pp_step import attach_pipeline
 from shardtune.train.core.samples import Sampler
-from shardtune.train.core.step import StepOptions, StepResult, TrainState, train_step
-from shardtune.train.data.dataset import build_dataloader, build_tokenizer, steps_for_epochs
-from shardtune.train.data.preference import build_pair_loader, pack_val_pairs
-from shardtune.train.data.val import build_val_batches
+from shardtune.train.core.sft import SFT
+from shardtune.train.core.step import StepOptions, StepResult, TrainState
+from shardtune.train.data.dataset import build_tokenizer, steps_for_epochs
 from shardtune.train.durable.keeper import RunKeeper
 
 if TYPE_CHECKING:
@@ -91,7 +89,7 @@ class Run:
     sampler: Sampler | None = None  # train.sample_prompts
     last_record: dict | None = None  # iterate(): the last logged record
     rank_bytes: dict | None = None  # iterate(): this rank's bytes of its last logged (or stopping) step
-    objective: DPO | GRPO | None = None  # train.objective dpo, simpo (core/dpo.py), grpo (core/grpo.py); None: sft
+    objective: SFT | DPO | GRPO  # train.objective (core/objective.py picks it)
     effective: dict | None = None  # what this rank runs, read from the built objects (core/effective.py)
 
 
@@ -117,14 +115,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     tokenizer = build_tokenizer(cfg.data, cfg.model.name, cfg.model.trust_remote_code)
-    dpo = cfg.train.objective in ("dpo", "simpo")  # the branch on the objective: its loader, step and validation
-    grpo = cfg.train.objective == "grpo"  # online RL: prompts, generation, rewards (train/core/grpo.py)
-    if grpo:
-        loader, val_batches, objective = set_up_grpo(cfg, ctx, tokenizer, run_dir)
-    else:
-        loader = (build_pair_loader if dpo else build_dataloader)(cfg.data, cfg.train, tokenizer, ctx.dp_rank,
-                                                                  ctx.dp_size, cfg.train.seed)
-        val_batches = _val_batches(cfg, tokenizer, ctx)
+    loader, val_batches, early = objective_data(cfg, ctx, tokenizer, run_dir)  # train.objective's data
     marks.append(("tokenizer and data", time.perf_counter()))
     rows_per_step = cfg.train.micro_batch * cfg.train.grad_accum * ctx.dp_size  # a TP group reads one share
     total_steps = cfg.train.max_steps or steps_for_epochs(loader.num_rows, cfg.train.epochs, rows_per_step)
@@ -137,12 +128,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
                         f"{hf_config.vocab_size}; use the model's own tokenizer (data.tokenizer=auto)")
     opts = StepOptions.from_config(cfg, hf_config.vocab_size)
     attach_pipeline(model, cfg, ctx.mesh, ctx.device, opts)  # parallel.pp > 1: its schedule (core/pp_step.py)
-    if grpo:
-        objective.start(model, ctx, marks)  # the held-out reward before training; the reference was built
-    else:
-        objective = set_up_dpo(cfg, ctx, model, loader, val_batches, tokenizer, run_dir, opts) if dpo else None
-    if dpo:
-        marks.append(("dpo reference", time.perf_counter()))
+    objective = build_objective(cfg, ctx, model, loader, val_batches, tokenizer, run_dir, opts, early, marks)
     optimizer = build_optimizer(model, cfg.optim, cfg.parallel, ctx.dp_group)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = TrainState(data=loader)
@@ -154,7 +140,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     run = Run(cfg=cfg, ctx=ctx, run_dir=run_dir, planned=planned, loader=loader, model=model, optimizer=optimizer,
               scheduler=scheduler, state=state, keeper=keeper, total_steps=total_steps, rows_per_step=rows_per_step,
               num_params=num_params, flops_per_token=flops_per_token(hf_config, num_params, cfg.train.seq_len)
-              * (4 / 3 if cfg.train.objective == "dpo" and cfg.train.reference == "live" else 1),  # + the reference's
+              * flops_factor(cfg),  # dpo: + the live reference's forward
               peak_flops=None if on_cpu else gpu_peak_flops(cfg.train.gpu),
               activations=SavedActivations() if on_cpu else None, opts=opts,
               writer=MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches=val_batches,
@@ -202,12 +188,6 @@ def _startup(marks: list[tuple[str, float]]) -> str:
     return total + ", ".join(parts)
 
 
-def _val_batches(cfg: RunConfig, tokenizer, ctx: DistContext) -> list[dict] | None:
-    """This rank's validation batches (data.val_path, train/data/val.py), or None."""
-    pack = {"pack": pack_val_pairs} if cfg.train.objective != "sft" else {}
-    return build_val_batches(cfg.data, cfg.train, tokenizer, ctx.dp_rank, ctx.dp_size, **pack)
-
-
 def describe_tokenizer(tok, model_name: str) -> str:
     """"PreTrainedTokenizerFast from the model folder, 49,152 ids, chat template yes" or the byte one's
     (saying so when the model folder has a tokenizer of its own that data.tokenizer=byte set aside)."""
@@ -232,19 +212,18 @@ def _step(run: Run, micro_batches: list[dict]) -> tuple[StepResult, dict | None]
     pipelined = pipeline_of(run.model) is not None  # parallel.pp > 1: the schedule's step, untracked
 
     def step_fn() -> StepResult:
-        step = run.objective.step if run.objective else pp_train_step if pipelined else train_step
         # the ranks of a cp group share the batch, so its (full) target tokens are counted over dp;
         # FSDP averages the grads over dp x cp ranks (dp_shard x cp, and replicate): undone in full
-        return step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts, dp_group=ctx.dp_group,
-                    dp_size=ctx.grad_divide_factor, activations=run.activations)
+        return run.objective.step(run.model, run.optimizer, run.scheduler, micro_batches, run.opts,
+                                  dp_group=ctx.dp_group, dp_size=ctx.grad_divide_factor, activations=run.activations)
 
     # torch's MemTracker refuses a second forward of the root module in one tracked call (grad_accum > 1)
     if len(micro_batches) == 1 and not pipelined and track_this_step(
             ctx.device, run.state.step + 1, run.total_steps, cfg.lora.rank, cfg.train.compile) and not (
-            run.objective and run.objective.blocks_memory_tracker()):
+            run.objective.blocks_memory_tracker()):
         result, tracked = tracked_step(unwrap(run.model), run.optimizer, step_fn, cfg.parallel.strategy)
         # dpo: + the frozen reference copy, as plan's memory.reference and total (the trackers never see it)
-        return result, add_reference_bytes(tracked, run.objective.reference) if run.objective else tracked
+        return result, run.objective.tracked_bytes(tracked)
     return step_fn(), None
 
 
@@ -274,8 +253,8 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
     loss = float(per_rank[::run.ctx.tp, 0].sum())
     peak_all, signum = int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
     # grpo: the completion tokens trained on (its rows are prompts; generation's time is in dt)
-    grpo = run.cfg.train.objective == "grpo"
-    tokens_per_s = (float(r.num_tokens) if grpo else run.rows_per_step * run.cfg.train.seq_len) / dt
+    fixed = step_tokens_fixed(run.cfg)
+    tokens_per_s = (run.rows_per_step * run.cfg.train.seq_len if fixed else float(r.num_tokens)) / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
     record = {"step": run.state.step, "loss": loss, "lr": r.lr, "grad_norm": float(r.grad_norm),
               "tokens_per_s": tokens_per_s, "tflops": tflops,
@@ -323,10 +302,8 @@ def iterate(run: Run) -> Iterator[dict | None]:
                 record, signum = _record(run, r, peak, dt)
                 if evaluating:  # validation and samples are no step: the watchdog's deadlock check waits
                     run.keeper.watchdog.beat(state.step, "eval")
-                if evaluating and run.objective:
+                if evaluating:
                     record.update(run.objective.evaluate(run.model, run.val_batches, ctx.device, run.opts))
-                elif evaluating:
-                    record["val_loss"] = evaluate(run.model, run.val_batches, ctx.device, run.opts)
                 if run.writer:
                     run.writer.write(record)
                 if run.loggers:
