@@ -42,6 +42,10 @@ def check_ep_model(ep: int, hf: dict, tp: int = 1, seq_len: int | None = None, s
     1/tp of the tokens through the expert-parallel dispatch), and without sequence parallelism a
     sequence that tp divides (the MoE block takes Shard(1) of it). GPT-OSS runs without tp and cp only."""
     n = experts_per_layer(hf)
+    k = int(hf.get("num_experts_per_tok") or 0)
+    if n and k > n:
+        raise UserError(f"config.json's num_experts_per_tok {k} exceeds the {n} experts per layer: each token's top-k "
+                        f"picks k distinct experts; give a model folder with num_experts_per_tok <= {n}")
     if hf.get("model_type") == "gpt_oss" and (tp > 1 or cp > 1):
         raise UserError(f"parallel.{'tp' if tp > 1 else 'cp'} {max(tp, cp)} with GPT-OSS is not built: its attention "
                         "sinks need eager attention (no tp or cp path here); set parallel.tp 1 and parallel.cp 1")

@@ -27,6 +27,8 @@ BAD = [
      "does not compose with LoRA on the experts"),
     (MOE, ["--nproc", "2", "--ep", "2", "--lora-rank", "4", "lora.quantize_base=nf4"], "does not compose with QLoRA"),
     (MOE, ["--nproc", "2", "--ep", "0"], "parallel.ep"),
+    # ep x tp beyond the world: tp 2 of 2 ranks leaves one data rank, which ep 2 cannot borrow twice
+    (MOE, ["--nproc", "2", "--ep", "2", "--tp", "2"], "must divide dp_shard x cp = 1"),
 ]
 
 
@@ -35,6 +37,22 @@ BAD = [
 def test_train_refuses_before_any_process(monkeypatch, capsys, tmp_path, recipe, args, needle):
     err = refused_before_any_process(monkeypatch, capsys, ["train", recipe, "--output-dir", tmp_path / "run", *args])
     assert needle in err
+
+
+@pytest.mark.timeout(120)
+def test_top_k_beyond_the_experts_is_refused_by_train_and_plan(monkeypatch, capsys, tmp_path):
+    """A model folder whose config.json asks each token for more experts than a layer has (top-8 of 4)."""
+    import json
+
+    from shardtune.catalog.models import MODELS
+
+    folder = tmp_path / "top8of4"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**MODELS["tiny-mixtral"]["config"], "num_experts_per_tok": 8}))
+    needle = "num_experts_per_tok 8 exceeds the 4 experts per layer"
+    assert needle in refused_before_any_process(monkeypatch, capsys, [
+        "train", MOE, "--output-dir", tmp_path / "run", "--nproc", "2", f"model.name={folder}"])
+    assert needle in refused_before_any_process(monkeypatch, capsys, ["plan", folder, "--gpus", "2"])
 
 
 @pytest.mark.timeout(120)
