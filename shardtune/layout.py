@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from shardtune.errors import UserError
 from shardtune.rules.combination import check_cp_strategy
 from shardtune.rules.cp import check_cp
-from shardtune.rules.ep import check_ep_model
+from shardtune.rules.ep import check_ep_model, check_trainable_moe
 from shardtune.rules.tp import check_tp_model
 from shardtune.strategies import FSDP_STRATEGIES, Strategy, strategy
 
@@ -162,13 +162,16 @@ class Layout:
         """The device mesh's shape along `mesh_axes`."""
         return tuple(self.world_size if a == "dp" else self.degree(_AXIS_DIM.get(a, a)) for a in self.mesh_axes)
 
-    def check_model(self, hf: dict, seq_len: int | None = None) -> None:
+    def check_model(self, hf: dict, seq_len: int | None = None, trains: bool = False) -> None:
         """What tp and cp split of the model (`hf`: its config.json values) divides evenly: heads, KV
         heads, MLP width, vocabulary (rules.tp.check_tp_model), cp's query heads per tp rank and the
-        sequence (rules.cp.check_cp). launch and the trainer's preflight call it after `build`."""
+        sequence (rules.cp.check_cp). launch and the trainer's preflight call it after `build`, with
+        `trains`: also a mixture of experts whose router the trainer reproduces (rules.ep)."""
         check_tp_model(self.tp, hf, seq_len, self.sequence_parallel)
         check_cp(self.cp, tp=self.tp, seq_len=seq_len, sequence_parallel=self.sequence_parallel, hf=hf)
         check_ep_model(self.ep, hf, self.tp, seq_len, self.sequence_parallel, cp=self.cp)
+        if trains:
+            check_trainable_moe(hf)
 
     @classmethod
     def of_config(cls, par, world_size: int, gpus_per_node: int | None = None, strategy_name: str | None = None,

@@ -16,6 +16,20 @@ def experts_per_layer(hf: dict) -> int:
     return next((int(hf[k]) for k in EXPERT_KEYS if int(hf.get(k) or 0) > 0), 0)
 
 
+# model types whose router the trainer's fp32 router reproduces (softmax top-k, GPT-OSS's bias; checked
+# against transformers in tests/unit/test_moe.py); DeepSeek-V3's sigmoid, group-limited, bias-balanced
+# router is not one of them
+TRAINED_MOE = ("mixtral", "qwen3_moe", "gpt_oss")
+
+
+def check_trainable_moe(hf: dict) -> None:
+    """The trainer's part (preflight): a mixture of experts whose routing it reproduces, else one line."""
+    model_type = hf.get("model_type")
+    if experts_per_layer(hf) and model_type not in TRAINED_MOE:
+        raise UserError(f"training {model_type!r} mixtures of experts is not built: the trainer's router (train/core/"
+                        f"moe.py) is checked for {', '.join(TRAINED_MOE)} only; `shardtune plan` plans it")
+
+
 def check_ep(s: Strategy, ep: int, *, tp: int = 1, cp: int = 1, lora_rank: int = 0, lora_experts: bool = False,
              quantize_base: str = "none") -> None:
     """What ep > 1 does not compose with yet, one line each: a strategy without FSDP2 (the experts

@@ -56,6 +56,20 @@ def test_top_k_beyond_the_experts_is_refused_by_train_and_plan(monkeypatch, caps
 
 
 @pytest.mark.timeout(120)
+def test_a_router_the_trainer_does_not_reproduce_is_refused_by_train_and_launch_not_plan(monkeypatch, capsys, tmp_path):
+    """DeepSeek-V3 routes by sigmoid scores, group-limited top-k and a balancing bias; the trainer's fp32
+    router is softmax top-k (train/core/moe.py), so training it would route wrongly: refused; planned."""
+    from shardtune import cli
+
+    needle = "training 'deepseek_v3' mixtures of experts is not built"
+    assert needle in refused_before_any_process(monkeypatch, capsys, [
+        "train", MOE, "--output-dir", tmp_path / "run", "--nproc", "2", "model.name=deepseek-v3"])
+    assert needle in refused_before_any_process(monkeypatch, capsys, [
+        "launch", "slurm", MOE, "--nodes", "8", "--gpus-per-node", "8", "model.name=deepseek-v3"])
+    assert cli.main(["plan", "deepseek-v3", "--gpus", "64", "--nodes", "8", "--json"]) == 0
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, needle", [
     (["slurm", MOE, "--nodes", "1", "--gpus-per-node", "3", "--ep", "3"], "does not divide the 4 experts per layer"),
     (["torchrun", MOE, "--nodes", "2", "--gpus-per-node", "2", "--ep", "8"], "must divide dp_shard x cp = 4"),
