@@ -140,6 +140,8 @@ TABLE: dict[str, tuple | str] = {
     "lora.alpha": ("lora_alpha", lambda c: c.lora.alpha if c.lora.rank else None),
     "lora.dropout": ("lora_dropout", lambda c: c.lora.dropout if c.lora.rank else None),
     "lora.target_modules": ("lora_target_modules", lambda c: sorted(c.lora.target_modules) if c.lora.rank else []),
+    "lora.target_parameters": ("lora_target_parameters",
+                               lambda c: sorted(c.lora.target_parameters) if c.lora.rank else []),
     "lora.quantize_base": ("quantize_base", lambda c: c.lora.quantize_base),
 }
 

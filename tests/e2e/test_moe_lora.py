@@ -80,6 +80,13 @@ def test_lora_on_two_processes_gives_one_process_metrics(runs, one, two):
     assert metrics(runs[one])[-1]["loss"] < metrics(runs[one])[0]["loss"] - 0.1  # the adapters learn
 
 
+def test_the_ranks_say_which_modules_and_parameters_they_adapted(runs):
+    """memory.json `effective` read back from PEFT's layers (train/core/effective.py), against the recipe."""
+    for run, params in (("lora2", ["experts.down_proj", "experts.gate_up_proj"]), ("attn1", [])):
+        eff = json.loads((runs[run] / "memory.json").read_text())["effective"]
+        assert (eff["lora_target_modules"], eff["lora_target_parameters"]) == (["q_proj", "v_proj"], params), run
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model(input_ids=ids).logits

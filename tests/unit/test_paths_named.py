@@ -19,7 +19,8 @@ PATH = re.compile(r"(?<![\w/.*<-])((?:\.\./)*(?:[\w.-]+/)+[\w-]+\.(?:py|md|yaml)
 # failed; delete an entry once its file is in.
 PENDING: set[str] = set()  # the long-context files named before they landed are all in
 # Other projects' files that a text names by their own repository's path.
-EXTERNAL = {"docs/performance.md"}  # pytorch/torchtitan's (README, docs/long-context.md)
+EXTERNAL = {"docs/performance.md",  # pytorch/torchtitan's (README, docs/long-context.md)
+            "docs/performance-summary.md"}  # NVIDIA/Megatron-Bridge's (README MoE table)
 
 
 def _texts():

@@ -77,15 +77,21 @@ def optimizer_name(optimizer) -> str:
 
 
 def _lora(hf: nn.Module) -> dict:
-    """LoRA as PEFT's layers hold it: rank, alpha (scaling × rank), dropout, the adapted modules."""
-    layers = {id(m): name for name, m in hf.named_modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")}
+    """LoRA as PEFT's layers hold it: rank, alpha (scaling × rank), dropout, the adapted modules and
+    the adapted 3-D parameters (PEFT's ParamWrapper: `<module>.<parameter_name>`, wrappers of one
+    module nest as `base_layer`)."""
+    layers = {name: m for name, m in hf.named_modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")}
     if not layers:
-        return {"lora_rank": 0, "lora_alpha": None, "lora_dropout": None, "lora_target_modules": []}
-    m = next(m for m in hf.modules() if id(m) in layers)
+        return {"lora_rank": 0, "lora_alpha": None, "lora_dropout": None, "lora_target_modules": [],
+                "lora_target_parameters": []}
+    m = next(iter(layers.values()))
     rank = int(m.r["default"])
+    owner = lambda name: [p for p in name.split(".") if p != "base_layer"][-1]  # noqa: E731
     return {"lora_rank": rank, "lora_alpha": float(m.scaling["default"]) * rank,
             "lora_dropout": float(getattr(m.lora_dropout["default"], "p", 0.0)),
-            "lora_target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers.values()})}
+            "lora_target_modules": sorted({owner(n) for n, m in layers.items() if not hasattr(m, "parameter_name")}),
+            "lora_target_parameters": sorted({f"{owner(n)}.{m.parameter_name}" for n, m in layers.items()
+                                              if hasattr(m, "parameter_name")})}
 
 
 def _hyper(optimizer) -> dict:
