@@ -162,13 +162,13 @@ class Layout:
         """The device mesh's shape along `mesh_axes`."""
         return tuple(self.world_size if a == "dp" else self.degree(_AXIS_DIM.get(a, a)) for a in self.mesh_axes)
 
-    def check_model(self, hf: dict, seq_len: int | None = None, trains: bool = False) -> None:
+    def check_model(self, hf: dict, seq_len: int | None = None, trains: bool = False, compile: bool = False) -> None:
         """What tp and cp split of the model (`hf`: its config.json values) divides evenly: heads, KV
         heads, MLP width, vocabulary (rules.tp.check_tp_model), cp's query heads per tp rank and the
         sequence (rules.cp.check_cp). launch and the trainer's preflight call it after `build`, with
         `trains`: also a mixture of experts whose router the trainer reproduces (rules.ep)."""
         check_tp_model(self.tp, hf, seq_len, self.sequence_parallel)
-        check_cp(self.cp, tp=self.tp, seq_len=seq_len, sequence_parallel=self.sequence_parallel, hf=hf)
+        check_cp(self.cp, tp=self.tp, seq_len=seq_len, sequence_parallel=self.sequence_parallel, hf=hf, compile=compile)
         check_ep_model(self.ep, hf, self.tp, seq_len, self.sequence_parallel, cp=self.cp)
         if trains:
             check_trainable_moe(hf)

@@ -64,5 +64,5 @@ def check_layout(cfg, nodes: int, gpus_per_node: int) -> Layout:
         hf = resolve_model_config(cfg.model.plan_name())
     except UserError:  # a folder not on this machine and no model.architecture: the nodes' preflight checks
         return layout
-    layout.check_model(hf, cfg.train.seq_len, trains=True)
+    layout.check_model(hf, cfg.train.seq_len, trains=True, compile=cfg.train.compile)
     return layout

@@ -177,9 +177,9 @@ def cp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     if torch.compiler.is_compiling():  # the documents as a tensor: dynamo guards on a list's values
         if tuple(state.starts.shape) != (q.shape[0], q.shape[2]):
             raise RuntimeError(_UNRECORDED)
-        if dropout:
-            raise NotImplementedError("context parallelism under train.compile: attention dropout (the "
-                                      "backward recomputes the attention, with another dropout mask)")
+        if dropout:  # refused before any process starts (rules/cp.py check_cp): a hand-built model
+            raise RuntimeError("context parallelism under train.compile: attention dropout (the backward "
+                               "recomputes the attention, with another dropout mask)")
         out = torch.ops.shardtune.cp_attend(q, k, v, state.starts, scaling)
     else:
         if len(state.segments) != q.shape[0] or state.segments[0][-1][1] != q.shape[2]:

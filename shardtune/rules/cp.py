@@ -38,7 +38,7 @@ def kv_repeat(kv_heads: int, q_heads: int, cp: int) -> int:
 
 def check_cp(cp: int, *, world_size: int | None = None, tp: int = 1,
              seq_len: int | None = None, sequence_parallel: bool = True, hf: dict | None = None,
-             quantize_base: str = "none") -> None:
+             quantize_base: str = "none", compile: bool = False) -> None:
     """The one rule of context parallelism (parallel.cp / --cp), one UserError line each: cp is a
     positive integer; tp x cp divides the world size (the strategy, FSDP2 only: strategies.py);
     cp (x tp with sequence parallelism) divides train.seq_len; cp divides the query heads of one tp
@@ -68,6 +68,11 @@ def check_cp(cp: int, *, world_size: int | None = None, tp: int = 1,
     refused = (
         (quantize_base != "none", f"QLoRA's NF4 base (lora.quantize_base {quantize_base}: not tried on the "
                                   "dp x cp mesh): lora.quantize_base none, or parallel.cp 1"),
+        # parallel/cp.py's compiled attention is an opaque op whose backward recomputes the forward: a
+        # dropout mask drawn there would differ from the forward's
+        (compile and float((hf or {}).get("attention_dropout") or 0) > 0,
+         f"train.compile with the model's attention dropout {(hf or {}).get('attention_dropout')} (the compiled "
+         "backward recomputes the attention, with another mask): train.compile=false, or parallel.cp 1"),
     )
     for bad, what in refused:
         if bad:

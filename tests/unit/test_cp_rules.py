@@ -113,3 +113,28 @@ def test_a_resume_keeps_the_global_batch_over_data_parallel_ranks():
     with pytest.raises(UserError, match="--nproc 2 or 4,"):
         keep_global_batch(info, old, load_recipe("recipes/tiny-cpu.yaml", ["parallel.cp=2", "train.micro_batch=4"]),
                           8, [])
+
+
+@pytest.mark.timeout(120)
+def test_compiled_cp_with_attention_dropout_is_refused_by_train_and_launch(monkeypatch, capsys, tmp_path):
+    """parallel/cp.py's compiled attention recomputes the forward in its backward, so a dropout mask
+    would differ: a model folder with attention dropout, cp 2 and train.compile is one line, exit 2,
+    before any process (train and launch); without compile, or without cp, it is accepted."""
+    import json
+
+    from _cli import REPO, refused_before_any_process
+
+    from shardtune.catalog.models import MODELS
+
+    folder = tmp_path / "dropout"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**MODELS["tiny-llama"]["config"], "attention_dropout": 0.1}))
+    recipe, args = REPO / "recipes" / "tiny-cpu.yaml", [f"model.name={folder}", "parallel.cp=2", "train.compile=true"]
+    needle = "does not compose with train.compile with the model's attention dropout 0.1"
+    assert needle in refused_before_any_process(monkeypatch, capsys, [
+        "train", recipe, "--output-dir", tmp_path / "run", "--nproc", "2", *args])
+    assert needle in refused_before_any_process(monkeypatch, capsys, [
+        "launch", "slurm", recipe, "--nodes", "1", "--gpus-per-node", "2", *args])
+    hf = {**MODELS["tiny-llama"]["config"], "attention_dropout": 0.1}
+    check_cp(2, hf=hf)  # eager cp draws its masks in the forward it differentiates
+    check_cp(1, hf=hf, compile=True)

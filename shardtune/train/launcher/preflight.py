@@ -369,7 +369,7 @@ def validate_for_launch(cfg: RunConfig, world_size: int, local_world_size: int, 
 
     check_recipe_paths(cfg, "model.")
     _check_model(cfg.model, cfg.train.seq_len)
-    layout.check_model(resolve_model_config(cfg.model.name), cfg.train.seq_len, trains=True)  # what tp, cp split
+    layout.check_model(resolve_model_config(cfg.model.name), cfg.train.seq_len, trains=True, compile=cfg.train.compile)
     check_pipeline(cfg)  # what the trainer's pipeline runs with (rules/pipeline.py)
     check_pipeline_model(par.pp, par.pp_layers, resolve_model_config(cfg.model.name))  # what pp splits
     gpus = _check_backend(cfg.train.backend, local_world_size)
