@@ -9,6 +9,15 @@ from pathlib import Path
 
 from shardtune.errors import UserError, read_json_object, suggest
 
+# What the tiny MoE entries share: tiny-llama's widths, vocabulary and token ids, 4 layers, top-2 routing,
+# the aux coefficient 0.02 (each entry adds its class's own keys)
+_TINY_MOE = {
+    "vocab_size": 264, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+    "max_position_embeddings": 512, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+    "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258, "initializer_range": 0.02,
+}
+
 # Each entry: {"source": URL of the config.json the values were copied from, "config": {...}}.
 MODELS: dict[str, dict] = {
     # A tiny Llama for tests and the demo: byte-level vocabulary (256 bytes + bos/eos/pad, padded
@@ -42,28 +51,13 @@ MODELS: dict[str, dict] = {
     "tiny-mixtral": {
         "source": "shardtune (defined here for tests)",
         "config": {
+            **_TINY_MOE,
             "architectures": ["MixtralForCausalLM"],
             "model_type": "mixtral",
-            "vocab_size": 264,
-            "hidden_size": 128,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
             "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "router_aux_loss_coef": 0.02,
             "router_jitter_noise": 0.0,
-            "max_position_embeddings": 512,
             "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
             "sliding_window": None,
-            "tie_word_embeddings": False,
-            "hidden_act": "silu",
-            "bos_token_id": 256,
-            "eos_token_id": 257,
-            "pad_token_id": 258,
-            "initializer_range": 0.02,
         },
     },
     # A tiny Qwen3-MoE (Qwen3MoeForCausalLM): tiny-mixtral's widths and vocabulary plus Qwen3's q/k
@@ -71,34 +65,19 @@ MODELS: dict[str, dict] = {
     "tiny-qwen3-moe": {
         "source": "shardtune (defined here for tests)",
         "config": {
+            **_TINY_MOE,
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
-            "vocab_size": 264,
-            "hidden_size": 128,
-            "intermediate_size": 128,
             "moe_intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
             "head_dim": 32,
             "num_experts": 4,
-            "num_experts_per_tok": 2,
             "norm_topk_prob": True,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
-            "router_aux_loss_coef": 0.02,
-            "max_position_embeddings": 512,
             "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
             "attention_bias": False,
             "sliding_window": None,
             "use_sliding_window": False,
-            "tie_word_embeddings": False,
-            "hidden_act": "silu",
-            "bos_token_id": 256,
-            "eos_token_id": 257,
-            "pad_token_id": 258,
-            "initializer_range": 0.02,
         },
     },
     # A tiny GPT-OSS (GptOssForCausalLM): attention sinks, biases on q/k/v/o, the router and the
@@ -109,35 +88,20 @@ MODELS: dict[str, dict] = {
     "tiny-gpt-oss": {
         "source": "shardtune (defined here for tests)",
         "config": {
+            **_TINY_MOE,
             "architectures": ["GptOssForCausalLM"],
             "model_type": "gpt_oss",
-            "vocab_size": 264,
-            "hidden_size": 128,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
             "head_dim": 32,
             "num_local_experts": 4,
-            "num_experts_per_tok": 2,
             "experts_per_token": 2,
-            "router_aux_loss_coef": 0.02,
             "swiglu_limit": 7.0,
             "sliding_window": 32,
             "layer_types": ["sliding_attention", "full_attention"] * 2,
-            "max_position_embeddings": 512,
             "initial_context_length": 512,
             "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "original_max_position_embeddings": 16, "truncate": False},
             "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
             "attention_bias": True,
-            "tie_word_embeddings": False,
-            "hidden_act": "silu",
-            "bos_token_id": 256,
-            "eos_token_id": 257,
-            "pad_token_id": 258,
-            "initializer_range": 0.02,
         },
     },
 }
