@@ -216,6 +216,7 @@ def test_layer_activations_match_torch_saved_tensors(dtype_name, elem_bytes):
     # (torch.autograd.graph.saved_tensors_hooks), parameters excluded, each storage counted once,
     # storages shared with earlier layers (RoPE cos/sin, computed once per model) excluded.
     import torch
+    from _saved import saved_in
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardtune.catalog.models import resolve_model_config
@@ -227,23 +228,9 @@ def test_layer_activations_match_torch_saved_tensors(dtype_name, elem_bytes):
     hf._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf).to(getattr(torch, dtype_name)).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    inside, saved, before = [False], {}, set()
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if inside[0] and ptr not in params and ptr not in before:
-            saved[ptr] = t.untyped_storage().nbytes()
-        elif not inside[0] and not saved:
-            before.add(ptr)
-        return t
-
-    layer = model.model.layers[1]
-    layer.register_forward_pre_hook(lambda *a: inside.__setitem__(0, True))
-    layer.register_forward_hook(lambda *a: inside.__setitem__(0, False))
     b, s = 2, 48
     ids = torch.randint(0, 256, (b, s))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_in(model, model.model.layers[1]) as saved:
         model(input_ids=ids, labels=ids, use_cache=False)
     arch = architecture_from_config(cfg)
     assert sum(saved.values()) == layer_activation_bytes(arch, b * s, elem_bytes)

@@ -11,6 +11,7 @@ import contextlib
 import json
 
 import pytest
+from _tolerance import assert_plan_within_trace
 
 from shardtune.catalog.models import MODELS
 from shardtune.cli import main
@@ -41,10 +42,7 @@ def test_analytic_within_tolerance_of_simulated_reduced_llama3_8b(ac):
     assert sim["params"] == 4 * shard_numel
     assert sim["grads"] == 4 * shard_numel
     assert abs(sim["optimizer"] - 8 * shard_numel) <= 8 * (len(rows) + 1)  # + the per-tensor `step` scalars
-    for key in ("params", "grads", "optimizer"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.02), key
-    for key in ("activations", "total"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.10), (key, getattr(mem, key), sim[key])
+    assert_plan_within_trace(mem, sim)
 
 
 @pytest.mark.timeout(120)
@@ -58,10 +56,7 @@ def test_analytic_within_tolerance_of_simulated_other_strategies(strategy):
     cfg = _reduced_8b()
     sim = simulate_strategy(cfg, strategy, N, seq_len=512)
     mem = plan(cfg, gpus=N, seq_len=512, strategies=[strategy]).strategy(strategy).memory
-    for key in ("params", "grads", "optimizer"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.02), key
-    for key in ("activations", "total"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.10), (key, getattr(mem, key), sim[key])
+    assert_plan_within_trace(mem, sim)
     if strategy != "zero2":
         # by hand, the head's backward under autocast (vocabulary 128256 > 32k: 8 loss chunks): the
         # layers' cached bf16 weights, the head's dW in bf16 and its fp32 cast (head not cached)
@@ -286,10 +281,7 @@ def test_tied_model_analytic_within_tolerance_of_simulated(model, strategy):
     grads_at_peak = sim["breakdown_at_peak"].get("Temp", 0)
     assert grads_at_peak >= 2 * (2 if strategy == "zero3" else 4) * v * h
     assert grads_at_peak < 3 * (2 if strategy == "zero3" else 4) * v * h
-    for key in ("params", "grads", "optimizer"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.02), key
-    for key in ("activations", "total"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.10), (key, getattr(mem, key), sim[key])
+    assert_plan_within_trace(mem, sim)
 
 
 @pytest.mark.timeout(120)
@@ -365,10 +357,7 @@ def test_tensor_parallel_analytic_within_tolerance_of_simulated(tp, sp):
     cfg = _reduced_8b()
     sim = simulate_strategy(cfg, "zero3", N, seq_len=512, tp=tp, sequence_parallel=sp)
     mem = plan(cfg, gpus=N, seq_len=512, tp=tp, sequence_parallel=sp, strategies=["zero3"]).strategy("zero3").memory
-    for key in ("params", "grads", "optimizer"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.02), key
-    for key in ("activations", "total"):
-        assert getattr(mem, key) == pytest.approx(sim[key], rel=0.10), (key, getattr(mem, key), sim[key])
+    assert_plan_within_trace(mem, sim)
 
 
 def test_cli_simulate_traces_a_tensor_parallel_plan(capsys):
