@@ -179,6 +179,7 @@ def run_pair(hosts, argv: list[str], timeout_s: float, port: int) -> None:
 
 def predict(profile_path: str, measured: dict, strategy: str, a: argparse.Namespace, overlap: bool) -> float:
     """The planner's step time for this run, fed the profile and the measured compute rate."""
+    from shardtune.layout import Layout
     from shardtune.plan import comm
     from shardtune.plan.compute import ADAMW_BYTES_PER_PARAM, model_flops_per_token
     from shardtune.plan.params import architecture_from_config, count_active_params, model_shapes
@@ -197,7 +198,7 @@ def predict(profile_path: str, measured: dict, strategy: str, a: argparse.Namesp
     shard = 2 if strategy != "ddp" else 1
     colls = comm.collectives(strategy, num_params=n, trainable_params=n, world_size=2, shard_degree=shard,
                              precision="fp32", shapes=shapes)
-    r = predict_strategy(arch, colls, strategy=strategy, shard_degree=shard, cluster=cluster,
+    r = predict_strategy(arch, colls, layout=Layout.build(strategy, 2, 1), cluster=cluster,
                          micro_batch=a.micro_batch, seq_len=a.seq_len, grad_accum=a.grad_accum, ac="none",
                          ac_every=1, trainable_params=n, num_params=n, active_params=count_active_params(arch),
                          lora=False, offload="none", optimizer="adamw", peak_flops_per_s=rate, mfu=1.0,

@@ -23,6 +23,7 @@ from dataclasses import replace
 from shardtune.errors import UserError
 from shardtune.plan.model import _Model
 from shardtune.plan.ring import Cluster
+from shardtune.plan.validate import plan_layout, resolve_inputs
 
 ROOT_FIRST = ("model.embed_tokens.weight",)
 ROOT_LAST = ("model.norm.weight", "lm_head.weight")
@@ -144,8 +145,6 @@ def check_pipeline(m: _Model, inp) -> list[list[int]]:
 
 def stage_inputs(inp, strategy: str):
     """The inputs of one stage: gpus / pp ranks (a node's share, or whole nodes), no pipeline."""
-    from shardtune.plan.validate import resolve_inputs
-
     ranks = inp.gpus // inp.pp
     per_node = min(inp.gpus_per_node, ranks)
     return resolve_inputs(replace(inp, gpus=ranks, nodes=ranks // per_node, gpus_per_node=per_node, pp=1,
@@ -209,7 +208,8 @@ def time_pipeline(sp, inp, predict, cluster: Cluster, tokens: float | None) -> d
     p2p = sends_per_step(P, m, v) * tau
     bubble = (P - 1) * slot
     step = max(t["step_time_s"] for t in times) + p2p + bubble
-    tokens_per_gpu = inp.micro_batch * inp.seq_len * m / (inp.tp * inp.cp * P)
+    lay = plan_layout(inp, sp.name)  # a step's rows: micro_batch × m on each of its dp data ranks
+    tokens_per_gpu = inp.micro_batch * inp.seq_len * m * lay.dp / lay.world_size
     out = {"step_time_s": step, "tokens_per_s": tokens_per_gpu / step,
            "mfu": sum(t["mfu"] * t["step_time_s"] for t in times) / (P * step),
            "comm_time_s": max(t["comm_time_s"] for t in times) + p2p,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.errors import UserError, read_json_object
+from shardtune.layout import Layout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
@@ -125,20 +126,19 @@ class Group:
     groups_per_node: int
 
 
-def mesh_groups(cluster: Cluster, shard_size: int | None = None, tp: int = 1, cp: int = 1,
-                ep: int = 1) -> dict[str, Group]:
+def mesh_groups(cluster: Cluster, layout: Layout | None = None) -> dict[str, Group]:
     """The groups a strategy talks in: the data-parallel world, HSDP's shard and replica groups,
-    and the tensor-parallel group.
+    and the tensor-, context- and expert-parallel groups, of `layout`'s degrees (layout.py; its
+    hsdp shard group is FSDP's, dp_shard × cp). None: one data-parallel group over the cluster.
 
     Ranks are numbered node by node (torchrun's order) and the mesh is (replicate, shard, tp)
     with tp innermost, then the shard dimension (FSDP2's `init_device_mesh(..., (r, s))`), so a
     TP group is `tp` consecutive ranks of one node, and the data-parallel groups are those of a
     cluster of g/tp ranks per node, `tp` of them (one per TP position) sharing each node's NICs.
     """
+    tp, cp, ep = (layout.tp, layout.cp, layout.ep) if layout is not None else (1, 1, 1)
     n, g = cluster.world_size // tp, max(1, cluster.gpus_per_node // tp)
-    s = shard_size or n
-    if n % s:
-        raise ValueError(f"shard size {s} does not divide world size {n}")
+    s = layout.fsdp_shard_degree if layout is not None and layout.strategy.hybrid else n
     r = n // s
     world = Group(n, min(n, g), 1)
     shard = Group(s, min(s, g), max(1, g // s))

@@ -167,8 +167,8 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
     # the trainer's Layout (TP innermost, plan/tp.py): FSDP's world is its dp_replicate × dp_shard
     # data-parallel and cp context-parallel ranks (gpus / tp), sharding over dp_shard × cp
     layout = plan_layout(inp, strategy)
-    tp, cp, fsdp = inp.tp, layout.cp, layout.strategy.fsdp  # tp: also paper accounting's Megatron degree
-    dp, shard = layout.dp * cp, layout.shard_degree * cp
+    tp, cp, fsdp = layout.tp, layout.cp, layout.strategy.fsdp  # tp: also paper accounting's Megatron degree
+    dp, shard = layout.grad_divide_factor, layout.shard_degree * cp  # FSDP's world and shard group: × cp
     shapes = m.local_shapes(tp)
     st = _states(m, strategy, inp, shard)
     cpu_per_rank = 0

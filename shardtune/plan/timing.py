@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from shardtune.catalog.interconnects import default_intra_node, get_interconnect
 from shardtune.errors import UserError
+from shardtune.layout import Layout
 from shardtune.plan import compute as C
 from shardtune.plan.compute import achievable_mfu
 from shardtune.plan.ep import effective_imbalance, routed_params_per_token
@@ -28,7 +29,8 @@ from shardtune.plan.ring import (
     profile_link,
 )
 from shardtune.plan.rl import generation_time_s, training_rows
-from shardtune.strategies import STRATEGY, checkpointed_layers
+from shardtune.plan.validate import plan_layout
+from shardtune.strategies import checkpointed_layers
 
 
 def exposed_time_s(comm_s: float, compute_s: float, num_layers: int) -> float:
@@ -187,29 +189,28 @@ def build_cluster(nodes: int, gpus_per_node: int, gpu_name: str, interconnect: s
     return Cluster(nodes, gpus_per_node, intra, inter), desc
 
 
-def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: int, cluster: Cluster,
-                     micro_batch: int, seq_len: int, grad_accum: int, ac: str, ac_every: int,
+def predict_strategy(arch, collectives: list, *, layout: Layout, cluster: Cluster, micro_batch: int,
+                     seq_len: int, grad_accum: int, ac: str, ac_every: int,
                      trainable_params: int, num_params: int, active_params: int, lora: bool,
                      offload: str, optimizer: str, peak_flops_per_s: float, mfu: float,
                      mem_bw_bytes_per_s: float, tokens: float | None = None, overlap: bool = True,
-                     tp: int = 1, reference_forward: bool = False, cp: int = 1,
-                     offload_copy_s: float = 0.0, ep: int = 1, moe_imbalance: float = 1.0,
+                     reference_forward: bool = False, offload_copy_s: float = 0.0, moe_imbalance: float = 1.0,
                      matmul: tuple[int, int] | None = None, generation_s: float | None = None) -> dict:
     """Step time, tokens/s per GPU, MFU, comm and compute time for one strategy (JSON fields).
 
     `mfu` is the achievable MFU of a compute-only step (compute.achievable_mfu, or --mfu): the
     compute kernels run at mfu × peak; recompute and exposed communication then lower the MFU
     reported here. `arch` None (a bare --params count): 6N FLOPs per token, no attention term.
-    `tp`: each of the tp ranks of a tensor-parallel group computes 1/tp of the same tokens'
-    FLOPs (heads and MLP width split) and updates 1/tp of the parameters. `cp`: each of the cp
-    ranks computes 1/cp of a row's tokens (attention: H/cp heads over the whole row, the same
-    FLOPs). `offload_copy_s`: activation offload's host copies per step, exposed (plan/cp.py).
-    `ep`, `moe_imbalance`: the busiest expert-parallel rank computes f × its balanced routed-expert
-    FLOPs (plan/ep.py), and the step waits for it.
+    `layout` (layout.py; validate.plan_layout) holds the strategy and its degrees: each of the tp
+    ranks of a tensor-parallel group computes 1/tp of the same tokens' FLOPs (heads and MLP width
+    split) and updates 1/tp of the parameters; each of the cp ranks computes 1/cp of a row's tokens
+    (attention: H/cp heads over the whole row, the same FLOPs); with ep and `moe_imbalance` the
+    busiest expert-parallel rank computes f × its balanced routed-expert FLOPs (plan/ep.py), and
+    the step waits for it. `offload_copy_s`: activation offload's host copies per step, exposed (plan/cp.py).
     `matmul`: (matmul parameters, those of the decoder layers) of a pipeline stage (plan/pipeline.py).
     `generation_s`: grpo's generation a step (plan/rl.py `generation_time_s`), before the training.
     """
-
+    tp, cp, ep = layout.tp, layout.cp, layout.ep
     if arch is not None:
         L, H, Q = arch.num_layers, arch.num_heads, arch.head_dim
         embed = arch.vocab_size * arch.hidden_size
@@ -239,14 +240,14 @@ def predict_strategy(arch, collectives: list, *, strategy: str, shard_degree: in
         recomputed = len(checkpointed_layers(L, ac, ac_every)) / L  # AC re-runs the experts' forward too
         forward_s, backward_s = forward_s + routed, backward_s + routed * (2 + recomputed)
 
-    owners = shard_degree * tp  # ranks one optimizer state is split over (layout.Layout, × TP)
+    owners = layout.shard_degree * cp * tp  # ranks one optimizer state is split over (FSDP's: × cp), × TP
     params_per_rank = trainable_params / owners
     if offload in ("optimizer", "all"):
         optimizer_s = (C.optimizer_step_time_s(params_per_rank, HOST_OPTIMIZER_BYTES_PER_S, optimizer)
                        + C.offload_transfer_time_s(params_per_rank, PCIE_BYTES_PER_S))
     else:
         optimizer_s = C.optimizer_step_time_s(params_per_rank, mem_bw_bytes_per_s, optimizer)
-    groups = mesh_groups(cluster, shard_degree if STRATEGY[strategy].hybrid else None, tp, cp, ep)
+    groups = mesh_groups(cluster, layout)
     st = step_time(collectives, cluster, groups, forward_s, backward_s, L, grad_accum, optimizer_s, overlap,
                    copy_bytes_per_s=mem_bw_bytes_per_s)
     if offload_copy_s:
@@ -300,12 +301,12 @@ def time_strategy(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> dict:
     return _predict(sp, arch, model_info, inp, gpu, ctx)
 
 
-def _generation_s(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> float | None:
+def _generation_s(layout: Layout, arch, model_info: dict, inp, gpu, ctx: dict) -> float | None:
     """grpo: a step's generation on one rank (plan/rl.py), its weights gathered on the shard group's link."""
     if inp.objective != "grpo" or arch is None:
         return None
-    cluster, tp, per = ctx["cluster"], getattr(inp, "tp", 1), dtypes(inp.precision).compute
-    g = mesh_groups(cluster, sp.shard_degree if STRATEGY[sp.name].hybrid else None, tp)["shard"]
+    cluster, tp, per = ctx["cluster"], layout.tp, dtypes(inp.precision).compute
+    g = mesh_groups(cluster, layout)["shard"]
     gather_s = group_time_s("all_gather", -(-model_info["params"] // tp) * per, g.size, g.ranks_per_node,
                             g.groups_per_node, cluster, calls=arch.num_layers + 1)  # FSDP2: a unit a layer + root
     return generation_time_s(arch, model_info["params"], prompts=inp.micro_batch * inp.grad_accum,
@@ -316,20 +317,19 @@ def _generation_s(sp, arch, model_info: dict, inp, gpu, ctx: dict) -> float | No
 
 
 def _predict(sp, arch, model_info: dict, inp, gpu, ctx: dict, matmul: tuple[int, int] | None = None) -> dict:
-    generation_s = _generation_s(sp, arch, model_info, inp, gpu, ctx)
+    layout = plan_layout(inp, sp.name, ep=inp.ep)  # its strategy and degrees (a pipeline stage's: pp 1)
+    generation_s = _generation_s(layout, arch, model_info, inp, gpu, ctx)
     inp = training_rows(inp)  # grpo: G completions a prompt, prompt + max_new_tokens long
     return predict_strategy(
-        arch, sp.collectives, strategy=sp.name, shard_degree=sp.shard_degree, cluster=ctx["cluster"],
+        arch, sp.collectives, layout=layout, cluster=ctx["cluster"],
         micro_batch=inp.micro_batch, seq_len=inp.seq_len, grad_accum=inp.grad_accum, ac=inp.ac,
         ac_every=inp.ac_every, trainable_params=model_info["trainable_params"],
         num_params=model_info["params"], active_params=model_info.get("active_params") or model_info["params"],
         lora=bool(inp.lora_rank), offload=inp.offload, optimizer=inp.optimizer,
         peak_flops_per_s=gpu.bf16_flops, mfu=ctx["mfu"], mem_bw_bytes_per_s=gpu.hbm_bytes_per_s,
-        tokens=ctx["tokens"], tp=getattr(inp, "tp", 1),
-        reference_forward=has_reference_forward(inp.objective, inp.reference, getattr(inp, "rl_beta", 0.0)),
-        cp=getattr(inp, "cp", 1),
-        offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0), ep=getattr(inp, "ep", 1),
-        moe_imbalance=getattr(inp, "moe_imbalance", 1.0), matmul=matmul, generation_s=generation_s)
+        tokens=ctx["tokens"], reference_forward=has_reference_forward(inp.objective, inp.reference, inp.rl_beta),
+        offload_copy_s=(sp.host_ram or {}).get("offload_time_s", 0.0), moe_imbalance=inp.moe_imbalance,
+        matmul=matmul, generation_s=generation_s)
 
 
 def add_timing(result, arch, inp, gpu, **options) -> None:

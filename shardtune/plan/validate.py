@@ -5,7 +5,7 @@ Imports no torch.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dc_fields
 
 from shardtune.errors import UserError
@@ -224,11 +224,13 @@ def plan_layout(inp: PlanInputs, strategy: str = "zero3", **degrees) -> Layout:
     """The trainer's `Layout` of these inputs for `strategy` (its data-parallel degree, shard group and
     divisors), `degrees` (tp, cp, pp, ep, hsdp_shard_size) replacing the inputs' own; ep 1 unless given.
     --accounting paper plans a tp beside ddp/zero1 as Megatron's model parallelism (ZeRO's Table 2),
-    outside the trainer's mesh: their Layout is then that of the gpus / tp data-parallel ranks."""
+    outside the trainer's mesh: the Layout of the gpus / tp data-parallel ranks, with that tp
+    innermost over the whole world (a layout the trainer refuses: tp composes with FSDP2 only)."""
     d = {"tp": inp.tp, "cp": inp.cp, "pp": inp.pp, "ep": 1, "hsdp_shard_size": inp.hsdp_shard_size, **degrees}
     tp, shard = d.pop("tp"), d.pop("hsdp_shard_size")
     if tp > 1 and not STRATEGY[strategy].fsdp:
-        return Layout.build(strategy, inp.gpus // tp, max(1, inp.gpus_per_node // tp), shard, **d)
+        data = Layout.build(strategy, inp.gpus // tp, max(1, inp.gpus_per_node // tp), shard, **d)
+        return replace(data, world_size=inp.gpus, gpus_per_node=inp.gpus_per_node, tp=tp)
     return Layout.build(strategy, inp.gpus, inp.gpus_per_node, shard, tp=tp, tp_across_nodes=inp.tp_across_nodes,
                         sequence_parallel=bool(inp.sequence_parallel), **d)
 

@@ -9,6 +9,7 @@ import json
 import pytest
 from _cli import refused_before_any_process
 
+from shardtune.layout import Layout
 from shardtune.plan import plan
 from shardtune.plan.fit import search
 from shardtune.plan.ring import Cluster, Link, mesh_groups
@@ -82,7 +83,7 @@ def test_imbalance_scales_the_busiest_ranks_expert_compute():
 
 def test_the_ep_group_is_priced_on_the_link_it_spans():
     cluster = Cluster(2, 8, Link(1e11, 1e-6, "nvlink"), Link(1e10, 1e-5, "ib"))
-    inside, across = mesh_groups(cluster, ep=8), mesh_groups(cluster, ep=16)
+    inside, across = (mesh_groups(cluster, Layout.build("zero3", 16, 8, ep=e)) for e in (8, 16))
     assert (inside["ep"].size, inside["ep"].ranks_per_node) == (8, 8)  # one node's consecutive ranks
     assert (across["ep"].size, across["ep"].ranks_per_node) == (16, 8)  # spans both nodes
     assert (inside["efsdp"].size, inside["efsdp"].ranks_per_node) == (2, 1)  # ep apart: one per node

@@ -3,6 +3,8 @@ import math
 
 import pytest
 
+from shardtune.errors import UserError
+from shardtune.layout import Layout
 from shardtune.plan.ring import (
     Cluster,
     CommOp,
@@ -16,6 +18,11 @@ from shardtune.plan.ring import (
 from shardtune.plan.timing import exposed_time_s, step_time, time_for_tokens
 
 GB = 1e9
+
+
+def _hsdp(c: Cluster, shard: int) -> Layout:
+    """hsdp over the whole cluster with shard groups of `shard` ranks (what mesh_groups reads)."""
+    return Layout.build("hsdp", c.world_size, c.gpus_per_node, shard)
 
 
 def test_bus_factors_are_nccl_tests_definitions():
@@ -68,7 +75,7 @@ def test_hsdp_replica_groups_share_the_nics():
     # Each of the 8 local ranks all-reduces its 1/8 shard (S/8) with its peer on the other node;
     # the node sends 8 × (S/8) = S bytes in total over its NICs: t = S / B_node.
     c = _cluster(2, 8, 370, 50)
-    groups = mesh_groups(c, shard_size=8)
+    groups = mesh_groups(c, _hsdp(c, 8))
     assert groups["shard"].ranks_per_node == 8 and groups["replica"].size == 2
     rep = groups["replica"]
     t = group_time_s("all_reduce", 1e9 / 8, rep.size, rep.ranks_per_node, rep.groups_per_node, c)
@@ -77,14 +84,15 @@ def test_hsdp_replica_groups_share_the_nics():
 
 def test_mesh_groups_shapes_by_hand():
     c = _cluster(2, 8, 1, 1)
-    g = mesh_groups(c, shard_size=4)  # shards {0-3},{4-7},...; replica j = {j, j+4, j+8, j+12}
+    g = mesh_groups(c, _hsdp(c, 4))  # shards {0-3},{4-7},...; replica j = {j, j+4, j+8, j+12}
     assert (g["shard"].size, g["shard"].ranks_per_node) == (4, 4)
     assert (g["replica"].size, g["replica"].ranks_per_node, g["replica"].groups_per_node) == (4, 2, 4)
-    g = mesh_groups(_cluster(4, 8, 1, 1), shard_size=16)  # shard spans 2 nodes; replica {j, j+16}
+    c4 = _cluster(4, 8, 1, 1)
+    g = mesh_groups(c4, _hsdp(c4, 16))  # shard spans 2 nodes; replica {j, j+16}
     assert (g["shard"].ranks_per_node, g["shard"].groups_per_node) == (8, 1)
     assert (g["replica"].size, g["replica"].ranks_per_node, g["replica"].groups_per_node) == (2, 1, 8)
-    with pytest.raises(ValueError):
-        mesh_groups(c, shard_size=5)
+    with pytest.raises(UserError, match="hsdp shard size 5 does not divide"):  # the layout's rule
+        _hsdp(c, 5)
 
 
 def test_exposed_time_by_timeline():
@@ -111,7 +119,7 @@ def test_step_time_links_in_parallel_and_time_for_tokens():
     # HSDP on 2×8: shard reduce-scatter on NVLink and replica all-reduce on NICs proceed on
     # different links, so the backward's comm is the slower of the two, not their sum.
     c = _cluster(2, 8, 100, 10)
-    groups = mesh_groups(c, shard_size=8)
+    groups = mesh_groups(c, _hsdp(c, 8))
     ops = [CommOp("reduce_scatter", 8e9, "shard", "backward"),   # 7/8·8e9/100e9 = 0.07 s
            CommOp("all_reduce", 1e9, "replica", "backward")]     # node sends 8×1e9... see below
     st = step_time(ops, c, groups, 0.0, 0.0, 1, overlap=False)
@@ -137,7 +145,6 @@ def test_each_call_pays_its_latency():
 
 def test_interconnect_catalogue_is_sane_and_cited():
     from shardtune.catalog.interconnects import INTERCONNECTS, get_interconnect
-    from shardtune.errors import UserError
 
     for link in INTERCONNECTS.values():
         assert link.source and link.scope in ("intra", "inter")
@@ -202,7 +209,7 @@ def test_step_time_per_step_op_on_another_link_runs_beside_the_last_micro_batch(
     c = _cluster(2, 8, 100, 10)
     ops = [CommOp("reduce_scatter", 8e9, "shard", "backward"),
            CommOp("all_reduce", 1e9, "replica", "backward", count_per="step")]
-    st = step_time(ops, c, mesh_groups(c, shard_size=8), 0.0, 0.0, 1, grad_accum=2, overlap=False)
+    st = step_time(ops, c, mesh_groups(c, _hsdp(c, 8)), 0.0, 0.0, 1, grad_accum=2, overlap=False)
     assert st.exposed_comm_s == pytest.approx(0.07 + 0.8)
     assert st.comm_time_s == pytest.approx(2 * 0.07 + 0.8)
 
