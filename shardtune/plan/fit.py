@@ -223,7 +223,7 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     for c in fitting[1:top]:
         c.why = _why_loses(c, best)
     rejected = sorted((c for c in out if not c.fits), key=lambda c: -c.tokens_per_s)
-    g0 = base.micro_batch * base.grad_accum * (base.gpus // base.tp // base.cp // base.pp)
+    g0 = base.micro_batch * base.grad_accum * plan_layout(base).batch_divisor
     notes = [f"grad_accum {base.grad_accum} and seq {base.seq_len} kept; micro-batch searched over "
              f"{', '.join(map(str, micro_batches))} (the global batch changes with it)" if fit_batch else
              f"global batch {g0} (micro-batch × grad_accum × data-parallel ranks) and seq {base.seq_len} kept: the "

@@ -100,14 +100,15 @@ class StrategyPlan:
         return d
 
 
-def _states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
+def _states(m: _Model, strategy: str, inp: PlanInputs, world: int, shard_degree: int) -> memory.States:
     key = ("states", strategy, inp.accounting, inp.tp, inp.gpus, shard_degree, inp.precision, inp.optimizer, _impl(inp))
     if key not in m.buffer_cache:  # the same for every micro-batch, AC mode and pipeline stage of as many layers
-        m.buffer_cache[key] = _model_states(m, strategy, inp, shard_degree)
+        m.buffer_cache[key] = _model_states(m, strategy, inp, world, shard_degree)
     return m.buffer_cache[key]
 
 
-def _model_states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) -> memory.States:
+def _model_states(m: _Model, strategy: str, inp: PlanInputs, world: int, shard_degree: int) -> memory.States:
+    """One rank's model states; `world`: FSDP's (the layout's dp × cp), `shard_degree` its shard group."""
     if inp.accounting == "paper":  # model parallelism (the ZeRO paper's MP) splits all states by tp
         return memory.paper_states(-(-m.num_params // inp.tp), -(-m.trainable // inp.tp), strategy,
                                    shard_degree, inp.precision, inp.optimizer)
@@ -115,9 +116,9 @@ def _model_states(m: _Model, strategy: str, inp: PlanInputs, shard_degree: int) 
         return memory.flat_states(m.num_params, m.trainable, strategy, shard_degree, inp.precision,
                                   inp.optimizer, _impl(inp))
     if inp.ep > 1:  # experts (E/ep rows) over shard / ep ranks, the rest over all (plan/ep.py)
-        return epp.ep_states(m.local_shapes(inp.tp), strategy, inp.gpus // inp.tp, shard_degree, inp.ep,
+        return epp.ep_states(m.local_shapes(inp.tp), strategy, world, shard_degree, inp.ep,
                              inp.precision, inp.optimizer, _impl(inp))[0]
-    return memory.max_rank_states(m.local_shapes(inp.tp), strategy, inp.gpus // inp.tp, shard_degree,
+    return memory.max_rank_states(m.local_shapes(inp.tp), strategy, world, shard_degree,
                                   inp.precision, inp.optimizer, _impl(inp))
 
 
@@ -170,7 +171,7 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
     tp, cp, fsdp = layout.tp, layout.cp, layout.strategy.fsdp  # tp: also paper accounting's Megatron degree
     dp, shard = layout.grad_divide_factor, layout.shard_degree * cp  # FSDP's world and shard group: × cp
     shapes = m.local_shapes(tp)
-    st = _states(m, strategy, inp, shard)
+    st = _states(m, strategy, inp, dp, shard)
     cpu_per_rank = 0
     if inp.offload == "optimizer":
         cpu_per_rank = st.optimizer + st.optimizer_step_temp
@@ -249,7 +250,8 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
                               and inp.ep == 1 else None),
         name=strategy, shard_degree=shard, replicate_degree=layout.replicate_degree,
         memory=Memory(st.params, st.grads, st.optimizer, act, buf, st.optimizer_step_temp, total, ref,
-                      kv, gen_w, _expert_bytes(m, strategy, inp, shard), phase, {k: v for k, v in parts.items() if v}),
+                      kv, gen_w, _expert_bytes(m, strategy, inp, dp, shard), phase,
+                      {k: v for k, v in parts.items() if v}),
         fits=total <= usable and host.get("fits", True), headroom_bytes=usable - total,
         cpu_offload_bytes_per_node=cpu_per_rank * inp.gpus_per_node,
         comm_bytes_per_step=comm.bytes_per_step(colls, inp.grad_accum), comm_ratio_to_ddp=None,
@@ -257,7 +259,7 @@ def plan_strategy(m: _Model, strategy: str, inp: PlanInputs, usable: int, per_ra
     )
 
 
-def _expert_bytes(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> int | None:
+def _expert_bytes(m: _Model, strategy: str, inp: PlanInputs, world: int, shard: int) -> int | None:
     """MoE: the routed experts' states on the largest rank, as `memory` accounts them (None: dense).
     Without expert parallelism the expert-FSDP degree is the strategy's shard degree (plan/moe.py)."""
     if m.arch is None or not m.arch.num_experts or m.shapes is None or inp.accounting != "shardtune":
@@ -265,7 +267,6 @@ def _expert_bytes(m: _Model, strategy: str, inp: PlanInputs, shard: int) -> int 
     if inp.offload == "all":  # every state lives in host memory (CPUOffloadPolicy)
         return 0
     experts = [p for p in m.local_shapes(inp.tp) if moe.is_routed_expert(p.name)]
-    world = inp.gpus // inp.tp
     st = (epp.ep_states(experts, strategy, world, shard, inp.ep, inp.precision, inp.optimizer, _impl(inp))[1]
           if inp.ep > 1 else
           memory.max_rank_states(experts, strategy, world, shard, inp.precision, inp.optimizer, _impl(inp)))
