@@ -175,7 +175,7 @@ plan_cmd = _build_plan_cmd()
 def _fit(inputs: PlanInputs, as_json: bool, recipe: str | None, fit_batch: bool = False,
          keep: frozenset[str] = frozenset()) -> None:
     from shardtune.plan.fit import render_fit, search
-    from shardtune.plan.fit_commands import train_line
+    from shardtune.plan.fit_line import train_line
     from shardtune.plan.fit_pp import trainer_gap
     from shardtune.plan.validate import resolve_inputs
 

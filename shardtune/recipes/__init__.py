@@ -22,3 +22,11 @@ def summary(path: Path) -> str:
             break
         words.append(line[2:].strip())
     return " ".join(words)
+
+
+def list_recipes() -> str:
+    """`shardtune recipes`' listing: each shipped recipe's name and what it is, then how to copy one."""
+    files = recipe_files()
+    width = max(map(len, files), default=4)
+    lines = [f"{'RECIPE':<{width}}  WHAT"] + [f"{name:<{width}}  {summary(p)}" for name, p in files.items()]
+    return "\n".join(lines + ["", "copy one to edit: shardtune recipes cp NAME my-recipe.yaml"])

@@ -20,7 +20,7 @@ from matplotlib.ticker import MaxNLocator
 
 from shardtune.verify.compare import LABELS
 
-matplotlib.use("Agg")  # files only, no display (report/commands.py imports this module lazily)
+matplotlib.use("Agg")  # files only, no display (report/render.py imports this module lazily)
 
 STACK = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp")  # the table's
 

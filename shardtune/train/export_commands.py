@@ -2,27 +2,7 @@
 checkpoint → Hugging Face folder, streamed (train/durable/export.py). Imports no torch at module level."""
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import typer
-
-
-def check_out_dir(out_dir: str) -> None:
-    """OUT_DIR before any checkpoint is read: not a file, and it (or the folder it goes in) writable."""
-    from shardtune.errors import UserError
-
-    out = Path(out_dir).expanduser()
-    if not out_dir.strip() or any(ord(c) < 32 or ord(c) == 127 for c in out_dir):
-        raise UserError(f"OUT_DIR {out_dir!r} is empty or holds a line break or control character; give a plain path")
-    if out.is_symlink() and not out.exists():
-        raise UserError(f"OUT_DIR {out_dir!r} is a link to nothing (dangling, or a loop); give a folder")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"OUT_DIR {out_dir!r} is a file, not a folder; give a new or empty folder")
-    probe = out if out.is_dir() else next((p for p in out.parents if p.exists()), Path("."))
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise UserError(f"OUT_DIR {out_dir!r} cannot be written ({str(probe)!r} is read-only or not a folder); "
-                        "give a folder you can write")
 
 
 def register(app: typer.Typer) -> None:
@@ -40,9 +20,10 @@ def register(app: typer.Typer) -> None:
     ) -> int:
         """Write a Hugging Face folder (config, safetensors shards, tokenizer) from a checkpoint."""
         from shardtune.train.durable.export import check_dtype, export_checkpoint, parse_size_bytes
+        from shardtune.train.durable.export_checks import check_out_dir_given
 
         check_dtype(dtype)
-        check_out_dir(out_dir)
+        check_out_dir_given(out_dir)
 
         out = export_checkpoint(checkpoint_dir, out_dir, parse_size_bytes(max_shard_size), dtype,
                                 adapter_only=adapter_only)

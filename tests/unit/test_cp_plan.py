@@ -124,7 +124,7 @@ def test_fit_finds_cp_for_8b_at_128k():
 
 def test_fit_train_line_sets_cp_and_grad_accum():
     from shardtune.plan.fit import search
-    from shardtune.plan.fit_commands import train_line
+    from shardtune.plan.fit_line import train_line
     from shardtune.plan.validate import resolve_inputs
 
     base = resolve_inputs(None, 8, {"model": "llama-3-8b", "seq_len": 131072, "ac": "full"})

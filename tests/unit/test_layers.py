@@ -258,17 +258,6 @@ COMMAND_MODULE_ALLOWED: dict[str, set[str]] = {
     "cli": {"app", "COMMAND_MODULES", "_print_version", "_conventional_arguments", "_register_commands", "main",
             "console", "PATH_ERRNOS"},
 }
-# Logic still in command modules of areas this change did not own (issue 38 item 4 stops at plan,
-# train and launch): to move to their areas' modules. The test refuses anything added beyond this.
-COMMAND_MODULE_DEBT: dict[str, set[str]] = {
-    "netbench.commands": {"MAX_NPROC", "_fmt_size", "print_table", "check_output_file"},
-    "plan.fit_commands": {"RECIPES", "FALLBACK_RECIPE", "_FIT_FIELDS", "_RECIPE_KEY", "_FLAG", "_KEYS", "_shown",
-                          "_base_recipe", "_model_name", "train_line"},  # the layout work moves it (issue 38 item 2)
-    "recipes.commands": {"list_recipes", "copy_recipe", "_dangling", "_rewrite"},  # _rewrite reads config/ (layer 2)
-    "report.commands": {"_read_json", "_strategy_memory", "_run_config", "load_run", "_read_metrics", "NUMERIC_KEYS",
-                        "_number", "report"},
-    "train.export_commands": {"check_out_dir"},
-}
 
 
 def _registered(tree: ast.Module) -> set[str]:
@@ -299,8 +288,7 @@ def test_command_modules_define_only_commands():
         if not _is_glue(path) or path.name == "__main__.py":
             continue
         tree = ast.parse(path.read_text(), str(path))
-        allowed = (_registered(tree) | {"register"} | COMMAND_MODULE_ALLOWED.get(name, set())
-                   | COMMAND_MODULE_DEBT.get(name, set()))
+        allowed = _registered(tree) | {"register"} | COMMAND_MODULE_ALLOWED.get(name, set())
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 if node.name not in allowed:

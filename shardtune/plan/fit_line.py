@@ -1,5 +1,6 @@
-"""`plan --fit`'s pick as a `shardtune train` command that runs as printed (CLI glue: it reads
-recipes through shardtune.config, which plan/ may not import). Imports no torch.
+"""`plan --fit`'s pick as a `shardtune train` command that runs as printed. It reads recipes through
+shardtune.config, which the rest of plan/ may not import: its own row of the layer table, above
+config (docs/DESIGN.md). Imports no torch.
 
 The command (one node: `shardtune train`; more: `shardtune launch slurm`) names a recipe (the one
 planned, else the repository's recipe whose model.name or model.architecture is the model, else
