@@ -168,3 +168,25 @@ def test_simpo_loss_is_eq6():
         z = beta * float(pol[i, 0] / lengths[i, 0]) - beta * float(pol[i, 1] / lengths[i, 1]) - gamma
         assert losses[i].item() == pytest.approx(math.log1p(math.exp(-z)), rel=1e-6)
         assert rc[i].item() == pytest.approx(beta * float(pol[i, 0] / lengths[i, 0]))
+
+
+@pytest.mark.parametrize("objective,reference,factor", [("dpo", "live", 4 / 3), ("simpo", "live", 1)])
+def test_the_objective_object_carries_the_loops_flops_factor_and_token_count(objective, reference, factor):
+    """The loop's MFU counts a live reference's forward: a trained token costs forward + backward =
+    2N + 4N FLOPs, the reference's forward 2N more: 8N / 6N = 4/3 (docs/dpo.md); simpo holds no
+    reference (and dpo's precompute drops it before training: set_up_dpo's DPO(None)), so 1. The
+    objects set_up_dpo builds say so; SFT and GRPO by their classes (GRPO counts its completions)."""
+    from types import SimpleNamespace
+
+    from shardtune.train.core.dpo import DPO
+    from shardtune.train.core.dpo_ref import set_up_dpo
+    from shardtune.train.core.grpo import GRPO
+    from shardtune.train.core.sft import SFT
+
+    cfg = SimpleNamespace(train=SimpleNamespace(objective=objective, reference=reference),
+                          lora=SimpleNamespace(rank=8))  # LoRA: the reference is the base, nothing to build
+    built = set_up_dpo(cfg, None, torch.nn.Linear(2, 2), None, None, None, None, None)
+    assert built.flops_factor == pytest.approx(factor) and built.step_tokens_fixed
+    assert DPO(None).flops_factor == 1  # what precompute leaves
+    assert SFT().flops_factor == 1 and SFT().step_tokens_fixed
+    assert GRPO.flops_factor == 1 and not GRPO.step_tokens_fixed

@@ -139,8 +139,17 @@ class DPO:
     """The objective's step and evaluation; `reference.logps(batch, opts)` gives reference log-probs
     where a batch carries none (train/core/dpo_ref.py). β and ε come from StepOptions."""
 
+    step_tokens_fixed = True  # a step's rows × seq_len tokens (a pair's two sides share one row)
+
     def __init__(self, reference):
         self.reference = reference
+
+    @property
+    def flops_factor(self) -> float:
+        """The model FLOPs a trained token costs, in units of the policy's: a live reference (a frozen
+        copy, or LoRA's base) adds a forward, 4/3 (forward + backward is 3 forwards); precomputed
+        reference log-probs and simpo's none add nothing."""
+        return 4 / 3 if self.reference is not None else 1
 
     def blocks_memory_tracker(self) -> bool:
         """A frozen copy outside FSDP (ddp/zero1): torch's MemTracker hooks the gradient of every

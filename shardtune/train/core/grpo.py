@@ -67,6 +67,8 @@ def rows_of(prompts: list[list[int]], groups: list[Group], pad_id: int, device) 
 
 class GRPO:
     """The objective's step and evaluation (train/rank/loop.py calls them as DPO's)."""
+    flops_factor = 1  # the reference's forward (rl.beta > 0) is not counted in the logged MFU
+    step_tokens_fixed = False  # its rows are prompts: a step counts the completion tokens it trained on
 
     def __init__(self, cfg, data, val_data, tokenizer, rank: int, dp_rank: int, dp_size: int, run_dir: Path | None,
                  reference=None, reshard_after_forward: bool = True):

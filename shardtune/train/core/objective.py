@@ -1,6 +1,7 @@
 """The one place that picks the objective (`train.objective`): its data, its object (SFT, DPO /
-SimPO, GRPO: train/core/sft.py, dpo.py, grpo.py) and the two figures the loop reports from it. The
-loop (train/rank/loop.py) then has one path: `objective.step`, `objective.evaluate`."""
+SimPO, GRPO: train/core/sft.py, dpo.py, grpo.py), whose attributes hold the two figures the loop
+reports from it (`flops_factor`, `step_tokens_fixed`). The loop (train/rank/loop.py) then has one
+path: `objective.step`, `objective.evaluate`."""
 from __future__ import annotations
 
 import time
@@ -47,15 +48,3 @@ def build_objective(cfg: RunConfig, ctx, model, loader, val, tokenizer, run_dir:
         marks.append(("dpo reference", time.perf_counter()))
         return objective
     return SFT()
-
-
-def flops_factor(cfg: RunConfig) -> float:
-    """The model FLOPs a trained token costs, in units of the policy's: dpo's live reference adds a
-    forward (4/3: forward + backward is 3 forwards)."""
-    return 4 / 3 if cfg.train.objective == "dpo" and cfg.train.reference == "live" else 1
-
-
-def step_tokens_fixed(cfg: RunConfig) -> bool:
-    """Whether a step's throughput counts its rows × seq_len tokens (False: grpo, whose rows are
-    prompts, counts the completion tokens it trained on)."""
-    return cfg.train.objective != "grpo"

@@ -1,6 +1,7 @@
 """Supervised fine-tuning as an objective object (`train.objective: sft`), with DPO's and GRPO's
 interface (train/core/dpo.py, grpo.py), so the loop (train/rank/loop.py) has one path: `step`,
-`evaluate`, `blocks_memory_tracker`, `tracked_bytes`. The step is step.py's `train_step`, or
+`evaluate`, `blocks_memory_tracker`, `tracked_bytes`, and the two figures the loop reports from
+(`flops_factor`, `step_tokens_fixed`). The step is step.py's `train_step`, or
 pp_step.py's `pp_train_step` when the model carries a pipeline (parallel.pp > 1)."""
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from shardtune.train.core.step import StepOptions, StepResult, train_step
 class SFT:
     """The token-mean cross-entropy of the labels; no reference model."""
     reference = None
+    flops_factor = 1  # model FLOPs a trained token costs, in units of the policy's (DPO: + its reference)
+    step_tokens_fixed = True  # a step's throughput counts its rows × seq_len tokens (GRPO: its completions)
 
     def blocks_memory_tracker(self) -> bool:
         return False

@@ -48,7 +48,7 @@ from shardtune.train.core.metrics import (
     write_memory_json,
 )
 from shardtune.train.core.model import build_model, describe_weights, unwrap
-from shardtune.train.core.objective import build_objective, flops_factor, objective_data, step_tokens_fixed
+from shardtune.train.core.objective import build_objective, objective_data
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.pp_step import attach_pipeline
 from shardtune.train.core.samples import Sampler
@@ -140,7 +140,7 @@ def set_up(cfg: RunConfig, ctx: DistContext, run_dir: Path, planned: dict | None
     run = Run(cfg=cfg, ctx=ctx, run_dir=run_dir, planned=planned, loader=loader, model=model, optimizer=optimizer,
               scheduler=scheduler, state=state, keeper=keeper, total_steps=total_steps, rows_per_step=rows_per_step,
               num_params=num_params, flops_per_token=flops_per_token(hf_config, num_params, cfg.train.seq_len)
-              * flops_factor(cfg),  # dpo: + the live reference's forward
+              * objective.flops_factor,  # dpo: + the live reference's forward
               peak_flops=None if on_cpu else gpu_peak_flops(cfg.train.gpu),
               activations=SavedActivations() if on_cpu else None, opts=opts,
               writer=MetricsWriter(run_dir / "metrics.jsonl") if ctx.rank == 0 else None, val_batches=val_batches,
@@ -253,7 +253,7 @@ def _record(run: Run, r: StepResult, peak: int, dt: float) -> tuple[dict, int]:
     loss = float(per_rank[::run.ctx.tp, 0].sum())
     peak_all, signum = int(per_rank[:, 1].max()), int(per_rank[:, 2].max())
     # grpo: the completion tokens trained on (its rows are prompts; generation's time is in dt)
-    fixed = step_tokens_fixed(run.cfg)
+    fixed = run.objective.step_tokens_fixed
     tokens_per_s = (run.rows_per_step * run.cfg.train.seq_len if fixed else float(r.num_tokens)) / dt
     tflops = run.flops_per_token * tokens_per_s / run.ctx.world_size / 1e12  # achieved, per rank
     record = {"step": run.state.step, "loss": loss, "lr": r.lr, "grad_norm": float(r.grad_norm),
