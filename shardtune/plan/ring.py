@@ -136,6 +136,8 @@ def mesh_groups(cluster: Cluster, layout: Layout | None = None) -> dict[str, Gro
     TP group is `tp` consecutive ranks of one node, and the data-parallel groups are those of a
     cluster of g/tp ranks per node, `tp` of them (one per TP position) sharing each node's NICs.
     """
+    if layout is not None and layout.world_size != cluster.world_size:
+        raise ValueError(f"a layout of {layout.world_size} ranks on a cluster of {cluster.world_size} GPUs")
     tp, cp, ep = (layout.tp, layout.cp, layout.ep) if layout is not None else (1, 1, 1)
     n, g = cluster.world_size // tp, max(1, cluster.gpus_per_node // tp)
     s = layout.fsdp_shard_degree if layout is not None and layout.strategy.hybrid else n

@@ -93,6 +93,8 @@ def test_mesh_groups_shapes_by_hand():
     assert (g["replica"].size, g["replica"].ranks_per_node, g["replica"].groups_per_node) == (2, 1, 8)
     with pytest.raises(UserError, match="hsdp shard size 5 does not divide"):  # the layout's rule
         _hsdp(c, 5)
+    with pytest.raises(ValueError, match="a layout of 8 ranks on a cluster of 16"):  # another world's layout
+        mesh_groups(c, Layout.build("zero3", 8, 8))
 
 
 def test_exposed_time_by_timeline():
