@@ -62,7 +62,8 @@ TRACED = frozenset({
     "ac_every", "hsdp_shard_size", "loss_chunks", "objective", "reference", "tp", "sequence_parallel",
     "tp_across_nodes",
 })
-# the other PLAN_KEYS fields: why the trace leaves each out (a refusal above, or it acts only where one is)
+# the other PLAN_KEYS fields: why the trace leaves each out (refused off its default, or it acts only
+# where another input is refused)
 NOT_TRACED: dict[str, str] = {
     "offload": "refused unless none: one fake CPU device holds GPU and host memory alike",
     "lora_rank": "refused unless 0: the memory trackers fail on frozen base weights",
@@ -79,8 +80,8 @@ NOT_TRACED: dict[str, str] = {
     "pp_virtual_stages": "acts with pp > 1 only, which is refused",
     "pp_layers": "acts with pp > 1 only (the planner refuses it without), which is refused",
 }
-_ACTS_UNDER = {"quantize_base", "lora_target_parameters", "num_generations", "max_new_tokens", "rl_beta",
-               "pp_schedule", "pp_virtual_stages", "pp_layers"}  # their NOT_TRACED why names the refused input
+# those whose why starts "acts" act only under another input's refused value; the rest are refused off default
+_ACTS_UNDER = frozenset(field for field, why in NOT_TRACED.items() if why.startswith("acts "))
 
 
 def untraceable_reason(inputs: PlanInputs, strategy: str) -> str | None:
