@@ -1,4 +1,8 @@
-"""`shardtune launch torchrun|slurm|k8s` and `shardtune doctor`. Imports no torch at module level."""
+"""`shardtune launch torchrun|slurm|k8s` and `shardtune doctor`. Imports no torch at module level.
+
+The layout options (--strategy, --tp, --cp, --ep, --pp) are the trainer's flags marked `launch` in
+config/flags.py `TRAIN_FLAGS` (`flag_options`): each becomes its recipe-key override, checked here and
+passed to every node's trainer; a new degree is a row there, not an option here."""
 from __future__ import annotations
 
 import os
@@ -6,6 +10,7 @@ import sys
 
 import typer
 
+from shardtune.config.flags import LAUNCH_FLAGS, flag_options, flag_overrides
 from shardtune.errors import UserError
 from shardtune.launch.checks import check_layout, interconnect_help, resolve_interconnect
 from shardtune.launch.checks import parse_elastic as _parse_elastic
@@ -22,10 +27,6 @@ _OVERRIDES = typer.Argument(None, metavar="KEY=VALUE",
 _NODES = typer.Option(1, "--nodes", metavar="N", help="Number of nodes.")
 _GPUS = typer.Option(8, "--gpus-per-node", metavar="N", help="GPUs (trainer processes) per node.")
 
-
-_PP = typer.Option(None, "--pp", metavar="N",
-                   help="Pipeline-parallel degree (parallel.pp=N): stages across nodes, tp inside a node; "
-                        "micro-batches = train.grad_accum (docs/parallelism.md).")
 _IC = typer.Option("ib", "--interconnect", metavar="NAME", help=interconnect_help())
 _IFNAME = typer.Option(None, "--ifname", metavar="IFACE",
                        help="Interface of the training network on every node (eth0, ens5): pins "
@@ -44,24 +45,19 @@ _STRICT = typer.Option(False, "--strict",
 _OUT = typer.Option(None, "-o", "--output", metavar="FILE", help="Write here instead of printing to stdout.")
 _RESTARTS = typer.Option(0, "--max-restarts", metavar="N",
                          help="torchrun restarts of the worker group after a failure.")
-_EP = typer.Option(None, "--ep", metavar="N",
-                   help="Expert-parallel degree (parallel.ep; MoE models): passed to the trainer as parallel.ep=N "
-                        "and checked as it checks it (ep divides the experts and dp_shard x cp).")
 _GRACE = typer.Option(300, "--checkpoint-grace-s", metavar="SECONDS",
                       help="Seconds between SIGTERM and SIGKILL (SLURM: signal this "
                            "long before --time).")
 
 
-def _build(recipe: str, overrides: list[str] | None, ep: int | None = None, pp: int | None = None, **kw):
-    """Validate the recipe (as the trainer will see it) and the launch options; `ep` (--ep) and `pp`
-    (--pp) are the overrides parallel.ep=N and parallel.pp=N, which the nodes' trainers get too."""
+def _build(recipe: str, overrides: list[str] | None, flags: dict, **kw):
+    """Validate the recipe (as the trainer will see it) and the launch options; `flags` (--tp, --ep, ...)
+    are their overrides (parallel.ep=N, ...) after the user's, which the nodes' trainers get too."""
     from shardtune.config import load_recipe
     from shardtune.launch.spec import LaunchSpec, validate
 
-    if ep is not None:
-        overrides = [*(overrides or ()), f"parallel.ep={ep}"]
-    if pp is not None:
-        overrides = [*(overrides or ()), f"parallel.pp={pp}"]
+    if extra := flag_overrides(**flags):
+        overrides = [*(overrides or ()), *extra]
     cfg = load_recipe(recipe, tuple(overrides or ()))
     kw["interconnect"], link = resolve_interconnect(kw["interconnect"], kw.pop("link", None))
     # Absolute: the script runs on other nodes, from whatever folder sbatch or the user starts it in.
@@ -76,12 +72,12 @@ def _build(recipe: str, overrides: list[str] | None, ep: int | None = None, pp: 
 
 
 @launch_app.command("torchrun")
+@flag_options(LAUNCH_FLAGS)
 def torchrun_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, strict: bool = _STRICT, ep: int | None = _EP,
-    pp: int | None = _PP,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, strict: bool = _STRICT,
     rdzv_host: str | None = typer.Option(None, "--rdzv-host", metavar="HOST",
                                          help="Address of the node hosting the c10d rendezvous "
                                               "(needed for >1 node)."),
@@ -91,11 +87,12 @@ def torchrun_cmd(
                                            "concurrent job."),
     venv: str | None = typer.Option(None, "--venv", metavar="DIR",
                                     help="Virtual environment to activate on each node."),
+    **flags,
 ) -> None:
     """A script to run unchanged on every node: one torchrun agent, c10d rendezvous."""
     from shardtune.launch.torchrun import render_torchrun
 
-    cfg, spec, link = _build(recipe, overrides, ep, pp, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, flags, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, rdzv_host=rdzv_host, rdzv_port=rdzv_port,
@@ -107,11 +104,12 @@ def torchrun_cmd(
 
 
 @launch_app.command("slurm")
+@flag_options(LAUNCH_FLAGS)
 def slurm_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP, pp: int | None = _PP,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
     partition: str | None = typer.Option(None, "--partition", metavar="NAME", help="SLURM partition."),
     account: str | None = typer.Option(None, "--account", metavar="NAME", help="SLURM account."),
     time: str | None = typer.Option(None, "--time", metavar="LIMIT", help="Time limit (e.g. 4:00:00, 2-00:00:00)."),
@@ -131,11 +129,12 @@ def slurm_cmd(
                                     help="Virtual environment to activate on each node."),
     container_image: str | None = typer.Option(None, "--container-image", metavar="IMAGE",
                                                help="Run each node's torchrun in this image (pyxis/enroot)."),
+    **flags,
 ) -> None:
     """An sbatch script: srun starts one torchrun per node; checkpoint and requeue before the time limit."""
     from shardtune.launch.slurm import environment_notes, render_slurm
 
-    cfg, spec, link = _build(recipe, overrides, ep, pp, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, flags, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, partition=partition, account=account, time=time,
@@ -150,11 +149,12 @@ def slurm_cmd(
 
 
 @launch_app.command("k8s")
+@flag_options(LAUNCH_FLAGS)
 def k8s_cmd(
     recipe: str = _RECIPE, overrides: list[str] | None = _OVERRIDES,
     nodes: int = _NODES, gpus_per_node: int = _GPUS, interconnect: str = _IC, ifname: str | None = _IFNAME,
     ib_hca: str | None = _HCA, link: str | None = _LINK, job_name: str = _JOB, output: str | None = _OUT,
-    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE, ep: int | None = _EP, pp: int | None = _PP,
+    max_restarts: int = _RESTARTS, checkpoint_grace_s: int = _GRACE,
     image: str | None = typer.Option(None, "--image", metavar="IMAGE",
                                      help="Container image with shardtune installed."),
     pvc: str | None = typer.Option(None, "--pvc", metavar="CLAIM",
@@ -181,13 +181,14 @@ def k8s_cmd(
     node_selector: list[str] | None = typer.Option(None, "--node-selector", metavar="KEY=VALUE",
                                                    help="Run only on nodes with this label (repeatable)."),
     strict: bool = _STRICT,
+    **flags,
 ) -> None:
     """A Kubeflow PyTorchJob manifest (plus a ConfigMap with the resolved recipe)."""
     from shardtune.launch.k8s import render_k8s
 
     if not checkpoint_mount.startswith("/") or "\n" in checkpoint_mount:
         raise UserError(f"--checkpoint-mount {checkpoint_mount!r} must be an absolute path")
-    cfg, spec, link = _build(recipe, overrides, ep, pp, nodes=nodes, gpus_per_node=gpus_per_node,
+    cfg, spec, link = _build(recipe, overrides, flags, nodes=nodes, gpus_per_node=gpus_per_node,
                              interconnect=interconnect, link=link,
                              ifname=ifname, ib_hca=ib_hca, job_name=job_name, max_restarts=max_restarts,
                              checkpoint_grace_s=checkpoint_grace_s, image=image, pvc=pvc,

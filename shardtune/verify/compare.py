@@ -6,8 +6,6 @@ MiB = 2^20 bytes. Imports no torch.
 """
 from __future__ import annotations
 
-import sys
-
 from rich import box
 from rich.measure import Measurement
 from rich.table import Table
@@ -15,6 +13,7 @@ from rich.table import Table
 from shardtune.plan.report import make_console
 from shardtune.train.core.memory_json import MEASURED_KEYS, MEMORY_KEYS  # noqa: F401  (report reads both here)
 from shardtune.train.core.memory_json import measured_memory as _measured_memory
+from shardtune.verify.trace_inputs import mark_untraced  # noqa: F401  (plan --simulate marks here, torch-free)
 
 LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ",
           "buffers": "buffers", "optimizer_step_temp": "opt tmp", "reference": "ref", "total": "peak"}
@@ -120,25 +119,3 @@ def render_simulated(result, console=None) -> None:
                   "(FSDPMemTracker / MemTracker, rank 0); see docs/calibration.md")
     for n in notes:
         console.print(f"note: {n}")
-
-
-def mark_untraced(result) -> bool:
-    """--simulate with pp > 1, cp > 1, activation offload, ep > 1 or grpo: the trace (verify/simulate.py) runs none
-    of them, so each strategy is marked untraced with the reason (never traced as cp 1)."""
-    inp = result.inputs
-    reason = ("the fake-tensor trace runs one FSDP step of the whole model, not a pipeline stage's schedule "
-              "(pp > 1: its micro-batches in flight and P2P are the planner's, plan/pipeline.py)"
-              if inp.get("pp", 1) > 1 else
-              "the fake-tensor trace does not run context parallelism (cp > 1)" if inp.get("cp", 1) > 1 else
-              "the fake-tensor trace does not run activation offload" if inp.get("activation_offload") else
-              "the fake-tensor trace does not run expert parallelism (its all-to-all splits are the routed "
-              "counts, values fake tensors do not hold: verify/moe_fake.py)" if inp.get("ep", 1) > 1 else
-              "the fake-tensor trace does not run grpo's generation and step" if inp.get("objective") == "grpo"
-              else "")
-    if not reason:
-        return False
-    for sp in result.strategies:
-        sp.simulated = {"status": "analytic fallback", "reason": reason}
-    print(f"shardtune: --simulate cannot trace {', '.join(s.name for s in result.strategies)}: {reason}; "
-          "showing the analytic plan (marked 'analytic')", file=sys.stderr)
-    return True

@@ -17,7 +17,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -35,9 +35,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from shardtune.config import build_config
 from shardtune.parallel.apply import apply_precision, build_layout, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
+from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.rules.preference import holds_reference
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.dpo import DPO, add_reference_bytes
@@ -47,23 +48,7 @@ from shardtune.train.core.model import build_meta_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepOptions, train_step
 from shardtune.verify.moe_fake import moe_on_fake_tensors
-
-
-def untraceable_reason(strategy: str, *, offload: str = "none", lora_rank: int = 0, optimizer: str = "adamw",
-                       has_model: bool = True, objective: str = "sft", reference: str = "live") -> str | None:
-    """Why `--simulate` cannot trace this strategy and option set (None: it can)."""
-    if not has_model:
-        return "--params gives no architecture to build"
-    if holds_reference(objective, reference, lora_rank) and not STRATEGY[strategy].fsdp:
-        return ("dpo's frozen reference copy under ddp/zero1: torch's MemTracker hooks the gradient of every "
-                "parameter a forward uses and fails on frozen ones")
-    if offload != "none":
-        return f"offload {offload} moves shards to host memory, which one fake CPU device cannot separate"
-    if lora_rank:
-        return "LoRA: torch's memory trackers hook every parameter's gradient and fail on frozen base weights"
-    if optimizer != "adamw":
-        return f"optimizer {optimizer}: the trainer builds AdamW only"
-    return None
+from shardtune.verify.trace_inputs import mark_untraced, trace_recipe, untraceable_reason
 
 
 def _model_file(spec: Any, tmp: Path) -> str:
@@ -241,42 +226,38 @@ def make_optimizer_states(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = "bf16-mixed",
-                      ac: str = "none", ac_every: int = 2, seq_len: int = 2048, micro_batch: int = 1,
-                      grad_accum: int = 1, gpus_per_node: int | None = None,
-                      hsdp_shard_size: int | None = None,
-                      optimizer_impl: str = "auto", loss_chunks: int | None = None, tp: int = 1,
-                      sequence_parallel: bool = True, objective: str = "sft", reference: str = "live") -> dict:
+def simulate_strategy(inputs: PlanInputs | Mapping[str, Any], strategy: str) -> dict:
     """Rank 0's bytes by planner key (`track_step`) for one strategy, traced on fake tensors.
 
-    `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
-    `optimizer_impl`: the kernel the trainer builds (auto: fused, strategies.resolve_optimizer_impl),
-    on any device. `tp` > 1: the trainer's tensor
-    parallelism (parallel/tp.py `apply_tp`) on the 3-D mesh ("dp_replicate", "dp_shard", "tp").
-    `objective` dpo / simpo: the pair step (`make_step`); dpo with a `reference` live: the trainer's
-    frozen copy (train/core/dpo_ref.py `build_reference_model`: sharded per layer, compute dtype)
-    and its no-grad forward each micro-batch, its bytes as `reference` (in `total`)."""
+    `inputs`: the planner's inputs, a `PlanInputs` or its fields (model: catalogue name, config.json,
+    model folder or HF config dict; gpus, seq_len, ...), validated and resolved as `plan` resolves
+    them. The trainer's RunConfig is built from them through config/plan_keys.py (verify/trace_inputs.py
+    `trace_recipe`); what the trace cannot run is a ValueError saying why (`untraceable_reason`).
+    optim.implementation auto is the kernel the trainer builds (fused, strategies.resolve_optimizer_impl)
+    on any device; tp > 1: the trainer's tensor parallelism (parallel/tp.py `apply_tp`) on its mesh;
+    objective dpo / simpo: the pair step (`make_step`); dpo with a live reference: the trainer's frozen
+    copy (train/core/dpo_ref.py `build_reference_model`: sharded per layer, compute dtype) and its
+    no-grad forward each micro-batch, its bytes as `reference` (in `total`)."""
     t0 = time.perf_counter()
-    parallel_cfg = ParallelConfig(strategy=strategy, precision=precision, activation_checkpointing=ac,
-                                  ac_every=ac_every, hsdp_shard_size=hsdp_shard_size, tp=tp,
-                                  sequence_parallel=sequence_parallel, tp_across_nodes=True)
-    s = STRATEGY[parallel_cfg.strategy]
-    optim_cfg = OptimConfig(implementation=optimizer_impl)
-    live = holds_reference(objective, reference, 0)
+    inp = resolve_inputs(inputs) if isinstance(inputs, PlanInputs) else resolve_inputs(fields=dict(inputs))
+    reason = untraceable_reason(inp, strategy)
+    if reason:
+        raise ValueError(f"--simulate cannot trace {strategy}: {reason}")
+    s = STRATEGY[strategy]
+    gpus, per_node = inp.gpus, inp.gpus_per_node
+    live = holds_reference(inp.objective, inp.reference, 0)
     with (tempfile.TemporaryDirectory() as tmp, fake_world(gpus), separate_dtensor_propagation(),
           real_device_meshes(), moe_on_fake_tensors()):
-        per_node = gpus_per_node or min(8, gpus)
+        run_cfg = build_config(trace_recipe(inp, strategy, _model_file(inp.model, Path(tmp))))
+        parallel_cfg, optim_cfg, train_cfg = run_cfg.parallel, run_cfg.optim, run_cfg.train
         mesh = build_mesh(parallel_cfg, gpus, per_node, "cpu")  # outside fake mode
         # the meta model is built outside the fake mode: `to_empty` of a fake meta parameter must
         # swap tensors, which fake tensors refuse (weakrefs); inputs may be real only for the build
-        meta = build_meta_model(ModelConfig(name=_model_file(model, Path(tmp))))
+        meta = build_meta_model(run_cfg.model)
         # precision on the real meta tensors too: cast inside the fake mode, a parameter becomes a
         # fake meta tensor that ddp's `to_empty` must swap (refused: pure bf16 ddp/zero1 failed);
         # build_parallel_model's own cast then changes nothing
         apply_precision(meta, parallel_cfg)
-        run_cfg = RunConfig(model=ModelConfig(name=_model_file(model, Path(tmp))), parallel=parallel_cfg,
-                            optim=optim_cfg, train=TrainConfig(loss_chunks=loss_chunks, objective=objective,
-                                                               reference=reference))
         ref_meta = build_meta_model(run_cfg.model) if live else None  # the reference's, as the policy's
         if live:
             apply_precision(ref_meta, reference_parallel_config(parallel_cfg))
@@ -290,12 +271,13 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
             scheduler = build_scheduler(optimizer, optim_cfg, total_steps=10)
             vocab = getattr(net, "module", net).config.vocab_size
             # the trainer's StepOptions for this run's config (train/core/step.py)
-            pairs = DPO(ModelReference(ref) if live else None) if objective != "sft" else None
+            pairs = DPO(ModelReference(ref) if live else None) if train_cfg.objective != "sft" else None
             step_opts = StepOptions.from_config(run_cfg, vocab)
+            seq_len, micro_batch = train_cfg.seq_len, train_cfg.micro_batch
             step = make_step(net, optimizer, scheduler, step_opts, vocab_size=vocab,
-                             seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                             seq_len=seq_len, micro_batch=micro_batch, grad_accum=train_cfg.grad_accum,
                              world_size=build_layout(parallel_cfg, gpus, per_node).dp,  # TP ranks share a batch
-                             pairs=pairs, precomputed=objective == "dpo" and not live)
+                             pairs=pairs, precomputed=train_cfg.objective == "dpo" and not live)
             if s.fsdp:  # instead of a warm-up step: half the trace time. (DDP's grads become views
                 # of its buckets only in a real backward: it keeps the warm-up step.)
                 make_optimizer_states(net, optimizer)
@@ -320,44 +302,24 @@ def _progress_console():
 
 
 def attach_simulation(result, model: Any, console=None) -> None:
-    """Trace every strategy of a `PlanResult` (`simulate_strategy`) and store the outcome in each
-    `StrategyPlan.simulated`: the `memory` keys plus "status": "traced", or, where the trace
-    cannot run, {"status": "analytic fallback", "reason": ...} after one line on stderr.
+    """Trace every strategy of a `PlanResult` the trace can run (`simulate_strategy` on the plan's own
+    inputs) and store the outcome in each `StrategyPlan.simulated`: the `memory` keys plus "status":
+    "traced", or {"status": "analytic fallback", "reason": ...} after one line on stderr where it
+    cannot (verify/trace_inputs.py `mark_untraced`) or the trace fails.
     `model`: the plan's model spec (as `simulate_strategy`; None when the plan had --params)."""
     console = console or _progress_console()
-    inp = result.inputs
-    reasons: dict[str, list[str]] = {}
-    todo = []
-    for sp in result.strategies:
-        reason = untraceable_reason(sp.name, offload=inp["offload"], lora_rank=inp["lora_rank"],
-                                    optimizer=inp["optimizer"], has_model=model is not None and inp["params"] is None,
-                                    objective=inp.get("objective", "sft"), reference=inp.get("reference", "live"))
-        if reason:
-            sp.simulated = {"status": "analytic fallback", "reason": reason}
-            reasons.setdefault(reason, []).append(sp.name)
-        else:
-            todo.append(sp)
-    for reason, names in reasons.items():  # one line each (print, not rich: no wrapping)
-        print(f"shardtune: --simulate cannot trace {', '.join(names)}: {reason}; "
-              "showing the analytic plan (marked 'analytic')", file=sys.stderr)
-    if not todo:
+    if mark_untraced(result):
         return
+    inputs = PlanInputs(**result.inputs, model=model)
+    todo = [sp for sp in result.strategies if sp.simulated is None]
     columns = (TextColumn("[bold]simulate"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
     with Progress(*columns, console=console, transient=not console.is_terminal) as bar:
         task = bar.add_task("simulate", total=len(todo), info="")
         for sp in todo:
-            bar.update(task, info=f"{sp.name} on fake tensors, world {inp['gpus']}")
+            bar.update(task, info=f"{sp.name} on fake tensors, world {inputs.gpus}")
             try:
-                sim = simulate_strategy(
-                    model, sp.name, inp["gpus"], precision=inp["precision"], ac=inp["ac"],
-                    ac_every=inp["ac_every"], seq_len=inp["seq_len"], micro_batch=inp["micro_batch"],
-                    grad_accum=inp["grad_accum"], gpus_per_node=inp["gpus_per_node"],
-                    optimizer_impl=inp["optimizer_impl"], loss_chunks=inp.get("loss_chunks"),
-                    tp=inp.get("tp", 1), sequence_parallel=bool(inp.get("sequence_parallel", True)),
-                    hsdp_shard_size=sp.shard_degree if STRATEGY[sp.name].hybrid else None,
-                    objective=inp.get("objective", "sft"), reference=inp.get("reference", "live"))
-                sp.simulated = {"status": "traced", **sim}
+                sp.simulated = {"status": "traced", **simulate_strategy(inputs, sp.name)}
             except Exception as e:  # a model or op the fake trace cannot run: say so, keep the plan
                 reason = f"the trace failed ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
                 sp.simulated = {"status": "analytic fallback", "reason": reason}

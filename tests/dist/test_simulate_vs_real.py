@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from shardtune.plan.validate import PlanInputs
+
 CASES = (("zero3", 1), ("zero2", 1), ("ddp", 1), ("zero3", 2), ("ddp", 2))  # (strategy, grad_accum)
 SEQ_LEN, MICRO_BATCH = 64, 2
 KEYS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_step_temp", "total")
@@ -45,8 +47,8 @@ def test_simulated_bytes_equal_real_tracked_bytes(dist_launch, request):
     staging = _largest_reduce_scatter_input_bytes()
     for strategy, grad_accum in CASES:
         case = f"{strategy} ga{grad_accum}"
-        sim = simulate_strategy("tiny-llama", strategy, 2, seq_len=SEQ_LEN, micro_batch=MICRO_BATCH,
-                                grad_accum=grad_accum)
+        sim = simulate_strategy(PlanInputs("tiny-llama", 2, seq_len=SEQ_LEN, micro_batch=MICRO_BATCH,
+                                           grad_accum=grad_accum), strategy)
         for key in KEYS:
             want = real[0][case][key]  # rank 0: the rank the simulator plays
             got = sim[key]

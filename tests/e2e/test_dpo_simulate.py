@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from shardtune.plan.validate import PlanInputs
 from shardtune.processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,8 +82,9 @@ def test_simulated_dpo_step_equals_real_tracked_step(tmp_path):
         real = [r["tracked"] for r in per_rank]
         if reference == "precompute":
             _check_cache_size(out)
-        sim = simulate_strategy("tiny-llama", strategy, 2, precision=precision, seq_len=SEQ_LEN,
-                                micro_batch=MICRO_BATCH, objective="dpo", reference=reference)
+        sim = simulate_strategy(PlanInputs("tiny-llama", 2, precision=precision, seq_len=SEQ_LEN,
+                                           micro_batch=MICRO_BATCH,
+                                           objective="dpo", reference=reference), strategy)
         assert (real[0]["reference"] > 0) == (reference == "live"), (case, real[0])
         for key in KEYS:
             want, got = real[0][key], sim[key]  # rank 0: the rank the simulator plays

@@ -11,6 +11,7 @@ from shardtune.catalog.models import MODELS, resolve_model_config  # noqa: E402
 from shardtune.parallel.apply import _OP_SAVED, apply_activation_checkpointing  # noqa: E402
 from shardtune.plan.activations import op_kept_layer_bytes  # noqa: E402
 from shardtune.plan.params import architecture_from_config  # noqa: E402
+from shardtune.plan.validate import PlanInputs  # noqa: E402
 
 
 def _tiny(dtype=torch.float32, mode="none"):
@@ -120,7 +121,7 @@ def test_op_planner_within_10_percent_of_simulated_reduced_llama3_8b():
 
     cfg = dict(MODELS["llama-3-8b"]["config"])
     cfg["num_hidden_layers"] = 2
-    sim = simulate_strategy(cfg, "zero3", 8, seq_len=512, ac="op")
+    sim = simulate_strategy(PlanInputs(cfg, 8, seq_len=512, ac="op"), "zero3")
     mem = plan(cfg, gpus=8, seq_len=512, ac="op", strategies=["zero3"]).strategy("zero3").memory
     for key in ("activations", "total"):
         assert getattr(mem, key) == pytest.approx(sim[key], rel=0.10), (key, getattr(mem, key), sim[key])

@@ -80,3 +80,125 @@ def _app():
     app = typer.Typer()
     app.command()(plan_cmd)
     return app
+
+
+# --- the simulator's inputs (verify/trace_inputs.py): every PLAN_KEYS field traced or declared not traced
+
+# each traced field off its default where it can be (optimizer: adamw is the one the trace runs), in
+# inputs the planner and the trainer's config accept (tp refuses loss chunks: two samples);
+# hsdp_shard_size reaches parallel.hsdp_shard_size under hsdp
+TRACED_SAMPLES = (
+    {"model": "llama-3-8b", "gpus": 8, "gpu": "a100-80gb", "seq_len": 4096, "micro_batch": 3, "grad_accum": 5,
+     "precision": "fp32", "optimizer": "adamw", "optimizer_impl": "foreach", "ac": "layer", "ac_every": 3,
+     "hsdp_shard_size": 2, "loss_chunks": 4, "objective": "dpo", "reference": "precompute"},
+    {"model": "llama-3-8b", "gpus": 8, "hsdp_shard_size": 2, "tp": 2, "sequence_parallel": False,
+     "tp_across_nodes": True, "objective": "simpo"},
+)
+# each untraced field off its default, with what it acts under (pp > 1, lora_rank > 0, grpo)
+UNTRACED_SAMPLES = {
+    "offload": {"offload": "optimizer"},
+    "lora_rank": {"lora_rank": 8},
+    "quantize_base": {"lora_rank": 8, "quantize_base": "nf4"},
+    "lora_target_parameters": {"lora_rank": 8, "lora_target_parameters": ["experts.gate_up_proj"]},
+    "num_generations": {"objective": "grpo", "num_generations": 4},
+    "max_new_tokens": {"objective": "grpo", "max_new_tokens": 32},
+    "rl_beta": {"objective": "grpo", "rl_beta": 0.04},
+    "cp": {"cp": 2},
+    "activation_offload": {"activation_offload": True},
+    "ep": {"ep": 2},
+    "pp": {"pp": 2, "grad_accum": 2},
+    "pp_schedule": {"pp": 2, "grad_accum": 2, "pp_schedule": "gpipe"},
+    "pp_virtual_stages": {"pp": 2, "grad_accum": 4, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2},
+    "pp_layers": {"pp": 2, "grad_accum": 2, "pp_layers": [16, 16]},
+}
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+
+
+def test_every_plan_key_is_traced_or_declared_not_traced_with_why():
+    from shardtune.verify.trace_inputs import NOT_TRACED, TRACED
+
+    assert not TRACED & set(NOT_TRACED), TRACED & set(NOT_TRACED)
+    missing = set(PLAN_KEYS) - TRACED - set(NOT_TRACED)
+    assert not missing, f"PLAN_KEYS fields the simulator neither applies nor declares not traced: {missing}"
+    assert TRACED | set(NOT_TRACED) == set(PLAN_KEYS), (TRACED | set(NOT_TRACED)) - set(PLAN_KEYS)
+    assert all(len(why) > 20 for why in NOT_TRACED.values()), NOT_TRACED
+
+
+def test_each_traced_input_reaches_the_traced_trainers_config():
+    from shardtune.config import build_config
+    from shardtune.config.plan_keys import read_key
+    from shardtune.plan.validate import resolve_inputs
+    from shardtune.verify.trace_inputs import TRACED, trace_recipe, untraceable_reason
+
+    covered = {k for sample in TRACED_SAMPLES for k in sample} - {"gpus"}
+    assert covered == TRACED, covered ^ TRACED
+    for sample in TRACED_SAMPLES:
+        inp = resolve_inputs(fields=sample)
+        assert untraceable_reason(inp, "hsdp") is None
+        recipe = trace_recipe(inp, "hsdp", "llama-3-8b")
+        cfg = build_config(recipe)
+        assert cfg.parallel.strategy == "hsdp"
+        for field in TRACED:
+            key = PLAN_KEYS[field]
+            node = recipe
+            for part in key.split("."):  # set by the table, not left to a default that happens to agree
+                assert part in node, (field, key)
+                node = node[part]
+            if field in sample:
+                assert read_key(cfg, key) == sample[field], (field, key, read_key(cfg, key))
+        # the shard group is hsdp's: the other strategies take none (their config refuses one)
+        assert build_config(trace_recipe(inp, "zero3", "llama-3-8b")).parallel.hsdp_shard_size is None
+
+
+def test_each_untraced_input_is_refused_where_it_acts():
+    from shardtune.plan.validate import resolve_inputs
+    from shardtune.verify.trace_inputs import NOT_TRACED, untraceable_reason
+
+    assert set(UNTRACED_SAMPLES) == set(NOT_TRACED), set(UNTRACED_SAMPLES) ^ set(NOT_TRACED)
+    default = PlanInputs()
+    for field, sample in UNTRACED_SAMPLES.items():
+        assert sample[field] != getattr(default, field), field
+        inp = resolve_inputs(fields={"model": "llama-3-8b", "gpus": 8, **sample})
+        assert getattr(inp, field) == sample[field], field
+        refused = {s: untraceable_reason(inp, s) for s in STRATEGIES}
+        assert all(refused.values()), (field, refused)
+
+
+def test_an_untraced_input_no_refusal_names_is_still_refused(monkeypatch):
+    from shardtune.plan.validate import resolve_inputs
+    from shardtune.verify import trace_inputs
+
+    monkeypatch.setattr(trace_inputs, "REFUSALS", ())  # as if a refusal were forgotten
+    for field in ("offload", "lora_rank", "cp", "activation_offload", "ep", "pp"):
+        inp = resolve_inputs(fields={"model": "llama-3-8b", "gpus": 8, **UNTRACED_SAMPLES[field]})
+        reason = trace_inputs.untraceable_reason(inp, "zero3")
+        assert reason and reason.startswith(f"{field} ") and "is not traced" in reason, (field, reason)
+    assert trace_inputs.untraceable_reason(resolve_inputs(fields={"model": "llama-3-8b"}), "zero3") is None
+
+
+# --- the launch commands' layout options: the trainer's flag rows (config/flags.py), one per degree
+
+def _command_options(*path: str) -> set[str]:
+    from shardtune.cli import app
+
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return {opt for p in cmd.params for opt in p.opts}
+
+
+def test_every_degree_is_a_flag_of_train_and_of_each_launch_command():
+    from shardtune.config import ParallelConfig
+    from shardtune.config.flags import LAUNCH_FLAGS
+    from shardtune.layout import Layout
+
+    # the degrees: the Layout's integer fields a recipe sets (parallel.<degree>)
+    degrees = {f.name for f in dataclasses.fields(Layout) if f.type == "int"} & set(ParallelConfig.model_fields)
+    assert {"tp", "cp", "ep", "pp"} <= degrees, degrees
+    by_key = {f.key: f for f in TRAIN_FLAGS}
+    flags = [by_key.get(f"parallel.{d}") for d in sorted(degrees)]
+    assert all(flags), f"degrees without a trainer flag: {[d for d, f in zip(sorted(degrees), flags) if not f]}"
+    assert {f.name for f in flags} | {"strategy"} == {f.name for f in LAUNCH_FLAGS}
+    for path in (("train",), ("launch", "torchrun"), ("launch", "slurm"), ("launch", "k8s")):
+        options = _command_options(*path)
+        assert {f.option for f in LAUNCH_FLAGS} <= options, (path, {f.option for f in LAUNCH_FLAGS} - options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -412,3 +413,38 @@ def test_the_launchers_estimate_plans_the_recipes_cp_and_lora_not_a_subset():
     no_cp = plan("llama-3-8b", gpus=16, nodes=2, gpus_per_node=8, seq_len=16384, micro_batch=4, lora_rank=16,
                  strategies=["zero3"], interconnect="eth-10g").strategy("zero3").timing
     assert est.step_s != pytest.approx(no_cp["step_time_s"], rel=1e-3)  # cp changes the step: it was planned
+
+
+# each layout option (config/flags.py LAUNCH_FLAGS) and the override it stands for, on a recipe that runs it
+LAYOUT_CASES = {
+    "strategy": ("tiny-cpu.yaml", "hsdp", ()),
+    "tp": ("tiny-cpu.yaml", "2", ()),
+    "cp": ("tiny-cpu.yaml", "2", ()),
+    "ep": ("tiny-moe-cpu.yaml", "2", ()),
+    "pp": ("tiny-cpu.yaml", "2", ("train.grad_accum=2",)),
+}
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm", "k8s"])
+def test_each_layout_option_is_its_override_on_every_node(tmp_path, launcher, capsys):
+    # `--tp 2` writes the script `parallel.tp=2` writes (the override the trainer's flag stands for,
+    # config/flags.py), byte for byte: checked by launch as the trainer checks it, passed to every node
+    from shardtune.cli import main
+    from shardtune.config.flags import LAUNCH_FLAGS
+
+    root = Path(__file__).resolve().parents[2]
+    assert set(LAYOUT_CASES) == {f.name for f in LAUNCH_FLAGS}
+    extra = {"torchrun": ["--rdzv-host", "h0", "--run-id", "r1"], "slurm": [], "k8s": ["--image", "img:1"]}[launcher]
+    for flag in LAUNCH_FLAGS:
+        recipe, value, overrides = LAYOUT_CASES[flag.name]
+        base = ["launch", launcher, str(root / "recipes" / recipe), *overrides, "--nodes", "2", "--gpus-per-node", "2",
+                "--job-name", "j1", *extra]
+        by_flag, by_key, plain = (tmp_path / f"{flag.name}-{k}" for k in ("flag", "key", "plain"))
+        assert main([*base, flag.option, value, "-o", str(by_flag)]) == 0, capsys.readouterr().err
+        override = f"{flag.key}={json.dumps(flag.type(value))}"  # as `shardtune train --strategy hsdp` passes it
+        assert main([*base, override, "-o", str(by_key)]) == 0, capsys.readouterr().err
+        assert main([*base, "-o", str(plain)]) == 0, capsys.readouterr().err
+        assert by_flag.read_bytes() == by_key.read_bytes(), flag.name
+        assert by_flag.read_bytes() != plain.read_bytes(), flag.name  # the option changed the job
+        if launcher != "k8s":  # the nodes' trainer command line (k8s: the ConfigMap's resolved recipe)
+            assert shlex.quote(override) in by_flag.read_text(), flag.name

@@ -5,6 +5,7 @@ import torch
 
 from shardtune.catalog.models import resolve_model_config
 from shardtune.config import ModelConfig
+from shardtune.plan.validate import PlanInputs
 from shardtune.train.core.model import build_meta_model
 from shardtune.verify.simulate import simulate_strategy
 
@@ -29,8 +30,8 @@ def test_bf16_config_traces_the_same_states_as_a_folder_without_the_key(tmp_path
     plain = _folder(tmp_path, "plain")
     bf16 = _folder(tmp_path, "bf16", torch_dtype="bfloat16")
     for strategy in ("zero3", "ddp"):
-        a = simulate_strategy(str(plain), strategy, 2, precision="bf16-mixed", seq_len=64)
-        b = simulate_strategy(str(bf16), strategy, 2, precision="bf16-mixed", seq_len=64)
+        a = simulate_strategy(PlanInputs(str(plain), 2, precision="bf16-mixed", seq_len=64), strategy)
+        b = simulate_strategy(PlanInputs(str(bf16), 2, precision="bf16-mixed", seq_len=64), strategy)
         for key in ("params", "grads", "optimizer"):
             assert a[key] > 0 and b[key] == a[key], (strategy, key, a[key], b[key])
 

@@ -9,6 +9,7 @@ from _tolerance import assert_plan_within_trace
 from shardtune.catalog.models import MODELS
 from shardtune.plan import plan
 from shardtune.plan.params import architecture_from_config, count_active_params, count_params, param_shapes
+from shardtune.plan.validate import PlanInputs
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 96, "max_position_embeddings": 128}
@@ -131,7 +132,7 @@ def test_moe_analytic_within_tolerance_of_simulated(strategy, ac):
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = {**MODELS["qwen3-30b-a3b"]["config"], "num_hidden_layers": 4}
-    sim = simulate_strategy(cfg, strategy, 8, seq_len=512, ac=ac)
+    sim = simulate_strategy(PlanInputs(cfg, 8, seq_len=512, ac=ac), strategy)
     mem = plan(cfg, gpus=8, seq_len=512, ac=ac, strategies=[strategy]).strategy(strategy).memory
     assert_plan_within_trace(mem, sim)
 

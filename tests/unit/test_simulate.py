@@ -15,6 +15,7 @@ from _tolerance import assert_plan_within_trace
 
 from shardtune.catalog.models import MODELS
 from shardtune.cli import main
+from shardtune.plan.validate import PlanInputs
 
 N = 8
 
@@ -32,7 +33,7 @@ def test_analytic_within_tolerance_of_simulated_reduced_llama3_8b(ac):
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
-    sim = simulate_strategy(cfg, "zero3", N, seq_len=512, ac=ac)
+    sim = simulate_strategy(PlanInputs(cfg, N, seq_len=512, ac=ac), "zero3")
     mem = plan(cfg, gpus=N, seq_len=512, ac=ac, strategies=["zero3"]).strategy("zero3").memory
     # the states also have a closed form (FSDP2: 4 B fp32 params, 4 B grads, 8 B Adam per
     # parameter, dim 0 padded to a multiple of N; (rows, row size) below): the trace must give it too
@@ -54,7 +55,7 @@ def test_analytic_within_tolerance_of_simulated_other_strategies(strategy):
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
-    sim = simulate_strategy(cfg, strategy, N, seq_len=512)
+    sim = simulate_strategy(PlanInputs(cfg, N, seq_len=512), strategy)
     mem = plan(cfg, gpus=N, seq_len=512, strategies=[strategy]).strategy(strategy).memory
     assert_plan_within_trace(mem, sim)
     if strategy != "zero2":
@@ -71,8 +72,8 @@ def test_fake_process_group_is_torn_down_and_strategies_trace_in_one_process():
 
     from shardtune.verify.simulate import simulate_strategy
 
-    a = simulate_strategy("tiny-llama", "zero3", 4, seq_len=32)
-    b = simulate_strategy("tiny-llama", "ddp", 4, seq_len=32)
+    a = simulate_strategy(PlanInputs("tiny-llama", 4, seq_len=32), "zero3")
+    b = simulate_strategy(PlanInputs("tiny-llama", 4, seq_len=32), "ddp")
     assert not dist.is_initialized()
     # hand derivation: ddp holds every parameter; zero3 a quarter (tiny-llama's dims divide by 4)
     assert b["params"] == 4 * a["params"]
@@ -124,8 +125,8 @@ def test_grad_accum_2_traces_with_grads_kept_across_micro_batches():
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
-    one = simulate_strategy(cfg, "zero3", N, seq_len=512, grad_accum=1)
-    two = simulate_strategy(cfg, "zero3", N, seq_len=512, grad_accum=2)
+    one = simulate_strategy(PlanInputs(cfg, N, seq_len=512, grad_accum=1), "zero3")
+    two = simulate_strategy(PlanInputs(cfg, N, seq_len=512, grad_accum=2), "zero3")
     for key in ("params", "grads", "optimizer", "activations"):  # per micro-batch: the same
         assert two[key] == pytest.approx(one[key], rel=1e-4), key
     # Both peaks are the end of backward (the root group's reduce-scatter). By hand: the root's own
@@ -160,7 +161,7 @@ def test_ddp_grad_accum_2_holds_a_second_copy_of_the_grads():
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
-    sim = simulate_strategy(cfg, "ddp", N, seq_len=512, grad_accum=2)
+    sim = simulate_strategy(PlanInputs(cfg, N, seq_len=512, grad_accum=2), "ddp")
     assert sim["grads"] == 4 * sum(p for p in _reduced_8b_numels())
     assert sim["breakdown_at_peak"]["Gradient"] == 2 * sim["grads"]
     mem = plan(cfg, gpus=N, seq_len=512, grad_accum=2, strategies=["ddp"]).strategy("ddp").memory
@@ -273,7 +274,7 @@ def test_tied_model_analytic_within_tolerance_of_simulated(model, strategy):
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = _tied_config(model)
-    sim = simulate_strategy(cfg, strategy, N, seq_len=512)
+    sim = simulate_strategy(PlanInputs(cfg, N, seq_len=512), strategy)
     mem = plan(cfg, gpus=N, seq_len=512, strategies=[strategy]).strategy(strategy).memory
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     # by hand: the trace's peak holds the embedding's and the head's grad of the one (V, h) weight
@@ -321,7 +322,7 @@ def test_peak_stats_without_the_module_walk_give_the_same_bytes(strategy, monkey
         return stock(self, peak_state)
 
     monkeypatch.setattr(MemTracker, "_update_peak_stats", counting)
-    fast = simulate_strategy(cfg, strategy, 4, seq_len=128)
+    fast = simulate_strategy(PlanInputs(cfg, 4, seq_len=128), strategy)
     assert calls["walks"] == 0  # the subclass no longer calls the module walk
 
     from shardtune.train.core import memtrack
@@ -340,7 +341,7 @@ def test_peak_stats_without_the_module_walk_give_the_same_bytes(strategy, monkey
         return tracker
 
     monkeypatch.setattr(memtrack, "_make_tracker", with_stock)
-    reference = simulate_strategy(cfg, strategy, 4, seq_len=128)
+    reference = simulate_strategy(PlanInputs(cfg, 4, seq_len=128), strategy)
     assert calls["walks"] > 100  # torch's walk really ran in the reference trace
     drop = {"wall_s"}
     assert {k: v for k, v in fast.items() if k not in drop} == {k: v for k, v in reference.items() if k not in drop}
@@ -355,7 +356,7 @@ def test_tensor_parallel_analytic_within_tolerance_of_simulated(tp, sp):
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = _reduced_8b()
-    sim = simulate_strategy(cfg, "zero3", N, seq_len=512, tp=tp, sequence_parallel=sp)
+    sim = simulate_strategy(PlanInputs(cfg, N, seq_len=512, tp=tp, sequence_parallel=sp), "zero3")
     mem = plan(cfg, gpus=N, seq_len=512, tp=tp, sequence_parallel=sp, strategies=["zero3"]).strategy("zero3").memory
     assert_plan_within_trace(mem, sim)
 
