@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from throughput import model_config  # noqa: E402
 
-from shardtune.parallel.apply import apply_activation_checkpointing  # noqa: E402
+from shardtune.parallel.ac import apply_activation_checkpointing  # noqa: E402
 from shardtune.plan import compute as C  # noqa: E402
 
 MODES = ("none", "full", "op", "layer")

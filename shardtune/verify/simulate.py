@@ -36,8 +36,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
-from shardtune.parallel.apply import apply_precision, build_layout, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
+from shardtune.parallel.fsdp import apply_precision
+from shardtune.parallel.mesh import build_layout, build_mesh, dp_group
 from shardtune.rules.preference import holds_reference
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.dpo import DPO, add_reference_bytes

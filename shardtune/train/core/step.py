@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from shardtune.parallel.apply import autocast_dtype
 from shardtune.parallel.ep import ep_clip_grad_norm_
+from shardtune.parallel.fsdp import autocast_dtype
 from shardtune.parallel.pp import pp_clip_grad_norm_
 from shardtune.parallel.tp import loss_context
 from shardtune.rules.loss import resolve_loss_chunks
