@@ -253,7 +253,7 @@ def simulate_strategy(model: Any, strategy: str, gpus: int, *, precision: str = 
     `model`: catalogue name, config.json, model folder or HF config dict (as `plan`).
     `optimizer_impl`: the kernel the trainer builds (auto: fused, strategies.resolve_optimizer_impl),
     on any device. `tp` > 1: the trainer's tensor
-    parallelism (parallel/tp.py `apply_tp`) on the 3-D mesh ("dp_replicate", "dp_shard", "tp").
+    parallelism (parallel/tp.py `apply_tp`) on the trainer's mesh (parallel/mesh.py).
     `objective` dpo / simpo: the pair step (`make_step`); dpo with a `reference` live: the trainer's
     frozen copy (train/core/dpo_ref.py `build_reference_model`: sharded per layer, compute dtype)
     and its no-grad forward each micro-batch, its bytes as `reference` (in `total`)."""

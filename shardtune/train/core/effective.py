@@ -29,7 +29,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def activation_checkpointing(model: nn.Module) -> tuple[str, list[int]]:
     """(AC mode as the recipe names it, the checkpointed decoder layers' indices), from parallel/'s
-    record: "full" when every layer is checkpointed, "layer" when some are (parallel/apply.py)."""
+    record: "full" when every layer is checkpointed, "layer" when some are (parallel/ac.py)."""
     rec = applied(model)
     # a pipeline stage's (parallel/pp.py): the model's indices, every stage's (collective over pp)
     ckpt, every = (whole_model_layers(model, x) for x in (rec.ac_layers, list(range(len(decoder_layers(model))))))
