@@ -74,7 +74,7 @@ def _shard_experts(layer: nn.Module, experts_mesh: DeviceMesh, kwargs: dict, gra
     data-parallel degree, as the other gradients are. Over 2+ expert-FSDP ranks, with a plain sum on
     the wire (FSDP2 would use NCCL's PREMUL_SUM, which gloo lacks) and the division after; over one,
     not (torch 2.13's one-rank path divides by the factor itself, and forced sums would divide twice)."""
-    shard = experts_mesh.size(experts_mesh.ndim - 1)  # "efsdp" is its innermost dim (2-D: under dp_replicate)
+    shard = experts_mesh["efsdp"].size()  # 2-D under hsdp or tp: (dp_replicate, efsdp)
     for experts in (m for m in layer.modules() if hasattr(m, "ep_group")):  # parallel/ep.py apply_ep
         fully_shard(experts, **(kwargs | {"mesh": experts_mesh}))
         experts.set_gradient_divide_factor(float(grad_divide))
