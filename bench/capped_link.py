@@ -55,7 +55,7 @@ def worker(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
-    from shardtune.parallel.apply import build_mesh
+    from shardtune.parallel.mesh import build_mesh, dp_group
     from shardtune.train.core.model import build_hf_config, build_model
     from shardtune.train.core.optim import build_optimizer, build_scheduler
     from shardtune.train.core.step import StepOptions, train_step
@@ -103,7 +103,7 @@ def worker(a: argparse.Namespace) -> int:
     mesh = build_mesh(par, world, 1, "cpu")
     model = build_model(model_cfg, par, mesh, torch.device("cpu"), seed=0)
     optim_cfg = OptimConfig()
-    optimizer = build_optimizer(model, optim_cfg, par, dp_group=mesh.get_group())
+    optimizer = build_optimizer(model, optim_cfg, par, dp_group=dp_group(mesh))
     sched = build_scheduler(optimizer, optim_cfg, a.steps + 2)
     opts = StepOptions.from_config(RunConfig(parallel=par, optim=optim_cfg), plain.config.vocab_size)
     times, fb, st, in_run = [], [], [], []
@@ -121,7 +121,7 @@ def worker(a: argparse.Namespace) -> int:
         mbs = [batch() for _ in range(a.grad_accum)]
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(model, optimizer, sched, mbs, opts, dp_group=mesh.get_group(), dp_size=world)
+        train_step(model, optimizer, sched, mbs, opts, dp_group=dp_group(mesh), dp_size=world)
         if i:  # step 0 warms up (allocations, gloo connections)
             times.append(agreed_max(time.perf_counter() - t0))
             fb.append(agreed_max(f))

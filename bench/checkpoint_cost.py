@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardtune.config import load_recipe
-from shardtune.parallel.apply import build_mesh
+from shardtune.parallel.mesh import build_mesh
 from shardtune.train.durable.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from shardtune.train.durable.ckpt_files import read_info
 from shardtune.train.rank.context import DistContext

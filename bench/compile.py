@@ -68,8 +68,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
-    from shardtune.parallel.apply import build_mesh
     from shardtune.parallel.build import build_parallel_model
+    from shardtune.parallel.mesh import build_mesh, dp_group
     from shardtune.train.core.model import build_meta_model, init_model_weights
     from shardtune.train.core.optim import build_optimizer, build_scheduler
     from shardtune.train.core.step import StepOptions, train_step
@@ -84,7 +84,7 @@ def rank_main(args: argparse.Namespace) -> None:
     mcfg = ModelConfig(name=os.environ["BENCH_COMPILE_MODEL"], init="random")
     ocfg = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant")
     mesh = build_mesh(pcfg, world, int(os.environ["LOCAL_WORLD_SIZE"]), device.type)
-    group = mesh.get_group() if mesh.ndim == 1 else None
+    group = dp_group(mesh)
     sides = {}
     for tag, comp in (("eager", False), ("compiled", True)):
         model = build_parallel_model(build_meta_model(mcfg), pcfg, mesh, device,

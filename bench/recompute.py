@@ -7,7 +7,7 @@ op / layer AC, steps interleaved in one process, median ratios against none.
 
 One model per mode, all from the same seed (bench/throughput.py `model_config`: 8 layers, hidden
 512, SwiGLU, GQA 2:1, byte vocabulary; SDPA), AC applied by the trainer's own
-parallel/apply.py `apply_activation_checkpointing` (layer: every `--ac-every`-th layer). Each
+parallel/ac.py `apply_activation_checkpointing` (layer: every `--ac-every`-th layer). Each
 round times one forward+backward of every mode on the same batch (packed rows: position ids
 restart mid-row, as the trainer packs, so transformers builds its block mask), in an order that
 rotates round by round so a shared machine's drift hits all alike; ratios are taken within a
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from throughput import model_config  # noqa: E402
 
-from shardtune.parallel.apply import apply_activation_checkpointing  # noqa: E402
+from shardtune.parallel.ac import apply_activation_checkpointing  # noqa: E402
 from shardtune.plan import compute as C  # noqa: E402
 
 MODES = ("none", "full", "op", "layer")

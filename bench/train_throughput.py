@@ -97,10 +97,11 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    from torch.distributed.device_mesh import init_device_mesh
+    from shardtune.config import ParallelConfig
+    from shardtune.parallel.mesh import build_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mesh = build_mesh(ParallelConfig(strategy="zero3", precision="fp32"), world, world, "cpu")
     data = batches(args.warmup + args.steps, args.micro_batch, args.seq_len, rank, world)
     hand, ours = build_hand_written(), build_shardtune(mesh, world, len(data))
     hand_s, ours_s = [], []

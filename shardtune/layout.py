@@ -19,12 +19,10 @@ from shardtune.rules.ep import check_ep_model, check_trainable_moe
 from shardtune.rules.tp import check_tp_model
 from shardtune.strategies import FSDP_STRATEGIES, Strategy, strategy
 
-# The mesh's named dimensions, outermost first; consecutive ranks vary the innermost (tp) fastest,
-# so a tp group is tp consecutive ranks: one node's when tp divides the processes per node.
+# The mesh's named dimensions, outermost first (torchtitan's parallel_dims order), size-1 dimensions
+# kept: one mesh shape for every strategy and degree. Consecutive ranks vary the innermost (tp)
+# fastest, so a tp group is tp consecutive ranks: one node's when tp divides the processes per node.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-TP_MESH_AXES = ("dp_replicate", "dp_shard", "tp")
-CP_MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
-PP_MESH_AXES = ("pp", *TP_MESH_AXES)  # pp > 1 (tp 1 there until the two are verified together)
 # degrees whose groups may span nodes without being asked (tp: only with tp_across_nodes); an ep group
 # is ep consecutive data ranks, inside a node while ep <= its ranks, else across (plan prices it on the NICs)
 SPANS_NODES = ("pp", "dp_replicate", "dp_shard", "cp", "ep")
@@ -148,19 +146,14 @@ class Layout:
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The device mesh's dimension names: the strategy's (("dp",), hsdp's ("replicate", "shard"));
-        with tp > 1 ("dp_replicate", "dp_shard", "tp"), with cp > 1 ("dp_replicate", "dp_shard", "cp",
-        "tp") (tp may be 1 there). parallel/apply.py looks sub-meshes up by these names."""
-        if self.pp > 1:
-            return PP_MESH_AXES
-        if self.cp > 1:
-            return CP_MESH_AXES
-        return self.strategy.mesh_axes if self.tp == 1 else TP_MESH_AXES
+        """The device mesh's dimension names, always MESH_DIMS (size-1 dimensions kept);
+        parallel/mesh.py looks its sub-meshes up by these names."""
+        return MESH_DIMS
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """The device mesh's shape along `mesh_axes`."""
-        return tuple(self.world_size if a == "dp" else self.degree(_AXIS_DIM.get(a, a)) for a in self.mesh_axes)
+        """The device mesh's shape along `mesh_axes`: (pp, dp_replicate, dp_shard, cp, tp)."""
+        return tuple(self.degree(d) for d in MESH_DIMS)
 
     def check_model(self, hf: dict, seq_len: int | None = None, trains: bool = False, compile: bool = False) -> None:
         """What tp and cp split of the model (`hf`: its config.json values) divides evenly: heads, KV
@@ -231,4 +224,3 @@ class Layout:
 
 
 ParallelDims = Layout  # torchtitan's name for the same record
-_AXIS_DIM = {"replicate": "dp_replicate", "shard": "dp_shard"}  # hsdp's 2-D mesh names

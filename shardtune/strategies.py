@@ -23,7 +23,7 @@ class Strategy:
     fsdp: bool  # FSDP2 `fully_shard` per decoder layer and root (else DDP around the model)
     reshard_after_forward: bool  # FSDP2: free the gathered params after forward (zero3, hsdp)
     materialise_before_wrap: bool  # DDP broadcasts rank 0's params when built: fill them first
-    mesh_axes: tuple[str, ...]  # ("dp",) or HSDP's ("replicate", "shard")
+    mesh_axes: tuple[str, ...]  # FSDP's mesh: 1-D ("dp",) or HSDP's 2-D (replicate, shard) (parallel/mesh.py)
 
     @property
     def partitions_optimizer(self) -> bool:
@@ -109,7 +109,7 @@ def autocasts(strategy_name: str, precision: str) -> bool:
 def checkpointed_layers(num_layers: int, mode: str, every: int = 2) -> list[int]:
     """The one AC layer rule: which decoder layers recompute (part of) their activations. full and
     op → all; layer → every k-th, layers 0, k, 2k, ... (⌈L/k⌉; torchtitan's `ac_freq` picks k-1,
-    2k-1, ... instead); none → []. The trainer wraps these (parallel/apply.py), the planner counts them."""
+    2k-1, ... instead); none → []. The trainer wraps these (parallel/ac.py), the planner counts them."""
     mode = AC_ALIASES.get(mode, mode)
     if mode in ("full", "op"):
         return list(range(num_layers))

@@ -14,18 +14,12 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from shardtune.parallel.apply import (
-    apply_activation_checkpointing,
-    apply_ddp,
-    apply_fsdp,
-    apply_precision,
-    cp_mesh,
-    decoder_layers,
-    sub_mesh,
-    tp_mesh,
-)
+from shardtune.parallel.ac import apply_activation_checkpointing
 from shardtune.parallel.cp import apply_cp
 from shardtune.parallel.ep import apply_ep, expert_modules, mark_routing
+from shardtune.parallel.fsdp import apply_ddp, apply_fsdp, apply_precision
+from shardtune.parallel.layers import decoder_layers
+from shardtune.parallel.mesh import cp_mesh, sub_mesh, tp_mesh
 from shardtune.parallel.pp import apply_pp
 from shardtune.parallel.record import record
 from shardtune.parallel.tp import apply_tp

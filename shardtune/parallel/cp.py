@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
-from shardtune.parallel.apply import decoder_layers
+from shardtune.parallel.layers import decoder_layers
 from shardtune.parallel.record import record
 from shardtune.rules.cp import check_cp, kv_repeat
 from shardtune.strategies import IGNORE_INDEX

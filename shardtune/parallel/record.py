@@ -1,5 +1,5 @@
 """What parallel/ applied to a model, one record (`Applied`) written by each `apply_*` as it applies
-(parallel/apply.py, build.py, tp.py, cp.py, ep.py) and read by train/core/effective.py, the step and
+(parallel/fsdp.py, ac.py, build.py, tp.py, cp.py, ep.py) and read by train/core/effective.py, the step and
 the loss (tp). docs/DESIGN.md "What ran" says which effective facts come from it and which are read
 back from the built objects instead."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ class Applied:
     ac_layers: list[int] = field(default_factory=list)  # the checkpointed decoder layers, this model's (a
     # pipeline stage's: its own) indices
     compile: bool = False  # every decoder layer's training forward torch.compile'd (build.py apply_compile)
-    fsdp: bool = False  # fully_shard on the decoder layers and the root (apply.py apply_fsdp)
+    fsdp: bool = False  # fully_shard on the decoder layers and the root (fsdp.py apply_fsdp)
     reshard_after_forward: bool | None = None  # fsdp: zero3 / hsdp (True) or zero2 (False)
     param_dtype: torch.dtype | None = None  # fsdp: the MixedPrecisionPolicy's compute dtype (None: the params')
     offload: str = "none"  # fsdp: parallel.offload (all: CPUOffloadPolicy)

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardtune.errors import UserError
-from shardtune.parallel.apply import decoder_layers
+from shardtune.parallel.layers import decoder_layers
 from shardtune.parallel.record import applied, record
 from shardtune.rules.tp import check_tp_model
 

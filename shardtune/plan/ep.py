@@ -1,7 +1,7 @@
 """Expert parallelism in the plan (parallel.ep / --ep; docs/moe.md "Planner: expert parallelism").
 Pure Python, imports no torch.
 
-Layout (the trainer's dp2ep, parallel/apply.py): the FSDP shard group of G = dp_shard × cp ranks
+Layout (the trainer's dp2ep, parallel/mesh.py): the FSDP shard group of G = dp_shard × cp ranks
 splits as (efsdp = G / ep, ep), ep innermost (consecutive ranks, one node's while ep ≤ the node).
 Each rank keeps E/ep of every MoE layer's routed experts, FSDP-sharded over efsdp; every other
 tensor is sharded over all G, as without ep. So per rank:

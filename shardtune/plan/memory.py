@@ -38,7 +38,7 @@ class Dtypes:
 
 def dtypes(precision: str) -> Dtypes:
     """bf16-mixed: fp32 master, bf16 compute, fp32 reduce, frozen params bf16 (no update, so no
-    master copy: parallel/apply.py `apply_precision`); bf16: all bf16; fp32: all fp32."""
+    master copy: parallel/fsdp.py `apply_precision`); bf16: all bf16; fp32: all fp32."""
     return {
         "bf16-mixed": Dtypes(param=4, grad=4, compute=2, reduce=4, state=4, frozen=2),
         "bf16": Dtypes(param=2, grad=2, compute=2, reduce=2, state=2, frozen=2),

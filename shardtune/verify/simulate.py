@@ -36,8 +36,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from shardtune.config import build_config
-from shardtune.parallel.apply import apply_precision, build_layout, build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
+from shardtune.parallel.fsdp import apply_precision
+from shardtune.parallel.mesh import build_layout, build_mesh, dp_group
 from shardtune.plan.validate import PlanInputs, resolve_inputs
 from shardtune.rules.preference import holds_reference
 from shardtune.strategies import STRATEGY
@@ -234,7 +235,7 @@ def simulate_strategy(inputs: PlanInputs | Mapping[str, Any], strategy: str) -> 
     them. The trainer's RunConfig is built from them through config/plan_keys.py (verify/trace_inputs.py
     `trace_recipe`); what the trace cannot run is a ValueError saying why (`untraceable_reason`).
     optim.implementation auto is the kernel the trainer builds (fused, strategies.resolve_optimizer_impl)
-    on any device; tp > 1: the trainer's tensor parallelism (parallel/tp.py `apply_tp`) on its mesh;
+    on any device; tp > 1: the trainer's tensor parallelism (parallel/tp.py `apply_tp`) on its mesh (parallel/mesh.py);
     objective dpo / simpo: the pair step (`make_step`); dpo with a live reference: the trainer's frozen
     copy (train/core/dpo_ref.py `build_reference_model`: sharded per layer, compute dtype) and its
     no-grad forward each micro-batch, its bytes as `reference` (in `total`)."""

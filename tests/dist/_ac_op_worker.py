@@ -13,7 +13,8 @@ from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.fsdp import autocast_dtype
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
 from shardtune.train.core.metrics import SavedActivations
 from shardtune.train.core.model import build_meta_model, init_model_weights
@@ -29,7 +30,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         mesh = build_mesh(pcfg, world, world, "cpu")
         model = build_parallel_model(build_meta_model(mcfg), pcfg, mesh, torch.device("cpu"),
                                      fill=lambda m: init_model_weights(m, mcfg, 0))
-        opt = build_optimizer(model, ocfg, pcfg, mesh.get_group())
+        opt = build_optimizer(model, ocfg, pcfg, dp_group(mesh))
         sides[ac] = (model, opt, build_scheduler(opt, ocfg, case["steps"]), autocast_dtype(pcfg))
         out[f"{ac}_losses"], out[f"{ac}_norms"] = [], []
     for step in range(case["steps"]):

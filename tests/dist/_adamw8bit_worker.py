@@ -10,7 +10,8 @@ from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.fsdp import autocast_dtype
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.train.core.metrics import storages
 from shardtune.train.core.model import build_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
@@ -37,7 +38,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     model = build_model(ModelConfig(), pcfg, mesh, torch.device("cpu"), seed=0)
     ocfg = OptimConfig(lr=case["lr"], warmup_steps=0, schedule="constant", grad_clip=1.0, weight_decay=0.0,
                        name=case["optimizer"])
-    opt = build_optimizer(model, ocfg, pcfg, mesh.get_group() if mesh.ndim == 1 else None)
+    opt = build_optimizer(model, ocfg, pcfg, dp_group(mesh))
     sched = build_scheduler(opt, ocfg, case["steps"])
     out: dict = {"losses": []}
     for step in range(case["steps"]):

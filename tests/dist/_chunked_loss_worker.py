@@ -17,7 +17,8 @@ from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.fsdp import autocast_dtype
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
 from shardtune.train.core.evaluate import evaluate
 from shardtune.train.core.metrics import SavedActivations
@@ -38,7 +39,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     for k in (1, case["chunks"]):
         model = build_parallel_model(build_meta_model(mcfg), pcfg, mesh, torch.device("cpu"),
                                      fill=lambda m: init_model_weights(m, mcfg, 0))
-        opt = build_optimizer(model, ocfg, pcfg, mesh.get_group())
+        opt = build_optimizer(model, ocfg, pcfg, dp_group(mesh))
         sides[k] = (model, opt, build_scheduler(opt, ocfg, case["steps"]))
         out[f"losses_{k}"], out[f"norms_{k}"] = [], []
     for step in range(case["steps"]):

@@ -16,7 +16,7 @@ from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import build_mesh
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
 from shardtune.train.core.evaluate import evaluate
 from shardtune.train.core.lora import apply_lora
@@ -53,7 +53,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     sides = {}
     for tag, comp in (("eager", False), ("compiled", True)):
         model = build(case, mesh, comp)
-        opt = build_optimizer(model, ocfg, pcfg, mesh.get_group())
+        opt = build_optimizer(model, ocfg, pcfg, dp_group(mesh))
         sides[tag] = (model, opt, build_scheduler(opt, ocfg, case["steps"]))
         out[f"{tag}_keys"] = list(model.state_dict().keys())
         out[f"{tag}_losses"], out[f"{tag}_norms"] = [], []

@@ -63,7 +63,7 @@ def _fsdp_ep_model(world: int):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from shardtune.parallel.apply import decoder_layers
+    from shardtune.parallel.layers import decoder_layers
 
     model = build_meta_model(ModelConfig(name="tiny-mixtral"))
     apply_ep(model, dist.group.WORLD)

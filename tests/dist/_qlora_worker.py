@@ -11,7 +11,8 @@ from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.fsdp import autocast_dtype
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.train.core.metrics import storages
 from shardtune.train.core.model import build_model, unwrap
 from shardtune.train.core.optim import build_optimizer, build_scheduler
@@ -36,7 +37,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                         lora_cfg=LoraConfig(**case["lora"]))
     out = param_bytes(model)
     ocfg = OptimConfig(lr=case["lr"], warmup_steps=0, schedule="constant", grad_clip=1.0, weight_decay=0.0)
-    opt = build_optimizer(model, ocfg, pcfg, mesh.get_group() if mesh.ndim == 1 else None)
+    opt = build_optimizer(model, ocfg, pcfg, dp_group(mesh))
     sched = build_scheduler(opt, ocfg, case["steps"])
     out["losses"] = []
     for step in range(case["steps"]):

@@ -64,7 +64,7 @@ def build_case(case: dict, world: int):
     import torch  # noqa: PLC0415 lazy: serve() runs in workers that need no model
 
     from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: PLC0415
-    from shardtune.parallel.apply import build_mesh, dp_group, dp_rank_size  # noqa: PLC0415
+    from shardtune.parallel.mesh import build_mesh, dp_group, dp_rank_size  # noqa: PLC0415
     from shardtune.train.core.model import build_model  # noqa: PLC0415
     from shardtune.train.core.optim import build_optimizer, build_scheduler  # noqa: PLC0415
 

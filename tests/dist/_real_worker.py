@@ -9,7 +9,8 @@ import torch.distributed as dist
 from _rank import serve
 
 from shardtune.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.fsdp import autocast_dtype
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.train.core.model import build_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
 from shardtune.train.core.step import StepOptions, global_loss, train_step
@@ -31,7 +32,7 @@ def _run(folder, data, rank, world) -> dict:
         pcfg = ParallelConfig(strategy="zero3", precision=precision)
         mesh = build_mesh(pcfg, world, world, "cpu")
         model = build_model(ModelConfig(name=folder), pcfg, mesh, torch.device("cpu"), seed=0)
-        opt = build_optimizer(model, ocfg, pcfg, mesh.get_group())
+        opt = build_optimizer(model, ocfg, pcfg, dp_group(mesh))
         sched = build_scheduler(opt, ocfg, 1)
         r = train_step(model, opt, sched, [batch], StepOptions(autocast_dtype=autocast_dtype(pcfg)), dp_group=None,
                        dp_size=world)

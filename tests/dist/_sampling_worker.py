@@ -10,7 +10,7 @@ import torch
 from _rank import serve
 
 from shardtune.config import ModelConfig, ParallelConfig
-from shardtune.parallel.apply import build_mesh
+from shardtune.parallel.mesh import build_mesh
 from shardtune.train.core.model import build_model
 from shardtune.train.core.sampling import generate_ids
 

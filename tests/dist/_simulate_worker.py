@@ -12,7 +12,7 @@ import torch.distributed as dist
 from _rank import serve
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
-from shardtune.parallel.apply import build_mesh
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.memtrack import track_step
 from shardtune.train.core.model import build_model, unwrap
@@ -28,7 +28,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         pc = ParallelConfig(strategy=strategy, precision="bf16-mixed")
         mesh = build_mesh(pc, world, world, "cpu")
         model = build_model(ModelConfig(name="tiny-llama"), pc, mesh, torch.device("cpu"), seed=0)
-        opt = build_optimizer(model, OptimConfig(), pc, mesh.get_group())
+        opt = build_optimizer(model, OptimConfig(), pc, dp_group(mesh))
         sched = build_scheduler(opt, OptimConfig(), 10)
         vocab = unwrap(model).config.vocab_size
         step = make_step(model, opt, sched, StepOptions.from_config(RunConfig(parallel=pc), vocab), vocab_size=vocab,

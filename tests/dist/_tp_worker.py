@@ -13,7 +13,8 @@ import gc
 from _batches import global_batch, rank_micro_batches
 from _rank import build_case, serve
 
-from shardtune.parallel.apply import autocast_dtype, tp_mesh
+from shardtune.parallel.fsdp import autocast_dtype
+from shardtune.parallel.mesh import tp_mesh
 from shardtune.train.core.metrics import model_state_bytes
 from shardtune.train.core.step import StepOptions, global_loss, train_step
 

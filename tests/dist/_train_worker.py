@@ -19,7 +19,8 @@ from _lora_checks import LoraProbe
 from _rank import serve
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.apply import autocast_dtype, build_mesh
+from shardtune.parallel.fsdp import autocast_dtype
+from shardtune.parallel.mesh import build_mesh, dp_group, sub_mesh
 from shardtune.train.core.metrics import SavedActivations, model_state_bytes
 from shardtune.train.core.model import build_model
 from shardtune.train.core.optim import build_optimizer, build_scheduler
@@ -52,8 +53,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
 
         model.register_comm_hook(None, counting_hook)
     real_all_reduce = dist.all_reduce
-    if mesh.ndim == 2:  # hsdp: count FSDP2's gradient all-reduces on the replicate group
-        replica_group = mesh.get_group("replicate")
+    if pcfg.strategy == "hsdp":  # count FSDP2's gradient all-reduces on the replicate group
+        replica_group = sub_mesh(mesh, "hsdp")["dp_replicate"].get_group()
         out["replica_allreduces"] = 0
 
         def counting_all_reduce(tensor, *args, **kwargs):
@@ -69,8 +70,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
             out["logits"] = model(input_ids=ids).logits.float().tolist()
     ocfg = OptimConfig(lr=case.get("lr", 1e-3), warmup_steps=0, schedule="constant", grad_clip=1.0,
                        weight_decay=0.0, **case.get("optim", {}))
-    dp_group = mesh.get_group() if mesh.ndim == 1 else None
-    opt = build_optimizer(model, ocfg, pcfg, dp_group)
+    opt = build_optimizer(model, ocfg, pcfg, dp_group(mesh))
     sched = build_scheduler(opt, ocfg, case["steps"])
     out["losses"], out["grad_norms"] = [], []
     saved = SavedActivations()

@@ -1,4 +1,4 @@
-"""op activation checkpointing (torch's selective checkpoint, parallel/apply.py) on 2 gloo ranks, in
+"""op activation checkpointing (torch's selective checkpoint, parallel/ac.py) on 2 gloo ranks, in
 ONE launch of _ac_op_worker.py: the same model with no AC and with op AC in the same ranks, stepped
 on the same batches for 4 steps. Recompute is exact, so fp32 losses and grad norms agree within
 1e-6 under zero3 and ddp; bf16-mixed zero3 (FSDP2 casts the layer inputs in its hooks, which must

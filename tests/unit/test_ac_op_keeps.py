@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from shardtune.catalog.models import MODELS, resolve_model_config  # noqa: E402
-from shardtune.parallel.apply import _OP_SAVED, apply_activation_checkpointing  # noqa: E402
+from shardtune.parallel.ac import _OP_SAVED, apply_activation_checkpointing  # noqa: E402
 from shardtune.plan.activations import op_kept_layer_bytes  # noqa: E402
 from shardtune.plan.params import architecture_from_config  # noqa: E402
 from shardtune.plan.validate import PlanInputs  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardtune.config import ModelConfig
-from shardtune.parallel.apply import apply_activation_checkpointing
+from shardtune.parallel.ac import apply_activation_checkpointing
 from shardtune.train.core import offload
 from shardtune.train.core.metrics import SavedActivations
 from shardtune.train.core.model import build_hf_config, init_model_weights

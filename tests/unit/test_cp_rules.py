@@ -12,23 +12,23 @@ from shardtune.rules.cp import check_cp, kv_repeat
 
 
 @pytest.mark.parametrize("strategy, world, per_node, tp, cp, shard, mesh, dp", [
-    ("zero3", 4, 4, 1, 2, None, (1, 2, 2, 1), 2),  # dp 2 x cp 2
-    ("zero3", 2, 2, 1, 2, None, (1, 1, 2, 1), 1),
-    ("zero2", 4, 4, 2, 2, None, (1, 1, 2, 2), 1),  # tp 2 x cp 2
-    ("hsdp", 16, 8, 2, 2, None, (2, 2, 2, 2), 4),  # shard group: 8 per node / (tp x cp)
-    ("hsdp", 8, 8, 1, 2, 2, (2, 2, 2, 1), 4),
+    ("zero3", 4, 4, 1, 2, None, (1, 1, 2, 2, 1), 2),  # dp 2 x cp 2
+    ("zero3", 2, 2, 1, 2, None, (1, 1, 1, 2, 1), 1),
+    ("zero2", 4, 4, 2, 2, None, (1, 1, 1, 2, 2), 1),  # tp 2 x cp 2
+    ("hsdp", 16, 8, 2, 2, None, (1, 2, 2, 2, 2), 4),  # shard group: 8 per node / (tp x cp)
+    ("hsdp", 8, 8, 1, 2, 2, (1, 2, 2, 2, 1), 4),
 ])
 def test_layout_with_cp(strategy, world, per_node, tp, cp, shard, mesh, dp):
     lay = Layout.build(strategy, world, per_node, shard, tp=tp, cp=cp)
-    assert lay.mesh_axes == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert lay.mesh_axes == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert lay.mesh_shape == mesh and lay.dp == dp
     assert lay.replicate_degree * lay.shard_degree * lay.cp * lay.tp == world
     assert lay.fsdp_shard_degree == lay.shard_degree * cp
 
 
-def test_cp_1_keeps_the_old_layouts():
-    assert Layout.build("zero3", 4, 4).mesh_shape == (4,)
-    assert Layout.build("zero3", 4, 4, tp=2).mesh_axes == ("dp_replicate", "dp_shard", "tp")
+def test_cp_1_keeps_its_size_1_dimension():
+    assert Layout.build("zero3", 4, 4).mesh_shape == (1, 1, 4, 1, 1)
+    assert Layout.build("zero3", 4, 4, tp=2).mesh_shape == (1, 1, 2, 1, 2)
 
 
 LLAMA = {"num_attention_heads": 32, "num_key_value_heads": 8}

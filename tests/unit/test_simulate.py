@@ -350,7 +350,7 @@ def test_peak_stats_without_the_module_walk_give_the_same_bytes(strategy, monkey
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tp,sp", [(2, True), (8, True), (2, False)])
 def test_tensor_parallel_analytic_within_tolerance_of_simulated(tp, sp):
-    # The trainer's 2-D step (parallel/tp.py apply_tp, then FSDP2 over dp_shard on the 3-D mesh)
+    # The trainer's 2-D step (parallel/tp.py apply_tp, then FSDP2 over dp_shard of the one mesh)
     # traced on fake tensors at world 8, against the analytic TP plan: the tolerances.
     from shardtune.plan import plan
     from shardtune.verify.simulate import simulate_strategy

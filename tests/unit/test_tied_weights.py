@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", rank=0, world_size=1)
     from transformers import AutoModelForCausalLM, LlamaConfig
     from shardtune.config import ParallelConfig
-    from shardtune.parallel.apply import build_mesh
+    from shardtune.parallel.mesh import build_mesh
     from shardtune.parallel.build import build_parallel_model
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)

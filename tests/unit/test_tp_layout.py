@@ -18,18 +18,18 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 
 
 @pytest.mark.parametrize("strategy, world, per_node, tp, shard, mesh", [
-    ("zero3", 8, 8, 2, None, (1, 4, 2)),  # dp 4, all sharded
-    ("zero2", 4, 4, 4, None, (1, 1, 4)),
-    ("hsdp", 16, 8, 2, None, (2, 4, 2)),  # shard group: one node's 8 ranks / tp 2 = 4 dp ranks
-    ("hsdp", 8, 8, 2, 2, (2, 2, 2)),
-    ("zero3", 4, 4, 1, None, (4,)),  # tp 1: the 1-D mesh as before
+    ("zero3", 8, 8, 2, None, (1, 1, 4, 1, 2)),  # dp 4, all sharded
+    ("zero2", 4, 4, 4, None, (1, 1, 1, 1, 4)),
+    ("hsdp", 16, 8, 2, None, (1, 2, 4, 1, 2)),  # shard group: one node's 8 ranks / tp 2 = 4 dp ranks
+    ("hsdp", 8, 8, 2, 2, (1, 2, 2, 1, 2)),
+    ("zero3", 4, 4, 1, None, (1, 1, 4, 1, 1)),  # tp 1: the same 5-D mesh, tp's dimension of size 1
 ])
 def test_layout_degrees_and_mesh(strategy, world, per_node, tp, shard, mesh):
     lay = Layout.build(strategy, world, per_node, shard, tp=tp)
     assert lay.mesh_shape == mesh
     assert lay.dp == world // tp
     assert lay.replicate_degree * lay.shard_degree * lay.tp == world
-    assert lay.mesh_axes == (("dp_replicate", "dp_shard", "tp") if tp > 1 else ("dp",))
+    assert lay.mesh_axes == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     assert lay.sequence_parallel == (tp > 1)
 
 
@@ -49,7 +49,7 @@ def test_layout_refusals_are_one_line(kwargs, needle):
 
 
 def test_tp_across_nodes_when_the_user_insists():
-    assert Layout.build("zero3", 16, 8, tp=16, tp_across_nodes=True).mesh_shape == (1, 1, 16)
+    assert Layout.build("zero3", 16, 8, tp=16, tp_across_nodes=True).mesh_shape == (1, 1, 1, 1, 16)
 
 
 def test_model_checks_name_what_tp_does_not_divide():

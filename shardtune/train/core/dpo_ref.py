@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from shardtune.catalog.models import resolve_model_config, safetensors_files
-from shardtune.parallel.apply import apply_precision
 from shardtune.parallel.build import build_parallel_model
+from shardtune.parallel.fsdp import apply_precision
 from shardtune.strategies import IGNORE_INDEX, STRATEGY
 from shardtune.train.core.dpo import DPO, reference_preference, sequence_logps
 from shardtune.train.core.model import build_meta_model, init_model_weights, uses_pretrained

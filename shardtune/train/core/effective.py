@@ -29,7 +29,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def activation_checkpointing(model: nn.Module) -> tuple[str, list[int]]:
     """(AC mode as the recipe names it, the checkpointed decoder layers' indices), from parallel/'s
-    record: "full" when every layer is checkpointed, "layer" when some are (parallel/apply.py)."""
+    record: "full" when every layer is checkpointed, "layer" when some are (parallel/ac.py)."""
     rec = applied(model)
     # a pipeline stage's (parallel/pp.py): the model's indices, every stage's (collective over pp)
     ckpt, every = (whole_model_layers(model, x) for x in (rec.ac_layers, list(range(len(decoder_layers(model))))))
@@ -54,7 +54,7 @@ def _strategy(model: nn.Module, optimizer) -> str:
         return "zero1" if hasattr(optimizer, "optim") else "ddp"  # ZeroRedundancyOptimizer
     if not isinstance(model, FSDPModule):
         return "none"
-    if _mesh_dim(model, ("replicate", "dp_replicate")) is not None:  # read back: the parameters' mesh
+    if _mesh_dim(model, ("dp_replicate",)) is not None:  # read back: the parameters' mesh
         return "hsdp"
     return "zero3" if applied(model).reshard_after_forward else "zero2"
 
@@ -130,7 +130,7 @@ def effective_settings(model: nn.Module, optimizer, opts: StepOptions, world_siz
     tp, sequence_parallel = rec.tp, rec.sequence_parallel
     return {
         "strategy": strategy, "world_size": world_size,
-        "hsdp_shard_size": (_mesh_dim(model, ("shard", "dp_shard")) or _mesh_dim(model, ("dp_shard_cp",))
+        "hsdp_shard_size": (_mesh_dim(model, ("dp_shard",)) or _mesh_dim(model, ("dp_shard_cp",))
                             // rec.cp) if strategy == "hsdp" else None,  # cp: FSDP's dim is dp_shard x cp
         "tp": int(tp), "sequence_parallel": bool(sequence_parallel) if tp > 1 else None,
         "cp": rec.cp, "activation_offload": opts.activation_offload,
@@ -184,7 +184,7 @@ def _experts(hf: nn.Module) -> dict:
         (p for n, p in hf.named_parameters() if n.endswith("experts.gate_up_proj")), None)
     mesh = getattr(weight, "device_mesh", None)
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    shard = [mesh.size(i) for i, n in enumerate(names) if n not in ("replicate", "dp_replicate", "tp")]
+    shard = [mesh.size(i) for i, n in enumerate(names) if n not in ("dp_replicate", "tp")]
     return {"ep": ep, "expert_fsdp": shard[0] if shard else 1,
             "experts_implementation": hf.config._experts_implementation, "num_experts": num_experts(hf.config),
             "experts_per_token": int(hf.config.num_experts_per_tok)}

@@ -3,7 +3,7 @@
 Hu et al. 2021 (LoRA) eq. (3): h = W x + (alpha / r) · B A x, A (r, in), B (out, r). PEFT's
 `inject_adapter_in_model` replaces each target nn.Linear by a `lora.Linear` in place (no
 PeftModel wrapper): the model keeps its HF class, `_no_split_modules` and `.config`, so
-`parallel/apply.decoder_layers` still finds the decoder layers and FSDP2 shards each layer's
+`parallel/layers.decoder_layers` still finds the decoder layers and FSDP2 shards each layer's
 adapters with the layer. Parameter names become `<proj>.base_layer.weight` (the frozen W) and
 `<proj>.lora_A.default.weight` / `<proj>.lora_B.default.weight` (PEFT's names, as
 plan/params.py `lora_shapes` counts them). Every base weight is frozen (requires_grad False):

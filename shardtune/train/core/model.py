@@ -25,6 +25,7 @@ from shardtune.catalog.models import resolve_model_config, safetensors_files
 from shardtune.errors import UserError
 from shardtune.parallel.build import build_parallel_model
 from shardtune.parallel.ep import ep_rows
+from shardtune.parallel.mesh import sub_mesh
 from shardtune.strategies import STRATEGY
 from shardtune.train.core.hub_layout import hub_sources, read_rows
 from shardtune.train.core.lora import adapter_full_tensors, apply_lora, base_name, is_adapter
@@ -231,7 +232,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, mesh: Devi
     if lora:
         apply_lora(model, lora_cfg)
         if lora_cfg.quantize_base == "nf4":  # QLoRA: shard size S of train/core/qlora.py's rule
-            shard = mesh.size(mesh.ndim - 1) if STRATEGY[parallel_cfg.strategy].fsdp else 1
+            shard = sub_mesh(mesh, "fsdp").size() if STRATEGY[parallel_cfg.strategy].fsdp else 1
             if STRATEGY[parallel_cfg.strategy].fsdp and shard == 1:  # FSDP2 skips NF4's all-gather hooks
                 raise UserError(f"lora.quantize_base nf4 under {parallel_cfg.strategy} needs 2 or more ranks "
                                 "per shard group (FSDP2 on one rank fails in torchao's NF4 post-all-gather); "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardtune.parallel.apply import sub_mesh
+from shardtune.parallel.mesh import sub_mesh
 from shardtune.parallel.pp import build_pipeline, pipeline_of
 from shardtune.parallel.tp import loss_context
 from shardtune.train.core.chunked_loss import lm_token_loss_sum

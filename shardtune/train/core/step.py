@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from shardtune.parallel.apply import autocast_dtype
 from shardtune.parallel.ep import ep_clip_grad_norm_
+from shardtune.parallel.fsdp import autocast_dtype
 from shardtune.parallel.pp import pp_clip_grad_norm_
 from shardtune.parallel.tp import loss_context
 from shardtune.rules.loss import resolve_loss_chunks
@@ -48,7 +48,7 @@ class StepOptions:
     in `from_config`."""
     loss_chunks: int | None = None  # train.loss_chunks; from_config resolves it (None: the vocabulary's
     # default, rules/loss.py, resolved at the loss)
-    autocast_dtype: torch.dtype | None = None  # parallel.precision under ddp/zero1 (parallel/apply.py)
+    autocast_dtype: torch.dtype | None = None  # parallel.precision under ddp/zero1 (parallel/fsdp.py)
     grad_clip: float = 1.0  # optim.grad_clip (0: no clipping)
     skip_non_finite: bool = True  # a non-finite loss or grad norm skips the update (the simulator: off)
     objective: str = "sft"  # train.objective; dpo, simpo: train/core/dpo.py's step and evaluation

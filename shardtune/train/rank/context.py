@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shardtune.parallel.apply import cp_mesh, dp_group, dp_rank_size, sub_mesh, tp_mesh
+from shardtune.parallel.mesh import cp_mesh, dp_group, dp_rank_size, sub_mesh, tp_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from shardtune.config import RunConfig, dump_config
 from shardtune.devices import resolve_backend
 from shardtune.errors import UserError
-from shardtune.parallel.apply import build_mesh
+from shardtune.parallel.mesh import build_mesh
 from shardtune.processes import free_port
 from shardtune.strategies import resolve_optimizer_impl
 from shardtune.train.durable.diskfull import check_room, on_full_disk, write_atomic
