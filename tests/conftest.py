@@ -24,21 +24,57 @@ from _cli import (
     train_simulate_report,
 )
 
+# The longest units of `make test` (seconds of wall on one of 2 workers, CI at 8980058 and one file
+# alone on the shared 2-core machine), started first in this order; every other file after them,
+# most tests first (xdist's order). xdist's own order (most tests first) put these, which have 1-17
+# tests each, behind the cheap unit files with more tests, so a ~100 s file could start last on one
+# worker while the other sat idle. Only an order: a stale or missing entry costs time, not a result.
+LONGEST_FIRST = (
+    "tests/dist",  # the tier: its 2-rank and 4-rank shared launches, then its own launches
+    "tests/e2e/test_moe_cli.py",
+    "tests/e2e/test_moe_lora.py",
+    "tests/e2e/test_effective.py",
+    "tests/e2e/test_grpo_cli.py",
+    "tests/e2e/test_pp.py",
+    "tests/e2e/test_moe_roundtrip.py",
+    "tests/e2e/test_dpo_cli.py",
+    "tests/e2e/test_tp_cli.py",
+    "tests/e2e/test_dpo_tp_cp.py",
+    "tests/e2e/test_tied_export.py",
+    "tests/e2e/test_cp_cli.py",
+    "tests/e2e/test_gpu_script.py",
+    "tests/e2e/test_disk_full.py",
+    "tests/e2e/test_sample_prompts.py",
+    "tests/e2e/test_two_hosts.py",
+)
+
 
 def pytest_xdist_make_scheduler(config, log):
     """`make test`'s `--dist loadfile`, with the whole dist tier as ONE unit: a file's tests on one
     worker (its module fixtures run once) and every tests/dist file on the same worker, so that while
     the tier's shared launches run (tests/dist/conftest.py) the other worker goes on with its own
     files instead of waiting on their lock. (xdist's loadgroup cannot say this under pytest 9: it
-    renames node ids through an attribute pytest 9 no longer reads.)"""
+    renames node ids through an attribute pytest 9 no longer reads.) Units start in LONGEST_FIRST's
+    order, the rest after them (longest processing time first: the cheap files even out the end)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    from collections import OrderedDict  # noqa: PLC0415 only under pytest-xdist
+
     from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 only under pytest-xdist
+
+    rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
 
     class FilesAndTheDistTier(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return "tests/dist" if path.startswith("tests/dist/") else path
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_longest_first", False):  # the queue is whole before the first unit goes
+                self._longest_first = True
+                order = sorted(self.workqueue, key=lambda scope: rank.get(scope, len(rank)))  # stable
+                self.workqueue = OrderedDict((scope, self.workqueue[scope]) for scope in order)
+            super()._assign_work_unit(node)
 
     return FilesAndTheDistTier(config, log)
 
