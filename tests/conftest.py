@@ -24,16 +24,17 @@ from _cli import (
     train_simulate_report,
 )
 
-# The longest units of `make test` (seconds of wall on one of 2 workers, CI at 8980058 and one file
-# alone on the shared 2-core machine), started first in this order; every other file after them,
-# most tests first (xdist's order). xdist's own order (most tests first) put these, which have 1-17
-# tests each, behind the cheap unit files with more tests, so a ~100 s file could start last on one
-# worker while the other sat idle. Only an order: a stale or missing entry costs time, not a result.
+# The longest units of `make test` (by their wall time in 2-worker runs of the suite: --durations of
+# CI at 8980058 and the tmp folders' times of a full run; and by CPU-s of each file alone), started
+# first in this order; every other file after them, most tests first (xdist's order). xdist's own
+# order put these, which have 1-17 tests each, behind the cheap unit files with more tests, so a
+# ~100 s file could start last on one worker while the other sat idle. Only an order: a stale or
+# missing entry costs time, not a result.
 LONGEST_FIRST = (
     "tests/dist",  # the tier: its 2-rank and 4-rank shared launches, then its own launches
-    "tests/e2e/test_moe_cli.py",
-    "tests/e2e/test_moe_lora.py",
-    "tests/e2e/test_effective.py",
+    "tests/e2e/test_effective.py",  # ~750 s in a 2-worker run (compile and 8-bit AdamW launches)
+    "tests/e2e/test_moe_cli.py",  # 11 launches
+    "tests/e2e/test_moe_lora.py",  # 11 launches
     "tests/e2e/test_grpo_cli.py",
     "tests/e2e/test_pp.py",
     "tests/e2e/test_moe_roundtrip.py",
