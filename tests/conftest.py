@@ -47,16 +47,19 @@ LONGEST_FIRST = (
     "tests/e2e/test_disk_full.py",
     "tests/e2e/test_sample_prompts.py",
     "tests/e2e/test_two_hosts.py",
+    "tests/dist/test_prune.py",  # two 2-rank launches of its own, no shared launch
 )
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s `--dist loadfile`, with the whole dist tier as ONE unit: a file's tests on one
-    worker (its module fixtures run once) and every tests/dist file on the same worker, so that while
-    the tier's shared launches run (tests/dist/conftest.py) the other worker goes on with its own
-    files instead of waiting on their lock. (xdist's loadgroup cannot say this under pytest 9: it
-    renames node ids through an attribute pytest 9 no longer reads.) Units start in LONGEST_FIRST's
-    order, the rest after them (longest processing time first: the cheap files even out the end)."""
+    """`make test`'s `--dist loadfile`, with the whole dist tier as ONE unit: a file's tests on one worker
+    (its module fixtures run once) and every tests/dist file that declares shared launches
+    (DIST_LAUNCHES) on the same worker, so that while the tier's shared launches run
+    (tests/dist/conftest.py) the other worker goes on with its own files instead of waiting on their
+    lock (tests/dist/test_prune.py, its own launches only, goes to either worker). (xdist's
+    loadgroup cannot say this under pytest 9: it renames node ids through an attribute pytest 9 no
+    longer reads.) Units start in LONGEST_FIRST's order, the rest after them (longest processing
+    time first: the cheap files even out the end)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from collections import OrderedDict  # noqa: PLC0415 only under pytest-xdist
@@ -65,10 +68,14 @@ def pytest_xdist_make_scheduler(config, log):
 
     rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
 
+    @functools.cache
+    def shares_a_launch(path: str) -> bool:  # a tests/dist file without DIST_LAUNCHES is a file like any other
+        return "DIST_LAUNCHES" in (Path(config.rootpath) / path).read_text()
+
     class FilesAndTheDistTier(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/dist" if path.startswith("tests/dist/") else path
+            return "tests/dist" if path.startswith("tests/dist/") and shares_a_launch(path) else path
 
         def _assign_work_unit(self, node) -> None:
             if not getattr(self, "_longest_first", False):  # the queue is whole before the first unit goes
