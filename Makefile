@@ -42,8 +42,8 @@ demo-real: $(STAMP)
 
 # Lint first (ruff, pyproject.toml), then every tier of tests; either failing fails `make test`. The
 # tests run on WORKERS pytest-xdist processes, a file's tests on one worker (its module fixtures run
-# once; shared runs are built once for all workers, tests/_cli.py `once`) and the dist tier on one
-# (tests/conftest.py), then the `serial` ones
+# once; shared runs are built once for all workers, tests/_cli.py `once`) and the dist tier's shared
+# launches on one, the longest units first (tests/conftest.py LONGEST_FIRST), then the `serial` ones
 # (the tc-capped link's timing) alone. WORKERS=0: one process, in order. compileall first: where
 # PYTHONDONTWRITEBYTECODE is set (CI), each of the suite's ~500 Python processes would otherwise
 # compile shardtune's sources again.

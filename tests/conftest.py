@@ -24,21 +24,65 @@ from _cli import (
     train_simulate_report,
 )
 
+# The longest units of `make test` (by their wall time in 2-worker runs of the suite: --durations of
+# CI at 8980058 and the tmp folders' times of a full run; and by CPU-s of each file alone), started
+# first in this order; every other file after them, most tests first (xdist's order). xdist's own
+# order put these, which have 1-17 tests each, behind the cheap unit files with more tests, so a
+# ~100 s file could start last on one worker while the other sat idle. Only an order: a stale or
+# missing entry costs time, not a result.
+LONGEST_FIRST = (
+    "tests/dist",  # the tier: its 2-rank and 4-rank shared launches, then its own launches
+    "tests/e2e/test_effective.py",  # ~750 s in a 2-worker run (compile and 8-bit AdamW launches)
+    "tests/e2e/test_moe_cli.py",  # 11 launches
+    "tests/e2e/test_moe_lora.py",  # 11 launches
+    "tests/e2e/test_grpo_cli.py",
+    "tests/e2e/test_pp.py",
+    "tests/e2e/test_moe_roundtrip.py",
+    "tests/e2e/test_dpo_cli.py",
+    "tests/e2e/test_tp_cli.py",
+    "tests/e2e/test_dpo_tp_cp.py",
+    "tests/e2e/test_tied_export.py",
+    "tests/e2e/test_cp_cli.py",
+    "tests/e2e/test_gpu_script.py",
+    "tests/e2e/test_disk_full.py",
+    "tests/e2e/test_sample_prompts.py",
+    "tests/e2e/test_two_hosts.py",
+    "tests/dist/test_prune.py",  # two 2-rank launches of its own, no shared launch
+)
+
 
 def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s `--dist loadfile`, with the whole dist tier as ONE unit: a file's tests on one
-    worker (its module fixtures run once) and every tests/dist file on the same worker, so that while
-    the tier's shared launches run (tests/dist/conftest.py) the other worker goes on with its own
-    files instead of waiting on their lock. (xdist's loadgroup cannot say this under pytest 9: it
-    renames node ids through an attribute pytest 9 no longer reads.)"""
+    """`make test`'s `--dist loadfile`, with the whole dist tier as ONE unit: a file's tests on one worker
+    (its module fixtures run once) and every tests/dist file that declares shared launches
+    (DIST_LAUNCHES) on the same worker, so that while the tier's shared launches run
+    (tests/dist/conftest.py) the other worker goes on with its own files instead of waiting on their
+    lock (tests/dist/test_prune.py, its own launches only, goes to either worker). (xdist's
+    loadgroup cannot say this under pytest 9: it renames node ids through an attribute pytest 9 no
+    longer reads.) Units start in LONGEST_FIRST's order, the rest after them (longest processing
+    time first: the cheap files even out the end)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    from collections import OrderedDict  # noqa: PLC0415 only under pytest-xdist
+
     from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 only under pytest-xdist
+
+    rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
+
+    @functools.cache
+    def shares_a_launch(path: str) -> bool:  # a tests/dist file without DIST_LAUNCHES is a file like any other
+        return "DIST_LAUNCHES" in (Path(config.rootpath) / path).read_text()
 
     class FilesAndTheDistTier(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/dist" if path.startswith("tests/dist/") else path
+            return "tests/dist" if path.startswith("tests/dist/") and shares_a_launch(path) else path
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_longest_first", False):  # the queue is whole before the first unit goes
+                self._longest_first = True
+                order = sorted(self.workqueue, key=lambda scope: rank.get(scope, len(rank)))  # stable
+                self.workqueue = OrderedDict((scope, self.workqueue[scope]) for scope in order)
+            super()._assign_work_unit(node)
 
     return FilesAndTheDistTier(config, log)
 

@@ -1,9 +1,12 @@
 """LoRA and DPO on the tiny Mixtral (recipes/tiny-moe-cpu.yaml, 4 experts, top-2, fp32) as a user runs
 them, each 2-process run against one process with the same 8-row global batch over 4 steps:
-- LoRA on q/v and on the experts' 3-D weights (`lora.target_parameters`, PEFT's ParamWrapper) under
-  zero3: loss, aux_loss, grad_norm and expert_load_cv within 1e-5; the merged export
-  (`checkpoint.export_hf`) loads in transformers with 0 missing / unexpected keys, and PEFT's own
-  `PeftModel.from_pretrained(base, adapter-only export)` gives its logits;
+- LoRA on the attention (q, k, v, o: the default targets) and on the experts' 3-D weights
+  (`lora.target_parameters`, PEFT's ParamWrapper) under zero3: loss, aux_loss, grad_norm and
+  expert_load_cv within 1e-5; the merged export (`checkpoint.export_hf`) loads in transformers with
+  0 missing / unexpected keys, and PEFT's own `PeftModel.from_pretrained(base, adapter-only export)`
+  gives its logits; each rank's parameter, gradient and optimizer bytes (memory.json, the trainer's
+  storage count) equal the plan the run wrote (plan.json: plan/params.py `expert_lora_shapes`), to
+  the byte;
 - LoRA on q/v under expert parallelism (`--ep 2`): the same metrics as one process without ep, and
   its merged export gives one process's export's logits;
 - `train.objective: dpo` (tiny date pairs): 2 processes and `--ep 2` give one process's loss, reward
@@ -25,13 +28,15 @@ from _cli import REPO, metrics, once, shardtune_cli, shared_root
 pytestmark = [pytest.mark.e2e]
 RECIPE = REPO / "recipes" / "tiny-moe-cpu.yaml"
 EXPERTS = "lora.target_parameters=[experts.gate_up_proj,experts.down_proj]"
-LORA = ["lora.rank=8", "lora.target_modules=[q_proj,v_proj]", "checkpoint.save_final=true",
-        "checkpoint.export_hf=true"]
+SAVED = ["checkpoint.save_final=true", "checkpoint.export_hf=true"]
+LORA = ["lora.rank=8", "lora.target_modules=[q_proj,v_proj]", *SAVED]
+# the experts' adapters with the default attention targets (q, k, v, o)
+LORA_EXPERTS = ["lora.rank=8", *SAVED, EXPERTS]
 MODELS = ("qwen3-moe", "gpt-oss")  # catalogue entries tiny-qwen3-moe, tiny-gpt-oss
 DPO = ["train.objective=dpo", "data.path={tmp}/pairs.jsonl", "data.packing=false", "train.seq_len=128"]
 RUNS = {
-    "lora1": ["--nproc", "1", "train.micro_batch=8", *LORA, EXPERTS],
-    "lora2": ["--nproc", "2", *LORA, EXPERTS],
+    "lora1": ["--nproc", "1", "train.micro_batch=8", *LORA_EXPERTS],
+    "lora2": ["--nproc", "2", *LORA_EXPERTS],
     "attn1": ["--nproc", "1", "train.micro_batch=8", *LORA],
     "attn_ep2": ["--nproc", "2", "--ep", "2", *LORA],
     "dpo1": ["--nproc", "1", "train.micro_batch=4", *DPO],
@@ -80,11 +85,29 @@ def test_lora_on_two_processes_gives_one_process_metrics(runs, one, two):
     assert metrics(runs[one])[-1]["loss"] < metrics(runs[one])[0]["loss"] - 0.1  # the adapters learn
 
 
+@pytest.mark.timeout(1500)
+def test_expert_lora_states_per_rank_equal_the_planners(runs):
+    """The zero3 run with the experts' adapters: the planner's trainable count and per-rank states
+    against the trainer's. Before the planner counted the expert adapters, the gradients were planned
+    at 0.11 MiB against 0.37 MiB measured."""
+    plan = json.loads((runs["lora2"] / "plan.json").read_text())
+    # per layer, rank 8: q, o (128 -> 128) 8 x 256 = 2,048 each, k, v (128 -> 64) 8 x 192 = 1,536 each;
+    # the experts' (gate_up 12,288 + down 8,192); tiny-mixtral's 4 layers
+    assert plan["model"]["trainable_params"] == 4 * (2 * 2048 + 2 * 1536 + 12288 + 8192)
+    planned = plan["strategies"][0]["memory"]
+    ranks = json.loads((runs["lora2"] / "memory.json").read_text())["per_rank"]
+    assert len(ranks) == 2
+    for rank in ranks:
+        for key in ("params", "grads", "optimizer"):
+            assert rank[f"{key}_bytes"] == planned[key], (key, rank[f"{key}_bytes"], planned[key])
+
+
 def test_the_ranks_say_which_modules_and_parameters_they_adapted(runs):
     """memory.json `effective` read back from PEFT's layers (train/core/effective.py), against the recipe."""
-    for run, params in (("lora2", ["experts.down_proj", "experts.gate_up_proj"]), ("attn1", [])):
+    for run, modules, params in (("lora2", ["k_proj", "o_proj", "q_proj", "v_proj"],
+                                  ["experts.down_proj", "experts.gate_up_proj"]), ("attn1", ["q_proj", "v_proj"], [])):
         eff = json.loads((runs[run] / "memory.json").read_text())["effective"]
-        assert (eff["lora_target_modules"], eff["lora_target_parameters"]) == (["q_proj", "v_proj"], params), run
+        assert (sorted(eff["lora_target_modules"]), eff["lora_target_parameters"]) == (modules, params), run
 
 
 def _logits(model, ids):

@@ -2,21 +2,22 @@
 
 Source folders: tiny-mixtral and a tiny Qwen3-MoE as transformers' own `save_pretrained` writes them
 (random, fp32, the Hub's per-expert names: train/core/hub_layout.py fuses them at load and the
-export splits them back), and the upcycled SmolLM2 MoE (shardtune/testing/upcycle.py: 30 layers x 4
-experts, bf16, tied embeddings, the fused `experts.gate_up_proj` / `down_proj` names that
-transformers' classes hold). Each trains one step on 2 processes (zero3, and `--ep 2`; Qwen3-MoE
-`--ep 2` only), then `shardtune export` writes its final checkpoint. The CLI has no zero-step run
-(train.max_steps >= 1, optim.lr > 0): the step runs with optim.lr=1e-46, so AdamW's update
-(lr x m/(sqrt(v) + eps), at most lr on the first step) is below half of fp32's smallest subnormal
-(1.4e-45) and rounds to zero, weight decay 0 (pure bf16 updates in fp32 too). What comes back is
-then the loader, the sharding (experts split by ep and FSDP), DCP's save and the export: every
-tensor's name, dtype, shape and bytes equal the source's, in the source's own layout, and the
-config reads back the same. The zero3 runs' memory.json also measures the planner's MoE
-activations (plan.json, within 10 %).
+export splits them back), and the upcycled SmolLM2 MoE (shardtune/testing/upcycle.py: its first 2
+layers x 4 experts, bf16, tied embeddings, the fused `experts.gate_up_proj` / `down_proj` names that
+transformers' classes hold; all 30 layers with UPCYCLED_LAYERS=0: bench/moe_roundtrip.py). Each
+trains one step on 2 processes (zero3, and `--ep 2`; Qwen3-MoE `--ep 2` only), then `shardtune
+export` writes its final checkpoint. The CLI has no zero-step run (train.max_steps >= 1, optim.lr >
+0): the step runs with optim.lr=1e-46, so AdamW's update (lr x m/(sqrt(v) + eps), at most lr on the
+first step) is below half of fp32's smallest subnormal (1.4e-45) and rounds to zero, weight decay 0
+(pure bf16 updates in fp32 too). What comes back is then the loader, the sharding (experts split by
+ep and FSDP), DCP's save and the export: every tensor's name, dtype, shape and bytes equal the
+source's, in the source's own layout, and the config reads back the same. The zero3 runs'
+memory.json also measures the planner's MoE activations (plan.json, within 10 %).
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ LAYOUTS = {"zero3": ["--nproc", "2"], "ep2": ["--nproc", "2", "--ep", "2"]}
 # layouts against from_pretrained is tests/unit/test_hub_layout.py's)
 RUNS = [("tiny-mixtral", "zero3"), ("tiny-mixtral", "ep2"), ("tiny-qwen3-moe", "ep2"),
         ("upcycled", "zero3"), ("upcycled", "ep2")]
+# the upcycled source's decoder layers (shardtune/testing/upcycle.py `upcycled_folder`; 0: all 30, the
+# real model's round trip, ~3 minutes: bench/moe_roundtrip.py runs this file so)
+UPCYCLED_LAYERS = int(os.environ.get("UPCYCLED_LAYERS", "2"))
 
 
 def _hub_folder(folder: Path, model_type: str) -> Path:
@@ -63,7 +67,8 @@ def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict
 
     tmp: Path = tmp_path_factory.mktemp("moe_roundtrip")
     sources = {"tiny-mixtral": _hub_folder(tmp / "tiny-mixtral", "mixtral"),
-               "tiny-qwen3-moe": _hub_folder(tmp / "tiny-qwen3-moe", "qwen3_moe"), "upcycled": upcycled_folder()}
+               "tiny-qwen3-moe": _hub_folder(tmp / "tiny-qwen3-moe", "qwen3_moe"),
+               "upcycled": upcycled_folder(UPCYCLED_LAYERS)}
     out = {}
     for name, layout in RUNS:
         source, run, export = sources[name], tmp / f"{name}-{layout}", tmp / f"{name}-{layout}-hf"
@@ -93,7 +98,9 @@ def test_train_then_export_gives_the_source_tensors_bit_for_bit(trips, name, lay
     want, got = _tensors(source), _tensors(export)
     assert sorted(got) == sorted(want)
     experts = [k for k in want if ".experts." in k]  # the source's own layout, per expert or fused
-    assert len(experts) == (2 * 30 if name == "upcycled" else 3 * 4 * 4), sorted(want)[:8]
+    layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    assert name != "upcycled" or layers == (UPCYCLED_LAYERS or 30)  # SmolLM2-135M: 30 decoder layers
+    assert len(experts) == (2 * layers if name == "upcycled" else 3 * 4 * 4), sorted(want)[:8]
     for key, w in want.items():
         g = got[key]
         assert (g.dtype, g.shape) == (w.dtype, w.shape), key
