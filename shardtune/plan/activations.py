@@ -96,15 +96,16 @@ def _tp_layer_bytes(arch: Architecture, tokens: int, e: int, mask_seq_len: int, 
 
 
 def cp_layer_bytes(arch: Architecture, tokens: int, e: int = 2, autocast: bool = False, tp: int = 1,
-                   sp: bool = False) -> int:
+                   sp: bool = False, seq_len: int = 0) -> int:
     """One decoder layer's saved bytes on a context-parallel rank over its `tokens` = b·s/cp
     (parallel/cp.py, DeepSpeed-Ulysses): no [s, s] mask (causal SDPA per document); SDPA saves
     q and K, V repeated to every query head over the whole row for H/cp heads (e·4·h_q per local
     token, as the masked path) and its log-sum-exp; o_proj saves the output brought back by the
     all-to-all, another tensor (e·h_q): the unmasked layer + e·(3h_q − 2h_kv) a token, per TP
-    rank (docs/long-context.md; unmeasured until the trainer's memory.json)."""
+    rank (docs/long-context.md; unmeasured until the trainer's memory.json). Eager attention
+    (GPT-OSS, which the trainer refuses under cp): H/cp heads' scores over the whole row `seq_len`."""
     h_q, h_kv = arch.num_heads * arch.head_dim // tp, arch.num_kv_heads * arch.head_dim // tp
-    return (layer_activation_bytes(arch, tokens, e, 0, autocast, tp, sp)
+    return (layer_activation_bytes(arch, tokens, e, 0, autocast, tp, sp, seq_len)
             + tokens * e * (3 * h_q - 2 * h_kv))
 
 
@@ -151,7 +152,7 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     and `head_in_flight` of the head's (0: not the last stage)."""
     tokens = micro_batch * seq_len // cp
     if cp > 1:
-        layer = cp_layer_bytes(arch, tokens, elem_bytes, autocast, tp, sp)
+        layer = cp_layer_bytes(arch, tokens, elem_bytes, autocast, tp, sp, seq_len)
     else:
         layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast, tp, sp,
                                        seq_len)

@@ -83,3 +83,35 @@ def test_the_planned_gpt_oss_activations_are_what_the_trainer_measured(tmp_path)
     measured = json.loads((run / "memory.json").read_text())["per_rank"][0]["tracked"]["activations"]
     planned = json.loads((run / "plan.json").read_text())["strategies"][0]["memory"]["activations"]
     assert planned == pytest.approx(measured, rel=0.01), (planned, measured)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy,ac", [("zero3", "none"), ("zero3", "full"), ("ddp", "none")])
+def test_gpt_oss_analytic_within_tolerance_of_simulated(strategy, ac):
+    # gpt-oss-20b's real widths (64 heads, 2880 wide, 32 experts top-4, vocabulary 201,088) cut to
+    # one sliding and one full layer at seq 1024 on N = 8, bf16-mixed: the trainer's step traced on
+    # fake tensors (plan --simulate; eager attention as the trainer builds it) against the analytic
+    # plan's activations, at the dense models' 10 % (tests/_tolerance.py). ddp: autocast. Measured:
+    # +0.03 % (zero3), -7.3 % (zero3, AC full), -0.5 % (ddp); before plan/oss.py -40 %, -47 %, -53 %.
+    # The total is not held here: zero3's plans 12 % over the trace at these two layers, from the
+    # buffers (the vocabulary-sized gathers), not the activations.
+    from shardtune.catalog.models import MODELS
+    from shardtune.plan import plan
+    from shardtune.verify.simulate import simulate_strategy
+
+    cfg = {**MODELS["gpt-oss-20b"]["config"], "num_hidden_layers": 2,
+           "layer_types": ["sliding_attention", "full_attention"]}
+    sim = simulate_strategy(cfg, strategy, 8, seq_len=1024, ac=ac)
+    mem = plan(cfg, gpus=8, seq_len=1024, ac=ac, strategies=[strategy]).strategy(strategy).memory
+    assert mem.activations == pytest.approx(sim["activations"], rel=0.10), (mem.activations, sim["activations"])
+
+
+def test_plan_refuses_gpt_oss_under_cp_as_the_trainer_does(capsys):
+    # the trainer's rule (rules/ep.py check_ep_model): no cp path for the sinks; the planner neither
+    # plans it nor proposes it in a verdict (its cp rows priced the eager scores over the whole row)
+    from shardtune.cli import main
+
+    assert main(["plan", "gpt-oss-20b", "--gpus", "8", "--cp", "2"]) == 2
+    assert "GPT-OSS is not built" in capsys.readouterr().err
+    assert main(["plan", "gpt-oss-20b", "--gpus", "8"]) == 0
+    assert "--cp" not in capsys.readouterr().out
