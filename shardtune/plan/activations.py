@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from math import ceil
 
+from shardtune.plan import oss
 from shardtune.plan.moe import routed_mlp_bytes, routed_recompute_bytes
 from shardtune.plan.params import Architecture
 from shardtune.strategies import checkpointed_layers
@@ -33,12 +34,15 @@ def korthikanti_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: 
 
 
 def layer_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, mask_seq_len: int = 0,
-                           autocast: bool = False, tp: int = 1, sp: bool = False) -> int:
+                           autocast: bool = False, tp: int = 1, sp: bool = False, seq_len: int = 0) -> int:
     """Bytes one decoder layer saves for backward over `tokens` = b·s tokens (module doc), on
     one of `tp` tensor-parallel ranks: heads and the MLP width split by tp; with `sp` the norms'
     tensors split along the sequence too; the inputs of q/k/v and of gate/up are whole on
     every rank (torch's DTensor saves the all-gathered input of a column-parallel matmul, where
-    Megatron keeps its shard and gathers again in backward); the mask is whole (docs/planner.md)."""
+    Megatron keeps its shard and gathers again in backward); the mask is whole (docs/planner.md).
+    GPT-OSS (eager attention, plan/oss.py) saves its s × s scores: `seq_len` (or `mask_seq_len`) = s."""
+    if tp == 1 and oss.eager_attention(arch):
+        return oss.layer_bytes(arch, tokens, seq_len or mask_seq_len, elem_bytes, autocast)
     if tp > 1:
         return _tp_layer_bytes(arch, tokens, elem_bytes, mask_seq_len, tp, sp)
     e, h, I = elem_bytes, arch.hidden_size, arch.intermediate_size
@@ -68,10 +72,11 @@ def head_activation_bytes(arch: Architecture, tokens: int, elem_bytes: int = 2, 
     norm's tensors are split along the sequence, the head's gathered input is whole."""
     e, h, V = elem_bytes, arch.hidden_size, arch.vocab_size // tp
     logits = (e + 4 + 4) * V if e != 4 else 8 * V
+    normed = 4 if autocast or oss.eager_attention(arch) else e  # GptOssRMSNorm saves fp32 (plan/oss.py)
     if tp > 1:  # loss_parallel's log-softmax keeps one more fp32 [T, V/tp] (calibrated: --simulate)
         logits += 4 * V
-    normed = tokens // tp if sp else tokens
-    norm_and_input = normed * ((4 + (4 if autocast else e)) * h + 4) + tokens * e * h
+    norm_tokens = tokens // tp if sp else tokens
+    norm_and_input = norm_tokens * ((4 + normed) * h + 4) + tokens * e * h
     if loss_chunks > 1:
         chunk_row = (e + 4) * V if e != 4 else 4 * V
         return norm_and_input + 4 * tokens + ceil(tokens / loss_chunks) * chunk_row
@@ -91,15 +96,16 @@ def _tp_layer_bytes(arch: Architecture, tokens: int, e: int, mask_seq_len: int, 
 
 
 def cp_layer_bytes(arch: Architecture, tokens: int, e: int = 2, autocast: bool = False, tp: int = 1,
-                   sp: bool = False) -> int:
+                   sp: bool = False, seq_len: int = 0) -> int:
     """One decoder layer's saved bytes on a context-parallel rank over its `tokens` = b·s/cp
     (parallel/cp.py, DeepSpeed-Ulysses): no [s, s] mask (causal SDPA per document); SDPA saves
     q and K, V repeated to every query head over the whole row for H/cp heads (e·4·h_q per local
     token, as the masked path) and its log-sum-exp; o_proj saves the output brought back by the
     all-to-all, another tensor (e·h_q): the unmasked layer + e·(3h_q − 2h_kv) a token, per TP
-    rank (docs/long-context.md; unmeasured until the trainer's memory.json)."""
+    rank (docs/long-context.md; unmeasured until the trainer's memory.json). Eager attention
+    (GPT-OSS, which the trainer refuses under cp): H/cp heads' scores over the whole row `seq_len`."""
     h_q, h_kv = arch.num_heads * arch.head_dim // tp, arch.num_kv_heads * arch.head_dim // tp
-    return (layer_activation_bytes(arch, tokens, e, 0, autocast, tp, sp)
+    return (layer_activation_bytes(arch, tokens, e, 0, autocast, tp, sp, seq_len)
             + tokens * e * (3 * h_q - 2 * h_kv))
 
 
@@ -146,9 +152,10 @@ def activation_split(arch: Architecture, micro_batch: int, seq_len: int, elem_by
     and `head_in_flight` of the head's (0: not the last stage)."""
     tokens = micro_batch * seq_len // cp
     if cp > 1:
-        layer = cp_layer_bytes(arch, tokens, elem_bytes, autocast, tp, sp)
+        layer = cp_layer_bytes(arch, tokens, elem_bytes, autocast, tp, sp, seq_len)
     else:
-        layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast, tp, sp)
+        layer = layer_activation_bytes(arch, tokens, elem_bytes, seq_len if calibrated else 0, autocast, tp, sp,
+                                       seq_len)
     stream = 4 if autocast else elem_bytes  # the residual stream's (and RoPE cos/sin's) bytes
     kept_input = stream * (tokens // tp if sp else tokens) * arch.hidden_size
     L = arch.num_layers

@@ -19,6 +19,7 @@ from shardtune.catalog.interconnects import get_interconnect
 from shardtune.errors import UserError
 from shardtune.plan.params import Architecture
 from shardtune.rules.cp import check_cp, kv_repeat
+from shardtune.rules.ep import check_ep_model
 
 # the host link (PCIe x16) of each catalogue GPU; SXM H100 / H200 and MI300X: Gen5, the others Gen4
 HOST_LINKS = {"h100-80gb": "pcie-gen5", "h200-141gb": "pcie-gen5", "mi300x-192gb": "pcie-gen5"}
@@ -43,6 +44,7 @@ def check_cp_arch(arch: Architecture | None, config: dict | None, cp: int, tp: i
         raise UserError(f"--cp {cp} needs a model architecture (the heads it splits); give a MODEL, not --params")
     if cp > 1:
         check_cp(cp, tp=tp, hf=config)
+        check_ep_model(1, config or {}, cp=cp)  # GPT-OSS: no cp path for its sinks (the trainer's rule)
 
 
 def kv_width(arch: Architecture, cp: int, tp: int) -> int:
