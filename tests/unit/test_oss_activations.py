@@ -97,11 +97,12 @@ def test_gpt_oss_analytic_within_tolerance_of_simulated(strategy, ac):
     # buffers (the vocabulary-sized gathers), not the activations.
     from shardtune.catalog.models import MODELS
     from shardtune.plan import plan
+    from shardtune.plan.validate import PlanInputs
     from shardtune.verify.simulate import simulate_strategy
 
     cfg = {**MODELS["gpt-oss-20b"]["config"], "num_hidden_layers": 2,
            "layer_types": ["sliding_attention", "full_attention"]}
-    sim = simulate_strategy(cfg, strategy, 8, seq_len=1024, ac=ac)
+    sim = simulate_strategy(PlanInputs(cfg, 8, seq_len=1024, ac=ac), strategy)
     mem = plan(cfg, gpus=8, seq_len=1024, ac=ac, strategies=[strategy]).strategy(strategy).memory
     assert mem.activations == pytest.approx(sim["activations"], rel=0.10), (mem.activations, sim["activations"])
 
