@@ -1,6 +1,6 @@
 """The one table of recipe key ↔ planner input (plan.validate.PlanInputs field). Read by
 `RunConfig.plan_inputs` (what `shardtune plan RECIPE` and a run's plan.json plan), by `plan --fit`'s
-pasteable train line (plan/fit_commands.py) and by tests/unit/test_key_table.py, which checks that
+pasteable train line (plan/fit_line.py) and by tests/unit/test_key_table.py, which checks that
 every field and key named here exists, that every PlanInputs field is either here or planner-only,
 and that `shardtune plan` has an option for each. The trainer's flags (config/flags.py) name their
 recipe key, so a flag's planner input is found through this table.

@@ -1,6 +1,6 @@
 """`shardtune recipes cp NAME DEST`: a shipped recipe copied to edit, its relative paths rewritten so they
 still name the same files. It reads the recipe through shardtune.config (its paths), so it sits above
-config in the layer table, apart from recipes/__init__.py (layer 1). Imports no torch."""
+config in the layer table, apart from shardtune/recipes/__init__.py (layer 1). Imports no torch."""
 from __future__ import annotations
 
 import os
