@@ -185,7 +185,11 @@ def test_a_tied_model_under_tp_trains_and_exports_what_one_process_does(tmp_path
             measured = max(r["tracked"]["total"] for r in json.loads((out / "memory.json").read_text())["per_rank"])
             planned = json.loads((out / "plan.json").read_text())["strategies"][0]["memory"]["total"]
             assert 0.97 <= measured / planned <= 1.03, (measured, planned)
-    assert len(losses["tp"]) == 3 and losses["tp"] == pytest.approx(losses["one"], rel=1e-6), losses
+    # steps 1-2 within fp32 rounding; step 3 comes after two AdamW updates, whose normalisation of
+    # near-zero gradients amplifies tp's different summation order (2.0e-6 apart measured on one
+    # machine, under 1e-6 on another: the CPU's matmul kernels set the rounding)
+    assert len(losses["tp"]) == 3 and losses["tp"][:2] == pytest.approx(losses["one"][:2], rel=1e-6), losses
+    assert losses["tp"][2] == pytest.approx(losses["one"][2], rel=1e-5), losses
     assert exports["tp"].config.tie_word_embeddings is True
     ids = torch.tensor([[1, 9690, 198, 2683, 314, 253, 5356, 30, 2, 198, 1, 4093, 198]])
     with torch.no_grad():
