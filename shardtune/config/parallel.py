@@ -1,7 +1,7 @@
 """`parallel:` — strategy, precision, activation checkpointing, offload, tensor and context parallelism."""
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from shardtune.config.base import _Section
 from shardtune.strategies import (
@@ -50,12 +50,3 @@ class ParallelConfig(_Section):
     _prec = field_validator("precision")(lambda v: normalize_precision(v))
     _ac = field_validator("activation_checkpointing")(lambda v: normalize_ac(v))
     _off = field_validator("offload")(lambda v: normalize_offload(v))
-
-    @model_validator(mode="after")
-    def _check(self):
-        # which combinations run is rules.combination.check_combination's (RunConfig calls it; plan too)
-        if self.ac_every != 2 and self.activation_checkpointing != "layer":
-            raise ValueError(f"parallel.ac_every {self.ac_every} applies to activation_checkpointing=layer only "
-                             f"and would be ignored with {self.activation_checkpointing!r}; drop it or set "
-                             "parallel.activation_checkpointing=layer")
-        return self

@@ -50,7 +50,6 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
     s = strategy if isinstance(strategy, Strategy) else STRATEGY[normalize_strategy(strategy)]
     precision, offload = normalize_precision(precision), normalize_offload(offload)
     optimizer, impl = normalize_optimizer(optimizer), normalize_optimizer_impl(optimizer_impl)
-    normalize_ac(activation_checkpointing)
     if device is not None and device not in DEVICES:
         raise UserError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if not planner_modes:
@@ -90,6 +89,11 @@ def check_combination(strategy: str | Strategy, *, precision: str = "bf16-mixed"
         raise UserError(f"hsdp shard size {hsdp_shard_size!r} is not a positive integer")
     if not isinstance(ac_every, int) or ac_every < 1:
         raise UserError(f"ac_every {ac_every!r} is not a positive integer (parallel.ac_every / --ac-every)")
+    ac = normalize_ac(activation_checkpointing)
+    if ac_every != 2 and ac != "layer":
+        raise UserError(f"parallel.ac_every {ac_every} applies to activation_checkpointing=layer only and would "
+                        f"be ignored with {ac!r}; drop it or set parallel.activation_checkpointing=layer "
+                        "(--ac-every / --ac layer)")
     if not isinstance(lora_rank, int) or lora_rank < 0:
         raise UserError(f"lora rank {lora_rank!r} is not a non-negative integer (lora.rank / --lora-rank)")
     if quantize_base not in ("none", "nf4"):

@@ -77,3 +77,19 @@ def test_pure_bf16_adamw_8bit_under_fsdp_is_refused_by_train_and_plan():
             check_combination(strategy, precision="bf16", optimizer="adamw-8bit")
         check_combination(strategy, precision="bf16-mixed", optimizer="adamw-8bit")
     check_combination("ddp", precision="bf16", optimizer="adamw-8bit")
+
+
+def test_ac_every_without_layer_ac_is_refused_by_plan_as_by_train():
+    """`parallel.ac_every` only acts under layer AC: the trainer refused it with AC full while `plan`
+    planned it (the rule lived in ParallelConfig); now check_combination holds it for both."""
+    from shardtune.config import load_recipe  # noqa: PLC0415
+    from shardtune.plan import plan  # noqa: PLC0415
+
+    with pytest.raises(UserError, match="applies to activation_checkpointing=layer only"):
+        load_recipe(None, ["parallel.ac_every=3", "parallel.activation_checkpointing=full"])
+    with pytest.raises(UserError, match="applies to activation_checkpointing=layer only"):
+        check_combination("zero3", activation_checkpointing="full", ac_every=3)
+    with pytest.raises(UserError, match="applies to activation_checkpointing=layer only"):
+        plan("llama-3-8b", 8, ac="full", ac_every=3)  # every strategy refused: one line, no empty plan
+    assert plan("llama-3-8b", 8, ac="layer", ac_every=3).strategy("zero3").fits  # where it acts
+    check_combination("zero3", activation_checkpointing="layer", ac_every=3)  # where it acts
