@@ -30,6 +30,7 @@ PLAN_KEYS: dict[str, str] = {
     "lora_rank": "lora.rank",
     "quantize_base": "lora.quantize_base",
     "lora_target_parameters": "lora.target_parameters",
+    "lora_target_modules": "lora.target_modules",
     "loss_chunks": "train.loss_chunks",
     "objective": "train.objective",
     "reference": "train.reference",
@@ -96,7 +97,10 @@ PLAN_OPTIONS: tuple[PlanOption, ...] = (
        "old name selective).", "[none|full|op|layer]"),
     _O("ac_every", "--ac-every", "layer AC: checkpoint every k-th layer.", "K"),
     _O("offload", "--offload", "none | optimizer | all (CPU RAM per node is reported).", "[none|optimizer|all]"),
-    _O("lora_rank", "--lora-rank", "LoRA rank on all attention and MLP projections (0: full fine-tune).", "R"),
+    _O("lora_rank", "--lora-rank", "LoRA rank on the projections --lora-target-modules names (default all attention "
+       "and MLP projections; 0: full fine-tune).", "R"),
+    _O("lora_target_modules", "--lora-target-modules", "LoRA on these nn.Linear modules only, repeated once per name "
+       "(lora.target_modules, e.g. q_proj; default q, k, v, o, gate, up and down projections).", "NAME"),
     _O("lora_target_parameters", "--lora-target-parameters", "LoRA also on these 3-D expert weights, repeated once "
        "per name (lora.target_parameters, e.g. experts.gate_up_proj): r x E x (in + out) each.", "NAME"),
     _O("quantize_base", "--quantize-base", "nf4: the LoRA base in 4-bit NF4 (QLoRA; needs --lora-rank).",

@@ -100,7 +100,8 @@ def plan(inputs: PlanInputs | None = None, gpus: int | None = None, /, **fields)
         raise UserError(f"--reserve-gib {inp.reserve_gib} leaves nothing of the {gpu.name}'s "
                         f"{gpu.memory_bytes / GIB:.1f} GiB; give a smaller reserve")
     usable = gpu.memory_bytes - reserve
-    m = _load_model(inp.model, inp.params, inp.lora_rank, inp.quantize_base, inp.lora_target_parameters)
+    m = _load_model(inp.model, inp.params, inp.lora_rank, inp.quantize_base, inp.lora_target_parameters,
+                    inp.lora_target_modules)
     if m.arch is not None:
         check_tp_arch(m.arch, m.config, inp.tp, inp.ep)
     if inp.accounting != "paper":

@@ -144,7 +144,8 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     gpu = resolve_gpu(base.gpu)
     reserve = default_reserve_bytes(gpu) if base.reserve_gib is None else round(base.reserve_gib * GIB)
     usable = gpu.memory_bytes - reserve
-    m = _load_model(base.model, base.params, base.lora_rank, target_parameters=base.lora_target_parameters)
+    m = _load_model(base.model, base.params, base.lora_rank, target_parameters=base.lora_target_parameters,
+                    target_modules=base.lora_target_modules)
     check_ep_model(base.ep, m.config)
     info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
     ctx = timing_context(base, gpu, **base.timing_options())

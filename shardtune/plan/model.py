@@ -8,6 +8,7 @@ from shardtune.catalog.models import MODELS, resolve_model_config
 from shardtune.errors import UserError
 from shardtune.plan.params import ParamShape, architecture_from_config, count_active_params, model_shapes
 from shardtune.plan.tp import tp_local_shapes
+from shardtune.strategies import LORA_TARGETS
 
 
 @dataclass
@@ -34,7 +35,7 @@ class _Model:
 
 
 def _load_model(model, params: float | None, lora_rank: int, quantize_base: str = "none",
-                target_parameters: list[str] | None = None) -> _Model:
+                target_parameters: list[str] | None = None, target_modules: list[str] | None = None) -> _Model:
     if params is not None:
         n = int(params)
         return _Model(f"{params:g} parameters", "--params (model states only)", n, n, None, None, n)
@@ -42,7 +43,10 @@ def _load_model(model, params: float | None, lora_rank: int, quantize_base: str 
     arch = architecture_from_config(cfg)
     if lora_rank > arch.hidden_size:
         raise UserError(f"--lora-rank {lora_rank} exceeds the hidden size {arch.hidden_size}; use a rank such as 8-64")
-    shapes = model_shapes(arch, lora_rank, quantize_base, target_parameters or ())
+    shapes = model_shapes(arch, lora_rank, quantize_base, target_parameters or (), target_modules or LORA_TARGETS)
+    if lora_rank and not any(s.trainable for s in shapes):  # PEFT: "Target modules ... not found in the base model"
+        raise UserError(f"lora.target_modules {list(target_modules or LORA_TARGETS)} name no nn.Linear of the model "
+                        "(and lora.target_parameters no expert weight): nothing would train")
     adapted = {s.name.split(".lora_")[0] for s in shapes if s.name.endswith("lora_A.default.weight")}
     for t in target_parameters or []:
         if not any(a.endswith(f".{t}") for a in adapted):

@@ -164,8 +164,9 @@ def param_shapes(arch: Architecture) -> list[ParamShape]:
     return shapes
 
 
-def lora_shapes(arch: Architecture, rank: int, targets=LORA_TARGETS) -> list[ParamShape]:
-    """PEFT LoRA adapters: per targeted nn.Linear (out, in), lora_A (r, in) and lora_B (out, r).
+def lora_shapes(arch: Architecture, rank: int, targets: Sequence[str] = LORA_TARGETS) -> list[ParamShape]:
+    """PEFT LoRA adapters: per targeted nn.Linear (out, in), lora_A (r, in) and lora_B (out, r). A
+    target names a module as PEFT matches it: the whole name or a suffix after a dot.
 
     Mixtral's experts are fused 3-D parameters in transformers 5 (not nn.Linear), so only the
     attention projections of MoE models are targeted.
@@ -173,9 +174,9 @@ def lora_shapes(arch: Architecture, rank: int, targets=LORA_TARGETS) -> list[Par
     out = []
     for i in range(arch.num_layers):
         for ps in layer_shapes(arch, i):
-            mod = ps.name.rsplit(".", 2)
-            if len(ps.shape) == 2 and ps.name.endswith(".weight") and mod[-2] in targets:
-                base = ps.name[: -len(".weight")]
+            base = ps.name[: -len(".weight")]
+            if len(ps.shape) == 2 and ps.name.endswith(".weight") and any(
+                    base == t or base.endswith(f".{t}") for t in targets):
                 o, n = ps.shape
                 out.append(ParamShape(f"{base}.lora_A.default.weight", (rank, n), i))
                 out.append(ParamShape(f"{base}.lora_B.default.weight", (o, rank), i))
@@ -198,20 +199,22 @@ def expert_lora_shapes(arch: Architecture, rank: int, targets: Sequence[str]) ->
 
 
 def model_shapes(arch: Architecture, lora_rank: int = 0, quantize_base: str = "none",
-                 target_parameters: Sequence[str] = ()) -> list[ParamShape]:
+                 target_parameters: Sequence[str] = (), target_modules: Sequence[str] = LORA_TARGETS
+                 ) -> list[ParamShape]:
     """All tensors the trained model holds; with LoRA the base weights are frozen. `quantize_base`
     "nf4" (QLoRA) marks each adapted base weight `nf4` (train/core/qlora.py: the target nn.Linear
     weights; embeddings, norms, head and biases stay in their dtype). `target_parameters`: LoRA on
-    the named 3-D expert weights too (`expert_lora_shapes`)."""
+    the named 3-D expert weights too (`expert_lora_shapes`); `target_modules`: the nn.Linear ones."""
     if quantize_base not in ("none", "nf4"):
         raise ValueError(f"quantize_base {quantize_base!r}")
     base = param_shapes(arch)
     if lora_rank <= 0:
         return base
-    targets = {f"{a.name.split('.lora_A.')[0]}.weight" for a in lora_shapes(arch, lora_rank) if ".lora_A." in a.name}
+    adapters = lora_shapes(arch, lora_rank, target_modules)
+    targets = {f"{a.name.split('.lora_A.')[0]}.weight" for a in adapters if ".lora_A." in a.name}
     frozen = [ParamShape(p.name, p.shape, p.group, trainable=False,
                          nf4=quantize_base == "nf4" and p.name in targets) for p in base]
-    return frozen + lora_shapes(arch, lora_rank) + expert_lora_shapes(arch, lora_rank, target_parameters)
+    return frozen + adapters + expert_lora_shapes(arch, lora_rank, target_parameters)
 
 
 def count_params(arch: Architecture) -> int:

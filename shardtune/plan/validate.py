@@ -55,6 +55,7 @@ class PlanInputs:
     lora_rank: int = 0
     quantize_base: str = "none"  # lora.quantize_base: nf4 stores the LoRA base in 4 bits (QLoRA)
     lora_target_parameters: list[str] | None = None  # lora.target_parameters: LoRA on 3-D expert weights
+    lora_target_modules: list[str] | None = None  # lora.target_modules; None: strategies.LORA_TARGETS
     loss_chunks: int | None = None  # train.loss_chunks; default: rules/loss.py (8 above a 32k vocabulary)
     objective: str = "sft"  # train.objective: dpo holds a reference model (plan/preference.py)
     reference: str = "live"  # train.reference: live | precompute
@@ -146,6 +147,8 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.lora_target_parameters = [str(t) for t in inp.lora_target_parameters or []] or None  # unrepeated: []
     if inp.lora_target_parameters and not inp.lora_rank:
         raise UserError("--lora-target-parameters adapts expert weights with LoRA: it needs --lora-rank R")
+    if inp.lora_target_modules is not None:
+        inp.lora_target_modules = [str(t) for t in inp.lora_target_modules] or None  # unrepeated: the default
     if inp.loss_chunks is not None:
         inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
     inp.tp = _int_in("tp", inp.tp, 1, MAX_GPUS)

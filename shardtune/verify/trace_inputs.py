@@ -69,6 +69,7 @@ NOT_TRACED: dict[str, str] = {
     "lora_rank": "refused unless 0: the memory trackers fail on frozen base weights",
     "quantize_base": "acts with lora_rank > 0 only (the planner refuses it without), which is refused",
     "lora_target_parameters": "acts with lora_rank > 0 only (the planner refuses it without), which is refused",
+    "lora_target_modules": "acts with lora_rank > 0 only, which is refused",
     "num_generations": "acts under objective grpo only (the rl section), which is refused",
     "max_new_tokens": "acts under objective grpo only (the rl section), which is refused",
     "rl_beta": "acts under objective grpo only (the rl section), which is refused",

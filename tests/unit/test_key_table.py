@@ -46,7 +46,8 @@ SETTINGS = (  # every table key off its default, over three recipes (the rules r
     {"optim.name": "adamw-8bit", "train.objective": "dpo", "train.reference": "precompute", "lora.rank": 4,
      "lora.quantize_base": "nf4"},
     {"parallel.ep": 2, "checkpoint.save_final": False},  # ep saves no checkpoint yet (rules/ep.py)
-    {"lora.rank": 8, "lora.dropout": 0.0, "lora.target_parameters": ["experts.gate_up_proj"]},
+    {"lora.rank": 8, "lora.dropout": 0.0, "lora.target_parameters": ["experts.gate_up_proj"],
+     "lora.target_modules": ["q_proj", "v_proj"]},
     {"train.objective": "grpo", "rl.num_generations": 4, "rl.max_new_tokens": 32, "rl.beta": 0.04,
      "rl.reward": "[{name: length, target: 4}]"},
     {"parallel.pp": 2, "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2,
@@ -100,6 +101,7 @@ UNTRACED_SAMPLES = {
     "lora_rank": {"lora_rank": 8},
     "quantize_base": {"lora_rank": 8, "quantize_base": "nf4"},
     "lora_target_parameters": {"lora_rank": 8, "lora_target_parameters": ["experts.gate_up_proj"]},
+    "lora_target_modules": {"lora_rank": 8, "lora_target_modules": ["q_proj"]},
     "num_generations": {"objective": "grpo", "num_generations": 4},
     "max_new_tokens": {"objective": "grpo", "max_new_tokens": 32},
     "rl_beta": {"objective": "grpo", "rl_beta": 0.04},

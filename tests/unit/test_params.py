@@ -82,22 +82,38 @@ def test_shapes_match_transformers_named_parameters(name):
     assert ours == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-def test_lora_shapes_match_peft():
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["self_attn.o_proj", "down_proj"]])
+def test_lora_shapes_match_peft(targets):
+    """The default targets (every projection) and a recipe's own `lora.target_modules`, as PEFT
+    matches them (a whole name or a suffix after a dot): the planner once planned the default always."""
     import torch
     from peft import LoraConfig, get_peft_model
 
     cfg = resolve_model_config("tiny-llama")
     model = _meta_model(cfg)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    names = targets or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     with torch.device("meta"):
-        peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
+        peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=names))
     trainable = {n.removeprefix("base_model.model."): tuple(p.shape)
                  for n, p in peft_model.named_parameters() if p.requires_grad}
-    ours = {p.name: p.shape for p in lora_shapes(architecture_from_config(cfg), 8)}
+    kw = {} if targets is None else {"target_modules": targets}
+    ours = {p.name: p.shape for p in lora_shapes(architecture_from_config(cfg), 8, *kw.values())}
     assert ours == trainable
-    shapes = model_shapes(architecture_from_config(cfg), 8)
+    shapes = model_shapes(architecture_from_config(cfg), 8, **kw)
     assert sum(p.numel for p in shapes if p.trainable) == sum(
         p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def test_a_recipes_lora_targets_reach_the_plan():
+    """lora.target_modules → plan inputs (config/plan_keys.py) → the planned trainable count."""
+    from shardtune.config import load_recipe
+    from shardtune.plan import plan
+
+    cfg = load_recipe(None, ["lora.rank=4", "lora.target_modules=[q_proj,v_proj]"])
+    inputs = cfg.plan_inputs()
+    assert inputs["lora_target_modules"] == ["q_proj", "v_proj"]
+    # tiny-llama: 4 layers x r 4 x (q: 128 + 128, v: 128 + 64)
+    assert plan(None, 2, **inputs).model["trainable_params"] == 4 * 4 * (128 + 128 + 128 + 64)
 
 
 @pytest.mark.parametrize("bad,fragment", [
