@@ -63,6 +63,7 @@ def _hub_folder(folder: Path, model_type: str) -> Path:
 
 @pytest.fixture(scope="module")
 def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict], Path]]:
+    from shardtune import cli
     from shardtune.testing.upcycle import upcycled_folder
 
     tmp: Path = tmp_path_factory.mktemp("moe_roundtrip")
@@ -75,8 +76,9 @@ def trips(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Path, list[dict
         proc = shardtune_cli("train", RECIPE, "--output-dir", run, *LAYOUTS[layout],
                              f"model.name={source}", *NO_STEP, *SOURCES[name], timeout_s=420)
         assert proc.returncode == 0, proc.stdout[-3000:]
-        proc = shardtune_cli("export", run / "checkpoints" / "step_1", export, timeout_s=240)
-        assert proc.returncode == 0, proc.stdout[-3000:]
+        # `shardtune export` in this process (tests/e2e/test_export.py does so too): the command's own
+        # code, without a fresh interpreter's ~5 s of torch + transformers imports for each of 5 runs
+        assert cli.main(["export", str(run / "checkpoints" / "step_1"), str(export)]) == 0, (name, layout)
         out[name, layout] = (source, export, metrics(run), run)
     return out
 

@@ -6,12 +6,12 @@ C: `--nproc 2 --tp 2` (dp 1, micro 8), 2 steps with validation: A's first two lo
 val_loss equals the one computed here from C's export with plain transformers and torch's
 cross_entropy. `shardtune export` of A's step 4 (a DTensor checkpoint saved under tp 2 × dp 2)
 loads with plain transformers and gives the logits of B's export (trained at tp 1); `shardtune
-generate` answers from A's TP checkpoint what it answers from B's export (that one in-process).
+generate` answers from A's TP checkpoint what it answers from B's export (export and generate run
+in this process, as tests/e2e/test_export.py and test_generate.py do).
 """
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -92,64 +92,55 @@ def test_tp2_dp1_gives_the_tp2_dp2_losses_and_the_plain_val_loss(runs):
 
 
 @pytest.mark.timeout(900)
-def test_export_and_generate_from_a_tp_checkpoint(runs, tmp_path):
+def test_export_and_generate_from_a_tp_checkpoint(runs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
+    from shardtune import cli
     from shardtune.train.generation import generate_answer
 
     tmp, _ = runs
     out = tmp_path / "hf"
-    proc = shardtune_cli("export", tmp / "a" / "checkpoints" / "step_4", out, timeout_s=200)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    # `shardtune export` in this process (as tests/e2e/test_export.py): no interpreter start-up
+    assert cli.main(["export", str(tmp / "a" / "checkpoints" / "step_4"), str(out)]) == 0
     ids = torch.arange(0, 40).reshape(2, 20)
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
         want = AutoModelForCausalLM.from_pretrained(tmp / "b" / "hf_export").eval()(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
-    gen = shardtune_cli("generate", tmp / "a" / "checkpoints" / "step_4", "--prompt", "reverse: abc",
-                        "--max-new-tokens", "8", "--temperature", "1", "--seed", "3", timeout_s=200,
-                        stderr=subprocess.PIPE)
-    assert gen.returncode == 0, gen.stderr[-3000:]
-    # what `shardtune generate` prints for B's export, computed in this process (its command prints
-    # generate_answer's string): one launch less
+    capsys.readouterr()
+    # `shardtune generate` in this process too (as tests/e2e/test_generate.py): one launch less
+    rc = cli.main(["generate", str(tmp / "a" / "checkpoints" / "step_4"), "--prompt", "reverse: abc",
+                   "--max-new-tokens", "8", "--temperature", "1", "--seed", "3"])
+    gen = capsys.readouterr()
+    assert rc == 0, gen.err[-3000:]
+    # what `shardtune generate` prints for B's export (its command prints generate_answer's string)
     want = generate_answer(str(tmp / "b" / "hf_export"), "reverse: abc", max_new_tokens=8, temperature=1.0, seed=3)
-    assert gen.stdout.strip() and gen.stdout == want + "\n"  # sampled: rarely empty
+    assert gen.out.strip() and gen.out == want + "\n"  # sampled: rarely empty
 
 
 @pytest.mark.timeout(900)
-def test_lora_under_tp_trains_and_exports_what_one_process_does(tmp_path, shared_run):
-    """`--tp 2 --lora-rank 4` on 2 processes (dp 1) against the same LoRA run in one process: the
-    losses, and the merged export's logits (from the TP run's adapters-only checkpoint). The
-    one-process run is test_lora_export.py's (`--nproc 1 --lora-rank 4`, its recipe: 5 steps, a
-    checkpoint at 4, merged export), trained once a session (shared_run)."""
+def test_lora_with_dropout_under_tp_trains_and_exports_what_one_process_does(tmp_path):
+    """`--tp 2 --lora-rank 4 lora.dropout=0.1` on 2 processes (dp 1) against the same LoRA run in one
+    process (test_lora_export.py's recipe: 5 steps, a checkpoint at 4, merged export): the losses,
+    and the merged export's logits (from the TP run's adapters-only checkpoint). With dropout, the
+    same losses also say the masks are one process's: the o/down adapters' inputs are split by
+    columns over tp; their dropout draws the whole input's mask on every tp rank and keeps its
+    columns (parallel/tp.py `SplitInputDropout`); a mask drawn per shard (the same on both, as
+    before) moved step 2's loss by 1e-3. One launch checks both levers (LoRA under tp, its dropout;
+    they were two 2-rank launches, and a one-process run each)."""
     from test_lora_export import RECIPE as LORA_RECIPE
     from transformers import AutoModelForCausalLM
 
     (tmp_path / "recipe.yaml").write_text(LORA_RECIPE)
-    tp, _ = _train(tmp_path, "tp", "--nproc", "2", "--tp", "2", "--lora-rank", "4")
-    one_run, _ = shared_run(LORA_RECIPE, "--lora-rank", "4", nproc=1)
-    one = metrics(one_run)
+    args = ["--lora-rank", "4", "lora.dropout=0.1"]
+    one, _ = _train(tmp_path, "one", "--nproc", "1", *args)
+    tp, _ = _train(tmp_path, "tp", "--nproc", "2", "--tp", "2", *args)
+    eff = json.loads((tmp_path / "tp" / "memory.json").read_text())["effective"]
+    assert (eff["tp"], eff["lora_rank"], eff["lora_dropout"]) == (2, 4, 0.1)
     assert len(tp) == len(one) == 5
     assert [x["loss"] for x in tp] == pytest.approx([x["loss"] for x in one], abs=1e-5)
     ids = torch.arange(0, 40).reshape(2, 20)
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "hf_export").eval()(ids).logits
-        want = AutoModelForCausalLM.from_pretrained(one_run / "hf_export").eval()(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "hf_export").eval()(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
-
-
-@pytest.mark.timeout(600)
-def test_lora_dropout_under_tp_draws_the_masks_one_process_draws(tmp_path):
-    """`--tp 2 --lora-rank 8 lora.dropout=0.1` against the same run in one process, 4 steps: the same
-    losses. The o/down adapters' inputs are split by columns over tp; their dropout draws the whole
-    input's mask on every tp rank and keeps its columns (parallel/tp.py `SplitInputDropout`); a mask
-    drawn per shard (the same on both, as before) moves step 2's loss by 1e-3."""
-    (tmp_path / "recipe.yaml").write_text(RECIPE)
-    args = ["--lora-rank", "8", "lora.dropout=0.1", "checkpoint.every=0", "checkpoint.export_hf=false",
-            "checkpoint.save_final=false"]
-    one, _ = _train(tmp_path, "one", "--nproc", "1", *args)
-    tp, _ = _train(tmp_path, "tp", "--nproc", "2", "--tp", "2", *args)
-    eff = json.loads((tmp_path / "tp" / "memory.json").read_text())["effective"]
-    assert (eff["tp"], eff["lora_rank"], eff["lora_dropout"]) == (2, 8, 0.1)
-    assert len(tp) == len(one) == 4
-    assert [x["loss"] for x in tp] == pytest.approx([x["loss"] for x in one], abs=1e-5)
