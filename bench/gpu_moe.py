@@ -24,7 +24,7 @@ SHAPES = {
     "dry-run": dict(layers={"num_hidden_layers": 2, "hidden_size": 128, "moe_intermediate_size": 64,
                             "intermediate_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
                             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32},
-                    seq_len=256, steps=3, iters=2),
+                    seq_len=64, steps=3, iters=2),
 }
 IMPLEMENTATIONS = ("grouped_mm", "eager")
 

@@ -17,13 +17,13 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e]
 
 # The dry-run cut of Llama-3-8B (bench/gpu_run.py SHAPES): 2 layers, hidden 256, MLP 896,
-# 4 query heads and 1 KV head of dim 64, its 128,256-token vocabulary, untied embeddings.
+# 4 query heads and 1 KV head of dim 64, its 128,256-token vocabulary, untied embeddings; seq 64.
 V, H, I, L, HEAD_DIM, KV = 128_256, 256, 896, 2, 64, 1
 PER_LAYER = 2 * H * H + 2 * H * KV * HEAD_DIM + 3 * H * I + 2 * H  # q, o; k, v; gate, up, down; 2 norms
 NUM_PARAMS = 2 * V * H + L * PER_LAYER + H  # embeddings + lm_head, layers, final norm
 NUM_TENSORS = L * 9 + 3
 # The MoE row's dry-run cut of Qwen3-30B-A3B (bench/gpu_moe.py SHAPES): 2 layers, hidden 128, 8 experts
-# of 64 (top-2), 4 query heads and 1 KV head of dim 32 with q/k norms, the 151,936-token vocabulary.
+# of 64 (top-2), 4 query heads and 1 KV head of dim 32 with q/k norms, the 151,936-token vocabulary; seq 64.
 MV, MH, ME, MI, MD = 151_936, 128, 8, 64, 32
 MOE_LAYER = 2 * MH * 4 * MD + 2 * MH * MD + 2 * MD + ME * MH + 3 * ME * MI * MH + 2 * MH  # attn, norms, router, experts
 MOE_PARAMS = 2 * MV * MH + 2 * MOE_LAYER + MH
