@@ -206,7 +206,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _ratio(a, b):
-    return round(a / b, 4) if a is not None and b else None
+    """a / b to 6 significant figures (a CPU dry run's tokens/s over an H100's plan is ~1e-4: 4
+    decimals would round it to 0.0)."""
+    return float(f"{a / b:.6g}") if a is not None and b else None
 
 
 def collect_run(out: Path, ac: str) -> dict:
