@@ -26,9 +26,6 @@ def launch(script: Path, nproc: int, args: list[str], timeout_s: float, log_dir:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        # inductor compiles in the rank itself, not in a pool of compile workers each rank would start
-        # (a torch import apiece): the same kernels, without that CPU on a suite that is CPU-bound
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         log = open(log_dir / f"rank{rank}.log", "w")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=log,
