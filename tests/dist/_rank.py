@@ -42,8 +42,8 @@ def write_result(out_dir: str | os.PathLike, rank: int, result) -> None:
 
 
 def tree_cpu_s() -> float:
-    """CPU seconds of this process and its descendants so far (inductor compiles in a pool of
-    subprocesses unless compile_threads is 1): live ones' own times plus every reaped child's."""
+    """CPU seconds of this process and its descendants so far (inductor's compile workers
+    and its g++ runs are subprocesses): live ones' own times plus every reaped child's."""
     try:
         import psutil  # noqa: PLC0415 (not a declared dependency: without it, this process alone)
     except ImportError:
