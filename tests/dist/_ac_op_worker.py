@@ -13,9 +13,9 @@ from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import ModelConfig, OptimConfig, ParallelConfig
+from shardtune.parallel.build import build_parallel_model
 from shardtune.parallel.fsdp import autocast_dtype
 from shardtune.parallel.mesh import build_mesh, dp_group
-from shardtune.parallel.build import build_parallel_model
 from shardtune.train.core.metrics import SavedActivations
 from shardtune.train.core.model import build_meta_model, init_model_weights
 from shardtune.train.core.optim import build_optimizer, build_scheduler

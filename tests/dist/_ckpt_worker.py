@@ -17,8 +17,8 @@ from _rank import serve
 from shardtune.config import load_recipe
 from shardtune.errors import UserError
 from shardtune.parallel.mesh import build_mesh
-from shardtune.train.rank.context import DistContext
 from shardtune.plan import plan
+from shardtune.train.rank.context import DistContext
 from shardtune.train.rank.main import train
 
 

@@ -16,8 +16,8 @@ from _batches import global_batch, rank_micro_batches
 from _rank import serve
 
 from shardtune.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
-from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.parallel.build import build_parallel_model
+from shardtune.parallel.mesh import build_mesh, dp_group
 from shardtune.train.core.evaluate import evaluate
 from shardtune.train.core.lora import apply_lora
 from shardtune.train.core.metrics import SavedActivations

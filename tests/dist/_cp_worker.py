@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _batches import global_batch, rank_micro_batches  # noqa: E402
 from _rank import build_case, process_group, write_result  # noqa: E402
 
+from shardtune.parallel.cp import cp_degree, shard_batch  # noqa: E402
 from shardtune.parallel.fsdp import autocast_dtype  # noqa: E402
 from shardtune.parallel.mesh import cp_mesh  # noqa: E402
-from shardtune.parallel.cp import cp_degree, shard_batch  # noqa: E402
 from shardtune.parallel.tp import tp_degree  # noqa: E402
 from shardtune.train.core.metrics import SavedActivations  # noqa: E402
 from shardtune.train.core.step import StepOptions, train_step  # noqa: E402

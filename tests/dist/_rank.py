@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -40,20 +41,41 @@ def write_result(out_dir: str | os.PathLike, rank: int, result) -> None:
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds of this process and its descendants so far (inductor's compile workers
+    and its g++ runs are subprocesses): live ones' own times plus every reaped child's."""
+    try:
+        import psutil  # noqa: PLC0415 (not a declared dependency: without it, this process alone)
+    except ImportError:
+        return time.process_time()
+    total = 0.0
+    for p in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:  # ended between the listing and the read
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def serve(run_case: Callable[[dict, int, int], dict] | None, timeout_s: float = 60) -> None:
     """argv: cases.json out_dir. Runs each case (`case["out_dir"]` is out_dir unless the case gives
     its own) with `run_case` or its own worker's, a barrier after each, then writes rank<R>.json
-    {key or name: result}, and ends the process."""
+    {key or name: result} and times<R>.json {key or name: [wall s, CPU s of this rank and its subprocesses]} (kept out
+    of the results, which tests compare), and ends the process."""
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
-    results = {}
+    results, times = {}, {}
     with process_group(timeout_s) as (rank, world):
         for case in cases:
             case = {"out_dir": str(out_dir), **case}
+            key, t0, c0 = case.get("key", case["name"]), time.perf_counter(), tree_cpu_s()
             run = importlib.import_module(case["worker"]).run_case if "worker" in case else run_case
-            results[case.get("key", case["name"])] = run(case, rank, world)
+            results[key] = run(case, rank, world)
             dist.barrier()
+            times[key] = [round(time.perf_counter() - t0, 2), round(tree_cpu_s() - c0, 2)]
     write_result(out_dir, rank, results)
+    (out_dir / f"times{rank}.json").write_text(json.dumps(times, indent=0))
     exit_now(0)  # as a rank does (shardtune/processes.py): no interpreter finalization after the group
 
 

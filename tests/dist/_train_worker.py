@@ -2,7 +2,7 @@
 cost ~7 s per process, so cases share them) and writes rank<r>.json with what each case measured.
 
 argv: cases.json out_dir. A case: {name, parallel: {...ParallelConfig}, steps, rows, seq_len,
-grad_accum, lr, model: {...ModelConfig}, optim: {...OptimConfig}, logits: bool, crash: bool, lora: {...LoraConfig}
+grad_accum, lr, model: {...ModelConfig}, optim: {...OptimConfig}, logits: bool, lora: {...LoraConfig}
 (LoRA cases also measure frozen weights, grads and logits after training: _lora_checks.py),
 save_dir: a LoRA case saves a checkpoint there}; a case with `overrides` runs the real
 trainer instead (_ckpt_worker.run_case).
@@ -28,10 +28,6 @@ from shardtune.train.core.step import StepOptions, global_loss, train_step
 
 
 def run_case(case: dict, rank: int, world: int) -> dict:
-    if case.get("crash") and rank == 1:
-        raise RuntimeError("rank 1 crashes on purpose")
-    if case.get("crash"):
-        dist.barrier()  # rank 0 waits here for a peer that never comes
     if "overrides" in case:  # a real-trainer case (_ckpt_worker.py), e.g. LoRA resume
         return _ckpt_worker.run_case(case, rank, world)
     pcfg = ParallelConfig(**case["parallel"])

@@ -1,14 +1,15 @@
 """The dist tier's shared launches: one launch per world size for the whole session.
 
 A test module declares `DIST_LAUNCHES = {world: cases_fn}`, where `cases_fn(folder) -> (cases,
-timeout_s)` builds its cases (writing any file they read under `folder`, the module's own); a
-case runs the module's `WORKER` unless it names another (`"worker": "_train_worker"`). The first module fixture that asks
-`dist_launch(request.module, world)` starts ONE launch of `world` ranks (_shared_worker.py) that runs
-the cases of every collected module declaring that world, in collection order, each under its own
-folder; launches of smaller worlds run first (a case may resume a smaller world's checkpoint). A
-rank costs ~7 s of imports, so the tier pays them once per world size, not once per module. A
-failed launch fails every test that reads it, with the launch's error. Under pytest-xdist the
-workers share each launch (`_cli.once`: the first builds it, the others wait and read it).
+timeout_s)` builds its cases (writing any file they read under `folder`, the module's own); a case
+runs the module's `WORKER` unless it names another (`"worker": "_train_worker"`). The first module
+fixture that asks `dist_launch(request.module, world)` starts ONE launch of `world` ranks
+(_shared_worker.py) that runs the cases of every collected module declaring that world, in
+collection order, each under its own folder; launches of smaller worlds run first (a case may resume
+a smaller world's checkpoint). A rank costs ~7 s of imports, so the tier pays them once per world
+size, not once per module. A failed launch fails every test that reads it, with the launch's error.
+Under pytest-xdist the workers share each launch (`_cli.once`: the first builds it, the others wait
+and read it).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Context parallelism (all-to-all, parallel/cp.py) composed with FSDP2 against one plain process
 (gloo, 4 ranks, one launch): cp 2 x dp 2 (zero3, zero2 with grad accumulation, hsdp, AC full, AC
 op, chunked loss, bf16-mixed), tp 2 x cp 2 (KV heads repeated: 1 per tp rank, cp 2) and cp 4 x dp 1 (cp > KV
-heads), fp32, 4 steps, on `_batches`' packed rows (two documents a row, positions restarting) with
+heads), fp32, 3 steps (LoRA 4), on `_batches`' packed rows (two documents a row, positions restarting) with
 masked prompts. The reference is test_train_parity's: a plain transformers model on the whole
 global batch, torch's cross_entropy, AdamW and clip_grad_norm_. LoRA at cp 2 x dp 2 is held to the
 same LoRA run at cp 1 x dp 4 (tests/dist/test_lora.py holds that one to PEFT's). cp 2 x dp 1 runs
@@ -13,7 +13,7 @@ attention, where a causal-only mask would let the second read the first): no oth
 logits move, and the unchanged batch's logits equal the plain model's.
 
 Compile: cp 2 x dp 2 with train.compile on batches whose documents move every step and row
-(`_cp_worker.varied_documents`) gives the same run eager's losses and grad norms within 1e-5 (as
+(`_cp_worker.varied_documents`, 4 steps) gives the same run eager's losses and grad norms within 1e-5 (as
 tests/dist/test_compile.py holds compile to eager), with ONE dynamo graph for all layers and steps.
 """
 from __future__ import annotations
@@ -26,19 +26,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cp_worker import changed_document_batches  # noqa: E402
-from test_train_parity import ROWS, SEQ, _plain_model, reference  # noqa: E402
+from test_train_parity import ROWS, SEQ, STEPS, _plain_model, reference  # noqa: E402
 
 pytestmark = [pytest.mark.dist]
 WORKER = Path(__file__).parent / "_cp_worker.py"
-STEPS = 4
+# STEPS (3) is test_train_parity's: the first loss before any update, then two updates with the
+# optimizer's sharded state carried over, as its parity cases of every strategy; the LoRA cases (whose
+# check that the adapters learn was measured over 4) and the document-layout cases (4 layouts) run 4
 LORA = {"rank": 4, "alpha": 8}
+LONG = 4
 PARITY = ["cp2_zero3", "cp2_zero2_accum", "cp2_hsdp", "cp2_acfull", "cp2_acop", "cp2_chunked_loss", "tp2_cp2",
           "cp4"]
 
 
 def _case(name, cp=2, strategy="zero3", precision="fp32", **kw):
     par = {"strategy": strategy, "precision": precision, "cp": cp, **kw.pop("parallel", {})}
-    return {"name": name, "parallel": par, "steps": STEPS, "rows": ROWS, "seq_len": SEQ, **kw}
+    return {"name": name, "parallel": par, "steps": kw.pop("steps", STEPS), "rows": ROWS, "seq_len": SEQ, **kw}
 
 
 def world4_cases(d: Path) -> tuple[list[dict], float]:
@@ -52,10 +55,10 @@ def world4_cases(d: Path) -> tuple[list[dict], float]:
         _case("cp2_bf16mixed", precision="bf16-mixed"),
         _case("tp2_cp2", parallel={"tp": 2}),
         _case("cp4", cp=4),
-        _case("cp2_lora", lora=LORA, lr=1e-2),
-        _case("cp1_lora", cp=1, lora=LORA, lr=1e-2),
-        _case("cp2_docs_eager", vary_docs=True),
-        _case("cp2_docs_compile", vary_docs=True, compile=True),
+        _case("cp2_lora", lora=LORA, lr=1e-2, steps=LONG),
+        _case("cp1_lora", cp=1, lora=LORA, lr=1e-2, steps=LONG),
+        _case("cp2_docs_eager", vary_docs=True, steps=LONG),
+        _case("cp2_docs_compile", vary_docs=True, compile=True, steps=LONG),
     ]
     return cases, 500
 

@@ -75,10 +75,10 @@ def _save_pretrained(d: Path) -> Path:
     return d / "hf"
 
 
-def _run(tmp: Path, nproc: int, cases: list[dict]) -> list[dict]:
+def _run(tmp: Path, nproc: int, cases: list[dict], worker: Path = WORKER) -> list[dict]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "cases.json").write_text(json.dumps(cases))
-    launch(WORKER, nproc, [str(tmp / "cases.json"), str(tmp)], timeout_s=240, log_dir=tmp / "logs")
+    launch(worker, nproc, [str(tmp / "cases.json"), str(tmp)], timeout_s=240, log_dir=tmp / "logs")
     return rank_results(tmp, nproc)
 
 
@@ -229,7 +229,7 @@ def test_a_crashing_rank_fails_fast(tmp_path):
 
     t0 = time.monotonic()
     with pytest.raises(AssertionError, match=r"rank [01] exited with [1-9]"):
-        _run(tmp_path, 2, [{"name": "crash", "crash": True}])
+        _run(tmp_path, 2, [{"name": "crash"}], worker=WORKER.parent / "_crash_worker.py")
     assert time.monotonic() - t0 < 60
 
 
