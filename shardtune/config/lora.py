@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from shardtune.config.base import _Section
+from shardtune.rules.lora import check_lora_targets
 from shardtune.strategies import LORA_TARGETS
 
 
@@ -24,13 +25,6 @@ class LoraConfig(_Section):
                                          "adapter per expert, e.g. [experts.gate_up_proj, experts.down_proj] "
                                          "(Mixtral, Qwen3-MoE; docs/moe.md).")
 
-    @field_validator("target_modules")
-    @classmethod
-    def _targets(cls, v: list[str]) -> list[str]:
-        if any(not t.replace("_", "").isalnum() for t in v):
-            raise ValueError(f"{v!r} must be a list of module names such as {list(LORA_TARGETS[:2])}")
-        return v
-
     @field_validator("target_parameters")
     @classmethod
     def _parameters(cls, v: list[str]) -> list[str]:
@@ -41,6 +35,7 @@ class LoraConfig(_Section):
 
     @model_validator(mode="after")
     def _some_target(self):
+        check_lora_targets(self.rank, self.target_modules, self.target_parameters)
         if not self.target_modules and not self.target_parameters:
             raise ValueError("lora.target_modules and lora.target_parameters are both empty: name what gets adapters")
         if self.target_parameters and self.dropout:

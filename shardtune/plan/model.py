@@ -43,9 +43,10 @@ def _load_model(model, params: float | None, lora_rank: int, quantize_base: str 
     arch = architecture_from_config(cfg)
     if lora_rank > arch.hidden_size:
         raise UserError(f"--lora-rank {lora_rank} exceeds the hidden size {arch.hidden_size}; use a rank such as 8-64")
-    shapes = model_shapes(arch, lora_rank, quantize_base, target_parameters or (), target_modules or LORA_TARGETS)
+    targets = target_modules or LORA_TARGETS
+    shapes = model_shapes(arch, lora_rank, quantize_base, target_parameters or (), targets)
     if lora_rank and not any(s.trainable for s in shapes):  # PEFT: "Target modules ... not found in the base model"
-        raise UserError(f"lora.target_modules {list(target_modules or LORA_TARGETS)} name no nn.Linear of the model "
+        raise UserError(f"lora.target_modules {list(targets)} name no nn.Linear of the model "
                         "(and lora.target_parameters no expert weight): nothing would train")
     adapted = {s.name.split(".lora_")[0] for s in shapes if s.name.endswith("lora_A.default.weight")}
     for t in target_parameters or []:

@@ -165,8 +165,7 @@ def param_shapes(arch: Architecture) -> list[ParamShape]:
 
 
 def lora_shapes(arch: Architecture, rank: int, targets: Sequence[str] = LORA_TARGETS) -> list[ParamShape]:
-    """PEFT LoRA adapters: per targeted nn.Linear (out, in), lora_A (r, in) and lora_B (out, r). A
-    target names a module as PEFT matches it: the whole name or a suffix after a dot.
+    """PEFT LoRA adapters: per targeted nn.Linear (out, in), lora_A (r, in) and lora_B (out, r).
 
     Mixtral's experts are fused 3-D parameters in transformers 5 (not nn.Linear), so only the
     attention projections of MoE models are targeted.
@@ -174,9 +173,9 @@ def lora_shapes(arch: Architecture, rank: int, targets: Sequence[str] = LORA_TAR
     out = []
     for i in range(arch.num_layers):
         for ps in layer_shapes(arch, i):
-            base = ps.name[: -len(".weight")]
-            if len(ps.shape) == 2 and ps.name.endswith(".weight") and any(
-                    base == t or base.endswith(f".{t}") for t in targets):
+            mod = ps.name.rsplit(".", 2)
+            if len(ps.shape) == 2 and ps.name.endswith(".weight") and mod[-2] in targets:
+                base = ps.name[: -len(".weight")]
                 o, n = ps.shape
                 out.append(ParamShape(f"{base}.lora_A.default.weight", (rank, n), i))
                 out.append(ParamShape(f"{base}.lora_B.default.weight", (o, rank), i))

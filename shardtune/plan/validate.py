@@ -12,8 +12,10 @@ from shardtune.errors import UserError
 from shardtune.layout import Layout, check_placement
 from shardtune.plan.preference import check_objective
 from shardtune.rules.cp import check_cp
+from shardtune.rules.lora import check_lora_targets
 from shardtune.rules.pipeline import check_pp_schedule
 from shardtune.strategies import (
+    LORA_TARGETS,
     STRATEGY,
     normalize_ac,
     normalize_offload,
@@ -145,10 +147,10 @@ def validate_inputs(**kw) -> PlanInputs:
     inp.ac_every = _int_in("ac_every", inp.ac_every, 1, 100_000)
     inp.lora_rank = _int_in("lora_rank", inp.lora_rank, 0, 65_536)
     inp.lora_target_parameters = [str(t) for t in inp.lora_target_parameters or []] or None  # unrepeated: []
-    if inp.lora_target_parameters and not inp.lora_rank:
-        raise UserError("--lora-target-parameters adapts expert weights with LoRA: it needs --lora-rank R")
-    if inp.lora_target_modules is not None:
-        inp.lora_target_modules = [str(t) for t in inp.lora_target_modules] or None  # unrepeated: the default
+    inp.lora_target_modules = [str(t) for t in inp.lora_target_modules or []] or None  # unrepeated: the default
+    check_lora_targets(inp.lora_rank, inp.lora_target_modules or LORA_TARGETS, inp.lora_target_parameters or ())
+    if not inp.lora_rank:  # what a full fine-tune adapts: nothing (plan.json as the rank's effective line says)
+        inp.lora_target_modules = None
     if inp.loss_chunks is not None:
         inp.loss_chunks = _int_in("loss_chunks", inp.loss_chunks, 1, 1_000_000)
     inp.tp = _int_in("tp", inp.tp, 1, MAX_GPUS)

@@ -93,3 +93,23 @@ def test_ac_every_without_layer_ac_is_refused_by_plan_as_by_train():
         plan("llama-3-8b", 8, ac="full", ac_every=3)  # every strategy refused: one line, no empty plan
     assert plan("llama-3-8b", 8, ac="layer", ac_every=3).strategy("zero3").fits  # where it acts
     check_combination("zero3", activation_checkpointing="layer", ac_every=3)  # where it acts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("train_args, plan_args, needle", [
+    (["lora.target_modules=[q_proj]"], ["--lora-target-modules", "q_proj"], "need lora.rank > 0"),
+    (["lora.rank=4", "lora.target_modules=[self_attn.q_proj]"],
+     ["--lora-rank", "4", "--lora-target-modules", "self_attn.q_proj"], "must be module names"),
+    (["lora.rank=4", "lora.target_modules=[nope]"], ["--lora-rank", "4", "--lora-target-modules", "nope"], "nope"),
+])
+def test_bad_lora_targets_are_refused_by_train_and_plan(monkeypatch, capsys, tmp_path, train_args, plan_args, needle):
+    """LoRA targets without a rank (once planned and trained as a full fine-tune, silently), a dotted
+    name (once planned, refused by train), a module the model lacks: one line, exit 2, no process,
+    no run folder, from `shardtune train` and `shardtune plan` alike."""
+    from _cli import REPO, refused_before_any_process  # noqa: PLC0415
+
+    run = tmp_path / "run"
+    assert needle in refused_before_any_process(monkeypatch, capsys, [
+        "train", REPO / "recipes" / "tiny-cpu.yaml", "--nproc", "2", "--output-dir", run, *train_args])
+    assert needle in refused_before_any_process(monkeypatch, capsys, ["plan", "tiny-llama", "--gpus", "2", *plan_args])
+    assert not run.exists()
