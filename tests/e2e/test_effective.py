@@ -152,6 +152,7 @@ PLAN_ROWS = {
     "quantize_base": ("quantize_base", lambda v: v), "loss_chunks": ("loss_chunks", lambda v: v or 1),
     "cp": ("cp", lambda v: v), "activation_offload": ("activation_offload", lambda v: v),
     "optimizer": ("optimizer", lambda v: v), "optimizer_impl": ("optimizer", lambda v: v),
+    "lora_target_modules": ("lora_target_modules", lambda v: sorted(v or [])),  # None: a full fine-tune's
 }
 
 # the runs: few launches, each with several levers at non-default values
