@@ -11,9 +11,14 @@ from shardtune.errors import UserError
 GPU_DEVICE_PATHS = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")
 
 
+def has_gpu_nodes() -> bool:
+    """Whether any GPU device node exists (torch-free): without one, torch sees no GPU."""
+    return any(Path(p).exists() for p in GPU_DEVICE_PATHS)
+
+
 def cuda_available() -> bool:
     """torch.cuda.is_available(), without importing torch where no GPU device node exists."""
-    if not any(Path(p).exists() for p in GPU_DEVICE_PATHS):
+    if not has_gpu_nodes():
         return False
     import torch  # noqa: PLC0415 lazy: torch-free start-up of the launcher on a CPU machine
 

@@ -6,7 +6,9 @@ Bad input: one line on stderr, exit code 2 (no traceback).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
+import traceback
 
 from shardtune.config.flags import TRAIN_FLAGS, add_argparse_flags
 from shardtune.errors import UserError
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         text = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if not is_peer_failure(e):
             faults.record(os.environ.get("RANK", "0"), text)  # the agent's last line names it, if first
-            raise
+            traceback.print_exc()  # on the terminal: a forked rank's raise would reach only torchrun's log
+            return 1
         # another rank failed first and its error is the one to read: one line here, no traceback
         print(f"shardtune: rank {os.environ.get('RANK', '?')}: stopped because another rank failed ({text[:200]})",
               file=sys.stderr)
@@ -69,4 +72,11 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from shardtune.processes import exit_now
 
-    exit_now(main())
+    forked = multiprocessing.parent_process() is not None  # by torchrun's agent (train/forked/)
+    if forked:
+        sys.stderr = sys.__stderr__  # the agent's stderr is torchrun's log (train/launcher/agent.py)
+    code = main()
+    if code or not forked:
+        exit_now(code)
+    # a rank forked by torchrun (--run-path): it returns, so that torchrun reads its return value;
+    # multiprocessing then ends the process without interpreter finalization (as exit_now does)

@@ -19,6 +19,7 @@ from pathlib import Path
 from _cli import REPO
 
 from shardtune.processes import kill_groups
+from shardtune.train.launcher.supervise import FORK_ENV
 
 RECIPE = """
 name: signals
@@ -34,16 +35,17 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start(tmp: Path) -> tuple[subprocess.Popen, Path]:
+def start(tmp: Path, fork: bool = True) -> tuple[subprocess.Popen, Path]:
     """`shardtune train RECIPE --nproc 2 --output-dir tmp/run` in its own session, its output in
-    tmp/out.txt (a file, not a pipe: after a kill -9 nobody would read a pipe)."""
+    tmp/out.txt (a file, not a pipe: after a kill -9 nobody would read a pipe). `fork=False`: each
+    rank its own interpreter, as on a GPU machine (train/launcher/supervise.py `forks_ranks`)."""
     (tmp / "recipe.yaml").write_text(RECIPE)
     out = tmp / "out.txt"
     cmd = [sys.executable, "-m", "shardtune.cli", "train", str(tmp / "recipe.yaml"), "--nproc", "2",
            "--output-dir", str(tmp / "run")]
     with open(out, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_default_sigint)
+                                preexec_fn=_default_sigint, env={**os.environ, FORK_ENV: str(int(fork))})
     return proc, out
 
 
@@ -79,6 +81,11 @@ class Signalled:
     running_before: list[int]  # its processes (but the launcher) when the signal was sent
     left_after: list[int]  # its processes still alive 10 s after the launcher exited
     signal_sent_at_step: int  # the last logged step when the signal was sent
+    commands: list[str]  # the command lines of `running_before`
+
+    def exec_ranks(self) -> int:
+        """How many of its processes run `python -m shardtune.train` (ranks not forked, their watchers)."""
+        return sum(c.split()[1:4] == ["-u", "-m", "shardtune.train"] for c in self.commands)  # torchrun's form
 
     def stopped(self) -> dict:
         return json.loads((self.run / "stopped.json").read_text())
@@ -87,14 +94,24 @@ class Signalled:
 _RUNS: dict[int, Signalled] = {}
 
 
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
 def signalled(tmp_path_factory, sig: int) -> Signalled:
-    """The session's run stopped by `sig` sent to the launcher (only) once it has logged a step."""
+    """The session's run stopped by `sig` sent to the launcher (only) once it has logged a step.
+    The SIGTERM run (a preemption: a cluster's case) starts its ranks as a GPU machine does, each
+    its own interpreter; the SIGINT one forks them, as a CPU machine does."""
     if sig not in _RUNS:
         tmp = tmp_path_factory.mktemp(f"signalled_{signal.Signals(sig).name}")
-        proc, out = start(tmp)
+        proc, out = start(tmp, fork=sig != signal.SIGTERM)
         try:
             wait_for_steps(proc, tmp / "run", out)
             before = processes_of(tmp, but=proc.pid)
+            commands = [_command(pid) for pid in before]
             at_step = json.loads((tmp / "run" / "metrics.jsonl").read_text().splitlines()[-1])["step"]
             proc.send_signal(sig)  # SIGINT: what Ctrl-C sends the terminal's foreground process
             rc = proc.wait(timeout=120)
@@ -106,5 +123,5 @@ def signalled(tmp_path_factory, sig: int) -> Signalled:
             kill_groups([proc])
             for pid in processes_of(tmp):
                 os.kill(pid, signal.SIGKILL)
-        _RUNS[sig] = Signalled(tmp / "run", rc, out.read_text(), before, left, at_step)
+        _RUNS[sig] = Signalled(tmp / "run", rc, out.read_text(), before, left, at_step, commands)
     return _RUNS[sig]

@@ -76,6 +76,9 @@ def test_ctrl_c_stops_torchrun_and_every_worker(tmp_path_factory, sig):
     the SIGINT one too)."""
     r = signalled(tmp_path_factory, sig)
     assert r.running_before, "no torchrun / worker processes found while training"
+    # SIGINT's ranks forked from torchrun's agent (no GPU here), SIGTERM's each an interpreter of its own
+    # (2 ranks, and each rank's watcher, forked from it, shows its command line)
+    assert (r.exec_ranks() >= 2) if sig == signal.SIGTERM else (r.exec_ranks() == 0), r.commands
     # the ranks save; the launcher exits 0 after SIGTERM (a preemption is not a failure) and 130 after
     # Ctrl-C (docs/checkpoints.md)
     assert r.rc == (130 if sig == signal.SIGINT else 0), r.text[-3000:]
@@ -120,6 +123,10 @@ def test_flags_reach_the_same_keys_from_typer_argparse_and_torchrun():
     assert args.recipe == "r.yaml" and args.overrides == ["optim.lr=1"]
     assert {k: getattr(args, k) for k in given} == given
     assert set(EXPECTED_FLAGS) == {a for a in cmd[cmd.index("r.yaml"):] if a.startswith("--")}
+    forked = torchrun_command(2, "r.yaml", ["optim.lr=1"], given, fork=True)  # the ranks: train/__main__.py
+    script = forked[forked.index("r.yaml") - 1]
+    assert "--start-method=fork" in forked and Path(script) == REPO / "shardtune" / "train" / "__main__.py"
+    assert forked[forked.index("r.yaml"):] == cmd[cmd.index("r.yaml"):]
 
 
 @pytest.mark.timeout(240)

@@ -84,7 +84,9 @@ def first_failure_line(failures: list[tuple[int, int, float]], log_path: str, si
             f"above, torchrun's report in {log_path}")
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], preload=None) -> int:
+    """`preload()`, if given, runs once stderr is the log and before torchrun starts its ranks: what
+    ranks forked from this process inherit instead of importing (train/forked/__main__.py)."""
     log_path, args = argv[0], argv[2:] if argv[1:2] == ["--"] else argv[1:]
     launcher = os.environ.pop(LAUNCHER_PID_ENV, "")
     die_with_parent(int(launcher) if launcher.isdigit() else None)
@@ -94,6 +96,9 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415 after stderr is the fallback log: torch's import notices land there
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415 after stderr is the fallback log: torch's import notices land there
     from torch.distributed.run import main as torchrun  # noqa: PLC0415 after stderr is the fallback log: torch's import notices land there
+
+    if preload is not None:
+        preload()
 
     try:
         torchrun(args)

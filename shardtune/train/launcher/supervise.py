@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shardtune.config import load_recipe
 from shardtune.config.flags import flag_argv, flag_overrides
+from shardtune.devices import has_gpu_nodes
 from shardtune.errors import UserError
 from shardtune.train.core.loggers import check_loop_options
 from shardtune.train.durable.choice import CHOICE_ENV
@@ -31,24 +32,38 @@ def resolve_config(recipe: str, overrides: list[str], **flags):
     return load_recipe(recipe, list(overrides or []) + flag_overrides(**flags))
 
 
+RANK_SCRIPT = Path(__file__).resolve().parents[1] / "__main__.py"  # shardtune/train/__main__.py
+FORK_ENV = "SHARDTUNE_FORK_RANKS"  # "0": start each rank as its own Python process even without a GPU
+PRELOAD_PEFT_ENV = "SHARDTUNE_PRELOAD_PEFT"  # "1" for a forking agent of a LoRA run: peft imported once too
+
+
+def forks_ranks() -> bool:
+    """Ranks forked from the agent (train/forked/__main__.py) on a machine without GPU device
+    nodes: they inherit its imports (docs/DESIGN.md "The suite's cost"). With a GPU, or FORK_ENV=0,
+    each rank is a fresh interpreter (`-m shardtune.train`), as torchrun starts it by hand."""
+    return os.environ.get(FORK_ENV, "1") != "0" and not has_gpu_nodes()
+
+
 def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
-                     max_restarts: int = 0) -> list[str]:
+                     max_restarts: int = 0, fork: bool = False) -> list[str]:
     """`python -m torch.distributed.run --standalone --nproc-per-node N [--max-restarts R]
-    -m shardtune.train ...` (after a restart, checkpoint.resume=auto picks up the last checkpoint)."""
+    -m shardtune.train ...` (after a restart, checkpoint.resume=auto picks up the last checkpoint).
+    `fork`: `--start-method=fork --run-path shardtune/train/__main__.py` instead of `-m shardtune.train`."""
+    entry = ["--start-method=fork", "--run-path", str(RANK_SCRIPT)] if fork else ["-m", "shardtune.train"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "shardtune.train", recipe]
+           f"--max-restarts={max_restarts}", *entry, recipe]
     return cmd + flag_argv(flags) + list(overrides)
 
 
 PREFLIGHT_ENV = "SHARDTUNE_PREFLIGHT"  # "done": the launcher validated this exact run; ranks skip it
 
 
-def run_process_group(cmd: list[str], threads: int | None = None) -> int:
+def run_process_group(cmd: list[str], threads: int | None = None, lora: bool = False) -> int:
     """Run torchrun in its own session (OMP_NUM_THREADS=`threads` for it and its ranks, which also
     call torch.set_num_threads). Ctrl-C here: SIGINT to its process group, SIGTERM: SIGTERM
     (torchrun passes the signal on to its workers, which sit in sessions of their own; they save
     and stop), SIGKILL after 30 s more. A kill -9 here: the agent's parent-death signal (agent.py)."""
-    env = {**os.environ, PREFLIGHT_ENV: "done", LAUNCHER_PID_ENV: str(os.getpid())}
+    env = {**os.environ, PREFLIGHT_ENV: "done", LAUNCHER_PID_ENV: str(os.getpid()), PRELOAD_PEFT_ENV: str(int(lora))}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, start_new_session=True, env=env)
@@ -119,12 +134,15 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
             log.parent.mkdir(exist_ok=True)
             log.touch()
             clear_faults(log.parent / "first_failure.json")  # an earlier launch's
-        # torchrun under train/launcher/agent.py: its own stderr goes to `log`, a rank's UserError is one line
-        cmd = [sys.executable, "-m", "shardtune.train.launcher.agent", str(log), "--",
-               *torchrun_command(nproc, recipe, [*overrides, *decision.overrides], flags, max_restarts)[3:]]
+        # torchrun under train/launcher/agent.py: its own stderr goes to `log`, a rank's UserError is one line;
+        # forking ranks, train/forked/ imports the rank side into the agent first
+        fork = forks_ranks()
+        cmd = [sys.executable, "-m", "shardtune.train.forked" if fork else "shardtune.train.launcher.agent", str(log),
+               "--", *torchrun_command(nproc, recipe, [*overrides, *decision.overrides], flags, max_restarts,
+                                       fork=fork)[3:]]
         started = time.time()
         try:
-            rc = run_process_group(cmd, cfg.train.threads_per_rank(nproc))
+            rc = run_process_group(cmd, cfg.train.threads_per_rank(nproc), lora=bool(cfg.lora.rank))
         except (SystemExit, KeyboardInterrupt) as e:
             stopped = stopped_by_signal(cfg.run_dir, started)
             if stopped is not None:
