@@ -77,6 +77,8 @@ class Candidate:
     def flags(self) -> str:
         f = (f"--strategy {self.strategy} --ac {self.ac} --offload {self.offload} "
              f"--micro-batch {self.micro_batch} --precision {self.precision}")
+        f += f" --optimizer {self.optimizer}" if self.optimizer != "adamw" else ""
+        f += f" --optimizer-impl {self.optimizer_impl}" if self.optimizer_impl != "auto" else ""
         f += f" --tp {self.tp}" if self.tp > 1 else ""
         f += f" --ep {self.ep}" if self.ep > 1 else ""
         f += f" --cp {self.cp} --grad-accum {self.grad_accum}" if self.cp > 1 else ""
@@ -144,8 +146,8 @@ def search(inputs=None, gpus: int | None = None, /, top: int = 5, fit_batch: boo
     gpu = resolve_gpu(base.gpu)
     reserve = default_reserve_bytes(gpu) if base.reserve_gib is None else round(base.reserve_gib * GIB)
     usable = gpu.memory_bytes - reserve
-    m = _load_model(base.model, base.params, base.lora_rank, target_parameters=base.lora_target_parameters,
-                    target_modules=base.lora_target_modules)
+    m = _load_model(base.model, base.params, base.lora_rank, base.quantize_base, base.lora_target_parameters,
+                    base.lora_target_modules)
     check_ep_model(base.ep, m.config)
     info = {"params": m.num_params, "trainable_params": m.trainable, "active_params": m.active}
     ctx = timing_context(base, gpu, **base.timing_options())
@@ -332,7 +334,7 @@ def render_fit(fit: FitResult, console, use: str | None = None) -> None:
         changed = [f"{k} {v}" for k, v in b.changes(fit.base).items() if "(was" in v]
         if changed:
             console.print(f"  changes: {'; '.join(changed)}")
-        console.print(f"  use: {use or b.flags()}", soft_wrap=True)
+        console.print(f"  use: {use or b.flags()}", soft_wrap=True, markup=False)  # [q_proj,v_proj] is no tag
         console.print(_top_table(fit))
         for i, c in enumerate(fit.ranked[1:], 2):
             console.print(f"#{i} {c.tokens_per_s:,.0f} tokens/s — {c.why}")

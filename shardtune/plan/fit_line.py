@@ -23,14 +23,15 @@ from shardtune.strategies import STRATEGY
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 FALLBACK_RECIPE = "llama-3-8b-8xh100.yaml"  # a GPU recipe (nccl, bf16-mixed) for any catalogue model
-# the inputs `--fit` chooses or keeps → (train flag or None, recipe key): the recipe key is the one
+# every planner input a recipe holds → (train flag or None, recipe key): the recipe key is the one
 # table's (config/plan_keys.py), the flag the trainer's own for that key (config/flags.py)
-_FIT_FIELDS = ("strategy", "precision", "lora_rank", "model", "gpu", "seq_len", "micro_batch", "grad_accum",
-               "optimizer", "optimizer_impl", "ac", "ac_every", "offload", "hsdp_shard_size", "tp", "cp",
-               "activation_offload", "ep", "pp", "pp_layers")
-_RECIPE_KEY = {**PLAN_KEYS, "strategy": "parallel.strategy"}  # a recipe runs one strategy; plan compares several
+_RECIPE_KEY = {"strategy": "parallel.strategy", **PLAN_KEYS}  # a recipe runs one strategy; plan compares several
 _FLAG = {f.key: f.option for f in TRAIN_FLAGS}
-_KEYS = {field: (_FLAG.get(_RECIPE_KEY[field]), _RECIPE_KEY[field]) for field in _FIT_FIELDS}
+_KEYS = {field: (_FLAG.get(key), key) for field, key in _RECIPE_KEY.items()}
+_TARGETS = ("lora_target_modules", "lora_target_parameters")  # None: the planner's default, as the recipe's
+# what `--fit` chooses (the pick's value); every other input is the user's (kept, as planned)
+_PICKED = ("micro_batch", "grad_accum", "precision", "optimizer", "optimizer_impl", "ac", "offload", "strategy",
+           "tp", "cp", "activation_offload", "ep", "pp", "pp_layers")
 
 
 def _shown(path: Path) -> str:
@@ -68,15 +69,14 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
         recipe = _base_recipe(model)
     else:
         model = load_recipe(recipe).model.plan_name()
-    want = dict(model=model, gpu=base.gpu, seq_len=base.seq_len, micro_batch=best.micro_batch,
-                grad_accum=best.grad_accum, precision=best.precision, optimizer=best.optimizer,
-                optimizer_impl=best.optimizer_impl, ac=best.ac, ac_every=base.ac_every, offload=best.offload,
-                hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None,
-                lora_rank=base.lora_rank, strategy=best.strategy, tp=best.tp, cp=best.cp,
-                activation_offload=best.activation_offload, ep=best.ep, pp=best.pp, pp_layers=best.pp_layers)
+    want = {field: getattr(base, field) for field in PLAN_KEYS} | {field: getattr(best, field) for field in _PICKED}
+    want |= dict(model=model, hsdp_shard_size=best.hsdp_shard_size if STRATEGY[best.strategy].hybrid else None)
     cfg = load_recipe(recipe)
     have = cfg.plan_inputs()
     have["strategy"] = cfg.parallel.strategy
+    # sequence parallelism: no effect at tp 1; a tp the search chose plans it on (plan.strategy_plan.with_tp)
+    want["sequence_parallel"] = ((base.sequence_parallel if base.tp > 1 else True) if best.tp > 1
+                                 else have["sequence_parallel"])
     one_node = base.nodes == 1  # else `shardtune launch slurm`, which takes overrides only
     argv = (["shardtune", "train", recipe, "--nproc", str(base.gpus)] if one_node else
             ["shardtune", "launch", "slurm", recipe, "--nodes", str(base.nodes), "--gpus-per-node",
@@ -84,13 +84,15 @@ def train_line(best: Candidate, base: PlanInputs, recipe: str | None = None) -> 
     flags, overrides = [], []
     for key, (flag, recipe_key) in _KEYS.items():
         if want[key] == have[key] or (key == "ac_every" and want["ac"] != "layer") or (
-                key == "model" and want[key] == cfg.model.architecture):
+                key == "model" and want[key] == cfg.model.architecture) or (
+                key in _TARGETS and (not want["lora_rank"] or want[key] is None)):
             continue
         if flag and one_node:
             flags += [flag, str(want[key])]
         else:
             value = want[key]
-            value = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+            value = ("null" if value is None else str(value).lower() if isinstance(value, bool) else
+                     f"[{','.join(map(str, value))}]" if isinstance(value, list) else value)
             overrides.append(f"{recipe_key}={value}")
             if key == "model":  # the recipe's folder facts are not the new model's
                 overrides += [f"model.{k}=null" for k in ("architecture", "download") if getattr(cfg.model, k)]

@@ -89,6 +89,11 @@ def _parse_as_cli(argv: list[str]) -> dict:
     ["llama-3-8b", "--gpus", "16", "--nodes", "2", "--interconnect", "eth-10g", "--strategy", "hsdp", "--pp", "1"],
     ["llama-3-8b", "--gpus", "8", "--seq-len", "131072", "--ac", "full"],  # long: cp, grad_accum follows it
     ["llama-3.1-405b", "--gpus", "64", "--nodes", "8", "--interconnect", "eth-100g"],  # pp 8, an uneven split
+    # QLoRA: the search plans the nf4 base (it planned it in bf16: offload all), and the line keeps it
+    ["llama-3-8b", "--gpus", "1", "--gpu", "rtx4090-24gb", "--lora-rank", "16", "--quantize-base", "nf4"],
+    # inputs the search keeps reach the line too: adapter targets, the objective
+    ["llama-3-8b", "--gpus", "2", "--lora-rank", "8", "--lora-target-modules", "q_proj", "--lora-target-modules",
+     "v_proj", "--objective", "dpo"],
 ])
 def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     import shlex
@@ -129,9 +134,12 @@ def test_fit_pick_pastes_into_the_trainer_as_printed(argv, capsys):
     if "eth-100g" in argv:
         assert best["pp"] == 8 and sum(best["pp_layers"]) == 126
     if "--lora-rank" in argv:
-        assert got["lora_rank"] == 16
+        assert got["lora_rank"] == int(argv[argv.index("--lora-rank") + 1])
+    assert got["quantize_base"] == ("nf4" if "--quantize-base" in argv else "none"), line
+    if "--lora-target-modules" in argv:
+        assert (got["lora_target_modules"], got["objective"]) == (["q_proj", "v_proj"], "dpo"), line
     if "--gpu" in argv:
-        assert got["gpu"] == "a100-40gb"
+        assert got["gpu"] == argv[argv.index("--gpu") + 1]
 
 
 def test_fit_never_picks_what_the_trainer_refuses():
@@ -203,3 +211,19 @@ def test_plan_recipe_marks_the_recipes_own_strategy_row(recipe, capsys):
     out = capsys.readouterr().out
     starred = [line.split()[0] for line in out.splitlines() if line.strip().split()[1:2] == ["*"]]
     assert starred == [want] and f"* the recipe's strategy (parallel.strategy {want})" in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["llama-3-8b", "--gpus", "1", "--gpu", "rtx4090-24gb", "--lora-rank", "16", "--quantize-base", "nf4"],
+    ["llama-3-8b", "--gpus", "2", "--lora-rank", "8", "--lora-target-modules", "q_proj"],
+    ["llama-3-8b", "--gpus", "8"],
+])
+def test_fit_best_is_what_plan_says_for_that_configuration(argv, capsys):
+    """`plan --fit`'s pick, planned again by plain `plan` with the pick's options: the same peak (the
+    search once planned a QLoRA base unquantised: ddp's 19.5 GiB with nf4 was 29.2 to it, so it
+    picked zero3 with offload all)."""
+    assert main(["plan", *argv, "--fit", "--json"]) in (0, None)
+    best = json.loads(capsys.readouterr().out)["best"]
+    assert main(["plan", *argv, *best["flags"].split(), "--json"]) in (0, None)
+    (row,) = json.loads(capsys.readouterr().out)["strategies"]
+    assert row["memory"]["total"] / 2**30 == pytest.approx(best["peak_gib"], rel=1e-9), (row, best)
