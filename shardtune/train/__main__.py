@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import signal
 import sys
 import traceback
 
@@ -73,8 +74,11 @@ if __name__ == "__main__":
     from shardtune.processes import exit_now
 
     forked = multiprocessing.parent_process() is not None  # by torchrun's agent (train/forked/)
-    if forked:
-        sys.stderr = sys.__stderr__  # the agent's stderr is torchrun's log (train/launcher/agent.py)
+    if forked:  # what a fresh interpreter starts with: the agent's stderr is torchrun's log
+        sys.stderr = sys.__stderr__  # (train/launcher/agent.py), its signal handlers torchrun's
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main()
     if code or not forked:
         exit_now(code)
