@@ -44,10 +44,12 @@ demo-real: $(STAMP)
 # tests run on WORKERS pytest-xdist processes, a file's tests on one worker (its module fixtures run
 # once; shared runs are built once for all workers, tests/_cli.py `once`) and the dist tier's shared
 # launches on one, the longest units first (tests/conftest.py LONGEST_FIRST), then the `serial` ones
-# (the tc-capped link's timing) alone. WORKERS=0: one process, in order. compileall first: where
+# (the tc-capped link's timing) alone. WORKERS=0: one process, in order. Three workers on 2 cores:
+# the launches that wait (signals, hangs, restarts) leave a core idle that a third fills (docs/DESIGN.md
+# "The suite's cost"). compileall first: where
 # PYTHONDONTWRITEBYTECODE is set (CI), each of the suite's ~500 Python processes would otherwise
 # compile shardtune's sources again.
-WORKERS ?= 2
+WORKERS ?= 3
 test: $(STAMP)
 	$(BIN)/ruff check shardtune tests bench
 	$(BIN)/python -m compileall -q shardtune tests > /dev/null
@@ -59,11 +61,12 @@ test: $(STAMP)
 # The inner loop (issue 38 item 6): lint, the unit tier and one 2-rank gloo smoke (op AC against no
 # AC, tests/dist/test_ac_op.py: one torchrun launch of the tiny Llama); under 4 minutes on 2 cores.
 CHECK_SMOKE ?= tests/dist/test_ac_op.py
+CHECK_WORKERS ?= 2  # CPU-bound throughout: a third worker would only collect the unit tier once more
 check: $(STAMP)
 	$(BIN)/ruff check shardtune tests bench
 	$(BIN)/python -m compileall -q shardtune tests > /dev/null
 	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q --durations=5 -n $(WORKERS) --dist loadfile -m "not serial" tests/unit $(CHECK_SMOKE); \
+	$(BIN)/python -m pytest -q --durations=5 -n $(CHECK_WORKERS) --dist loadfile -m "not serial" tests/unit $(CHECK_SMOKE); \
 	rc=$$?; echo "make check: $$(( $$(date +%s) - start )) s of pytest, exit $$rc"; exit $$rc
 
 # The container image for `shardtune launch k8s --image` (Dockerfile: CUDA base, RDMA userspace,
