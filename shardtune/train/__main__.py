@@ -23,6 +23,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
+def import_rank_side() -> None:
+    """Every module `main` imports on its way to the first step, at once: a forking agent
+    (train/forked/) calls it, so that the ranks it forks inherit them instead of importing them."""
+    import shardtune.train.launcher.preflight  # noqa: F401, PLC0415 main's lazy imports below, all of them
+    import shardtune.train.launcher.supervise  # noqa: F401, PLC0415
+    import shardtune.train.rank.main  # noqa: F401, PLC0415
+    import shardtune.wiring  # noqa: F401, PLC0415
+
+
 def main(argv: list[str] | None = None) -> int:
     import os
 

@@ -58,16 +58,23 @@ def wait_for_steps(proc: subprocess.Popen, run: Path, out: Path, timeout_s: floa
         time.sleep(0.5)
 
 
+def command_of(pid: int) -> str:
+    """The process's command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
 def processes_of(tmp: Path, but: int = -1) -> list[int]:
     """Live pids (not this one, not `but`) whose command line names `tmp` (launcher, agent,
     torchrun, the ranks, their watchers)."""
     pids = []
     for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) not in (os.getpid(), but):
+        if d.name.isdigit() and int(d.name) not in (os.getpid(), but) and str(tmp) in command_of(int(d.name)):
             try:
-                if str(tmp).encode() in (d / "cmdline").read_bytes():
-                    if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                        pids.append(int(d.name))
+                if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(d.name))
             except OSError:
                 continue
     return pids
@@ -94,13 +101,6 @@ class Signalled:
 _RUNS: dict[int, Signalled] = {}
 
 
-def _command(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return ""
-
-
 def signalled(tmp_path_factory, sig: int) -> Signalled:
     """The session's run stopped by `sig` sent to the launcher (only) once it has logged a step.
     The SIGTERM run (a preemption: a cluster's case) starts its ranks as a GPU machine does, each
@@ -111,7 +111,7 @@ def signalled(tmp_path_factory, sig: int) -> Signalled:
         try:
             wait_for_steps(proc, tmp / "run", out)
             before = processes_of(tmp, but=proc.pid)
-            commands = [_command(pid) for pid in before]
+            commands = [command_of(pid) for pid in before]
             at_step = json.loads((tmp / "run" / "metrics.jsonl").read_text().splitlines()[-1])["step"]
             proc.send_signal(sig)  # SIGINT: what Ctrl-C sends the terminal's foreground process
             rc = proc.wait(timeout=120)

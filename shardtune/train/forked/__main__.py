@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from shardtune.train.__main__ import import_rank_side
 from shardtune.train.launcher.agent import main
 from shardtune.train.launcher.supervise import PRELOAD_PEFT_ENV
 
@@ -18,11 +19,7 @@ def preload() -> None:
     from shardtune.errors import quiet_library_notices  # noqa: PLC0415 after the agent's stderr is its log
 
     quiet_library_notices()
-    import shardtune.train.launcher.preflight  # noqa: F401, PLC0415 the imports forked ranks inherit
-    import shardtune.train.launcher.supervise  # noqa: F401, PLC0415
-    import shardtune.train.rank.main  # noqa: F401, PLC0415
-    import shardtune.wiring  # noqa: F401, PLC0415
-
+    import_rank_side()
     if os.environ.get(PRELOAD_PEFT_ENV) == "1":
         import peft  # noqa: F401, PLC0415
 
