@@ -107,6 +107,16 @@ def test_train_help_lists_every_flag_with_its_help():
         assert " ".join(f.help.split()[:3]) in " ".join(out.split()), f.name
 
 
+def test_a_bad_fork_setting_is_one_line_before_any_process(monkeypatch, capsys, tmp_path):
+    """SHARDTUNE_FORK_RANKS is 0 or 1; anything else is refused, not read as "fork"."""
+    from _cli import refused_before_any_process
+
+    monkeypatch.setenv("SHARDTUNE_FORK_RANKS", "yes")
+    run = tmp_path / "run"
+    err = refused_before_any_process(monkeypatch, capsys, ["train", RECIPE, "--nproc", "2", "--output-dir", run])
+    assert "SHARDTUNE_FORK_RANKS='yes'" in err and not run.exists(), err
+
+
 def test_flags_reach_the_same_keys_from_typer_argparse_and_torchrun():
     from shardtune.train.__main__ import parse_args
     from shardtune.train.launcher.supervise import flag_overrides, torchrun_command

@@ -41,7 +41,10 @@ def forks_ranks() -> bool:
     """Ranks forked from the agent (train/forked/__main__.py) on a machine without GPU device
     nodes: they inherit its imports (docs/DESIGN.md "The suite's cost"). With a GPU, or FORK_ENV=0,
     each rank is a fresh interpreter (`-m shardtune.train`), as torchrun starts it by hand."""
-    return os.environ.get(FORK_ENV, "1") != "0" and not has_gpu_nodes()
+    value = os.environ.get(FORK_ENV, "1")
+    if value not in ("0", "1"):
+        raise UserError(f"{FORK_ENV}={value!r}: give 1 (fork the ranks where no GPU exists) or 0 (never)")
+    return value == "1" and not has_gpu_nodes()
 
 
 def torchrun_command(nproc: int, recipe: str, overrides: list[str], flags: dict,
@@ -118,6 +121,7 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
         raise UserError(f"--max-restarts {max_restarts}: give 0 to 1000")
     cfg = resolve_config(recipe, overrides, **flags)
     check_loop_options(cfg)
+    fork = forks_ranks()  # before the preflight, which creates the run folder
     validate_for_launch(cfg, nproc, nproc, planner=planner)
     for line in cfg.train.unused_settings():  # once, by the launcher (the ranks validate again)
         print(f"shardtune: warning: {line}", file=sys.stderr)
@@ -136,7 +140,6 @@ def train_command(recipe: str, overrides: list[str], nproc: int, max_restarts: i
             clear_faults(log.parent / "first_failure.json")  # an earlier launch's
         # torchrun under train/launcher/agent.py: its own stderr goes to `log`, a rank's UserError is one line;
         # forking ranks, train/forked/ imports the rank side into the agent first
-        fork = forks_ranks()
         cmd = [sys.executable, "-m", "shardtune.train.forked" if fork else "shardtune.train.launcher.agent", str(log),
                "--", *torchrun_command(nproc, recipe, [*overrides, *decision.overrides], flags, max_restarts,
                                        fork=fork)[3:]]
